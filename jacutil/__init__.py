@@ -1,0 +1,39 @@
+"""jacutil: fast per-sample Jacobians of neural networks in TensorFlow 2.
+
+Every stage returns ``J[i, k, p] = d f(x)[i, k] / d theta[p]``, shape
+(n_samples, n_outputs, n_params), with theta in ``flat_params(model)`` order.
+Each function's docstring names the notebook that introduces it.
+"""
+
+from ._tf import keras, tf
+from .chunked import chunk_size_for, chunked_jacobian
+from .compiled import CompiledJacobian, compiled_jacobian
+from .layout import flat_params, from_lm_by_n, set_flat_params, to_lm_by_n
+from .loop import loop_jacobian
+from .models import question_mlp, regression_data
+from .reference import finite_difference_jacobian
+from .timing import Timing, time_call
+from .vectorized import per_sample_jacobian, vectorized_jacobian
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CompiledJacobian",
+    "Timing",
+    "chunk_size_for",
+    "chunked_jacobian",
+    "compiled_jacobian",
+    "finite_difference_jacobian",
+    "flat_params",
+    "from_lm_by_n",
+    "keras",
+    "loop_jacobian",
+    "per_sample_jacobian",
+    "question_mlp",
+    "regression_data",
+    "set_flat_params",
+    "tf",
+    "time_call",
+    "to_lm_by_n",
+    "vectorized_jacobian",
+]

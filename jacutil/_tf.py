@@ -1,0 +1,42 @@
+"""Import TensorFlow once, without its C++ start-up log.
+
+TensorFlow 2.21 writes "oneDNN custom operations are on" and "Could not find cuda
+drivers" to the process's standard error while it loads, before any Python logging
+setting applies. In JupyterLab that text becomes a red box under the first import, so
+we point file descriptor 2 at /dev/null for the length of the import only.
+"""
+
+import contextlib
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+@contextlib.contextmanager
+def _stderr_silenced():
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no real descriptor 2: nothing to silence
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+with _stderr_silenced():
+    import keras  # noqa: E402
+    import tensorflow as tf  # noqa: E402
+
+    tf.config.list_physical_devices()  # device probing logs here, silenced too
+
+tf.get_logger().setLevel("ERROR")
+
+__all__ = ["tf", "keras"]

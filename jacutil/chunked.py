@@ -1,0 +1,138 @@
+"""Stage 4: slices of the batch through the compiled Jacobian (notebook 04-chunked)."""
+
+import weakref
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from .compiled import compiled_jacobian
+from .target import as_batch
+
+# Working memory of one sample's Jacobian, as a multiple of the bytes of its
+# rows of the result (n_outputs * n_params * itemsize): the rows themselves,
+# the per-variable blocks before they are joined, and the copy to NumPy.
+WORKING_MEMORY_FACTOR = 3
+DEFAULT_MEMORY_BUDGET = 256 * 2**20  # bytes, when neither size nor budget is given
+
+_compiled_cache = weakref.WeakKeyDictionary()
+
+
+def _compiled_for(model, variables, training, jit_compile, method):
+    """One compiled Jacobian per model and options, so repeated calls never retrace."""
+    key = (training, jit_compile, method, tuple(map(id, variables or ())))
+    try:
+        per_model = _compiled_cache.setdefault(model, {})
+    except TypeError:  # not weak-referenceable: compile afresh
+        per_model = {}
+    if key not in per_model:
+        per_model[key] = compiled_jacobian(
+            model,
+            jit_compile=jit_compile,
+            variables=variables,
+            training=training,
+            method=method,
+        )
+    return per_model[key]
+
+
+def bytes_per_sample(n_outputs, n_params, itemsize):
+    """Estimated peak bytes that one sample costs while its rows are computed."""
+    return WORKING_MEMORY_FACTOR * n_outputs * n_params * itemsize
+
+
+def chunk_size_for(memory_budget, n_outputs, n_params, itemsize):
+    """The largest chunk whose working memory fits in ``memory_budget`` bytes."""
+    per_sample = bytes_per_sample(n_outputs, n_params, itemsize)
+    if memory_budget < per_sample:
+        raise ValueError(
+            f"memory_budget={memory_budget:,} bytes is smaller than one sample "
+            f"needs ({per_sample:,} bytes for {n_outputs} outputs x {n_params:,} "
+            "parameters). Raise the budget, or write the result to disk with "
+            "out=np.lib.format.open_memmap(...)."
+        )
+    return int(memory_budget // per_sample)
+
+
+def _check_chunk_size(chunk_size):
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)):
+        raise TypeError(f"chunk_size must be a whole number; got {chunk_size!r}.")
+    if chunk_size <= 0:
+        raise ValueError(
+            f"chunk_size must be at least 1; got {chunk_size}. Leave it as None "
+            "to choose it from memory_budget."
+        )
+    return int(chunk_size)
+
+
+def _check_out(out, shape, dtype):
+    if not isinstance(out, np.ndarray):
+        raise TypeError(
+            f"out must be a NumPy array or np.memmap; got {type(out).__name__}."
+        )
+    if out.shape != shape or out.dtype != dtype:
+        raise ValueError(
+            f"out has shape {out.shape} and dtype {out.dtype}; this Jacobian needs "
+            f"shape {shape} and dtype {dtype}. Make it with np.empty{(shape)} or "
+            f"np.lib.format.open_memmap(path, mode='w+', dtype='{dtype}', "
+            f"shape={shape})."
+        )
+    return out
+
+
+def chunked_jacobian(
+    model,
+    x,
+    *,
+    chunk_size=None,
+    memory_budget=None,
+    out=None,
+    progress=True,
+    variables=None,
+    training=False,
+    jit_compile=False,
+    method="per_sample",
+):
+    """Per-sample Jacobian computed chunk by chunk into a preallocated array.
+
+    Slices of ``chunk_size`` samples run through the compiled Jacobian (the
+    same compiled function on every call for a given model, so nothing is
+    retraced) and are written into ``out``: a NumPy array, or a memory-mapped
+    ``.npy`` from ``np.lib.format.open_memmap`` for a Jacobian larger than
+    memory. Without ``chunk_size`` the largest chunk whose working memory fits
+    ``memory_budget`` bytes (default 256 MiB) is used. With ``jit_compile`` the
+    last chunk is padded, so XLA compiles one shape only.
+
+    Returns ``out`` (created when not given), shape (n_samples, n_outputs,
+    n_params). Introduced in ``04-chunked``.
+    """
+    jac = _compiled_for(model, variables, training, jit_compile, method)
+    target = jac.target
+    if memory_budget is not None and memory_budget <= 0:
+        raise ValueError(
+            f"memory_budget must be a positive number of bytes; got {memory_budget}."
+        )
+    if chunk_size is not None:
+        chunk_size = _check_chunk_size(chunk_size)
+
+    x = as_batch(x, target)
+    n_samples = int(x.shape[0])
+    n_outputs = int(target.forward(x[:1]).shape[1])
+    shape = (n_samples, n_outputs, target.n_params)
+    if chunk_size is None:
+        budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
+        chunk_size = chunk_size_for(
+            budget, n_outputs, target.n_params, target.dtype.itemsize
+        )
+    chunk_size = min(chunk_size, n_samples)
+    if out is None:
+        out = np.empty(shape, target.dtype)
+    else:
+        out = _check_out(out, shape, target.dtype)
+
+    pad_to = chunk_size if jit_compile else None
+    with tqdm(total=n_samples, disable=not progress, unit="sample") as bar:
+        for start in range(0, n_samples, chunk_size):
+            chunk = x[start : start + chunk_size]
+            out[start : start + len(chunk)] = jac.tensor(chunk, pad_to).numpy()
+            bar.update(len(chunk))
+    return out

@@ -1,0 +1,59 @@
+"""Layouts of the Jacobian and the flat parameter vector (notebook 00-welcome).
+
+``J[i, k, p]`` (n_samples, n_outputs, n_params) is the layout every stage
+returns. SciPy-style code often wants the (l*m) x n matrix instead: row
+``k*m + p``, column ``i``. The parameter axis follows ``flat_params``: each
+trainable variable flattened in row-major order, in ``trainable_variables``
+order.
+"""
+
+import numpy as np
+
+from .target import resolve_target
+
+
+def to_lm_by_n(J):
+    """(n, l, m) -> the (l*m) x n matrix: row ``k*m + p``, column ``i``."""
+    J = np.asarray(J)
+    if J.ndim != 3:
+        raise ValueError(
+            f"J must have shape (n_samples, n_outputs, n_params); got shape {J.shape}."
+        )
+    n_samples, n_outputs, n_params = J.shape
+    return J.transpose(1, 2, 0).reshape(n_outputs * n_params, n_samples)
+
+
+def from_lm_by_n(M, n_outputs):
+    """The (l*m) x n matrix -> (n, l, m); the inverse of :func:`to_lm_by_n`."""
+    M = np.asarray(M)
+    if M.ndim != 2:
+        raise ValueError(f"M must be a 2-D (l*m) x n matrix; got shape {M.shape}.")
+    if n_outputs <= 0 or M.shape[0] % n_outputs:
+        raise ValueError(
+            f"M has {M.shape[0]} rows, which is not n_outputs={n_outputs} times a "
+            "whole number of parameters."
+        )
+    n_params = M.shape[0] // n_outputs
+    return M.reshape(n_outputs, n_params, M.shape[1]).transpose(2, 0, 1)
+
+
+def flat_params(model, *, variables=None):
+    """All trainable variables, flattened and joined: theta, length n_params."""
+    target = resolve_target(model, variables)
+    return np.concatenate([np.ravel(v.numpy()) for v in target.variables])
+
+
+def set_flat_params(model, theta, *, variables=None):
+    """Write a flat vector ``theta`` back into the model's trainable variables."""
+    target = resolve_target(model, variables)
+    theta = np.asarray(theta)
+    if theta.shape != (target.n_params,):
+        raise ValueError(
+            f"theta must be a flat vector of {target.n_params:,} parameters; got "
+            f"shape {theta.shape}. Make one with flat_params(model)."
+        )
+    start = 0
+    for v in target.variables:
+        size = int(np.prod(v.shape, dtype=np.int64))
+        v.assign(theta[start : start + size].reshape(v.shape).astype(target.dtype))
+        start += size

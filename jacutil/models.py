@@ -1,0 +1,47 @@
+"""The question's network and seeded synthetic data. Nothing is downloaded."""
+
+import numpy as np
+
+from ._tf import keras
+
+
+def question_mlp(n_inputs=10, n_outputs=2, hidden=(64, 32), *, seed=0, dtype="float32"):
+    """The network of the source question: 10 -> Dense 64 relu -> 32 relu -> l.
+
+    Weights are drawn from seeded initializers, so the same seed gives the same
+    model in every run. With the defaults it has 2,850 parameters.
+    Introduced in ``00-welcome``.
+    """
+    layers = [keras.Input((n_inputs,), dtype=dtype)]
+    for i, width in enumerate((*hidden, n_outputs)):
+        last = i == len(hidden)
+        layers.append(
+            keras.layers.Dense(
+                width,
+                activation=None if last else "relu",
+                kernel_initializer=keras.initializers.GlorotUniform(seed=seed + i),
+                bias_initializer=keras.initializers.RandomNormal(
+                    stddev=0.1, seed=seed + 100 + i
+                ),
+                dtype=dtype,
+                name=f"dense_{i}",
+            )
+        )
+    return keras.Sequential(layers, name="question_mlp")
+
+
+def regression_data(
+    n_samples, n_inputs=10, n_outputs=2, *, seed=0, noise=0.05, dtype="float32"
+):
+    """Seeded synthetic regression data ``(x, y)`` for the question's network.
+
+    ``x`` is standard normal, shape (n_samples, n_inputs); ``y`` is a smooth
+    nonlinear function of ``x`` plus Gaussian noise, shape (n_samples, n_outputs).
+    """
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n_samples, n_inputs))
+    mix = rng.standard_normal((n_inputs, n_outputs)) / np.sqrt(n_inputs)
+    z = x @ mix
+    y = np.sin(z) + 0.5 * z**2 / (1 + z**2)
+    y += noise * rng.standard_normal(y.shape)
+    return x.astype(dtype), y.astype(dtype)

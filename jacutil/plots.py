@@ -1,0 +1,32 @@
+"""Log-log scaling plots with fitted slopes (notebooks 01-04, 07)."""
+
+import numpy as np
+
+
+def fitted_slope(sizes, values):
+    """Slope of log(values) against log(sizes): 1 is linear, 2 is quadratic."""
+    return float(np.polyfit(np.log(sizes), np.log(values), 1)[0])
+
+
+def loglog_scaling(sizes, series, *, ylabel="seconds", xlabel="n_samples", ax=None):
+    """Plot each ``series[name]`` against ``sizes`` on log-log axes, with slopes.
+
+    ``series`` maps a label to values at the matching ``sizes`` (``None`` or
+    NaN where a size was not run). Returns the matplotlib axes.
+    """
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6, 4))
+    for name, values in series.items():
+        pairs = [(s, v) for s, v in zip(sizes, values, strict=True) if v is not None and v == v]
+        xs, ys = zip(*pairs, strict=True)
+        label = name
+        if len(xs) >= 2:
+            label = f"{name} (slope {fitted_slope(xs, ys):.2f})"
+        ax.loglog(xs, ys, "o-", label=label)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    return ax

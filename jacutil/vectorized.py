@@ -1,0 +1,58 @@
+"""Stage 2: vectorized Jacobians (notebook 02-vectorized).
+
+Two ways to vectorize, with very different costs:
+
+* ``vectorized_jacobian`` - one tape over the whole batch and
+  ``tape.jacobian`` (pfor over the n * l output rows). Each row is
+  back-propagated through the *whole batch*, so time and memory grow with n**2.
+* ``per_sample_jacobian`` - ``tf.vectorized_map`` over samples of a one-sample
+  Jacobian: TensorFlow's counterpart of JAX's ``vmap(jacrev)``, linear in n.
+"""
+
+from ._tf import tf
+from .target import as_batch, resolve_target, stack_columns
+
+
+def batch_tape_jacobian(target, x):
+    """(n, l, m) tensor: ``tape.jacobian`` of the whole batch's outputs."""
+    with tf.GradientTape() as tape:
+        y = target.forward(x)
+    jacobians = tape.jacobian(y, target.variables)
+    return stack_columns(jacobians, target.variables, tf.shape(x)[0])
+
+
+def per_sample_tape_jacobian(target, x):
+    """(n, l, m) tensor: a one-sample Jacobian, vectorized over samples."""
+
+    def one_sample(xi):
+        with tf.GradientTape() as tape:
+            y = target.forward(xi[None])  # (1, l)
+        jacobians = tape.jacobian(y, target.variables)
+        return stack_columns(jacobians, target.variables, 1)[0]
+
+    return tf.vectorized_map(one_sample, x)
+
+
+def vectorized_jacobian(model, x, *, variables=None, training=False):
+    """Per-sample Jacobian with one tape and ``tape.jacobian`` over the batch.
+
+    One forward pass; the backward passes are vectorized by pfor over the
+    n * l output rows. Far faster than the loop for small n, but every row is
+    back-propagated through the whole batch: time and memory grow with n**2.
+
+    Returns (n_samples, n_outputs, n_params). Introduced in ``02-vectorized``.
+    """
+    target = resolve_target(model, variables, training, x)
+    return batch_tape_jacobian(target, as_batch(x, target)).numpy()
+
+
+def per_sample_jacobian(model, x, *, variables=None, training=False):
+    """Per-sample Jacobian, vectorized over samples with ``tf.vectorized_map``.
+
+    The Jacobian of one sample's outputs is written once and mapped over the
+    batch, so each sample is differentiated through itself only: linear in n.
+
+    Returns (n_samples, n_outputs, n_params). Introduced in ``02-vectorized``.
+    """
+    target = resolve_target(model, variables, training, x)
+    return per_sample_tape_jacobian(target, as_batch(x, target)).numpy()
