@@ -19,7 +19,8 @@ def loglog_scaling(sizes, series, *, ylabel="seconds", xlabel="n_samples", ax=No
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 4))
     for name, values in series.items():
-        pairs = [(s, v) for s, v in zip(sizes, values, strict=True) if v is not None and v == v]
+        ran = [v is not None and np.isfinite(v) for v in values]
+        pairs = [(s, v) for s, v, ok in zip(sizes, values, ran, strict=True) if ok]
         xs, ys = zip(*pairs, strict=True)
         label = name
         if len(xs) >= 2:

@@ -1,0 +1,57 @@
+# Two commands do everything on a fresh machine: `make run` and `make test`.
+# Both make the virtual environment .venv first (python3 -m venv), installing the
+# exact versions of requirements.lock, and skip that step when it is up to date.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+NOTEBOOKS := $(sort $(wildcard notebooks/[0-9]*.ipynb))
+SHARED_CHECK := ../shared/tools/check_notebooks.py
+export TF_CPP_MIN_LOG_LEVEL := 2
+export JUPYTER_PREFER_ENV_PATH := 1
+export PYDEVD_DISABLE_FILE_VALIDATION := 1
+
+.PHONY: setup run test test-fast lint notebooks lab lock clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml requirements.lock
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade "pip>=24"
+	$(BIN)/python -m pip install --quiet -c requirements.lock -e ".[notebooks,test]"
+	$(BIN)/python -m ipykernel install --sys-prefix --name python3 \
+		--display-name "Python 3 (jacutil)" > /dev/null
+	touch $(STAMP)
+
+# Execute every notebook headless into build/executed/, export HTML to build/html/,
+# and print a one-screen summary.
+run: setup
+	$(BIN)/python scripts/run_notebooks.py $(NOTEBOOKS)
+
+# Lint, unit tests, papermill with small parameters, then nbval (strict) over the
+# stored outputs.
+test: setup lint
+	$(BIN)/python -m pytest tests -n 2 --dist loadfile
+	$(BIN)/python -m pytest notebooks --nbval --nbval-current-env \
+		--nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout 600 \
+		-n 2 --dist loadfile
+
+lint: setup
+	$(BIN)/ruff check .
+	@if [ -f $(SHARED_CHECK) ]; then $(BIN)/python $(SHARED_CHECK) notebooks; fi
+
+# Rebuild notebooks/NN-*.ipynb from their sources in notebooks/src/ and store the
+# outputs of one top-to-bottom run with the default parameters.
+notebooks: setup
+	$(BIN)/python scripts/build_notebooks.py $(if $(ONLY),$(ONLY),notebooks/src/*.py)
+
+lab: setup
+	$(BIN)/jupyter lab notebooks
+
+# Refresh requirements.lock from what is installed (after changing pyproject.toml).
+lock:
+	$(BIN)/python -m pip freeze --exclude-editable | grep -v '^jacutil' > requirements.lock
+
+clean:
+	rm -rf build .pytest_cache .hypothesis

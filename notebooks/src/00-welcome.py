@@ -1,0 +1,190 @@
+# ---
+# jupyter:
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 00 · Welcome: the per-sample Jacobian
+#
+# **Questions**
+# - What is the Jacobian of a network's outputs with respect to its parameters, sample by sample?
+# - What shape does it have, and what layout does a SciPy optimizer want?
+# - How is this collection organised, and how do I run it?
+#
+# **Objectives**
+# - Compute a per-sample Jacobian with `jacutil` and read its shape `(n, l, m)`.
+# - Convert it to the `(l·m) × n` layout of the source question and back.
+# - Find the notebook for each stage, and run them all with `make run`.
+#
+# *Teaching: 10 min · Exercises: 10 min*
+
+# %% [markdown]
+# ## Setup
+#
+# `jacutil` imports TensorFlow for us (quietly: no start-up log) and holds every
+# function these notebooks teach.
+
+# %%
+import matplotlib.pyplot as plt
+import numpy as np
+
+import jacutil as ju
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print(ju.notebook.device_summary())
+
+# %% tags=["parameters"]
+n_samples = 4  # samples in the batch
+seed = 0  # seeds the weights and the data
+
+# %% [markdown]
+# ## The object we compute
+#
+# A network $f$ maps one sample $x_i$ to $l$ outputs. Its trainable variables,
+# flattened and joined, form one vector $\theta$ of $m$ parameters. The
+# **per-sample Jacobian** holds every derivative of every output of every sample:
+#
+# $$J[i, k, p] = \frac{\partial f(x_i)_k}{\partial \theta_p}, \qquad
+# J \in \mathbb{R}^{n \times l \times m}.$$
+#
+# Our running example is the network of the source question:
+# 10 inputs → Dense 64 (ReLU) → Dense 32 (ReLU) → Dense 2.
+
+# %%
+model = ju.question_mlp(seed=seed)
+x, y = ju.regression_data(n_samples, seed=seed)
+for v in model.trainable_variables:
+    print(f"{v.path:<18} shape {str(tuple(v.shape)):<9} size {np.prod(v.shape):>5}")
+theta = ju.flat_params(model)
+print("m = n_params =", theta.size)
+
+# %% [markdown]
+# `flat_params` flattens each variable in row-major order and joins them in
+# `model.trainable_variables` order. The Jacobian's last axis follows exactly
+# that order, and `set_flat_params(model, theta)` writes such a vector back.
+
+# %%
+J = ju.per_sample_jacobian(model, x)
+print("x:", x.shape, " f(x):", model(x).shape, " J:", J.shape, J.dtype)
+
+# %% [markdown]
+# Each entry is a real derivative. Nudge one parameter by a small step and the
+# outputs move by that step times one column of `J`:
+
+# %%
+p = 5  # any parameter
+step = 1e-3
+bumped = theta.copy()
+bumped[p] += step
+ju.set_flat_params(model, bumped)
+moved = model(x).numpy()
+ju.set_flat_params(model, theta)
+predicted = model(x).numpy() + step * J[:, :, p]
+print("outputs moved by up to", np.round(np.abs(moved - model(x).numpy()).max(), 4))
+print("J predicted the move to within", np.round(np.abs(moved - predicted).max(), 4))
+
+# %% [markdown]
+# ## A picture of the shapes
+#
+# A tiny network (2 inputs → 3 hidden → 2 outputs, so $m = 17$) makes every
+# entry visible. Left: `J` as $n$ blocks of $l \times m$, one per sample. Right:
+# the same numbers in the $(l·m) \times n$ layout of the source question: one
+# **column per sample**, row `k*m + p` for output `k` and parameter `p`.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+tiny = ju.question_mlp(n_inputs=2, hidden=(3,), n_outputs=2, seed=seed)
+x_tiny = ju.regression_data(3, n_inputs=2, seed=seed)[0]
+J_tiny = ju.per_sample_jacobian(tiny, x_tiny)
+M_tiny = ju.to_lm_by_n(J_tiny)
+
+scale = {"cmap": "RdBu", "vmin": -np.abs(J_tiny).max(), "vmax": np.abs(J_tiny).max()}
+fig, axes = plt.subplots(1, 2, figsize=(9, 3.2),
+                         gridspec_kw={"width_ratios": [3, 1]})
+axes[0].imshow(np.concatenate(list(J_tiny), axis=0), aspect="auto", **scale)
+for i in range(1, len(J_tiny)):  # a line between samples
+    axes[0].axhline(i * J_tiny.shape[1] - 0.5, color="black", lw=1)
+axes[0].set_title("J: n blocks of (l x m), one per sample")
+axes[0].set_xlabel("parameter p")
+axes[0].set_ylabel("sample i, output k")
+image = axes[1].imshow(M_tiny, aspect="auto", **scale)
+fig.colorbar(image, ax=axes[1], label="derivative")
+axes[1].set_title("(l*m) x n")
+axes[1].set_xlabel("sample i")
+axes[1].set_ylabel("row k*m + p")
+fig.tight_layout()
+
+# %%
+print("J_tiny:", J_tiny.shape, " -> to_lm_by_n:", M_tiny.shape)
+
+# %% [markdown]
+# ## The layouts, as code
+#
+# `to_lm_by_n` and `from_lm_by_n` convert between the two; the index rule is
+# checked below for every entry. SciPy's `least_squares` takes yet another
+# layout: one row per residual (sample `i`, output `k`), one column per
+# parameter, an $(n·l) \times m$ matrix - a plain `reshape`.
+
+# %%
+M = ju.to_lm_by_n(J)
+n, l, m = J.shape
+rule_holds = all(M[k * m + p, i] == J[i, k, p] for i, k, p in np.ndindex(J.shape))
+print("(l*m) x n:", M.shape, " rule M[k*m + p, i] == J[i, k, p]:", rule_holds)
+print("round trip exact:", np.array_equal(ju.from_lm_by_n(M, n_outputs=l), J))
+print("SciPy (n*l) x m:", J.reshape(n * l, m).shape)
+
+# %% [markdown]
+# ## How this collection works
+#
+# | notebook | stage | `jacutil` function |
+# |---|---|---|
+# | `00-welcome` | what we compute | `per_sample_jacobian`, `to_lm_by_n` |
+# | `01-nested-loop` | the loop of the question | `loop_jacobian` |
+# | `02-vectorized` | one tape, `tape.jacobian`; `vectorized_map` | `vectorized_jacobian`, `per_sample_jacobian` |
+# | `03-compiled` | `tf.function` and XLA | `compiled_jacobian` |
+# | `04-chunked` | bounded memory | `chunked_jacobian` |
+#
+# Each stage is proved equal to the previous one inside its notebook, then
+# timed. From the repository's root, `make run` executes every notebook and
+# prints what each found; `make test` runs the test suite; `make lab` opens
+# JupyterLab here.
+
+# %%
+print("Finding: J has shape (n, l, m) =", J.shape, "for the question's network")
+
+# %% [markdown]
+# ## Exercises
+#
+# **1.** How many parameters does a network 10 → 128 (ReLU) → 3 have? Predict
+# the number, then check it with `ju.question_mlp(hidden=(128,), n_outputs=3)`.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# Solution: a Dense layer from a to b has a*b weights and b biases.
+predicted = 10 * 128 + 128 + 128 * 3 + 3
+built = ju.flat_params(ju.question_mlp(hidden=(128,), n_outputs=3)).size
+print(predicted, built, predicted == built)
+
+# %% [markdown]
+# **2.** The last layer computes $f_k = \sum_j h_j W_{jk} + b_k$. What is
+# $\partial f_k / \partial b_{k'}$? Find the bias of the last layer in `J`
+# (its last `l` columns) and check your answer for every sample.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# Solution: 1 when k == k', else 0 - for every sample: the last l columns of
+# J are an identity matrix.
+last_bias = J[:, :, -l:]
+print(np.array_equal(last_bias, np.broadcast_to(np.eye(l), (n, l, l))))
+
+# %% [markdown]
+# ## Keypoints
+#
+# - The per-sample Jacobian has shape `(n, l, m)`: samples, outputs, parameters.
+# - The parameter axis follows `flat_params(model)`: each variable flattened,
+#   in `trainable_variables` order.
+# - `to_lm_by_n` gives the `(l·m) × n` matrix of the source question (one column
+#   per sample); SciPy's `least_squares` wants `J.reshape(n*l, m)`.
+# - Next, `01-nested-loop`: the slow way, and why it is slow.

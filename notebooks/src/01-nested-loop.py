@@ -1,0 +1,207 @@
+# ---
+# jupyter:
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 01 · The nested loop, and why it is slow
+#
+# **Questions**
+# - What does the loop of the source question compute, and is it right?
+# - How does its time grow with the number of samples, and where does it go?
+#
+# **Objectives**
+# - Read `loop_jacobian` and prove it against finite differences in float64.
+# - Count its forward and backward passes: n · l of each.
+# - Measure its time at growing n and explain it by a fixed cost per pass.
+#
+# *Teaching: 15 min · Exercises: 15 min*
+
+# %% [markdown]
+# ## Setup
+
+# %%
+import numpy as np
+
+import jacutil as ju
+from jacutil import tf
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print(ju.notebook.device_summary())
+
+# %% tags=["parameters"]
+sizes = [10, 30, 100, 300, 1000]  # numbers of samples to time the loop at
+repeats = 1  # timed runs after the first, per size
+n_check = 3  # samples in the correctness check
+seed = 0
+
+# %% [markdown]
+# ## The loop
+#
+# This is the code of the source question, written with `GradientTape`: for
+# every sample `i` and every output `k`, record the forward pass of that one
+# sample on a fresh tape and ask for the gradient of `f(x_i)[k]` with respect to
+# every variable. The gradients, flattened and joined, are row `J[i, k, :]`.
+
+# %%
+ju.notebook.show_source(ju.loop_jacobian)
+
+# %% [markdown]
+# ## Is it right?
+#
+# A Jacobian is only useful if it is correct, so we prove it against an
+# independent reference: central finite differences, which share no code with
+# the tape. In float32 the two would differ by rounding (about $10^{-3}$), so
+# the check runs on a float64 copy of the network, where they agree to about
+# $10^{-9}$.
+
+# %%
+model = ju.question_mlp(seed=seed)
+model64 = ju.question_mlp(seed=seed, dtype="float64")
+model64.set_weights(model.get_weights())
+x_check = ju.regression_data(n_check, seed=seed, dtype="float64")[0]
+
+J_loop = ju.loop_jacobian(model64, x_check)
+J_fd = ju.finite_difference_jacobian(model64, x_check)
+np.testing.assert_allclose(J_loop, J_fd, rtol=1e-6, atol=1e-9)
+print("loop:", J_loop.shape, J_loop.dtype, "== finite differences: True")
+
+# %% [markdown]
+# ## Counting the passes
+#
+# Wrap the model in a function that counts its calls. Each call is one forward
+# pass on the tape, and each `tape.gradient` one backward pass.
+
+# %%
+calls = []
+
+
+def counted(x):
+    calls.append(x.shape[0])
+    return model(x, training=False)
+
+
+x_small = ju.regression_data(20, seed=seed)[0]
+ju.loop_jacobian(counted, x_small, variables=model.trainable_variables)
+n_outputs = model.output_shape[-1]
+print("forward passes:", len(calls) - 1, " n * l =", 20 * n_outputs)
+print("samples per pass:", set(calls))
+
+# %% [markdown]
+# (One extra call reads the number of outputs.) Every pass carries **one**
+# sample, so the computer does 40 tiny jobs instead of one job of 20 samples.
+
+# %% [markdown]
+# ## Timing at growing n
+#
+# Each size runs once as a warm-up (the first call) and `repeats` more times.
+# A progress bar shows the largest run.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+times = {}
+for n in sizes:
+    x_n = ju.regression_data(n, seed=seed)[0]
+    timing = ju.time_call(ju.loop_jacobian, model, x_n, repeats=repeats,
+                          progress=n == max(sizes))
+    times[n] = timing.median
+    print(f"n = {n:>5}: {timing.median:7.3f} s   "
+          f"({1e3 * timing.median / (n * n_outputs):.2f} ms per pass)")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+slope = ju.plots.fitted_slope(sizes, [times[n] for n in sizes])
+per_pass = times[max(sizes)] / (max(sizes) * n_outputs)
+ax = ju.plots.loglog_scaling(sizes, {"loop_jacobian": [times[n] for n in sizes]})
+ax.set_title("The nested loop: time grows linearly with n")
+print(f"Finding: the loop grows like n^{slope:.2f}; "
+      f"{1e3 * per_pass:.1f} ms per forward+backward pass")
+print(f"Finding: at n = 100,000 the loop would take about "
+      f"{per_pass * 100_000 * n_outputs / 60:.0f} minutes")
+
+# %% [markdown]
+# The slope is close to 1: time is proportional to n. That sounds fine until you
+# look at the constant: a few milliseconds for each pass over a *single* sample.
+
+# %% [markdown]
+# ## Where the time goes
+#
+# Time one forward and backward pass at batch sizes 1 and 1,000. If the work
+# were what costs, 1,000 samples would take 1,000 times longer.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+def forward_backward(x):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(model(x, training=False))
+    return tape.gradient(loss, model.trainable_variables)
+
+
+x_1000 = ju.regression_data(1000, seed=seed)[0]
+one = ju.time_call(forward_backward, x_1000[:1], repeats=20).median
+thousand = ju.time_call(forward_backward, x_1000, repeats=20).median
+print(f"1 sample: {1e3 * one:.2f} ms   1,000 samples: {1e3 * thousand:.2f} ms   "
+      f"ratio {thousand / one:.1f}")
+print(f"Finding: one pass over 1,000 samples costs {thousand / one:.1f}x one "
+      "sample's pass, not 1,000x")
+
+# %% [markdown]
+# A pass over 1,000 samples costs only a few times a pass over one. The loop's
+# time is **overhead**: Python, the eager dispatch of every operation, a new
+# tape per row. The arithmetic itself is almost free. The next stages keep the
+# work and drop the overhead: they hand TensorFlow the whole batch at once.
+
+# %% [markdown]
+# ## Exercises
+#
+# **1.** A colleague has n = 10,000 samples and a network with l = 10 outputs.
+# Using the cost per pass you measured, predict how long the loop takes.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# NBVAL_IGNORE_OUTPUT
+# Solution: n * l passes at the measured cost per pass (about the same for
+# 10 outputs, since each pass is one sample and overhead-bound).
+predicted_minutes = 10_000 * 10 * per_pass / 60
+print(f"about {predicted_minutes:.0f} minutes" if predicted_minutes >= 1 else
+      "under a minute")
+
+# %% [markdown]
+# **2.** Halve the work: open one *persistent* tape per sample, run the forward
+# pass once, and take the gradient of each output from it. Check that you get
+# the same Jacobian as `loop_jacobian`.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# Solution: one forward pass per sample instead of l; the l backward passes stay.
+def loop_one_forward(model, x):
+    rows = []
+    for i in range(len(x)):
+        with tf.GradientTape(persistent=True) as tape:
+            y = model(x[i : i + 1], training=False)[0]
+            outputs = tf.unstack(y)  # slice on the tape, or it is not recorded
+        per_output = []
+        for y_k in outputs:
+            grads = tape.gradient(y_k, model.trainable_variables)
+            per_output.append(tf.concat([tf.reshape(g, [-1]) for g in grads], 0))
+        rows.append(tf.stack(per_output))
+        del tape
+    return tf.stack(rows).numpy()
+
+
+x_ex = x_check.astype("float32")
+np.testing.assert_allclose(loop_one_forward(model, x_ex),
+                           ju.loop_jacobian(model, x_ex), rtol=1e-6)
+print("same Jacobian: True")
+
+# %% [markdown]
+# ## Keypoints
+#
+# - The loop is correct: it matches float64 finite differences.
+# - It runs n · l forward and n · l backward passes, each on a single sample.
+# - Its time is linear in n, but the constant is large: milliseconds of
+#   overhead per pass, while the arithmetic of a whole batch costs little more
+#   than one sample's.
+# - Next, `02-vectorized`: one tape for the whole batch.
