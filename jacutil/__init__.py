@@ -5,7 +5,7 @@ Every stage returns ``J[i, k, p] = d f(x)[i, k] / d theta[p]``, shape
 Each function's docstring names the notebook that introduces it.
 """
 
-from . import notebook, plots
+from . import memory, notebook, plots
 from ._tf import keras, tf
 from .chunked import chunk_size_for, chunked_jacobian
 from .compiled import CompiledJacobian, compiled_jacobian
@@ -29,6 +29,7 @@ __all__ = [
     "from_lm_by_n",
     "keras",
     "loop_jacobian",
+    "memory",
     "notebook",
     "per_sample_jacobian",
     "plots",

@@ -2,6 +2,7 @@
 notebooks are the ones their sources build. nbval (strict) runs in `make test`
 over notebooks/ itself."""
 
+import json
 from pathlib import Path
 
 import jupytext
@@ -12,11 +13,13 @@ import pytest
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 BOOKS = sorted(NOTEBOOKS.glob("[0-9]*.ipynb"))
 
-# Small values for every notebook's `parameters` cell, so the whole run is quick.
-SMALL_PARAMETERS = {
-    "00-welcome": {"n_samples": 2, "seed": 1},
-    "01-nested-loop": {"sizes": [2, 4, 8], "repeats": 1, "n_check": 1, "seed": 1},
-}
+# Small values for each notebook's `parameters` cell, one JSON file per notebook
+# in tests/small_parameters/, so that the whole papermill run is quick.
+SMALL = Path(__file__).resolve().parent / "small_parameters"
+
+
+def small_parameters(book):
+    return json.loads((SMALL / f"{book.stem}.json").read_text())
 
 
 def parameter_names(nb):
@@ -31,13 +34,13 @@ def parameter_names(nb):
 
 def test_every_notebook_has_small_parameters():
     assert BOOKS, "no notebooks found"
-    assert {b.stem for b in BOOKS} == set(SMALL_PARAMETERS)
+    assert {b.stem for b in BOOKS} == {p.stem for p in SMALL.glob("*.json")}
 
 
 @pytest.mark.notebook
 @pytest.mark.parametrize("book", BOOKS, ids=[b.stem for b in BOOKS])
 def test_papermill_runs_with_small_parameters(book, tmp_path):
-    parameters = SMALL_PARAMETERS[book.stem]
+    parameters = small_parameters(book)
     nb = nbformat.read(book, as_version=4)
     assert set(parameters) <= parameter_names(nb), "unknown parameter injected"
     executed = papermill.execute_notebook(
