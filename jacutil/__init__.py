@@ -5,7 +5,7 @@ Every stage returns ``J[i, k, p] = d f(x)[i, k] / d theta[p]``, shape
 Each function's docstring names the notebook that introduces it.
 """
 
-from . import memory, notebook, plots
+from . import guards, memory, notebook, plots
 from ._tf import keras, tf
 from .chunked import chunk_size_for, chunked_jacobian
 from .compiled import CompiledJacobian, compiled_jacobian
@@ -27,6 +27,7 @@ __all__ = [
     "finite_difference_jacobian",
     "flat_params",
     "from_lm_by_n",
+    "guards",
     "keras",
     "loop_jacobian",
     "memory",

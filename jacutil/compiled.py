@@ -3,6 +3,7 @@
 import numpy as np
 
 from ._tf import tf
+from .guards import note_trace
 from .target import as_batch, resolve_target
 from .vectorized import batch_tape_jacobian, per_sample_tape_jacobian
 
@@ -43,6 +44,7 @@ class CompiledJacobian:
 
         def traced(x):
             self.trace_count += 1  # Python side effect: runs once per trace
+            note_trace(self.target.variables, (self.method, self.jit_compile))
             return jacobian(self.target, x)
 
         spec = tf.TensorSpec([None, *feature_shape], self.target.dtype)

@@ -13,16 +13,7 @@ from typing import Callable
 import numpy as np
 
 from ._tf import keras, tf
-
-DISCONNECTED = (
-    "None of the {count} variables reaches the outputs, so every derivative "
-    "would be zero. This is the classic mistake of differentiating with "
-    "respect to a copy of the variables - for example tf.concat of the "
-    "flattened variables, built after the forward pass - instead of the "
-    "variables the model reads. Pass the model itself, or variables= the list "
-    "that the forward pass uses; the Jacobian's columns already come in "
-    "flat_params(model) order, so there is nothing to flatten first."
-)
+from .guards import check_training_mode, require_connected
 
 
 @dataclass
@@ -114,6 +105,8 @@ def resolve_target(model, variables=None, training=False, x=None):
                 "(such as tf.concat of them, flattened) is a copy that the model "
                 "never reads: pass the variables themselves."
             )
+    if is_keras:
+        check_training_mode(model, training)
     dtypes = {_float_dtype(v) for v in variables}
     dtype = max(dtypes, key=lambda d: d.itemsize)
 
@@ -187,8 +180,7 @@ def stack_columns(jacobians, variables, n_rows):
     zero. When *every* one is ``None`` nothing is connected, and that is an
     error, not a Jacobian of zeros.
     """
-    if all(j is None for j in jacobians):
-        raise ValueError(DISCONNECTED.format(count=len(variables)))
+    require_connected(jacobians, variables)
     template = next(j for j in jacobians if j is not None)
     n_outputs = tf.shape(template)[1]
     blocks = []
