@@ -10,11 +10,17 @@ from .target import as_batch
 
 # Working memory of one sample's Jacobian, as a multiple of the bytes of its
 # rows of the result (n_outputs * n_params * itemsize): the rows themselves,
-# the per-variable blocks before they are joined, and the copy to NumPy.
-WORKING_MEMORY_FACTOR = 3
+# the per-variable blocks before they are joined, and what TensorFlow's pool
+# keeps. Measured on question_mlp() (float32, TensorFlow 2.21 with oneDNN,
+# 2026-11-30): chunked_jacobian of 20,000 samples into a memory-mapped file,
+# chunks of 256, 1,024 and 4,096, peaks of 30.5, 114 and 431 MiB, each in a
+# fresh process (jacutil.memory.measure_in_fresh_process): 4.8 to 5.2 times
+# the 22,800 bytes of a sample's rows. Notebook 04-chunked re-measures it.
+WORKING_MEMORY_FACTOR = 5
 DEFAULT_MEMORY_BUDGET = 256 * 2**20  # bytes, when neither size nor budget is given
 
 _compiled_cache = weakref.WeakKeyDictionary()
+_n_outputs_cache = weakref.WeakKeyDictionary()  # compiled Jacobian -> n_outputs
 
 
 def _compiled_for(model, variables, training, jit_compile, method):
@@ -33,6 +39,13 @@ def _compiled_for(model, variables, training, jit_compile, method):
             method=method,
         )
     return per_model[key]
+
+
+def _n_outputs(jac, x):
+    """Outputs per sample: one forward pass of one sample, the first time only."""
+    if jac not in _n_outputs_cache:
+        _n_outputs_cache[jac] = int(jac.target.forward(x[:1]).shape[1])
+    return _n_outputs_cache[jac]
 
 
 def bytes_per_sample(n_outputs, n_params, itemsize):
@@ -102,6 +115,10 @@ def chunked_jacobian(
     ``memory_budget`` bytes (default 256 MiB) is used. With ``jit_compile`` the
     last chunk is padded, so XLA compiles one shape only.
 
+    The first chunk is computed before ``out`` is made (it tells the number
+    of outputs, so no extra forward pass is run); when it is the whole batch
+    and no ``out`` is given, it is returned as it is, without a copy.
+
     Returns ``out`` (created when not given), shape (n_samples, n_outputs,
     n_params). Introduced in ``04-chunked``.
     """
@@ -116,22 +133,28 @@ def chunked_jacobian(
 
     x = as_batch(x, target)
     n_samples = int(x.shape[0])
-    n_outputs = int(target.forward(x[:1]).shape[1])
-    shape = (n_samples, n_outputs, target.n_params)
     if chunk_size is None:
         budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
         chunk_size = chunk_size_for(
-            budget, n_outputs, target.n_params, target.dtype.itemsize
+            budget, _n_outputs(jac, x), target.n_params, target.dtype.itemsize
         )
     chunk_size = min(chunk_size, n_samples)
+    pad_to = chunk_size if jit_compile else None
+
+    # The first chunk tells the number of outputs: no extra forward pass.
+    first = jac.tensor(x[:chunk_size], pad_to).numpy()
+    shape = (n_samples, first.shape[1], target.n_params)
+    if out is None and chunk_size == n_samples:
+        return first  # one chunk: TensorFlow's buffer, no copy
     if out is None:
         out = np.empty(shape, target.dtype)
     else:
         out = _check_out(out, shape, target.dtype)
-
-    pad_to = chunk_size if jit_compile else None
+    out[:chunk_size] = first
+    del first
     with tqdm(total=n_samples, disable=not progress, unit="sample") as bar:
-        for start in range(0, n_samples, chunk_size):
+        bar.update(chunk_size)
+        for start in range(chunk_size, n_samples, chunk_size):
             chunk = x[start : start + chunk_size]
             out[start : start + len(chunk)] = jac.tensor(chunk, pad_to).numpy()
             bar.update(len(chunk))

@@ -1,0 +1,83 @@
+"""chunked_jacobian: no extra forward pass, one chunk without a copy, bounded memory."""
+
+import numpy as np
+import pytest
+
+import jacutil as ju
+from jacutil.memory import peak_memory
+
+
+def counting_mlp():
+    model = ju.question_mlp(n_inputs=3, hidden=(4,))
+    calls = []
+
+    def f(x):
+        calls.append(1)  # runs eagerly, or once per trace
+        return model(x, training=False)
+
+    return model, f, calls
+
+
+@pytest.mark.parametrize("size", [{"chunk_size": 3}, {"memory_budget": 2**20}])
+def test_a_second_call_runs_no_eager_forward_pass(size):
+    model, f, calls = counting_mlp()
+    x = np.random.default_rng(0).standard_normal((10, 3))
+    variables = model.trainable_variables
+    kw = dict(variables=variables, progress=False, **size)
+    first = ju.chunked_jacobian(f, x, **kw)
+    calls.clear()
+    second = ju.chunked_jacobian(f, x, **kw)
+    assert calls == []  # traced once, already; no forward pass to count outputs
+    np.testing.assert_array_equal(first, second)
+    np.testing.assert_allclose(
+        second, ju.per_sample_jacobian(model, x), rtol=1e-5, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 10, 50])
+def test_any_chunk_size_gives_the_same_jacobian(chunk_size):
+    model = ju.question_mlp(n_inputs=3, hidden=(4,))
+    x = np.random.default_rng(1).standard_normal((10, 3))
+    J = ju.chunked_jacobian(model, x, chunk_size=chunk_size, progress=False)
+    assert J.shape == (10, 2, 26)
+    np.testing.assert_allclose(
+        J, ju.per_sample_jacobian(model, x), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_one_chunk_into_a_given_out_fills_it():
+    model = ju.question_mlp(n_inputs=3, hidden=(4,))
+    x = np.random.default_rng(2).standard_normal((5, 3))
+    out = np.full((5, 2, 26), np.nan, "float32")
+    result = ju.chunked_jacobian(model, x, chunk_size=8, out=out, progress=False)
+    assert result is out
+    np.testing.assert_allclose(
+        out, ju.per_sample_jacobian(model, x), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_chunk_size_fits_the_measured_working_memory():
+    per_sample = ju.chunked.bytes_per_sample(2, 2850, 4)
+    assert per_sample == ju.chunked.WORKING_MEMORY_FACTOR * 2 * 2850 * 4
+    chunk = ju.chunk_size_for(2**26, 2, 2850, 4)
+    assert chunk * per_sample <= 2**26 < (chunk + 1) * per_sample
+
+
+def test_memory_stays_near_the_budget(tmp_path):
+    """A 228 MB Jacobian into a memory-mapped file, with a 32 MiB budget."""
+    model = ju.question_mlp()
+    x, _ = ju.regression_data(10_000)
+    budget = 32 * 2**20
+    ju.chunked_jacobian(model, x[:10], memory_budget=budget, progress=False)
+    out = np.lib.format.open_memmap(
+        tmp_path / "J.npy", mode="w+", dtype="float32", shape=(10_000, 2, 2850)
+    )
+    use = peak_memory(
+        ju.chunked_jacobian, model, x, memory_budget=budget, out=out, progress=False
+    )
+    assert use.result is out
+    assert out.nbytes > 200 * 2**20
+    assert use.peak < 2 * budget
+    np.testing.assert_allclose(
+        out[-7:], ju.per_sample_jacobian(model, x[-7:]), rtol=1e-5, atol=1e-6
+    )
