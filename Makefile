@@ -12,7 +12,7 @@ export TF_CPP_MIN_LOG_LEVEL := 2
 export JUPYTER_PREFER_ENV_PATH := 1
 export PYDEVD_DISABLE_FILE_VALIDATION := 1
 
-.PHONY: setup run test test-fast lint notebooks lab lock clean
+.PHONY: setup run test test-fast lint notebooks lab lock clean bench bench-peers
 
 setup: $(STAMP)
 
@@ -52,6 +52,18 @@ lab: setup
 # Refresh requirements.lock from what is installed (after changing pyproject.toml).
 lock:
 	$(BIN)/python -m pip freeze --exclude-editable | grep -v '^jacutil' > requirements.lock
+
+# Every path at n = 100, 1,000, 10,000 in one process (a few minutes): tables,
+# ratios to the loop, the fastest path and the write floor, and a log-log plot
+# in build/bench/. Smaller: make bench BENCH_ARGS="--sizes 100 1000 --quick".
+bench: setup
+	$(BIN)/python -m jacutil.bench $(BENCH_ARGS)
+
+# The same, with JAX and PyTorch (torch==2.13.0, CPU) as peers in the same run.
+# They install next to the locked packages without changing any of them.
+bench-peers: setup
+	$(BIN)/python -m pip install --quiet -c requirements.lock -e ".[peers]"
+	$(BIN)/python -m jacutil.bench $(BENCH_ARGS)
 
 clean:
 	rm -rf build .pytest_cache .hypothesis
