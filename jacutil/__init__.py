@@ -9,6 +9,7 @@ from . import guards, memory, notebook, plots
 from ._tf import keras, tf
 from .chunked import chunk_size_for, chunked_jacobian
 from .compiled import CompiledJacobian, compiled_jacobian
+from .dense_jacobian import compiled_dense_jacobian, dense_jacobian
 from .layout import flat_params, from_lm_by_n, set_flat_params, to_lm_by_n
 from .loop import loop_jacobian
 from .models import question_mlp, regression_data
@@ -23,7 +24,9 @@ __all__ = [
     "Timing",
     "chunk_size_for",
     "chunked_jacobian",
+    "compiled_dense_jacobian",
     "compiled_jacobian",
+    "dense_jacobian",
     "finite_difference_jacobian",
     "flat_params",
     "from_lm_by_n",
