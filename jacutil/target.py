@@ -101,7 +101,7 @@ def resolve_target(model, variables=None, training=False, x=None):
         if not _is_variable(v):
             raise TypeError(
                 f"variables= must hold tf.Variable or keras.Variable objects; got "
-                f"a {type(v).__name__}. A tensor computed from the variables "
+                f"{type(v).__name__}. A tensor computed from the variables "
                 "(such as tf.concat of them, flattened) is a copy that the model "
                 "never reads: pass the variables themselves."
             )

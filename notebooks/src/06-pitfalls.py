@@ -1,0 +1,755 @@
+# ---
+# jupyter:
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 06 · Pitfalls: the popular answers, failing and fixed
+#
+# **Questions**
+# - Which mistakes in the well-known answers give a wrong Jacobian, `None`,
+#   a page of zeros or a cryptic error?
+# - Why are Dropout and BatchNormalization in training mode a trap?
+# - Why is a Jacobian slow when it keeps being traced, and when does a
+#   correct Jacobian "fail" a check against finite differences?
+#
+# **Objectives**
+# - See each trap fail, say what went wrong, and fix it - with an assertion
+#   that the fix is right.
+# - Recognise the three traps that `jacutil` guards against, and read the
+#   messages that tell you what to do.
+# - Check a Jacobian against finite differences the way that settles it:
+#   in float64.
+#
+# *Teaching: 30 min · Exercises: 15 min*
+
+# %% [markdown]
+# ## Setup
+#
+# Every trap below was run on the TensorFlow version printed here, with
+# Keras 3. Other versions may fail differently.
+#
+# A failing call runs inside `fails_with(...)`: it prints the error the way
+# Python would (shortened, without the traceback), and fails itself if
+# nothing is raised - so the notebook still runs from top to bottom.
+
+# %%
+import contextlib
+import re
+import time
+import warnings
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+import jacutil as ju
+from jacutil import keras, tf
+
+
+@contextlib.contextmanager
+def fails_with(error_type):
+    """Run the block, which must raise error_type; print the error briefly."""
+    try:
+        yield
+    except error_type as error:
+        name = type(error).__name__
+        message = " ".join(str(error).split())
+        # Drop what tf.function puts in front ("in user code: File ..."),
+        # and the values of a variable quoted in the message.
+        message = message.rsplit(f" {name}: ", 1)[-1]
+        message = re.sub(r"value=\[.*\]>", "value=...>", message)
+        if len(message) > 700:
+            message = message[:350] + " [...] " + message[-300:]
+        print(f"{name}: {message}")
+    else:
+        raise AssertionError(f"{error_type.__name__} expected, none raised")
+
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print(ju.notebook.device_summary())
+print("Keras", keras.__version__)
+print(f"Finding: every pitfall below shown on TensorFlow {tf.__version__}, "
+      f"Keras {keras.__version__}")
+
+# %% tags=["parameters"]
+n_samples = 32  # batch size for the retracing timings (at least 7)
+repeats = 3  # timed calls after the first
+n_batches = 12  # batches in the "compiled Jacobian built in a loop" trap
+xla_sizes = 8  # batch sizes 1..xla_sizes through the XLA Jacobian
+seed = 0
+
+# %% [markdown]
+# The question's network (10 → 64 → 32 → 2, 2,850 parameters) and a batch.
+# `J_ref` is the answer every fix must reproduce: the per-sample Jacobian,
+# proved against finite differences in `02-vectorized` and the tests.
+
+# %%
+keras.utils.set_random_seed(seed)
+model = ju.question_mlp(seed=seed)
+variables = model.trainable_variables
+x, _ = ju.regression_data(4, seed=seed)
+J_ref = ju.per_sample_jacobian(model, x)
+n, l, m = J_ref.shape
+print("x:", x.shape, " J_ref:", J_ref.shape)
+
+# %% [markdown]
+# ## 1 · `tf.gradients` on a batch: the sum, not one row per sample
+#
+# A TF1-style answer computes the per-sample outputs (or losses) of the whole
+# batch and calls `tf.gradients` once, expecting one gradient per sample.
+# Eager TensorFlow 2 refuses `tf.gradients` outright:
+
+# %%
+with fails_with(RuntimeError):
+    tf.gradients(model(x), variables)
+
+
+# %% [markdown]
+# Inside `tf.function` it runs - and quietly returns something else:
+
+# %%
+@tf.function
+def batch_gradients(x):
+    y = model(x, training=False)  # (n, l): one row per sample
+    return tf.gradients(y, variables)
+
+
+grads = batch_gradients(tf.constant(x))
+print("kernel of the first layer:", tuple(variables[0].shape))
+print("its 'gradient':           ", tuple(grads[0].shape), "- no sample axis")
+
+# %% [markdown]
+# **What went wrong.** `tf.gradients(ys, xs)` returns the gradient of
+# `sum(ys)`: it adds up every sample and every output before it
+# differentiates. One vector of length `m`, not an `(n, l, m)` array.
+#
+# **The fix.** Differentiate each sample's outputs on their own:
+# `ju.per_sample_jacobian` (a tape per sample, vectorized with
+# `tf.vectorized_map`). And we can prove what `tf.gradients` returned: the
+# per-sample Jacobian summed over samples and outputs.
+
+# %%
+flat_grads = np.concatenate([g.numpy().ravel() for g in grads])
+np.testing.assert_allclose(flat_grads, J_ref.sum(axis=(0, 1)),
+                           rtol=1e-5, atol=1e-5)
+print("tf.gradients == J summed over samples and outputs: True")
+print("the fix:", J_ref.shape, "- one (l, m) block per sample")
+
+# %% [markdown]
+# ## 2 · `tape.watch` on Keras 3 variables; a forward pass outside the tape
+#
+# Two lines of a popular answer, each wrong on TensorFlow 2 with Keras 3.
+# First, watching the model's variables by hand:
+
+# %%
+with fails_with(ValueError):
+    with tf.GradientTape() as tape:
+        tape.watch(model.trainable_variables)
+
+# %% [markdown]
+# Keras 3 variables are `keras.Variable`s, not `tf.Variable`s, and
+# `tape.watch` takes only tensors and `tf.Variable`s. It is also not needed:
+# a tape watches every trainable variable that the forward pass reads.
+#
+# Second, the outputs computed *before* the tape opened:
+
+# %%
+y = model(x, training=False)  # forward pass first ...
+with tf.GradientTape() as tape:  # ... tape second: it recorded nothing
+    pass
+print("Jacobian:", tape.jacobian(y, variables))
+
+# %% [markdown]
+# **What went wrong.** A tape records only what runs while it is open. `y`
+# was computed before, so for the tape it is a constant: every Jacobian is
+# `None`.
+#
+# **The fix.** Run the forward pass inside the tape, and watch nothing by
+# hand. `tape.jacobian` over the batch then gives one block per variable;
+# flattened and joined they are `J_ref`.
+
+# %%
+with tf.GradientTape() as tape:
+    y = model(x, training=False)
+blocks = tape.jacobian(y, variables)
+J_tape = np.concatenate([b.numpy().reshape(n, l, -1) for b in blocks], 2)
+np.testing.assert_allclose(J_tape, J_ref, rtol=1e-5, atol=1e-6)
+print("forward pass inside the tape:", J_tape.shape, "== J_ref: True")
+
+# %% [markdown]
+# ## 3 · The Jacobian with respect to a flattened copy
+#
+# The source question wants the columns in one flat parameter vector, so an
+# answer flattens and joins the variables - *after* the forward pass - and
+# differentiates with respect to that:
+
+# %%
+with tf.GradientTape(persistent=True) as tape:
+    y = model(x, training=False)
+    theta = tf.concat([tf.reshape(v, [-1]) for v in variables], axis=0)
+print("d y / d theta:", tape.jacobian(y, theta))
+
+# %% [markdown]
+# `None`. Asking for zeros instead of `None` hides the mistake completely:
+
+# %%
+zeros = tape.jacobian(
+    y, theta, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+print("shape", tuple(zeros.shape), " every entry zero:",
+      bool(np.all(zeros.numpy() == 0)))
+
+# %% [markdown]
+# A page of zeros with the right shape: the optimizer now sees a flat
+# landscape. Made into a variable - `theta` a `keras.Variable`, as one might
+# try next - the same call on TensorFlow 2.21 fails with an error that says
+# nothing about the cause:
+
+# %%
+theta_var = keras.Variable(theta)
+with fails_with(AttributeError):
+    with tf.GradientTape() as tape:
+        y = model(x, training=False)
+    tape.jacobian(y, theta_var,
+                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
+# %% [markdown]
+# **What went wrong.** `theta` is a *copy*: the model reads its own
+# variables, never `theta`, so no path leads from `theta` to the outputs.
+# The derivative with respect to something unused is not zero - the
+# question is wrong.
+#
+# `jacutil` refuses the mistake with a message that says what to do. Its
+# guard, called at the end of every stage:
+
+# %%
+ju.notebook.show_source(ju.guards.require_connected)
+
+# %%
+with fails_with(ValueError):
+    ju.per_sample_jacobian(model, x, variables=[theta_var])
+with fails_with(TypeError):  # the tensor itself is refused even earlier
+    ju.per_sample_jacobian(model, x, variables=[theta])
+
+# %% [markdown]
+# **The fix.** Differentiate with respect to the variables the model reads;
+# the columns come out in `flat_params(model)` order, so nothing needs
+# flattening first. Proof that the order is that of the flat vector: nudge
+# one entry of `theta` and the outputs move along that column of `J`.
+
+# %%
+theta0 = ju.flat_params(model)
+p, step = 100, 1e-2
+ju.set_flat_params(model, theta0 + step * (np.arange(m) == p))
+moved = model(x).numpy()
+ju.set_flat_params(model, theta0)
+np.testing.assert_allclose(moved - model(x).numpy(), step * J_ref[:, :, p],
+                           atol=1e-5)
+print(f"column {p} of J predicts the move of parameter {p}: True")
+
+# %% [markdown]
+# ## 4 · `training=True`: Dropout and BatchNormalization
+#
+# Some answers call the model with `training=True`. For a plain stack of
+# Dense layers that changes nothing; with Dropout or BatchNormalization it
+# changes everything.
+#
+# ### Dropout: the Jacobian of a random function
+
+# %%
+keras.utils.set_random_seed(seed)
+dropout_model = keras.Sequential([
+    keras.Input((10,)),
+    keras.layers.Dense(16, activation="relu"),
+    keras.layers.Dropout(0.5, name="dropout"),
+    keras.layers.Dense(2),
+])
+
+
+def tape_jacobian(model, x, training):
+    with tf.GradientTape() as tape:
+        y = model(x, training=training)
+    blocks = tape.jacobian(y, model.trainable_variables)
+    return np.concatenate(
+        [b.numpy().reshape(len(x), -1, b.shape[2:].num_elements())
+         for b in blocks], axis=2)
+
+
+first = tape_jacobian(dropout_model, x, training=True)
+second = tape_jacobian(dropout_model, x, training=True)
+print("two calls, same x, same weights - equal:",
+      np.array_equal(first, second))
+
+# %% [markdown]
+# **What went wrong.** In training mode Dropout zeroes a new random half of
+# its inputs on every call. Each call returns the exact Jacobian of a
+# different random network - none of them the network that predicts.
+#
+# `jacutil` warns (it does not refuse: per-sample gradients *of dropout
+# training* are a legitimate wish). The warning is shown here as text:
+
+# %%
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    ju.per_sample_jacobian(dropout_model, x, training=True)
+for warning in caught:
+    print(f"{warning.category.__name__}: {warning.message}")
+
+# %% [markdown]
+# **The fix.** `training=False` - `jacutil`'s default - the network that
+# predicts and that an optimizer fits. Two calls agree, bit for bit:
+
+# %%
+first = tape_jacobian(dropout_model, x, training=False)
+second = tape_jacobian(dropout_model, x, training=False)
+np.testing.assert_array_equal(first, second)
+np.testing.assert_allclose(first, ju.per_sample_jacobian(dropout_model, x),
+                           rtol=1e-5, atol=1e-6)
+print("training=False: two calls equal, and equal to jacutil: True")
+
+# %% [markdown]
+# ### BatchNormalization: the samples are no longer independent
+#
+# In training mode BatchNormalization normalizes with the mean and variance
+# *of the batch*. So sample 0's outputs depend on sample 1. Move only
+# sample 1 and watch sample 0's Jacobian:
+
+# %%
+keras.utils.set_random_seed(seed)
+bn_model = keras.Sequential([
+    keras.Input((10,)),
+    keras.layers.Dense(16, activation="tanh"),
+    keras.layers.BatchNormalization(name="batch_norm"),
+    keras.layers.Dense(2),
+])
+bn_model(x)  # build
+moving_mean = bn_model.get_layer("batch_norm").moving_mean.numpy().copy()
+x_moved = x.copy()
+x_moved[1] += 1.0  # sample 1 only
+
+J_a = tape_jacobian(bn_model, x, training=True)
+J_b = tape_jacobian(bn_model, x_moved, training=True)
+print("sample 0's Jacobian changed when sample 1 moved:",
+      not np.allclose(J_a[0], J_b[0]))
+print("and the layer's moving mean changed:", not np.allclose(
+    bn_model.get_layer("batch_norm").moving_mean.numpy(), moving_mean))
+
+# %% [markdown]
+# The same coupling breaks `tape.batch_jacobian` (derivatives with respect
+# to the *inputs*), which assumes that output `i` depends on input `i`
+# only: it returns each sample's block *plus* every other sample's
+# influence on it.
+
+# %%
+def input_jacobians(model, x, training):
+    x = tf.constant(x)
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(x)
+        y = model(x, training=training)
+    full = tape.jacobian(y, x).numpy()  # (n, l, n, 10): every pair i, j
+    diagonal = np.stack([full[i, :, i] for i in range(len(x))])
+    return tape.batch_jacobian(y, x).numpy(), diagonal, full
+
+
+batch_jac, diagonal, full = input_jacobians(bn_model, x, training=True)
+print("d y[0] / d x[1] is zero:", bool(np.allclose(full[0, :, 1], 0)))
+print("batch_jacobian == the per-sample blocks:",
+      np.allclose(batch_jac, diagonal, atol=1e-5))
+
+# %% [markdown]
+# **What went wrong.** With batch statistics there is no per-sample
+# Jacobian to compute: a sample's row depends on the whole batch. Stages
+# that take one sample at a time normalize a batch of one, and return zero
+# columns for every layer before the normalization; every call also
+# overwrites the moving mean and variance that predictions use. Nothing right
+# can come out, so `jacutil` refuses:
+
+# %%
+with fails_with(ValueError):
+    ju.per_sample_jacobian(bn_model, x, training=True)
+
+# %% [markdown]
+# The guard, called by every stage on a Keras model (nested models and
+# layers inside custom layers included):
+
+# %%
+ju.notebook.show_source(ju.guards.check_training_mode)
+
+# %% [markdown]
+# **The fix.** `training=False`: the layer uses its moving statistics, a
+# fixed affine map, and each sample depends on itself alone.
+
+# %%
+J_a = tape_jacobian(bn_model, x, training=False)
+J_b = tape_jacobian(bn_model, x_moved, training=False)
+np.testing.assert_allclose(J_a[0], J_b[0], rtol=1e-6)
+batch_jac, diagonal, full = input_jacobians(bn_model, x, training=False)
+np.testing.assert_allclose(batch_jac, diagonal, rtol=1e-6, atol=1e-7)
+np.testing.assert_allclose(J_a, ju.per_sample_jacobian(bn_model, x),
+                           rtol=1e-5, atol=1e-6)
+print("sample 0 independent of sample 1, batch_jacobian right: True")
+
+# %% [markdown]
+# ## 5 · Retracing: paying the first call again and again
+#
+# TensorFlow turns Python into a graph (a *trace*), and XLA compiles a graph
+# for one concrete shape. Both cost far more than running the result. Three
+# ways to pay them on every call:
+#
+# **(a) Eager `tape.jacobian`.** Outside `tf.function`, `tape.jacobian`
+# vectorizes the backward pass (pfor) again on every call. The same code,
+# compiled once, does not:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+x_batch, _ = ju.regression_data(n_samples, seed=seed)
+x_tensor = tf.constant(x_batch)
+
+
+def eager_jacobian(x):
+    with tf.GradientTape() as tape:
+        y = model(x, training=False)
+    return tape.jacobian(y, variables)
+
+
+eager = ju.time_call(eager_jacobian, x_tensor, repeats=repeats)
+compiled_batch = ju.compiled_jacobian(model, method="batch")
+compiled = ju.time_call(compiled_batch, x_batch, repeats=repeats)
+print(f"eager tape.jacobian: {eager.median:.3f} s per call, every call")
+print(f"compiled:            {compiled.median:.3f} s per call "
+      f"(first call {compiled.first:.2f} s)")
+print(f"Finding: eager tape.jacobian re-vectorizes every call: "
+      f"{eager.median / compiled.median:.0f}x the compiled call "
+      f"(n = {n_samples})")
+
+
+# %% [markdown]
+# **(b) `tf.function` without an input signature** traces once per new
+# input shape - here, per batch size. Count the traces with a Python side
+# effect (it runs only while tracing):
+
+# %%
+traced_sizes = []
+
+
+@tf.function
+def unsigned_jacobian(x):
+    traced_sizes.append(x.shape[0])  # runs once per trace
+    with tf.GradientTape() as tape:
+        y = model(x, training=False)
+    return tape.jacobian(y, variables)
+
+
+call_sizes = [4, 5, 6, 5, 7]
+seconds = []
+for size in call_sizes:
+    start = time.perf_counter()
+    unsigned_jacobian(x_tensor[:size])
+    seconds.append(time.perf_counter() - start)
+print("calls with batch sizes:", call_sizes)
+print("traces for sizes:      ", traced_sizes)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+for size, s in zip(call_sizes, seconds, strict=True):
+    print(f"batch of {size}: {s:.3f} s")
+
+# %% [markdown]
+# **The fix.** An input signature whose batch dimension is `None`: one
+# trace for every batch size. That is what `ju.compiled_jacobian` builds.
+
+# %%
+jac = ju.compiled_jacobian(model)
+for size in call_sizes:
+    J_size = jac(x_batch[:size])
+np.testing.assert_allclose(J_size[:4], J_ref, rtol=1e-5, atol=1e-6)
+print("compiled_jacobian: traces =", jac.trace_count,
+      "for sizes", call_sizes)
+
+# %% [markdown]
+# **(c) XLA compiles per concrete shape**, even with a `None` batch
+# dimension in the signature: every new batch size is a new compile.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+signature = [tf.TensorSpec([None, 10], tf.float32)]
+xla_jacobian = tf.function(unsigned_jacobian.python_function,
+                           input_signature=signature, jit_compile=True)
+for size in (4, 4, 5, 5):
+    start = time.perf_counter()
+    xla_jacobian(x_tensor[:size])
+    print(f"XLA, batch of {size}: {time.perf_counter() - start:.3f} s")
+
+# %% [markdown]
+# The first call at each new size pays a compile; the repeat does not.
+# `ju.compiled_jacobian(model, jit_compile=True)` pads each batch to the
+# next power of two, so sizes 1 to 8 cost four compiles, not eight:
+
+# %%
+jac_xla = ju.compiled_jacobian(model, jit_compile=True)
+for size in range(1, xla_sizes + 1):
+    J_xla = jac_xla(x_batch[:size])
+np.testing.assert_allclose(
+    J_xla, ju.per_sample_jacobian(model, x_batch[:xla_sizes]),
+    rtol=1e-5, atol=1e-6)
+print(f"sizes 1..{xla_sizes}: XLA compiled for batch sizes",
+      sorted(jac_xla.compiled_shapes), "- traces:", jac_xla.trace_count)
+
+# %% [markdown]
+# **(d) A compiled Jacobian built inside the loop.** Each
+# `ju.compiled_jacobian(model)` is a new function, so each traces once -
+# the signature cannot help. `jacutil` counts traces per model and warns
+# past `ju.guards.RETRACE_LIMIT`:
+
+# %%
+batches = [ju.regression_data(8, seed=seed + b)[0] for b in range(n_batches)]
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    start = time.perf_counter()
+    for batch in batches:
+        J_batch = ju.compiled_jacobian(model)(batch)  # the trap
+    in_loop = time.perf_counter() - start
+for warning in caught:
+    print(f"{warning.category.__name__}: {warning.message}")
+print("warnings:", len(caught), " limit:", ju.guards.RETRACE_LIMIT)
+
+# %% [markdown]
+# **The fix.** Build it once, outside the loop:
+
+# %%
+jac_once = ju.compiled_jacobian(model)
+start = time.perf_counter()
+for batch in batches:
+    J_batch_once = jac_once(batch)
+once = time.perf_counter() - start
+np.testing.assert_allclose(J_batch_once, J_batch, rtol=1e-6, atol=1e-7)
+print("built once: traces =", jac_once.trace_count, " same Jacobian: True")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print(f"{n_batches} batches, compiled Jacobian built in the loop: "
+      f"{in_loop:.2f} s; built once: {once:.2f} s")
+print(f"Finding: building the compiled Jacobian inside the loop costs "
+      f"{in_loop / once:.0f}x building it once ({n_batches} batches)")
+
+# %% [markdown]
+# The costs of this section, side by side:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+retrace = np.median([s for s, size in zip(seconds, call_sizes, strict=True)
+                     if call_sizes.count(size) == 1])
+rows = [
+    ("eager tape.jacobian, per call", eager.median),
+    ("compiled tape.jacobian, per call", compiled.median),
+    ("one trace (new batch size, no signature)", retrace),
+    ("compiled Jacobian built per batch, per batch", in_loop / n_batches),
+    ("compiled Jacobian built once, per batch", once / n_batches),
+]
+print(f"{'what':<46} {'seconds':>8}")
+for what, s in rows:
+    print(f"{what:<46} {s:8.3f}")
+
+# %% [markdown]
+# ## 6 · float32 against finite differences
+#
+# A correct float32 Jacobian, checked against central finite differences of
+# the same float32 network, "fails". A smaller network (10 → 8 → 2, 106
+# parameters) keeps the finite differences quick: they cost two forward
+# passes per parameter.
+
+# %%
+keras.utils.set_random_seed(seed)
+small = ju.question_mlp(hidden=(8,), seed=seed)
+x_small, _ = ju.regression_data(3, seed=seed)
+J32 = ju.per_sample_jacobian(small, x_small)
+J32_fd = ju.finite_difference_jacobian(small, x_small)  # step 1e-6
+print("float32 check passes:",
+      np.allclose(J32, J32_fd, rtol=1e-5, atol=1e-6))
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print(f"largest difference: {np.abs(J32 - J32_fd).max():.2g}"
+      f" (entries of J up to {np.abs(J32).max():.2g})")
+
+# %% [markdown]
+# **What went wrong - not the Jacobian.** A central difference
+# $\frac{f(\theta + h) - f(\theta - h)}{2h}$ makes two errors:
+# rounding, about $\varepsilon |f| / h$, and truncation, about $h^2$.
+# float32 keeps $\varepsilon \approx 1.2 \cdot 10^{-7}$, so with
+# $h = 10^{-6}$ the rounding error alone is about $0.1$. The best step,
+# near $\varepsilon^{1/3}$, still leaves an error of order
+# $\varepsilon^{2/3} \approx 2 \cdot 10^{-5}$ (a forward difference:
+# $\sqrt{\varepsilon} \approx 3 \cdot 10^{-4}$); the constants move it a
+# little, to a few $10^{-6}$ in the plot below. No step makes a float32
+# check tight, and you do not know the best step in advance. Below: the
+# error of a directional derivative $J v$ of the question's network against
+# the step, in float32 and float64.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+model64 = ju.question_mlp(seed=seed, dtype="float64")
+model64.set_weights(model.get_weights())
+direction = np.random.default_rng(seed).standard_normal(m)
+direction /= np.linalg.norm(direction)
+x64 = x.astype("float64")
+exact = ju.per_sample_jacobian(model64, x64) @ direction  # J v, (n, l)
+steps = np.logspace(-9, -1, 17)
+errors = {}
+for name, net in (("float32", model), ("float64", model64)):
+    theta_net = ju.flat_params(net).astype("float64")
+    errs = []
+    for h in steps:
+        outputs = []
+        for sign in (1, -1):
+            ju.set_flat_params(net, theta_net + sign * h * direction)
+            outputs.append(net(x.astype(net.dtype)).numpy().astype("float64"))
+        ju.set_flat_params(net, theta_net)
+        errs.append(np.abs((outputs[0] - outputs[1]) / (2 * h) - exact).max())
+    errors[name] = errs
+fig, ax = plt.subplots(figsize=(6, 4))
+for name, errs in errors.items():
+    ax.loglog(steps, errs, "o-", label=name)
+for name, dtype in (("float64", np.float64), ("float32", np.float32)):
+    ax.axvline(np.finfo(dtype).eps ** (1 / 3), ls=":", color="grey",
+               label="eps ** (1/3), float64 then float32"
+               if name == "float64" else None)
+ax.set_xlabel("step h")
+ax.set_ylabel("largest error of the difference quotient")
+ax.set_title("Central differences: rounding (left) against truncation")
+ax.grid(True, which="both", alpha=0.3)
+ax.legend(loc="lower left", fontsize="small")
+for name, errs in errors.items():
+    best = int(np.argmin(errs))
+    print(f"Finding: {name} finite differences are at best "
+          f"{errs[best]:.1g} off (step {steps[best]:.0e})")
+
+# %% [markdown]
+# **The check that settles it.** Copy the network to float64 and compare
+# there: autodiff and finite differences agree to about $10^{-10}$. Then
+# the float32 Jacobian matches the float64 one to float32 precision - so it
+# was right all along.
+
+# %%
+small64 = ju.question_mlp(hidden=(8,), seed=seed, dtype="float64")
+small64.set_weights(small.get_weights())
+x_small64 = x_small.astype("float64")
+J64 = ju.per_sample_jacobian(small64, x_small64)
+J64_fd = ju.finite_difference_jacobian(small64, x_small64)
+np.testing.assert_allclose(J64, J64_fd, rtol=1e-6, atol=1e-9)
+np.testing.assert_allclose(J32, J64, rtol=1e-5, atol=1e-6)
+print("float64: autodiff == finite differences: True")
+print("float32 Jacobian == float64 Jacobian to float32 precision: True")
+
+# %% [markdown]
+# ## 7 · The quadratic memory of `tape.jacobian` over a batch
+#
+# `tape.jacobian(y, variables)` with `y` of shape `(n, l)` runs one backward
+# pass per output row - `n·l` of them, vectorized - and **each row is
+# back-propagated through the whole batch**: its intermediate tensors hold
+# all `n` samples, although only one contributes. Time and memory grow like
+# $n^2$: ten times the samples, a hundred times the memory. On the
+# question's network, n = 10,000 asks for about 143 GiB (TensorFlow 2.21);
+# `02-vectorized` measures the growth at sizes that fit.
+#
+# Nothing is run here. The fixes are the next stages: differentiate each
+# sample through itself only (`ju.per_sample_jacobian`, linear in n,
+# `02-vectorized`), and cut the batch into chunks whose working memory fits
+# a budget (`ju.chunked_jacobian`, `04-chunked`).
+
+# %% [markdown]
+# ## Exercises
+#
+# **1.** A colleague's TF1 code computes one loss per sample,
+# `losses = tf.reduce_sum((model(x) - y) ** 2, axis=1)`, and calls
+# `tf.gradients(losses, variables)` inside a `tf.function`. Get one
+# gradient row per sample instead, `(n, m)`, and check that the rows sum to
+# what `tf.gradients` returned. (Hint: `ju.per_sample_jacobian` takes any
+# callable with `variables=`; it may call it on one sample at a time.)
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# Solution: hand jacutil the per-sample loss as an (n, 1) output. jacutil
+# may call it on one sample at a time, so the targets travel with the
+# inputs: one array [x, y], split inside.
+_, y_true = ju.regression_data(4, seed=seed)
+xy = np.concatenate([x, y_true], axis=1)  # (n, 10 + 2)
+
+
+def per_sample_loss(xy):
+    x, y = xy[:, :10], xy[:, 10:]
+    return tf.reduce_sum((model(x, training=False) - y) ** 2,
+                         axis=1, keepdims=True)
+
+
+@tf.function
+def summed_gradients(xy):
+    return tf.gradients(per_sample_loss(xy), variables)
+
+
+rows = ju.per_sample_jacobian(per_sample_loss, xy, variables=variables)[:, 0]
+summed = np.concatenate([g.numpy().ravel()
+                         for g in summed_gradients(tf.constant(xy))])
+np.testing.assert_allclose(rows.sum(axis=0), summed, rtol=1e-5, atol=1e-5)
+print("per-sample gradients:", rows.shape, " they sum to tf.gradients: True")
+
+# %% [markdown]
+# **2.** You want to keep a BatchNormalization layer *and* have a
+# per-sample Jacobian in "training mode". Freeze the layer
+# (`layer.trainable = False`): does `jacutil` still refuse `training=True`?
+# Is sample 0's Jacobian still independent of sample 1? Why?
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# Solution: a frozen BatchNormalization uses its moving statistics even in
+# training mode (Keras 3), so it is a fixed affine map: accepted, and each
+# sample depends on itself alone. Its gamma and beta leave the Jacobian's
+# columns, since they are no longer trainable.
+keras.utils.set_random_seed(seed)
+frozen_model = keras.Sequential([
+    keras.Input((10,)),
+    keras.layers.Dense(16, activation="tanh"),
+    keras.layers.BatchNormalization(name="frozen_bn"),
+    keras.layers.Dense(2),
+])
+frozen_model.get_layer("frozen_bn").trainable = False
+J_0 = ju.per_sample_jacobian(frozen_model, x, training=True)
+J_1 = ju.per_sample_jacobian(frozen_model, x_moved, training=True)
+np.testing.assert_allclose(J_0[0], J_1[0], rtol=1e-6)
+print("accepted, columns:", J_0.shape[2], " sample 0 independent: True")
+
+# %% [markdown]
+# **3.** In the plot of section 6, the float32 error is smallest near
+# $h = \varepsilon^{1/3}$. Predict the best error from
+# $\varepsilon^{2/3}$ for float32 and float64, and compare with the curve.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# NBVAL_IGNORE_OUTPUT
+# Solution: the predictions are within a factor of ten or so of the curves'
+# minima; the constants (|f|, its third derivative) set the rest.
+for name, dtype in (("float32", np.float32), ("float64", np.float64)):
+    eps = np.finfo(dtype).eps
+    print(f"{name}: predicted {eps ** (2 / 3):.0e}, "
+          f"measured {min(errors[name]):.0e}")
+
+# %% [markdown]
+# ## Keypoints
+#
+# - `tf.gradients` (graph only) differentiates the **sum** of its targets:
+#   no per-sample rows. Use a per-sample Jacobian.
+# - Do not `tape.watch` Keras 3 variables (it raises, and is not needed);
+#   run the forward pass **inside** the tape, or the Jacobian is `None`.
+# - Differentiate with respect to the variables the model reads, never a
+#   flattened copy: that gives `None`, silent zeros, or a cryptic error.
+#   `jacutil` raises a clear `ValueError`.
+# - Use `training=False`. Dropout in training mode gives the Jacobian of a
+#   random function (`jacutil` warns); BatchNorm couples the samples and
+#   rewrites its statistics (`jacutil` refuses).
+# - Trace once: compile with a `None` batch dimension, pad for XLA, and
+#   build the compiled Jacobian outside the loop (`jacutil` warns past
+#   `RETRACE_LIMIT` traces).
+# - Check Jacobians against finite differences in **float64**; in float32
+#   a correct Jacobian misses by $10^{-5}$ or more.
+# - `tape.jacobian` over a whole batch needs $n^2$ memory: see
+#   `02-vectorized` and `04-chunked`.
