@@ -1,0 +1,272 @@
+# ---
+# jupyter:
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 03 · Compiled: `tf.function` and XLA
+#
+# **Questions**
+# - How much of the vectorized Jacobian's time is eager TensorFlow's fixed
+#   cost, and how does `tf.function` remove it?
+# - Why does a `tf.function` retrace when the number of samples changes, and
+#   how does an input signature stop it?
+# - What does XLA (`jit_compile=True`) add, and why must the batch be padded?
+#
+# **Objectives**
+# - Prove `compiled_jacobian` equal to `per_sample_jacobian` of `02`.
+# - Count traces while n changes, with and without an input signature.
+# - Report the first call (trace, compile) apart from the steady state.
+# - Compare eager, graph and XLA for both vectorizations, as a table and a
+#   plot.
+#
+# *Teaching: 20 min · Exercises: 15 min*
+
+# %% [markdown]
+# ## Setup
+
+# %%
+import matplotlib.pyplot as plt
+import numpy as np
+
+import jacutil as ju
+from jacutil import tf
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print(ju.notebook.device_summary())
+
+# %% tags=["parameters"]
+n_check = 4  # samples in the correctness checks
+trace_sizes = [3, 5, 8, 13, 21]  # n while counting traces
+xla_sizes = [5, 6, 7, 9, 12, 20]  # n while counting XLA compiles
+sizes = [100, 1000, 10000]  # n for the eager / graph / XLA comparison
+repeats = 3  # timed runs after the first, per size
+safety = 0.5  # run the batch tape only if it needs under this share of free
+seed = 0
+
+# %%
+model = ju.question_mlp(seed=seed)
+x_all = ju.regression_data(max(sizes + trace_sizes + xla_sizes),
+                           seed=seed)[0]
+x_check = x_all[:n_check]
+target = ju.target.resolve_target(model)
+
+# %% [markdown]
+# ## The compiled Jacobian
+#
+# `compiled_jacobian(model)` returns a reusable `jac`. Inside, the Jacobian
+# of `02` is wrapped in a `tf.function` whose input signature has the batch
+# dimension `None`: one graph serves every n.
+
+# %%
+ju.notebook.show_source(ju.compiled.CompiledJacobian._build)
+
+# %%
+jac = ju.compiled_jacobian(model)
+J_compiled = jac(x_check)
+J_per_sample = ju.per_sample_jacobian(model, x_check)
+np.testing.assert_allclose(J_compiled, J_per_sample, rtol=1e-5, atol=1e-6)
+for method in ["per_sample", "batch"]:
+    for jit_compile in [False, True]:
+        other = ju.compiled_jacobian(model, method=method,
+                                     jit_compile=jit_compile)
+        np.testing.assert_allclose(other(x_check), J_per_sample,
+                                   rtol=1e-5, atol=1e-6)
+print("compiled_jacobian:", J_compiled.shape,
+      "== per_sample_jacobian, for both methods, graph and XLA: True")
+
+# %% [markdown]
+# ## Tracing, and retracing
+#
+# The first call of a `tf.function` *traces* it: Python runs once and
+# records a graph. A plain `tf.function` records the shapes it saw, so a
+# batch of another size traces again - slow, and a memory leak when n
+# changes all the time. Count the traces with a Python side effect (it runs
+# only while tracing):
+
+# %%
+traces = []
+
+
+def jacobian_of_batch(x):
+    traces.append(x.shape[0])  # runs once per trace
+    return ju.vectorized.per_sample_tape_jacobian(target, x)
+
+
+no_signature = tf.function(jacobian_of_batch)
+for n in trace_sizes:
+    no_signature(tf.constant(x_all[:n]))
+print("without a signature:", len(traces), "traces for", len(trace_sizes),
+      "batch sizes; traced shapes", traces)
+
+jac = ju.compiled_jacobian(model)
+for n in trace_sizes:
+    jac(x_all[:n])
+print("compiled_jacobian:  ", jac.trace_count, "trace for", len(trace_sizes),
+      "batch sizes")
+
+# %% [markdown]
+# ## First call and steady state
+#
+# The first call pays for the trace; every later call runs the graph.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+x_1000 = x_all[:1000]
+fresh = ju.compiled_jacobian(model)
+graph = ju.time_call(fresh, x_1000, repeats=repeats)
+eager = ju.time_call(ju.per_sample_jacobian, model, x_1000, repeats=repeats)
+print(f"n = 1,000  graph: first {graph.first:.3f} s, then "
+      f"{1e3 * graph.median:.1f} ms;  eager: {1e3 * eager.median:.0f} ms")
+print(f"Finding: tf.function makes the per-sample Jacobian at n = 1,000 "
+      f"{eager.median / graph.median:.0f}x faster than eager "
+      f"({1e3 * graph.median:.1f} ms, first call {graph.first:.2f} s)")
+
+# %% [markdown]
+# Eager `tf.vectorized_map` converts the function with pfor on every call;
+# the graph did it once, while tracing.
+
+# %% [markdown]
+# ## XLA compiles once per shape
+#
+# `jit_compile=True` hands the graph to XLA, which fuses operations and
+# compiles machine code **for one concrete shape**. The signature with
+# `None` stops retracing, but not compiling: every new n compiles again.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+spec = tf.TensorSpec([None, *x_all.shape[1:]], tf.float32)
+raw_xla = tf.function(jacobian_of_batch, input_signature=[spec],
+                      jit_compile=True)
+for n in xla_sizes:
+    timing = ju.time_call(raw_xla, tf.constant(x_all[:n]), repeats=1)
+    print(f"n = {n:>3}: first call {timing.first:.2f} s (compile), "
+          f"then {1e3 * timing.median:.2f} ms")
+
+# %% [markdown]
+# The cure is to show XLA few shapes: pad the batch with zero samples to the
+# next power of two (at most `block_size`, in blocks beyond it) and cut the
+# padded rows off the result. Each sample's rows depend on that sample only,
+# so the padding changes nothing:
+
+# %%
+ju.notebook.show_source(ju.compiled.CompiledJacobian.tensor)
+
+# %%
+jac_xla = ju.compiled_jacobian(model, jit_compile=True)
+for n in xla_sizes:
+    J_xla = jac_xla(x_all[:n])
+np.testing.assert_allclose(J_xla, ju.per_sample_jacobian(model, x_all[:n]),
+                           rtol=1e-5, atol=1e-6)
+print(len(xla_sizes), "sizes ->", len(jac_xla.compiled_shapes),
+      "XLA shapes:", sorted(jac_xla.compiled_shapes),
+      "; traces:", jac_xla.trace_count)
+
+# %% [markdown]
+# ## Eager, graph and XLA, for both vectorizations
+#
+# `method="per_sample"` (`tf.vectorized_map`, linear) and `method="batch"`
+# (`tape.jacobian` over the batch, quadratic). The batch tape runs only where
+# its predicted memory fits (see `02-vectorized`).
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+eager_of = {"per_sample": ju.per_sample_jacobian,
+            "batch": ju.vectorized_jacobian}
+rows = []
+free = ju.memory.available_bytes(safety)
+for method in ["per_sample", "batch"]:
+    modes = {"eager": lambda x, m=method: eager_of[m](model, x),
+             "graph": ju.compiled_jacobian(model, method=method),
+             "XLA": ju.compiled_jacobian(model, method=method,
+                                         jit_compile=True)}
+    for n in sizes:
+        if method == "batch" and ju.memory.predicted_bytes(n) > free:
+            print(f"batch at n = {n:,}: predicted "
+                  f"{ju.memory.predicted_bytes(n) / 2**30:.0f} GiB; not run")
+            continue
+        for mode, fn in modes.items():
+            timing = ju.time_call(fn, x_all[:n], repeats=repeats)
+            rows.append((method, mode, n, timing.first, timing.median))
+print(f"{'method':<10} | {'mode':<5} | {'n':>6} | {'first s':>8} | "
+      f"{'median ms':>10}")
+for method, mode, n, first, median in rows:
+    print(f"{method:<10} | {mode:<5} | {n:>6} | {first:8.3f} | "
+          f"{1e3 * median:10.2f}")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+for ax, method in zip(axes, ["per_sample", "batch"], strict=True):
+    series = {}
+    for mode in ["eager", "graph", "XLA"]:
+        times = {n: med for m, mo, n, _, med in rows
+                 if m == method and mo == mode}
+        series[mode] = [times.get(n, np.nan) for n in sizes]
+    ju.plots.loglog_scaling(sizes, series, ax=ax)
+    ax.set_title(f'method="{method}" (steady state)')
+fig.tight_layout()
+best = {(m, mo, n): med for m, mo, n, _, med in rows}
+n_big = max(sizes)
+print(f"Finding: per-sample Jacobian at n = {n_big:,}: eager "
+      f"{best['per_sample', 'eager', n_big]:.3f} s, graph "
+      f"{best['per_sample', 'graph', n_big]:.3f} s, XLA "
+      f"{best['per_sample', 'XLA', n_big]:.3f} s")
+n_mid = max(n for m, _, n, _, _ in rows if m == "batch")
+print(f"Finding: batch tape at n = {n_mid:,}: eager "
+      f"{best['batch', 'eager', n_mid]:.3f} s, graph "
+      f"{best['batch', 'graph', n_mid]:.3f} s, XLA "
+      f"{best['batch', 'XLA', n_mid]:.3f} s")
+
+# %% [markdown]
+# Compiling removes the fixed cost of eager mode: the per-sample Jacobian
+# becomes fast at every n, and stays linear. The batch tape stays quadratic
+# whatever runs it: no compiler removes work that is computed and thrown
+# away. Whether XLA beats the plain graph depends on the machine; its first
+# call (the compile) costs far more, once per shape.
+
+# %% [markdown]
+# ## Exercises
+#
+# **1.** With `block_size=64`, which shapes does XLA compile for the batch
+# sizes 1 to 200? Predict the set, then check `compiled_shapes` (use a small
+# network, `ju.question_mlp(hidden=(8,))`, to keep it quick).
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# Solution: powers of two up to 64, then blocks of 64 (the last one padded).
+small = ju.question_mlp(hidden=(8,), seed=seed)
+jac_64 = ju.compiled_jacobian(small, jit_compile=True, block_size=64)
+for n in range(1, 201, 7):
+    jac_64(x_all[:n])
+print(sorted(jac_64.compiled_shapes))
+
+# %% [markdown]
+# **2.** `tf.function(..., reduce_retracing=True)` is another way to stop
+# retracing without a signature. Count its traces over `trace_sizes`, and
+# explain the number.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# Solution: the second new shape makes TensorFlow trace a general graph with
+# a None batch dimension, which then serves every later size: 2 traces.
+traces.clear()
+relaxed = tf.function(jacobian_of_batch, reduce_retracing=True)
+for n in trace_sizes:
+    relaxed(tf.constant(x_all[:n]))
+print(len(traces), "traces; traced batch sizes:", traces)
+
+# %% [markdown]
+# ## Keypoints
+#
+# - `tf.function` traces once and removes eager mode's per-call cost; prove
+#   the compiled Jacobian equal to the eager one.
+# - Give it an input signature with a `None` batch dimension, or every new n
+#   retraces (`jac.trace_count` stays 1).
+# - Report the first call (trace, compile) apart from the steady state.
+# - XLA compiles once per concrete shape: pad the batch to a few sizes
+#   (`jac.compiled_shapes`).
+# - Compilation cannot fix the batch tape's n²: vectorize over samples.
+# - Next, `04-chunked`: bounded memory for any n.
