@@ -12,7 +12,7 @@ export TF_CPP_MIN_LOG_LEVEL := 2
 export JUPYTER_PREFER_ENV_PATH := 1
 export PYDEVD_DISABLE_FILE_VALIDATION := 1
 
-.PHONY: setup run test test-fast lint notebooks lab lock clean bench bench-peers
+.PHONY: setup run test lint notebooks lab learner lock clean bench bench-peers
 
 setup: $(STAMP)
 
@@ -48,6 +48,10 @@ notebooks: setup
 
 lab: setup
 	$(BIN)/jupyter lab notebooks
+
+# Learner copies for a workshop: outputs cleared, solutions emptied to stubs.
+learner: setup
+	$(BIN)/python scripts/make_learner.py $(NOTEBOOKS)
 
 # Refresh requirements.lock from what is installed (after changing pyproject.toml).
 lock:
