@@ -14,6 +14,11 @@ from .layout import flat_params, from_lm_by_n, set_flat_params, to_lm_by_n
 from .loop import loop_jacobian
 from .models import question_mlp, regression_data
 from .reference import finite_difference_jacobian
+from .scipy_bridge import (
+    LeastSquaresProblem,
+    fit_least_squares,
+    least_squares_problem,
+)
 from .timing import Timing, time_call
 from .vectorized import per_sample_jacobian, vectorized_jacobian
 
@@ -21,6 +26,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CompiledJacobian",
+    "LeastSquaresProblem",
     "Timing",
     "chunk_size_for",
     "chunked_jacobian",
@@ -28,10 +34,12 @@ __all__ = [
     "compiled_jacobian",
     "dense_jacobian",
     "finite_difference_jacobian",
+    "fit_least_squares",
     "flat_params",
     "from_lm_by_n",
     "guards",
     "keras",
+    "least_squares_problem",
     "loop_jacobian",
     "memory",
     "notebook",

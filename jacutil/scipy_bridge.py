@@ -1,0 +1,155 @@
+"""A Keras model as SciPy's least-squares problem (notebook 05-scipy-least-squares).
+
+``scipy.optimize.least_squares(fun, theta0, jac=jac)`` takes residuals
+``r(theta)`` of length n*l and their (n*l) x m Jacobian. Row ``i*l + k`` is
+sample ``i``, output ``k``: exactly ``J.reshape(n*l, m)`` of the (n, l, m)
+Jacobian that every stage returns, so no transpose is needed.
+"""
+
+import numpy as np
+
+from .chunked import (
+    DEFAULT_MEMORY_BUDGET,
+    _compiled_for,
+    chunk_size_for,
+    chunked_jacobian,
+)
+from .layout import flat_params, set_flat_params
+from .target import as_batch, resolve_target
+
+
+class LeastSquaresProblem:
+    """``fun``, ``jac`` and ``theta0`` of a model fitted to ``(x, y)``.
+
+    See :func:`least_squares_problem`. ``compiled`` is the compiled Jacobian
+    that every ``jac`` call reuses (its ``trace_count`` stays 1).
+    """
+
+    def __init__(self, model, x, y, variables, training, chunk_size, memory_budget):
+        self.model = model
+        self._variables = variables
+        self._target = resolve_target(model, variables, training, x)
+        self.x = as_batch(x, self._target)
+        n_samples = int(self.x.shape[0])
+        n_outputs = int(self._target.forward(self.x[:1]).shape[1])
+        y = np.asarray(y, dtype=np.float64)
+        if y.shape[:1] != (n_samples,) or y[0].size != n_outputs:
+            raise ValueError(
+                f"y has shape {y.shape}; the model gives {n_outputs} outputs for "
+                f"each of the {n_samples} samples of x, so y should have shape "
+                f"({n_samples}, {n_outputs})."
+            )
+        self.y = y.reshape(n_samples * n_outputs)
+        self.n_samples, self.n_outputs = n_samples, n_outputs
+        self.n_params = self._target.n_params
+        self.theta0 = flat_params(model, variables=variables).astype(np.float64)
+        self._options = {
+            "variables": variables,
+            "training": training,
+            "progress": False,
+        }
+        if chunk_size is None:
+            chunk_size = chunk_size_for(
+                memory_budget or DEFAULT_MEMORY_BUDGET,
+                n_outputs,
+                self.n_params,
+                self._target.dtype.itemsize,
+            )
+        self.chunk_size = int(chunk_size)
+        self.compiled = _compiled_for(model, variables, training, False, "per_sample")
+
+    def set_params(self, theta):
+        """Write ``theta`` (length ``n_params``) into the model's variables."""
+        theta = np.asarray(theta)
+        if theta.shape != (self.n_params,):
+            raise ValueError(
+                f"theta has shape {theta.shape}, but the model has "
+                f"{self.n_params:,} trainable parameters: pass a flat vector of "
+                "that length, in flat_params(model) order - start from "
+                "problem.theta0."
+            )
+        set_flat_params(self.model, theta, variables=self._variables)
+
+    def _residuals(self, start, stop):
+        outputs = self._target.forward(self.x[start:stop]).numpy()
+        rows = slice(start * self.n_outputs, stop * self.n_outputs)
+        return outputs.astype(np.float64).ravel() - self.y[rows]
+
+    def _jacobian(self, start, stop):
+        J = chunked_jacobian(
+            self.model, self.x[start:stop], chunk_size=self.chunk_size, **self._options
+        )
+        return J.reshape(-1, self.n_params).astype(np.float64)
+
+    def fun(self, theta):
+        """Residuals ``f(x) - y`` at ``theta``: float64, row ``i*l + k``."""
+        self.set_params(theta)
+        return self._residuals(0, self.n_samples)
+
+    def jac(self, theta):
+        """The (n*l) x m Jacobian of the residuals at ``theta``, float64."""
+        self.set_params(theta)
+        return self._jacobian(0, self.n_samples)
+
+    def normal_equations(self, theta):
+        """``(J.T @ J, J.T @ r)`` at ``theta``, summed chunk by chunk.
+
+        Only one chunk of J (``chunk_size`` samples) exists at a time, so this
+        works when the whole (n*l) x m Jacobian does not fit in memory. The
+        Gauss-Newton step solves ``(JtJ + damping * I) step = -Jtr``.
+        """
+        self.set_params(theta)
+        JtJ = np.zeros((self.n_params, self.n_params))
+        Jtr = np.zeros(self.n_params)
+        for start in range(0, self.n_samples, self.chunk_size):
+            stop = min(start + self.chunk_size, self.n_samples)
+            J = self._jacobian(start, stop)
+            JtJ += J.T @ J
+            Jtr += J.T @ self._residuals(start, stop)
+        return JtJ, Jtr
+
+
+def least_squares_problem(
+    model,
+    x,
+    y,
+    *,
+    variables=None,
+    training=False,
+    chunk_size=None,
+    memory_budget=None,
+):
+    """``fun``, ``jac`` and ``theta0`` for ``scipy.optimize.least_squares``.
+
+    ``fun(theta)`` writes ``theta`` into the model and returns the residuals
+    ``f(x) - y`` (float64, length n*l); ``jac(theta)`` returns their (n*l) x m
+    Jacobian (float64) from :func:`chunked_jacobian`, whose one compiled
+    function is reused by every call: nothing is retraced. Both write theta
+    before computing, so the model always holds the last point evaluated;
+    ``jac`` needs no forward pass of ``fun``, so nothing is cached. After the
+    fit, ``set_params(result.x)`` puts the solution into the model (the last
+    point SciPy evaluated may be a rejected trial).
+    ``normal_equations(theta)`` gives JtJ and Jtr without the whole J.
+
+    Introduced in ``05-scipy-least-squares``.
+    """
+    return LeastSquaresProblem(
+        model, x, y, variables, training, chunk_size, memory_budget
+    )
+
+
+def fit_least_squares(model, x, y, **least_squares_options):
+    """Fit ``model`` to ``(x, y)`` with ``scipy.optimize.least_squares``.
+
+    Options (``method=``, ``max_nfev=``, ...) go to SciPy. The solution is
+    written into the model; SciPy's result is returned.
+    Introduced in ``05-scipy-least-squares``.
+    """
+    from scipy.optimize import least_squares
+
+    problem = least_squares_problem(model, x, y)
+    result = least_squares(
+        problem.fun, problem.theta0, jac=problem.jac, **least_squares_options
+    )
+    problem.set_params(result.x)
+    return result

@@ -1,0 +1,117 @@
+"""The SciPy bridge: its jac is the derivative of its fun, and SciPy can fit with it."""
+
+import numpy as np
+import pytest
+from scipy.optimize import least_squares
+
+import jacutil as ju
+
+
+def small_problem(dtype="float64", n_samples=12, **kwargs):
+    model = ju.question_mlp(n_inputs=4, hidden=(6, 5), n_outputs=3, dtype=dtype)
+    x, y = ju.regression_data(n_samples, n_inputs=4, n_outputs=3, dtype=dtype)
+    return model, x, y, ju.least_squares_problem(model, x, y, **kwargs)
+
+
+def finite_differences(fun, theta, step=1e-6):
+    """Central differences of fun, one parameter (column) at a time."""
+    columns = []
+    for p in range(theta.size):
+        bump = np.zeros_like(theta)
+        bump[p] = step
+        columns.append((fun(theta + bump) - fun(theta - bump)) / (2 * step))
+    return np.stack(columns, axis=1)
+
+
+def test_jac_equals_finite_differences_of_fun():
+    _, _, _, problem = small_problem()
+    theta = problem.theta0 + 0.1 * np.random.default_rng(3).standard_normal(
+        problem.n_params
+    )
+    J = problem.jac(theta)
+    reference = finite_differences(problem.fun, theta)
+    assert J.shape == (12 * 3, problem.n_params) == reference.shape
+    assert J.dtype == np.float64
+    assert np.abs(reference).max() > 0.1  # not trivially zero
+    np.testing.assert_allclose(J, reference, rtol=1e-6, atol=1e-8)
+
+
+def test_residual_rows_are_sample_major():
+    """Row i*l + k is sample i, output k: J.reshape(n*l, m) of (n, l, m)."""
+    model, x, y, problem = small_problem()
+    J = ju.per_sample_jacobian(model, x)
+    np.testing.assert_allclose(
+        problem.jac(problem.theta0), J.reshape(-1, J.shape[2]), rtol=1e-12
+    )
+    np.testing.assert_allclose(
+        problem.fun(problem.theta0), (model(x).numpy() - y).ravel(), rtol=1e-12
+    )
+
+
+def test_float32_model_gives_float64_arrays():
+    _, _, _, problem = small_problem("float32")
+    assert problem.fun(problem.theta0).dtype == np.float64
+    assert problem.jac(problem.theta0).dtype == np.float64
+    assert problem.theta0.dtype == np.float64
+
+
+def test_least_squares_lowers_the_loss():
+    model, x, y, problem = small_problem(n_samples=100)
+    start = np.mean(problem.fun(problem.theta0) ** 2)
+    result = least_squares(problem.fun, problem.theta0, jac=problem.jac, method="lm")
+    final = np.mean(result.fun**2)
+    assert start > 0.5
+    assert final < 0.01  # from about 0.51; the noise alone is 0.0025
+    assert problem.compiled.trace_count == 1
+
+
+def test_fit_writes_the_solution_into_the_model():
+    model, x, y, _ = small_problem(n_samples=40)
+    result = ju.fit_least_squares(model, x, y, method="trf", max_nfev=20)
+    np.testing.assert_array_equal(ju.flat_params(model), result.x)
+    np.testing.assert_allclose(
+        (model(x).numpy() - y).ravel(), result.fun, rtol=1e-10, atol=1e-12
+    )
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 40])
+def test_chunked_normal_equations_equal_the_full_ones(chunk_size):
+    _, _, _, problem = small_problem(n_samples=20, chunk_size=chunk_size)
+    theta = problem.theta0 + 0.05
+    J, r = problem.jac(theta), problem.fun(theta)
+    JtJ, Jtr = problem.normal_equations(theta)
+    assert JtJ.shape == (problem.n_params, problem.n_params)
+    np.testing.assert_allclose(JtJ, J.T @ J, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(Jtr, J.T @ r, rtol=1e-10, atol=1e-12)
+    assert problem.compiled.trace_count == 1
+
+
+def test_chunk_size_from_memory_budget():
+    budget = 5 * ju.chunked.bytes_per_sample(3, 83, 8)
+    _, _, _, problem = small_problem(n_samples=20, memory_budget=budget)
+    assert problem.n_params == 83
+    assert problem.chunk_size == 5
+
+
+def test_no_retrace_across_calls():
+    _, _, _, problem = small_problem()
+    for scale in (0.0, 0.1, 0.2):
+        theta = problem.theta0 + scale
+        problem.fun(theta)
+        problem.jac(theta)
+        problem.normal_equations(theta)
+    assert problem.compiled.trace_count == 1
+
+
+@pytest.mark.parametrize("method", ["fun", "jac", "normal_equations", "set_params"])
+def test_bad_theta_length_is_a_clear_error(method):
+    _, _, _, problem = small_problem()
+    with pytest.raises(ValueError, match="83 trainable parameters"):
+        getattr(problem, method)(problem.theta0[:-1])
+
+
+def test_bad_y_shape_is_a_clear_error():
+    model = ju.question_mlp(n_inputs=4, hidden=(5,), n_outputs=3)
+    x, y = ju.regression_data(10, n_inputs=4, n_outputs=2)
+    with pytest.raises(ValueError, match=r"should have shape \(10, 3\)"):
+        ju.least_squares_problem(model, x, y)
