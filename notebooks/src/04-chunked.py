@@ -1,0 +1,270 @@
+# ---
+# jupyter:
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 04 · Chunked: a Jacobian of any size in bounded memory
+#
+# **Questions**
+# - How much memory does the Jacobian of n samples need, and where does it
+#   go?
+# - How do I choose a chunk size from a memory budget?
+# - How do I compute a Jacobian larger than memory, and prove it right?
+#
+# **Objectives**
+# - Measure the memory model: the result's bytes plus working memory per
+#   sample.
+# - Compute a Jacobian larger than the budget into a memory-mapped `.npy`,
+#   chunk by chunk, with a progress bar, and prove it equal to the
+#   unchunked result.
+# - Plot peak memory and time against the chunk size, for both
+#   vectorizations.
+#
+# *Teaching: 15 min · Exercises: 15 min*
+
+# %% [markdown]
+# ## Setup
+
+# %%
+import tempfile
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+import jacutil as ju
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print(ju.notebook.device_summary())
+
+# %% tags=["parameters"]
+n_samples = 12000  # samples in the Jacobian written to disk
+budget_mib = 64  # memory budget for the chunks, MiB
+n_sweep = 10000  # samples in the sweeps over chunk sizes
+chunk_sizes = [32, 128, 512, 2048]  # per-sample method
+batch_chunk_sizes = [16, 64, 256]  # batch tape inside each chunk
+seed = 0
+
+# %%
+model = ju.question_mlp(seed=seed)
+x = ju.regression_data(max(n_samples, n_sweep), seed=seed)[0]
+n_outputs, n_params, itemsize = 2, ju.flat_params(model).size, 4
+row_bytes = n_outputs * n_params * itemsize  # one sample's rows of J
+print(f"one sample's rows: {n_outputs} x {n_params:,} x {itemsize} bytes "
+      f"= {row_bytes:,} bytes")
+print(f"J of {n_samples:,} samples: {n_samples * row_bytes / 2**20:,.0f} MiB;"
+      f" budget {budget_mib} MiB")
+
+# %% [markdown]
+# ## The memory model
+#
+# Computing the rows of `c` samples at once needs the rows themselves, the
+# per-variable blocks before they are joined, and what TensorFlow keeps in
+# its pool: a multiple of `c · l · m · itemsize`. The multiple was
+# **measured** (not guessed) and is stored in `jacutil.chunked`:
+
+# %%
+ju.notebook.show_source(ju.chunked.bytes_per_sample)
+ju.notebook.show_source(ju.chunk_size_for)
+print("WORKING_MEMORY_FACTOR =", ju.chunked.WORKING_MEMORY_FACTOR)
+
+# %% [markdown]
+# Measure it again. Each chunk size runs `chunked_jacobian` of `n_sweep`
+# samples into a memory-mapped file, in a fresh process (TensorFlow keeps
+# the memory it grew; see `02-vectorized`), and we fit
+# `peak = b · chunk + c`.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+peaks = ju.memory.measure_in_fresh_process("chunked", chunk_sizes,
+                                           n_samples=n_sweep)
+fitted = ju.memory.MemoryModel.fit(chunk_sizes, peaks, quadratic=False)
+for c, peak in zip(chunk_sizes, peaks, strict=True):
+    print(f"chunk {c:>5}: peak {peak / 2**20:7.1f} MiB "
+          f"= {peak / (c * row_bytes):4.1f} x the chunk's rows")
+factor = fitted.linear / row_bytes
+print(f"Finding: working memory per sample = {factor:.1f} x its rows "
+      f"({fitted.linear / 1e3:.0f} kB); stored factor "
+      f"{ju.chunked.WORKING_MEMORY_FACTOR}")
+
+# %% [markdown]
+# ## A chunk size from a budget
+
+# %%
+budget = budget_mib * 2**20
+chunk = ju.chunk_size_for(budget, n_outputs, n_params, itemsize)
+print(f"budget {budget_mib} MiB -> chunks of {chunk} samples, "
+      f"{-(-n_samples // chunk)} chunks")
+
+# %% [markdown]
+# ## A Jacobian larger than the budget, on disk
+#
+# `np.lib.format.open_memmap` creates a `.npy` file and maps it into memory:
+# writing to it writes to the file, and the kernel keeps only what fits.
+# `chunked_jacobian` writes each chunk into it and shows a progress bar. A
+# call on two samples first traces the compiled function, so that the
+# trace's own memory is not measured.
+
+# %%
+ju.notebook.show_source(ju.chunked_jacobian)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+ju.chunked_jacobian(model, x[:2], progress=False)  # trace once, before
+folder = tempfile.TemporaryDirectory()
+path = Path(folder.name) / "jacobian.npy"
+out = np.lib.format.open_memmap(path, mode="w+", dtype="float32",
+                                shape=(n_samples, n_outputs, n_params))
+use = ju.memory.peak_memory(ju.chunked_jacobian, model, x[:n_samples],
+                            memory_budget=budget, out=out)
+out.flush()
+print(f"wrote {path.stat().st_size / 2**20:,.0f} MiB in {use.seconds:.2f} s;"
+      f" peak memory {use.peak / 2**20:.0f} MiB (budget {budget_mib} MiB)")
+print(f"Finding: a {out.nbytes / 2**20:,.0f} MiB Jacobian written to disk in "
+      f"{use.seconds:.2f} s with peak memory {use.peak / 2**20:.0f} MiB "
+      f"(budget {budget_mib} MiB)")
+
+# %%
+print("result is the memory-mapped array:", use.result is out)
+
+# %% [markdown]
+# The peak stays near the budget, not near the size of the result: the
+# budget bounds the chunks, whatever n is. It is a model, not a hard limit -
+# a few MiB of fixed cost (the progress bar, the pool) come on top, so leave
+# a margin.
+
+# %% [markdown]
+# ### Proof: the same as the unchunked result
+#
+# The unchunked Jacobian is `compiled_jacobian` of `03` over the whole batch.
+# Read the file back and compare every entry.
+
+# %%
+del use, out  # close the map; the data are in the file
+unchunked = ju.compiled_jacobian(model)(x[:n_samples])
+on_disk = np.load(path, mmap_mode="r")
+np.testing.assert_allclose(on_disk, unchunked, rtol=1e-5, atol=1e-6)
+print("chunked on disk", on_disk.shape, "== unchunked: True")
+del on_disk, unchunked
+
+# %% [markdown]
+# ## Peak memory and time against the chunk size
+#
+# Memory grows linearly with the chunk. Time falls as chunks grow (fewer
+# calls), then flattens. With the batch-wide tape inside each chunk
+# (`method="batch"`), the work *inside* a chunk is quadratic: its best chunk
+# is small.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+sweep = np.lib.format.open_memmap(Path(folder.name) / "sweep.npy", mode="w+",
+                                  dtype="float32",
+                                  shape=(n_sweep, n_outputs, n_params))
+times = {}
+for method, sizes in [("per_sample", chunk_sizes),
+                      ("batch", batch_chunk_sizes)]:
+    for c in sizes:
+        timing = ju.time_call(ju.chunked_jacobian, model, x[:n_sweep],
+                              chunk_size=c, out=sweep, method=method,
+                              progress=False, repeats=1)
+        times[method, c] = timing.median
+        print(f"{method:<10} chunk {c:>5}: {timing.median:6.2f} s "
+              f"(first call {timing.first:.2f} s)")
+del sweep
+folder.cleanup()  # the temporary files are deleted
+print("temporary folder deleted:", not Path(folder.name).exists())
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+all_sizes = sorted(set(chunk_sizes) | set(batch_chunk_sizes))
+fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(11, 4))
+ju.plots.loglog_scaling(
+    chunk_sizes,
+    {"measured peak": [p / 2**20 for p in peaks],
+     "model b*chunk + c": list(fitted.predict(chunk_sizes) / 2**20)},
+    xlabel="chunk size", ylabel="peak MiB", ax=ax_m)
+ax_m.set_title(f"per-sample chunks, n = {n_sweep:,}")
+ju.plots.loglog_scaling(
+    all_sizes,
+    {f'method="{m}"': [times.get((m, c), np.nan) for c in all_sizes]
+     for m in ["per_sample", "batch"]},
+    xlabel="chunk size", ax=ax_t)
+ax_t.set_title(f"time for n = {n_sweep:,}")
+fig.tight_layout()
+best = min(chunk_sizes, key=lambda c: times["per_sample", c])
+best_batch = min(batch_chunk_sizes, key=lambda c: times["batch", c])
+print(f"Finding: n = {n_sweep:,}: per-sample chunks of {best} take "
+      f"{times['per_sample', best]:.2f} s; the batch tape's best chunk is "
+      f"{best_batch} ({times['batch', best_batch]:.2f} s), its largest "
+      f"{max(batch_chunk_sizes)} takes "
+      f"{times['batch', max(batch_chunk_sizes)]:.2f} s")
+
+# %% [markdown]
+# Pick the chunk from the budget: beyond a few hundred samples a larger chunk
+# buys little time and costs memory in proportion. The per-sample method is
+# the default inside a chunk; the batch tape is quadratic in the chunk.
+
+# %% [markdown]
+# ## Exercises
+#
+# **1.** Your budget is 16 MiB and the model is in float64. What chunk size
+# does `chunk_size_for` give? Run `chunked_jacobian` with that budget on a
+# float64 copy of the model and check it against `per_sample_jacobian`.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# Solution: float64 doubles the bytes per sample, so the chunk halves.
+model64 = ju.question_mlp(seed=seed, dtype="float64")
+model64.set_weights(model.get_weights())
+x64 = x[:300].astype("float64")
+c64 = ju.chunk_size_for(16 * 2**20, n_outputs, n_params, 8)
+J64 = ju.chunked_jacobian(model64, x64, memory_budget=16 * 2**20,
+                          progress=False)
+np.testing.assert_allclose(J64, ju.per_sample_jacobian(model64, x64),
+                           rtol=1e-10, atol=1e-12)
+print("chunk size:", c64, " J:", J64.shape, J64.dtype, " equal: True")
+
+# %% [markdown]
+# **2.** A long job can stop half-way. Fill a memory-mapped file in two
+# calls - the first half of the samples, then the second, each into its
+# slice of the file (`out=mm[:half]`) - and check that the file equals one
+# call over all samples.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# Solution: a slice of a memmap is a memmap; open it again with mode="r+"
+# to resume after a restart.
+with tempfile.TemporaryDirectory() as tmp:
+    file = Path(tmp) / "J.npy"
+    n_ex = min(400, len(x))
+    half = n_ex // 2
+    mm = np.lib.format.open_memmap(file, mode="w+", dtype="float32",
+                                   shape=(n_ex, n_outputs, n_params))
+    ju.chunked_jacobian(model, x[:half], chunk_size=64, out=mm[:half],
+                        progress=False)
+    del mm  # stopped here; resume:
+    mm = np.lib.format.open_memmap(file, mode="r+")
+    ju.chunked_jacobian(model, x[half:n_ex], chunk_size=64, out=mm[half:],
+                        progress=False)
+    np.testing.assert_allclose(mm, ju.chunked_jacobian(model, x[:n_ex],
+                                                       progress=False),
+                               rtol=1e-5, atol=1e-6)
+    del mm
+print("two halves == one call: True")
+
+# %% [markdown]
+# ## Keypoints
+#
+# - Memory of the per-sample Jacobian = the result (`n · l · m · itemsize`)
+#   plus working memory for one chunk, about
+#   `WORKING_MEMORY_FACTOR` times the chunk's rows - measured, in a fresh
+#   process, as resident memory.
+# - `chunk_size_for` turns a budget into a chunk size; `chunked_jacobian`
+#   writes chunk by chunk into any array, including a memory-mapped `.npy`
+#   larger than memory.
+# - Prove the chunked result equal to the unchunked one.
+# - Larger chunks cost memory in proportion and buy little time; with the
+#   batch tape inside a chunk, keep chunks small.
