@@ -327,6 +327,41 @@ def measure_in_fresh_process(name, sizes, seed=0):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def profile_dense(model, x, repeats=5):
+    """Where the hand-derived path's time goes at one n: ``{piece: seconds}``.
+
+    Each piece includes the ones before it: the forward pass alone, the
+    column blocks (not joined), the joined tensor, ``jac(x)`` (a NumPy view
+    of it), ``jac(x, copy=True)``; and the floor.
+    """
+    from .dense_jacobian import dense_blocks
+
+    jac = compiled_dense_jacobian(model)
+    if jac.fallback:
+        raise ValueError(f"the hand-derived path does not apply: {jac.fallback}.")
+    x_tensor = tf.constant(x)
+    spec = [tf.TensorSpec([None, x.shape[1]], x_tensor.dtype)]
+    forward = tf.function(lambda x: model(x, training=False), input_signature=spec)
+    blocks = tf.function(
+        lambda x: dense_blocks(jac.chain, jac.target.variables, x),
+        input_signature=spec,
+    )
+    shape = (len(x), int(model.outputs[0].shape[-1]), jac.target.n_params)
+    pieces = {
+        "forward pass only": lambda: forward(x_tensor),
+        "column blocks, not joined": lambda: blocks(x_tensor),
+        "joined: the (n, l, m) tensor": lambda: jac.tensor(x_tensor),
+        "jac(x): a read-only NumPy view": lambda: jac(x),
+        "jac(x, copy=True): writable": lambda: jac(x, copy=True),
+        "floor: write a new array": lambda: write_floor(shape),
+    }
+    timings = {}
+    for name, piece in pieces.items():
+        piece()
+        timings[name] = float(np.median(_times(lambda _, p=piece: p(), None, repeats)))
+    return timings
+
+
 def _results_at(results, n):
     return {r["path"]: r for r in results["results"] if r["n"] == n}
 
@@ -398,7 +433,23 @@ def markdown(results):
         "was predicted, not run).",
     ]
     tables = [table_at(results, n) for n in results["sizes"]]
+    if "profile" in results:
+        tables.append(profile_table(results["profile"]))
     return "\n\n".join(["\n".join(head), *tables]) + "\n"
+
+
+def profile_table(profile):
+    """Markdown: where the hand-derived path's time goes (see ``profile_dense``)."""
+    lines = [
+        f"**Where the hand-derived path's time goes, n = {profile['n']:,}** "
+        "(each piece includes the ones above it)",
+        "",
+        "| piece | median |",
+        "|---|---:|",
+    ]
+    for name, seconds in profile["seconds"].items():
+        lines.append(f"| {name} | {_seconds(seconds)} |")
+    return "\n".join(lines)
 
 
 def series(results):
@@ -414,13 +465,35 @@ def series(results):
     return out
 
 
+def slopes(results):
+    """``{label: fitted slope of log(median) against log(n)}``, two sizes or more."""
+    from .plots import fitted_slope
+
+    out = {}
+    for label, values in series(results).items():
+        ran = [(n, v) for n, v in zip(results["sizes"], values, strict=True) if v]
+        if len(ran) >= 2:
+            out[label] = fitted_slope([n for n, _ in ran], [v for _, v in ran])
+    return out
+
+
 def plot(results, ax=None):
     """Log-log plot of every path's median against n, with fitted slopes."""
+    import matplotlib.pyplot as plt
+
     from .plots import loglog_scaling
 
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 4.5))
+    colors = plt.cm.tab20.colors
+    ax.set_prop_cycle(color=colors[::2] + colors[1::2])  # 20 distinct colours
     ax = loglog_scaling(results["sizes"], series(results), ax=ax)
-    ax.set_title("Per-sample Jacobian, question's network")
-    ax.legend(fontsize=7, loc="upper left")
+    for line in ax.get_lines():
+        if line.get_label().startswith("write floor"):
+            line.set(color="black", linestyle="--")
+    ax.set_title("Per-sample Jacobian of the question's network: median time")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    ax.figure.tight_layout()
     return ax
 
 
@@ -435,9 +508,8 @@ def save(results, out):
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     (out / "results.md").write_text(markdown(results))
-    fig, ax = plt.subplots(figsize=(8, 5.5))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     plot(results, ax=ax)
-    fig.tight_layout()
     fig.savefig(out / "scaling.png", dpi=120)
     plt.close(fig)
     return out
@@ -461,6 +533,12 @@ def main(argv=None):
     parser.add_argument(
         "--quick", action="store_true", help="sizes 100 1,000, 3 repeats, memory inline"
     )
+    parser.add_argument(
+        "--no-profile",
+        dest="profile",
+        action="store_false",
+        help="skip timing the pieces of the hand-derived path",
+    )
     parser.add_argument("--out", default="build/bench")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--measure-memory", metavar="PATH", help=argparse.SUPPRESS)
@@ -479,6 +557,11 @@ def main(argv=None):
         seed=args.seed,
     )
     results["machine"]["load_average_after"] = [round(v, 2) for v in os.getloadavg()]
+    n = max(args.sizes)
+    if args.profile and "dense" in results["labels"]:
+        x = regression_data(n, seed=args.seed)[0]
+        profile = profile_dense(question_mlp(seed=args.seed), x, args.repeats)
+        results["profile"] = {"n": n, "seconds": profile}
     out = save(results, args.out)
     print()
     print(markdown(results))

@@ -109,8 +109,8 @@ def _outer(a, delta):
     return tf.reshape(product, [n_samples, n_outputs, -1])
 
 
-def dense_tensor_jacobian(chain, variables, x):
-    """(n, l, m) tensor of the hand-derived Jacobian; columns follow ``variables``.
+def dense_blocks(chain, variables, x):
+    """The Jacobian's column blocks, (n, l, size) each, in ``variables`` order.
 
     A kernel followed by its bias is one block: the layer's input with a
     column of ones appended gives the kernel's rows and then the bias's.
@@ -148,7 +148,12 @@ def dense_tensor_jacobian(chain, variables, x):
             delta = tf.matmul(delta, layer.kernel, transpose_b=True)
             if slopes[j - 1] is not None:
                 delta = delta * slopes[j - 1][:, None, :]
-    return tf.concat([blocks[i] for i in sorted(blocks)], axis=2)
+    return [blocks[i] for i in sorted(blocks)]
+
+
+def dense_tensor_jacobian(chain, variables, x):
+    """(n, l, m) tensor of the hand-derived Jacobian; columns follow ``variables``."""
+    return tf.concat(dense_blocks(chain, variables, x), axis=2)
 
 
 class DenseJacobian:

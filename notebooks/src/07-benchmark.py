@@ -1,0 +1,254 @@
+# ---
+# jupyter:
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 07 · The benchmark: every path side by side, and the fastest one
+#
+# **Questions**
+# - How do all the stages compare on the same work, measured in one run?
+# - How fast can a per-sample Jacobian get, and what is the limit?
+# - Which path should I use, and when?
+#
+# **Objectives**
+# - Derive the per-sample Jacobian of a Dense network by hand and prove it
+#   equal to autodiff and to finite differences.
+# - Run the benchmark of `make bench` on a small scale and read its table:
+#   ratios to the loop, to the fastest path and to the *write floor*.
+# - Explain where the fastest path's time goes, and choose a path for a job.
+#
+# *Teaching: 20 min · Exercises: 15 min*
+
+# %% [markdown]
+# ## Setup
+
+# %%
+import numpy as np
+from IPython.display import Markdown, display
+
+import jacutil as ju
+from jacutil import bench, keras
+from jacutil.dense_jacobian import dense_blocks
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print(ju.notebook.device_summary())
+
+# %% tags=["parameters"]
+sizes = [100, 1000]  # numbers of samples the benchmark runs at
+repeats = 3  # timed runs after the first, per path and size
+max_seconds = 10  # skip a path at a size if all its runs would take longer
+paths = None  # None: every path; or a list of names from bench.PATHS
+n_check = 4  # samples in the correctness checks
+seed = 0
+
+# %% [markdown]
+# ## The fastest path: derive it by hand
+#
+# Autodiff is general: it records the forward pass and replays it backwards,
+# once per output and sample. For a chain of Dense layers we can write the
+# answer down instead. A layer computes $z = aW + b$ and $a' = \sigma(z)$. Let
+# $\delta_{ikq} = \partial y_{ik} / \partial z_{iq}$ be how output $k$ of
+# sample $i$ moves with unit $q$. Then
+#
+# $$\frac{\partial y_{ik}}{\partial W_{pq}} = a_{ip}\,\delta_{ikq}, \qquad
+# \frac{\partial y_{ik}}{\partial b_q} = \delta_{ikq}, \qquad
+# \delta^{\text{below}} = (\delta W^\top) \odot \sigma'(z^{\text{below}}).$$
+#
+# Each weight's derivative is an **outer product** of the layer's input and the
+# back-propagated signal: the per-example-gradient trick (Goodfellow 2015,
+# BackPACK). Append a column of ones to the input and one outer product gives
+# the kernel's columns followed by the bias's, in `flat_params` order.
+
+# %%
+ju.notebook.show_source(dense_blocks)
+
+# %% [markdown]
+# `compiled_dense_jacobian(model)` wraps this in a `tf.function` with a `None`
+# batch dimension. For any model that is not a chain of Dense layers with
+# relu, tanh, sigmoid or linear activations it falls back to the autodiff
+# per-sample stage, and says why.
+
+# %% [markdown]
+# ## Is it right?
+#
+# In float64 against finite differences, on a smaller network of the same
+# kind with three outputs (finite differences need two forward passes per
+# parameter); then on the question's network in float32 against the autodiff
+# per-sample stage of notebook 02.
+
+# %%
+small64 = ju.question_mlp(n_inputs=4, n_outputs=3, hidden=(8, 6),
+                          seed=seed, dtype="float64")
+x_small = np.random.default_rng(seed).standard_normal((n_check, 4))
+J_hand = ju.dense_jacobian(small64, x_small)
+J_fd = ju.finite_difference_jacobian(small64, x_small)
+np.testing.assert_allclose(J_hand, J_fd, rtol=1e-6, atol=1e-9)
+print("hand-derived:", J_hand.shape, J_hand.dtype,
+      "== finite differences: True")
+
+model = ju.question_mlp(seed=seed)
+jac = ju.compiled_dense_jacobian(model)
+x32 = ju.regression_data(n_check, seed=seed)[0]
+np.testing.assert_allclose(jac(x32), ju.per_sample_jacobian(model, x32),
+                           rtol=1e-5, atol=1e-6)
+print("compiled, float32 == per_sample_jacobian: True")
+print("fallback:", jac.fallback)
+
+# %% [markdown]
+# A convolution is not a Dense layer, so the same call falls back:
+
+# %%
+conv = keras.Sequential([
+    keras.Input((6, 6, 1)),
+    keras.layers.Conv2D(2, 3, activation="tanh"),
+    keras.layers.Flatten(),
+    keras.layers.Dense(2),
+])
+x_conv = np.random.default_rng(seed).standard_normal((3, 6, 6, 1))
+jac_conv = ju.compiled_dense_jacobian(conv)
+np.testing.assert_allclose(jac_conv(x_conv.astype("float32")),
+                           ju.per_sample_jacobian(conv, x_conv),
+                           rtol=1e-5, atol=1e-6)
+print("fallback:", jac_conv.fallback)
+
+# %% [markdown]
+# ## The benchmark
+#
+# `make bench` runs every path at n = 100, 1,000 and 10,000 in one process;
+# here a small run of the same code. Each path's first call (trace, compile)
+# is timed apart, then `repeats` more give the median; each result is checked
+# against the compiled per-sample stage before it is timed. A path is skipped
+# where its predicted time is too long, or (the quadratic `tape.jacobian`)
+# where its predicted memory does not fit. JAX and PyTorch join when
+# installed (`make bench-peers`).
+#
+# The **floor** is the time to write a new array of the Jacobian's size,
+# `np.full((n, l, m), 1.0)`: any function that returns a new Jacobian has to
+# do at least that.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+results = bench.run_bench(sizes, repeats=repeats, max_seconds=max_seconds,
+                          memory_mode="inline", paths=paths, seed=seed)
+
+# %% [markdown]
+# Peak memory here is measured in this process (`memory_mode="inline"`), so
+# memory that an earlier path left in TensorFlow's pool is not counted again;
+# `make bench` measures each path in a fresh process.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+for n in sizes:
+    display(Markdown(bench.table_at(results, n)))
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+ax = bench.plot(results)
+largest = max(sizes)
+share = bench.ratios(results, largest)
+fastest = min(share, key=lambda p: share[p][1])
+label = results["labels"][fastest]
+print(f"Finding: at n = {largest:,} the fastest path is {label}, "
+      f"{share[fastest][2]:.1f}x the write floor")
+if "compiled" in share and "dense" in share:
+    gain = share["compiled"][1] / share["dense"][1]
+    print(f"Finding: hand-derived is {gain:.1f}x faster than vectorized_map "
+          f"(tf.function) at n = {largest:,}")
+
+# %% [markdown]
+# ## Scaling slopes
+#
+# The slope of log(time) against log(n): 1 is linear, 2 quadratic. Below
+# about n = 1,000 the fast paths are still paying fixed costs (dispatch,
+# small kernels), so their slopes sit below 1 until the work dominates.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+for label, slope in bench.slopes(results).items():
+    print(f"{label:<45} slope {slope:4.2f}")
+
+# %% [markdown]
+# ## Where the time goes
+#
+# Time the hand-derived path piece by piece at the largest n. Each piece
+# includes the ones above it.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+x_big = ju.regression_data(largest, seed=seed)[0]
+profile = bench.profile_dense(model, x_big, repeats=repeats)
+display(Markdown(bench.profile_table({"n": largest, "seconds": profile})))
+
+# %% [markdown]
+# The forward pass and the back-propagated signals are tiny matrices; almost
+# all of the time is **writing the result**, n · l · m numbers (228 MB at
+# n = 10,000). The outer products write it once, `tf.concat` joins the blocks
+# (a second pass), and `.numpy()` would copy it a third time. `jac(x)` hands
+# back a read-only view of TensorFlow's buffer instead; ask for
+# `jac(x, copy=True)` only when you must write into the array. Past this
+# point the arithmetic is free and only memory bandwidth counts: the floor.
+
+# %% [markdown]
+# ## Which path, when
+#
+# | job | use | why |
+# |---|---|---|
+# | a chain of Dense layers, any n | `compiled_dense_jacobian` | no tape, near the write floor |
+# | any other model, fits in memory | `compiled_jacobian` | autodiff `vectorized_map`, linear in n |
+# | any model, larger than memory | `chunked_jacobian(..., out=memmap)` | bounded memory, same speed |
+# | one small batch, once | `per_sample_jacobian` | no compile to wait for |
+# | never | `loop_jacobian`, `vectorized_jacobian` for large n | overhead per pass; n² memory |
+#
+# XLA (`jit_compile=True`) pays a compile per new n, and on this small
+# network on a CPU it gains little or nothing over the plain `tf.function`:
+# measure before you switch it on.
+
+# %% [markdown]
+# ## Exercises
+#
+# **1.** The last layer is linear, so its signal is the identity: the last
+# block of columns is just the layer's input, with a one appended, on the
+# diagonal. Compute the last 66 columns of the Jacobian of `x32` with NumPy
+# alone (the activations of the second hidden layer, `model.layers[1]`), and
+# check them against `jac(x32)`.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# Solution: dy_k/dW[p, q] = a[p] if q == k else 0; dy_k/db[q] = 1 if q == k.
+hidden = keras.Sequential(model.layers[:2])(x32).numpy()  # (n, 32)
+a_aug = np.concatenate([hidden, np.ones((len(x32), 1), "float32")], axis=1)
+eye = np.eye(2, dtype="float32")
+last = np.einsum("ip,kq->ikpq", a_aug, eye).reshape(len(x32), 2, -1)
+np.testing.assert_allclose(last, jac(x32)[:, :, -66:], rtol=1e-6)
+print("last 66 columns by hand: True")
+
+# %% [markdown]
+# **2.** How much does a writable result cost? Time `jac(x)` and
+# `jac(x, copy=True)` at n = 1,000 with `ju.time_call`, and compare the
+# difference with the floor in the table above.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# NBVAL_IGNORE_OUTPUT
+# Solution: the copy reads and writes every number once more.
+x_1000 = ju.regression_data(1000, seed=seed)[0]
+view = ju.time_call(jac, x_1000, repeats=repeats).median
+copy = ju.time_call(jac, x_1000, copy=True, repeats=repeats).median
+print(f"view {1e3 * view:.1f} ms, copy {1e3 * copy:.1f} ms, "
+      f"the copy adds {1e3 * (copy - view):.1f} ms")
+
+# %% [markdown]
+# ## Keypoints
+#
+# - Measure every path in one run, after a warm-up, with the first call
+#   apart, and compare ratios, not absolute times on a shared machine.
+# - For Dense networks the per-sample Jacobian can be written down: outer
+#   products of each layer's input and its back-propagated signal. It equals
+#   autodiff and is the fastest path; other models fall back to autodiff.
+# - Near the limit the cost is writing n · l · m numbers: avoid extra copies
+#   (joins, `.numpy()`) and compare with the write floor.
+# - The nested loop and the batch-wide `tape.jacobian` are never the answer
+#   at scale: one is overhead-bound, the other quadratic in memory.
