@@ -59,7 +59,7 @@ lock:
 
 # Every path at n = 100, 1,000, 10,000 in one process (a few minutes): tables,
 # ratios to the loop, the fastest path and the write floor, and a log-log plot
-# in build/bench/. Smaller: make bench BENCH_ARGS="--sizes 100 1000 --quick".
+# in build/bench/. A quick look: make bench BENCH_ARGS=--quick (n = 100, 1,000).
 bench: setup
 	$(BIN)/python -m jacutil.bench $(BENCH_ARGS)
 
