@@ -162,9 +162,7 @@ def _predicted_peak(done, path, n):
 
 def _skip_reason(done, path, n, repeats, max_seconds):
     predicted = _predict(done, path, n)
-    if predicted is not None and predicted * (repeats + 1) > max_seconds:
-        return predicted, f"predicted {repeats + 1} x {_seconds(predicted)}"
-    if PATHS[path].exponent == 2:
+    if PATHS[path].exponent == 2:  # memory first: it is the real limit
         peak = _predicted_peak(done, path, n)
         free = _available()
         if peak is not None and peak > free:
@@ -172,6 +170,8 @@ def _skip_reason(done, path, n, repeats, max_seconds):
                 f"out of memory: needs about {peak / 2**30:.0f} GiB, "
                 f"{free / 2**30:.0f} GiB free"
             )
+    if predicted is not None and predicted * (repeats + 1) > max_seconds:
+        return predicted, f"predicted {repeats + 1} x {_seconds(predicted)}"
     return predicted, None
 
 
