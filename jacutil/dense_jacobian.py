@@ -103,9 +103,16 @@ def dense_chain(model, variables=None):
 
 
 def _outer(a, delta):
-    """(n, l, p*q) block: ``a[i, p] * delta[i, k, q]``, column ``p*q_size + q``."""
+    """(n, l, p*q) block: ``a[i, p] * delta[i, k, q]``, column ``p*q_size + q``.
+
+    Written as a batch of (p, 1) @ (1, q) matrix products: on a CPU that
+    writes the block faster than the equivalent broadcast multiply.
+    """
     n_samples, n_outputs = tf.shape(delta)[0], tf.shape(delta)[1]
-    product = a[:, None, :, None] * delta[:, :, None, :]
+    column = tf.broadcast_to(
+        a[:, None, :, None], [n_samples, n_outputs, tf.shape(a)[1], 1]
+    )
+    product = tf.matmul(column, delta[:, :, None, :])  # (n, l, p, q)
     return tf.reshape(product, [n_samples, n_outputs, -1])
 
 
