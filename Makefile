@@ -54,8 +54,11 @@ learner: setup
 	$(BIN)/python scripts/make_learner.py $(NOTEBOOKS)
 
 # Refresh requirements.lock from what is installed (after changing pyproject.toml).
+# Benchmark peers (make bench-peers) are not part of the lock.
 lock:
-	$(BIN)/python -m pip freeze --exclude-editable | grep -v '^jacutil' > requirements.lock
+	$(BIN)/python -m pip freeze --exclude-editable \
+		| grep -v -i -E '^(jacutil|jax|jaxlib|torch|sympy|mpmath|networkx)==' \
+		> requirements.lock
 
 # Every path at n = 100, 1,000, 10,000 in one process (a few minutes): tables,
 # ratios to the loop, the fastest path and the write floor, and a log-log plot
