@@ -18,6 +18,7 @@ from .scipy_bridge import (
     LeastSquaresProblem,
     fit_least_squares,
     least_squares_problem,
+    levenberg_marquardt,
 )
 from .timing import Timing, time_call
 from .vectorized import per_sample_jacobian, vectorized_jacobian
@@ -40,6 +41,7 @@ __all__ = [
     "guards",
     "keras",
     "least_squares_problem",
+    "levenberg_marquardt",
     "loop_jacobian",
     "memory",
     "notebook",

@@ -115,3 +115,64 @@ def test_bad_y_shape_is_a_clear_error():
     x, y = ju.regression_data(10, n_inputs=4, n_outputs=2)
     with pytest.raises(ValueError, match=r"should have shape \(10, 3\)"):
         ju.least_squares_problem(model, x, y)
+
+
+@pytest.mark.parametrize("scaling", ["diag", "identity"])
+def test_levenberg_marquardt_lowers_the_loss(scaling):
+    model, x, y, problem = small_problem(n_samples=100, chunk_size=30)
+    result = ju.levenberg_marquardt(problem, max_steps=60, scaling=scaling)
+    history = result["history"]
+    assert history[0, 1] > 0.5  # the MSE at theta0
+    assert history[-1, 1] < 0.01  # about 0.005; the noise alone is 0.0025
+    assert np.isclose(history[-1, 1], np.mean(problem.fun(result["theta"]) ** 2))
+    assert result["n_accepted"] <= result["n_jev"] <= result["n_accepted"] + 1
+    assert result["n_fev"] == 61
+    assert problem.compiled.trace_count == 1
+
+
+def test_levenberg_marquardt_history_is_monotone():
+    _, _, _, problem = small_problem(n_samples=50, chunk_size=16)
+    result = ju.levenberg_marquardt(problem, max_steps=15, scaling="identity")
+    losses = result["history"][:, 1]
+    assert result["n_accepted"] == len(losses) - 1 >= 5
+    assert result["n_accepted"] < 15  # damping 1e-3 forces some rejections
+    assert np.all(np.diff(losses) < 0)
+    assert np.all(np.diff(result["history"][:, 0]) > 0)  # wall-clock seconds
+
+
+@pytest.mark.parametrize("scaling", ["diag", "identity"])
+def test_levenberg_marquardt_first_step_equals_the_full_j_step(scaling):
+    _, _, _, problem = small_problem(n_samples=100, chunk_size=7)
+    theta, damping = problem.theta0, 100.0
+    result = ju.levenberg_marquardt(
+        problem, theta, max_steps=1, damping=damping, scaling=scaling
+    )
+    assert result["n_accepted"] == 1  # so theta moved by the first step
+    J, r = problem.jac(theta), problem.fun(theta)
+    # Columns of dead ReLU units are zero in J: they get no step. Solve for
+    # the others, where diag(JtJ) > 0 and the system is not singular.
+    live = np.abs(J).max(axis=0) > 0
+    J = J[:, live]
+    D = np.diag(np.diag(J.T @ J)) if scaling == "diag" else np.eye(J.shape[1])
+    step = np.zeros_like(theta)
+    step[live] = np.linalg.solve(J.T @ J + damping * D, -J.T @ r)
+    assert np.linalg.norm(step) > 0.1  # not trivially zero
+    np.testing.assert_allclose(result["theta"] - theta, step, rtol=1e-7, atol=1e-10)
+
+
+def test_levenberg_marquardt_writes_the_solution_into_the_model():
+    model, x, y, problem = small_problem(n_samples=30)
+    result = ju.levenberg_marquardt(problem, max_steps=6)
+    # Steps 1-4 and 6 are rejected: the last point evaluated is a rejected
+    # trial, so the model holds theta only because it is written back.
+    assert result["n_accepted"] == 1
+    np.testing.assert_array_equal(ju.flat_params(model), result["theta"])
+    np.testing.assert_allclose(
+        np.mean((model(x).numpy() - y) ** 2), result["history"][-1, 1], rtol=1e-10
+    )
+
+
+def test_levenberg_marquardt_bad_scaling_is_a_clear_error():
+    _, _, _, problem = small_problem()
+    with pytest.raises(ValueError, match='use "diag" or "identity"'):
+        ju.levenberg_marquardt(problem, scaling="marquardt")
