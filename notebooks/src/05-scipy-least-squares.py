@@ -197,8 +197,8 @@ def race(model, methods):
 # ### The question's network: 10 → 64 → 32 → 2
 #
 # With $m = 2850$ parameters, one MINPACK step factorises a 4000 × 2850
-# matrix: tens of seconds on two cores, against about a second for the
-# Jacobian itself. So on this network SciPy's `"lm"` stays out of the race.
+# matrix: tens of seconds on two cores, against a fraction of a second
+# for the Jacobian itself. So on this network SciPy's `"lm"` stays out of the race.
 #
 # Levenberg–Marquardt itself does not need that factorisation.
 # `levenberg_marquardt` (`"lm-jtj"` below) solves the same damped system
@@ -270,7 +270,8 @@ for network, rows in [("question", rows_big), ("narrow", rows_small)]:
 # run stored here TRF stayed ahead of Adam on both networks. LM, once past
 # its first rejected trials, went lowest on both: on the question's
 # network `lm-jtj` reached the noise level with 8 Jacobians, but each of
-# its steps costs about a second, so TRF got to 0.0035 sooner. The dashed
+# its steps forms and solves a 2850 × 2850 system, so TRF got to 0.0035
+# sooner. The dashed
 # line is the noise in `y` (standard deviation 0.05): a fit below it is
 # learning the noise.
 
