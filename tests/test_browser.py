@@ -157,6 +157,19 @@ def expected(book):
     }
 
 
+def shut_down_kernels(url):
+    """Stop every kernel, so that eight TensorFlow kernels do not pile up."""
+    headers = {"Authorization": f"token {TOKEN}"}
+    request = urllib.request.Request(f"{url}/api/kernels", headers=headers)
+    for kernel in json.load(urllib.request.urlopen(request, timeout=10)):
+        urllib.request.urlopen(
+            urllib.request.Request(
+                f"{url}/api/kernels/{kernel['id']}", headers=headers, method="DELETE"
+            ),
+            timeout=30,
+        )
+
+
 def menu(page, top, item):
     """Click a command in JupyterLab's menu bar, as a learner would."""
     page.locator(".lm-MenuBar-itemLabel", has_text=top).first.click()
@@ -218,3 +231,4 @@ def test_notebook_runs_cleanly_in_jupyterlab(lab, browser, book):
         assert not panel.get_by_text("Error displaying widget").count()
     finally:
         page.close()
+        shut_down_kernels(lab)
