@@ -5,12 +5,18 @@ Every stage returns ``J[i, k, p] = d f(x)[i, k] / d theta[p]``, shape
 Each function's docstring names the notebook that introduces it.
 """
 
-from . import guards, memory, notebook, plots
+from . import formulation, guards, memory, notebook, plots
 from ._tf import keras, tf
 from .chunked import chunk_size_for, chunked_jacobian
 from .compiled import CompiledJacobian, compiled_jacobian
 from .dense_jacobian import compiled_dense_jacobian, dense_jacobian
-from .layout import flat_params, from_lm_by_n, set_flat_params, to_lm_by_n
+from .layout import (
+    flat_params,
+    from_lm_by_n,
+    set_flat_params,
+    split_outputs,
+    to_lm_by_n,
+)
 from .loop import loop_jacobian
 from .models import question_mlp, regression_data
 from .reference import finite_difference_jacobian
@@ -36,6 +42,7 @@ __all__ = [
     "dense_jacobian",
     "finite_difference_jacobian",
     "fit_least_squares",
+    "formulation",
     "flat_params",
     "from_lm_by_n",
     "guards",
@@ -50,6 +57,7 @@ __all__ = [
     "question_mlp",
     "regression_data",
     "set_flat_params",
+    "split_outputs",
     "tf",
     "time_call",
     "to_lm_by_n",

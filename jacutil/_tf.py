@@ -37,6 +37,7 @@ with _stderr_silenced():
 
     tf.config.list_physical_devices()  # device probing logs here, silenced too
 
-tf.get_logger().setLevel("ERROR")
+# TensorFlow's Python logger is left as the user set it: its warnings (such as
+# retracing) are theirs to see.
 
 __all__ = ["tf", "keras"]

@@ -5,8 +5,8 @@ import weakref
 import numpy as np
 from tqdm.auto import tqdm
 
-from .compiled import compiled_jacobian
-from .target import as_batch
+from .compiled import CompiledJacobian
+from .target import as_batch, n_samples, output_layout, resolve_target, take
 
 # Working memory of one sample's Jacobian, as a multiple of the bytes of its
 # rows of the result (n_outputs * n_params * itemsize): the rows themselves,
@@ -19,33 +19,36 @@ from .target import as_batch
 WORKING_MEMORY_FACTOR = 5
 DEFAULT_MEMORY_BUDGET = 256 * 2**20  # bytes, when neither size nor budget is given
 
-_compiled_cache = weakref.WeakKeyDictionary()
-_n_outputs_cache = weakref.WeakKeyDictionary()  # compiled Jacobian -> n_outputs
+_compiled_cache = weakref.WeakKeyDictionary()  # model -> {key: CompiledJacobian}
+CACHED_PER_MODEL = 8  # compiled Jacobians kept per model (the newest)
 
 
-def _compiled_for(model, variables, training, jit_compile, method):
-    """One compiled Jacobian per model and options, so repeated calls never retrace."""
-    key = (training, jit_compile, method, tuple(map(id, variables or ())))
+def _cache_owner(model):
+    """What the cache is keyed on: the model, or a bound method's object."""
+    if hasattr(model, "__self__") and hasattr(model, "__func__"):
+        return model.__self__, (model.__func__,)
+    return model, ()
+
+
+def _compiled_for(model, variables, training, jit_compile, method, x=None):
+    """One compiled Jacobian per model, variables and options: no retracing.
+
+    The key holds the variables themselves (their ids), so after
+    ``layer.trainable = False`` the model gets a compiled Jacobian of its new
+    columns, and the cache is weak: it does not keep a model alive.
+    """
+    target = resolve_target(model, variables, training, x)
+    owner, extra = _cache_owner(model)
+    key = (training, jit_compile, method, *map(id, target.variables), *extra)
     try:
-        per_model = _compiled_cache.setdefault(model, {})
+        per_model = _compiled_cache.setdefault(owner, {})
     except TypeError:  # not weak-referenceable: compile afresh
         per_model = {}
     if key not in per_model:
-        per_model[key] = compiled_jacobian(
-            model,
-            jit_compile=jit_compile,
-            variables=variables,
-            training=training,
-            method=method,
-        )
+        while len(per_model) >= CACHED_PER_MODEL:
+            del per_model[next(iter(per_model))]
+        per_model[key] = CompiledJacobian(target, method, jit_compile, 1024)
     return per_model[key]
-
-
-def _n_outputs(jac, x):
-    """Outputs per sample: one forward pass of one sample, the first time only."""
-    if jac not in _n_outputs_cache:
-        _n_outputs_cache[jac] = int(jac.target.forward(x[:1]).shape[1])
-    return _n_outputs_cache[jac]
 
 
 def bytes_per_sample(n_outputs, n_params, itemsize):
@@ -115,14 +118,14 @@ def chunked_jacobian(
     ``memory_budget`` bytes (default 256 MiB) is used. With ``jit_compile`` the
     last chunk is padded, so XLA compiles one shape only.
 
-    The first chunk is computed before ``out`` is made (it tells the number
-    of outputs, so no extra forward pass is run); when it is the whole batch
-    and no ``out`` is given, it is returned as it is, without a copy.
+    ``x`` is an array, or a list or dict of arrays for a model with several
+    inputs. When the first chunk is the whole batch and no ``out`` is given,
+    it is returned as it is, without a copy.
 
     Returns ``out`` (created when not given), shape (n_samples, n_outputs,
     n_params). Introduced in ``04-chunked``.
     """
-    jac = _compiled_for(model, variables, training, jit_compile, method)
+    jac = _compiled_for(model, variables, training, jit_compile, method, x)
     target = jac.target
     if memory_budget is not None and memory_budget <= 0:
         raise ValueError(
@@ -132,19 +135,19 @@ def chunked_jacobian(
         chunk_size = _check_chunk_size(chunk_size)
 
     x = as_batch(x, target)
-    n_samples = int(x.shape[0])
+    n_rows = int(n_samples(x))
+    n_outputs = output_layout(target, x).n_outputs
     if chunk_size is None:
         budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
         chunk_size = chunk_size_for(
-            budget, _n_outputs(jac, x), target.n_params, target.dtype.itemsize
+            budget, n_outputs, target.n_params, target.dtype.itemsize
         )
-    chunk_size = min(chunk_size, n_samples)
+    chunk_size = min(chunk_size, n_rows)
     pad_to = chunk_size if jit_compile else None
 
-    # The first chunk tells the number of outputs: no extra forward pass.
-    first = jac.tensor(x[:chunk_size], pad_to).numpy()
-    shape = (n_samples, first.shape[1], target.n_params)
-    if out is None and chunk_size == n_samples:
+    first = jac.tensor(take(x, 0, chunk_size), pad_to).numpy()
+    shape = (n_rows, n_outputs, target.n_params)
+    if out is None and chunk_size == n_rows:
         return first  # one chunk: TensorFlow's buffer, no copy
     if out is None:
         out = np.empty(shape, target.dtype)
@@ -152,10 +155,10 @@ def chunked_jacobian(
         out = _check_out(out, shape, target.dtype)
     out[:chunk_size] = first
     del first
-    with tqdm(total=n_samples, disable=not progress, unit="sample") as bar:
+    with tqdm(total=n_rows, disable=not progress, unit="sample") as bar:
         bar.update(chunk_size)
-        for start in range(chunk_size, n_samples, chunk_size):
-            chunk = x[start : start + chunk_size]
-            out[start : start + len(chunk)] = jac.tensor(chunk, pad_to).numpy()
-            bar.update(len(chunk))
+        for start in range(chunk_size, n_rows, chunk_size):
+            stop = min(start + chunk_size, n_rows)
+            out[start:stop] = jac.tensor(take(x, start, stop), pad_to).numpy()
+            bar.update(stop - start)
     return out

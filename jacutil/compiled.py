@@ -3,11 +3,21 @@
 import numpy as np
 
 from ._tf import tf
+from .formulation import per_sample_tensor
 from .guards import note_trace
-from .target import as_batch, resolve_target
-from .vectorized import batch_tape_jacobian, per_sample_tape_jacobian
+from .target import (
+    as_batch,
+    n_samples,
+    output_layout,
+    pad_with_last,
+    resolve_target,
+    signature,
+    signature_key,
+    take,
+)
+from .vectorized import batch_tape_jacobian
 
-METHODS = {"per_sample": per_sample_tape_jacobian, "batch": batch_tape_jacobian}
+METHODS = ("per_sample", "batch")
 
 
 def bucket_size(n_samples, block_size):
@@ -18,11 +28,13 @@ def bucket_size(n_samples, block_size):
 class CompiledJacobian:
     """A reusable, compiled ``jac(x)``; see :func:`compiled_jacobian`.
 
-    ``trace_count`` counts the traces of the underlying ``tf.function`` and
-    ``compiled_shapes`` the batch sizes that XLA has seen (one compile each).
+    ``trace_count`` counts the traces of the underlying ``tf.function`` (one
+    per input shape: a new number of samples does not retrace),
+    ``compiled_shapes`` the batch sizes that XLA has seen (one compile each),
+    and ``formulation`` says how the last trace computes the Jacobian.
     """
 
-    def __init__(self, target, method, jit_compile, block_size):
+    def __init__(self, target, method, jit_compile, block_size, owner=None):
         if method not in METHODS:
             raise ValueError(
                 f"method must be one of {sorted(METHODS)}; got {method!r}."
@@ -37,49 +49,73 @@ class CompiledJacobian:
         self.block_size = int(block_size)
         self.trace_count = 0
         self.compiled_shapes = set()
-        self._function = None
+        self.formulation = None
+        self._owner = owner  # keeps the model alive as long as jac
+        self._functions = {}  # input signature -> tf.function
 
-    def _build(self, feature_shape):
-        jacobian = METHODS[self.method]
+    def _build(self, x):
+        """A ``tf.function`` for batches like ``x``: any n, the same features."""
 
         def traced(x):
             self.trace_count += 1  # Python side effect: runs once per trace
             note_trace(self.target.variables, (self.method, self.jit_compile))
-            return jacobian(self.target, x)
+            return self._jacobian(x)
 
-        spec = tf.TensorSpec([None, *feature_shape], self.target.dtype)
-        self._function = tf.function(
-            traced, input_signature=[spec], jit_compile=self.jit_compile
+        return tf.function(
+            traced, input_signature=[signature(x)], jit_compile=self.jit_compile
         )
-        self.target.feature_shape = tuple(feature_shape)
+
+    def _jacobian(self, x):
+        if self.method == "batch":
+            self.formulation = "tape.jacobian over the batch"
+            return batch_tape_jacobian(self.target, x)
+        J, self.formulation = per_sample_tensor(self.target, x)
+        return J
 
     def tensor(self, x, pad_to=None):
         """The Jacobian of a checked batch as a tensor, padded to ``pad_to`` rows.
 
-        Padding with zero samples gives XLA the same shape every time; the
-        padded rows are cut off again (each sample's rows depend on it alone).
+        Padding gives XLA the same shape every time. The padded rows are
+        copies of the last sample, and they are cut off again.
         """
-        if self._function is None:
-            self._build(x.shape[1:])
-        n_samples = x.shape[0]
-        if pad_to is not None and pad_to > n_samples:
-            padding = [[0, pad_to - n_samples]] + [[0, 0]] * (x.shape.rank - 1)
-            x = tf.pad(x, padding)
+        key = signature_key(x)
+        if key not in self._functions:
+            self._functions[key] = self._build(x)
+        n_rows = n_samples(x)
+        if pad_to is not None and pad_to > n_rows:
+            x = pad_with_last(x, pad_to)
         if self.jit_compile:
-            self.compiled_shapes.add(int(x.shape[0]))
-        return self._function(x)[:n_samples]
+            self.compiled_shapes.add(int(n_samples(x)))
+        return self._run(key, x)[:n_rows]
+
+    def _run(self, key, x):
+        try:
+            return self._functions[key](x)
+        except tf.errors.InvalidArgumentError as error:
+            if not (self.jit_compile and "XLA" in str(error)):
+                raise
+        # XLA cannot compile this formulation (tf.map_fn's TensorList): use
+        # the same graph without XLA for these shapes.
+        function = self._functions[key]
+        self._functions[key] = tf.function(
+            function.python_function, input_signature=function.input_signature
+        )
+        result = self._functions[key](x)
+        self.formulation += ", without XLA (XLA cannot compile it)"
+        return result
 
     def __call__(self, x):
         """Return the (n_samples, n_outputs, n_params) Jacobian of ``x``."""
         x = as_batch(x, self.target)
+        output_layout(self.target, x)  # checks the outputs, once per shape
         if not self.jit_compile:
             return self.tensor(x).numpy()
-        n_samples = x.shape[0]
-        if n_samples <= self.block_size:
-            return self.tensor(x, bucket_size(n_samples, self.block_size)).numpy()
+        n_rows = int(n_samples(x))
+        if n_rows <= self.block_size:
+            return self.tensor(x, bucket_size(n_rows, self.block_size)).numpy()
         blocks = [
-            self.tensor(x[i : i + self.block_size], self.block_size).numpy()
-            for i in range(0, n_samples, self.block_size)
+            self.tensor(take(x, i, i + self.block_size), self.block_size).numpy()
+            for i in range(0, n_rows, self.block_size)
         ]
         return np.concatenate(blocks)
 
@@ -97,16 +133,19 @@ def compiled_jacobian(
 
     The ``tf.function`` has an input signature whose batch dimension is
     ``None``, so a new number of samples does not retrace it (see
-    ``jac.trace_count``). With ``jit_compile=True`` XLA compiles once per
+    ``jac.trace_count``); a new per-sample shape (another sequence length)
+    traces once more. With ``jit_compile=True`` XLA compiles once per
     concrete shape, so the batch is padded to a power of two up to
     ``block_size`` and larger batches run in blocks of ``block_size``: at most
     ``log2(block_size) + 1`` compiles, whatever the sizes (``jac.compiled_shapes``).
 
     ``method`` is ``"per_sample"`` (``tf.vectorized_map``, linear in n) or
     ``"batch"`` (``tape.jacobian`` over the batch, quadratic in n).
+    ``jac.formulation`` says how the model is vectorized (recurrent layers
+    are unrolled; see ``jacutil.formulation``).
 
     ``jac(x)`` returns (n_samples, n_outputs, n_params). Introduced in
     ``03-compiled``.
     """
     target = resolve_target(model, variables, training)
-    return CompiledJacobian(target, method, jit_compile, block_size)
+    return CompiledJacobian(target, method, jit_compile, block_size, owner=model)

@@ -18,8 +18,17 @@ import numpy as np
 
 from ._tf import keras, tf
 from .compiled import compiled_jacobian
-from .target import as_batch, resolve_target
+from .formulation import per_sample_tensor
+from .target import as_batch, resolve_target, take
 from .vectorized import per_sample_jacobian
+
+
+def _is_exact_keras(model):
+    """A plain ``keras.Sequential`` or functional model, not a subclass."""
+    kind = type(model)
+    if kind is keras.Sequential:
+        return True
+    return kind.__name__ == "Functional" and kind.__module__.startswith("keras.")
 
 # act'(z), written with z and a = act(z); None: the derivative is 1.
 DERIVATIVES = {
@@ -39,9 +48,9 @@ def _activation_name(layer):
 
 def _chain_layers(model):
     """The model's layers from input to output, or None if it is not a chain."""
-    if isinstance(model, keras.Sequential):
+    if type(model) is keras.Sequential:
         return list(model.layers)
-    if type(model).__name__ != "Functional" or len(model.inputs) != 1:
+    if not _is_exact_keras(model) or len(model.inputs) != 1:
         return None  # subclassed models: we cannot see their call
     if len(model.outputs) != 1:
         return None
@@ -62,18 +71,27 @@ def _chain_layers(model):
 def dense_chain(model, variables=None):
     """``[(layer, activation name), ...]`` if the hand-derived path applies.
 
-    It applies to a Keras ``Sequential`` or functional chain of plain
-    ``keras.layers.Dense`` layers (relu, tanh, sigmoid or linear) on a
-    flat input, whose trainable variables are the Jacobian's columns.
-    Returns ``(chain, None)``, or ``(None, reason)`` when it does not apply.
+    It applies to an exact Keras ``Sequential`` or functional model (not a
+    subclass: its ``call`` may do anything) that is one chain of plain
+    ``keras.layers.Dense`` layers (relu, tanh, sigmoid or linear), each used
+    once, on a flat input, whose trainable variables are the Jacobian's
+    columns. Returns ``(chain, None)``, or ``(None, reason)`` when it does not
+    apply.
     """
     if not isinstance(model, keras.Model):
         return None, "not a Keras model"
     if variables is not None:
         return None, "variables= given"
+    if not _is_exact_keras(model):
+        return None, (
+            f"{type(model).__name__} is a subclass: its call() may differ from "
+            "its layers"
+        )
     layers = _chain_layers(model)
     if not layers:
         return None, "not a single chain of layers"
+    if len({id(layer) for layer in layers}) != len(layers):
+        return None, "a layer is used more than once"
     chain = []
     for layer in layers:
         if isinstance(layer, keras.layers.InputLayer):
@@ -96,10 +114,32 @@ def dense_chain(model, variables=None):
         flat = False
     if not flat:
         return None, "the input is not one flat (n_samples, n_features) array"
-    owned = {id(w) for layer, _ in chain for w in layer.trainable_weights}
-    if any(id(v) not in owned for v in model.trainable_variables):
+    weights = [id(w) for layer, _ in chain for w in layer.trainable_weights]
+    if len(set(weights)) != len(weights):
+        return None, "a variable is shared by two layers"
+    if any(id(v) not in set(weights) for v in model.trainable_variables):
         return None, "a trainable variable outside the Dense layers"
     return chain, None
+
+
+def agrees_with_autodiff(chain, target, x):
+    """Check the hand-derived Jacobian of one sample against autodiff.
+
+    Returns None when they agree, or the reason (the largest difference) when
+    they do not: the model does something its layers do not say.
+    """
+    one = take(x, 0, 1)
+    hand = dense_tensor_jacobian(chain, target.variables, one).numpy()
+    auto = per_sample_tensor(target, one)[0].numpy()
+    scale = max(1.0, float(np.abs(auto).max()))
+    tolerance = (1e-4 if auto.dtype == np.float32 else 1e-9) * scale
+    error = float(np.abs(hand - auto).max()) if hand.shape == auto.shape else np.inf
+    if error <= tolerance:
+        return None
+    return (
+        f"the hand-derived Jacobian of one sample differs from autodiff by "
+        f"{error:.3g}: the model computes something its layers do not say"
+    )
 
 
 def _outer(a, delta):
@@ -171,14 +211,19 @@ class DenseJacobian:
     """
 
     def __init__(self, model, jit_compile, variables, training):
+        self.model = model
         self.target = resolve_target(model, variables, training)
         self.chain, self.fallback = dense_chain(model, variables)
         self.jit_compile = jit_compile
         self.trace_count = 0
+        self._options = {
+            "jit_compile": jit_compile,
+            "variables": variables,
+            "training": training,
+        }
+        self._checked = False
         if self.chain is None:
-            self._autodiff = compiled_jacobian(
-                model, jit_compile=jit_compile, variables=variables, training=training
-            )
+            self._autodiff = compiled_jacobian(model, **self._options)
             return
         chain, columns = self.chain, self.target.variables
 
@@ -197,6 +242,14 @@ class DenseJacobian:
         """The Jacobian of ``x`` as a tensor (hand-derived path only)."""
         return self._function(as_batch(x, self.target))
 
+    def _check(self, x):
+        """On the first call: one sample against autodiff, or fall back."""
+        self._checked = True
+        reason = agrees_with_autodiff(self.chain, self.target, as_batch(x, self.target))
+        if reason is not None:
+            self.chain, self.fallback = None, reason
+            self._autodiff = compiled_jacobian(self.model, **self._options)
+
     def __call__(self, x, *, copy=False):
         """Return the (n_samples, n_outputs, n_params) Jacobian of ``x``.
 
@@ -205,6 +258,8 @@ class DenseJacobian:
         question's network) costs as long as computing it. Pass
         ``copy=True``, or take ``np.array(J)``, for an array you may write to.
         """
+        if self.chain is not None and not self._checked:
+            self._check(x)
         if self.chain is None:
             return self._autodiff(x)
         J = np.asarray(self.tensor(x))
@@ -221,7 +276,9 @@ def compiled_dense_jacobian(
     once per new n. ``jac(x)`` returns a read-only (n_samples, n_outputs,
     n_params) array in ``flat_params`` order; ``jac(x, copy=True)`` a
     writable one. A model that is not a chain of Dense layers gets the
-    compiled per-sample autodiff stage instead (``jac.fallback`` says why).
+    compiled per-sample autodiff stage instead (``jac.fallback`` says why);
+    so does one whose first sample's hand-derived Jacobian differs from
+    autodiff (checked on the first call).
     Introduced in ``07-benchmark``.
     """
     return DenseJacobian(model, jit_compile, variables, training)
@@ -231,13 +288,15 @@ def dense_jacobian(model, x, *, variables=None, training=False):
     """Per-sample Jacobian of a Dense network, derived by hand (no tape).
 
     Runs eagerly, once; reuse :func:`compiled_dense_jacobian` for speed.
-    Any other model falls back to :func:`per_sample_jacobian`.
+    Any other model, or one whose first sample disagrees with autodiff,
+    falls back to :func:`per_sample_jacobian`.
 
     Returns (n_samples, n_outputs, n_params). Introduced in ``07-benchmark``.
     """
     target = resolve_target(model, variables, training, x)
     chain, _ = dense_chain(model, variables)
-    if chain is None:
-        return per_sample_jacobian(model, x, variables=variables, training=training)
-    x = as_batch(x, target)
-    return dense_tensor_jacobian(chain, target.variables, x).numpy()
+    if chain is not None:
+        x = as_batch(x, target)
+        if agrees_with_autodiff(chain, target, x) is None:
+            return dense_tensor_jacobian(chain, target.variables, x).numpy()
+    return per_sample_jacobian(model, x, variables=variables, training=training)

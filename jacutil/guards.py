@@ -32,6 +32,12 @@ DISCONNECTED = (
 )
 
 
+class JacobianError(ValueError):
+    """A model or call that has no per-sample Jacobian; the message says why."""
+
+    ag_pass_through = True  # raised inside a tf.function trace: reach the user as is
+
+
 def require_connected(jacobians, variables):
     """Raise ``ValueError`` when every per-variable Jacobian is ``None``.
 
@@ -41,9 +47,14 @@ def require_connected(jacobians, variables):
     Introduced in ``06-pitfalls``.
     """
     if all(j is None for j in jacobians):
-        raise ValueError(DISCONNECTED.format(count=len(variables)))
+        raise JacobianError(DISCONNECTED.format(count=len(variables)))
 
 
+_RNN_CELLS = (
+    keras.layers.LSTMCell,
+    keras.layers.GRUCell,
+    keras.layers.SimpleRNNCell,
+)
 # Layers that draw random numbers in training mode, and the attribute that
 # switches them off when it is 0.
 _RANDOM_LAYERS = {
@@ -68,12 +79,26 @@ def _all_layers(model):
 
 
 def _random_layers(layers):
-    """Dropout-like layers with a non-zero rate: random in training mode."""
+    """Dropout-like layers with a non-zero rate: random in training mode.
+
+    Recurrent layers and cells count when their ``dropout`` or
+    ``recurrent_dropout`` is non-zero.
+    """
     for layer in layers:
-        for kind, switch in _RANDOM_LAYERS.items():
-            if isinstance(layer, kind) and getattr(layer, switch, 0) > 0:
-                yield f"{layer.name} ({type(layer).__name__})"
-                break
+        random = any(
+            isinstance(layer, kind) and getattr(layer, switch, 0) > 0
+            for kind, switch in _RANDOM_LAYERS.items()
+        )
+        if isinstance(layer, (keras.layers.RNN, _RNN_CELLS)):
+            rates = (getattr(layer, a, 0) for a in ("dropout", "recurrent_dropout"))
+            random = any(isinstance(r, (int, float)) and r > 0 for r in rates)
+        if random:
+            yield f"{layer.name} ({type(layer).__name__})"
+
+
+def random_layers(layers):
+    """Names of the ``layers`` that draw random numbers in training mode."""
+    return list(_random_layers(layers))
 
 
 def _coupling_layers(layers):
@@ -102,12 +127,16 @@ def check_training_mode(model, training):
     predict with. Nothing right can come out, so nothing does (Opacus, the
     per-sample-gradient library for PyTorch, refuses BatchNorm too).
 
-    **Dropout in training mode is a warning.** Each call draws a new mask, so
+    **Dropout in training mode is a warning.** Each call draws new masks, so
     the result is the exact Jacobian of one random draw of the network: two
     calls differ, and it is not the Jacobian of the network an optimizer or
     a prediction uses. It is what per-sample gradients of dropout training
     (or Monte Carlo dropout) want, so it is allowed, loudly; silence it with
     ``warnings.simplefilter("ignore", ju.guards.TrainingModeWarning)``.
+    Every stage draws the masks as ``model(x, training=True)`` does: **each
+    sample its own mask, shared by all of that sample's outputs** (the
+    vectorized stages then run the samples in ``tf.map_fn``, since inside
+    pfor every sample would share one mask; see ``jacutil.formulation``).
 
     Only Keras models are inspected, nested models and sublayers included;
     a layer that forces ``training=True`` inside its own ``call`` is not seen.
@@ -132,8 +161,9 @@ def check_training_mode(model, training):
     if random:
         warnings.warn(
             f"training=True with {', '.join(random)}: in training mode every "
-            "call draws a new random mask, so this is the Jacobian of one "
-            "random draw of the network, and two calls differ. For the network "
+            "call draws new random masks (one per sample, shared by its "
+            "outputs), so this is the Jacobian of one random draw of the "
+            "network, and two calls differ. For the network "
             "that predicts (and that an optimizer such as least_squares fits), "
             "use training=False, the default. If one random draw per call is "
             "what you want, silence this: warnings.simplefilter('ignore', "

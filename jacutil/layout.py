@@ -9,7 +9,8 @@ order.
 
 import numpy as np
 
-from .target import resolve_target
+from ._tf import tf
+from .target import as_batch, output_layout, resolve_target
 
 
 def to_lm_by_n(J):
@@ -35,6 +36,33 @@ def from_lm_by_n(M, n_outputs):
         )
     n_params = M.shape[0] // n_outputs
     return M.reshape(n_outputs, n_params, M.shape[1]).transpose(2, 0, 1)
+
+
+def split_outputs(J, model, x, *, variables=None, training=False):
+    """Split a Jacobian's rows back into the model's output structure.
+
+    ``J`` is (n, l, m), its rows every output leaf flattened and joined in
+    ``tf.nest.flatten`` order (dict keys sorted). Returns the model's output
+    nest (a list, a dict, or one array) with, for each output of per-sample
+    shape ``s``, an array of shape ``(n, *s, m)``. One forward pass of the
+    first samples of ``x`` tells the structure. Introduced in
+    ``08-your-own-model``.
+    """
+    J = np.asarray(J)
+    target = resolve_target(model, variables, training, x)
+    layout = output_layout(target, as_batch(x, target))
+    if J.ndim != 3 or J.shape[1] != layout.n_outputs:
+        raise ValueError(
+            f"J has shape {J.shape}; this model's outputs give "
+            f"{layout.n_outputs} rows per sample, so J should have shape "
+            f"(n_samples, {layout.n_outputs}, n_params)."
+        )
+    n_rows, _, n_params = J.shape
+    blocks = [
+        J[:, rows].reshape(n_rows, *shape, n_params)
+        for rows, shape in zip(layout.slices(), layout.shapes, strict=True)
+    ]
+    return tf.nest.pack_sequence_as(layout.structure, blocks)
 
 
 def flat_params(model, *, variables=None):

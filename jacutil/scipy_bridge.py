@@ -11,6 +11,7 @@ import time
 import numpy as np
 import scipy.linalg
 
+from ._tf import tf
 from .chunked import (
     DEFAULT_MEMORY_BUDGET,
     _compiled_for,
@@ -18,7 +19,7 @@ from .chunked import (
     chunked_jacobian,
 )
 from .layout import flat_params, set_flat_params
-from .target import as_batch, resolve_target
+from .target import as_batch, n_samples, output_layout, resolve_target, take
 
 
 class LeastSquaresProblem:
@@ -30,24 +31,19 @@ class LeastSquaresProblem:
 
     def __init__(self, model, x, y, variables, training, chunk_size, memory_budget):
         self.model = model
-        self._variables = variables
         self._target = resolve_target(model, variables, training, x)
+        # The columns are the variables of this moment, kept: freezing a layer
+        # later does not change the length of theta under SciPy's feet.
+        self._variables = self._target.variables
         self.x = as_batch(x, self._target)
-        n_samples = int(self.x.shape[0])
-        n_outputs = int(self._target.forward(self.x[:1]).shape[1])
-        y = np.asarray(y, dtype=np.float64)
-        if y.shape[:1] != (n_samples,) or y[0].size != n_outputs:
-            raise ValueError(
-                f"y has shape {y.shape}; the model gives {n_outputs} outputs for "
-                f"each of the {n_samples} samples of x, so y should have shape "
-                f"({n_samples}, {n_outputs})."
-            )
-        self.y = y.reshape(n_samples * n_outputs)
-        self.n_samples, self.n_outputs = n_samples, n_outputs
+        n_rows = int(n_samples(self.x))
+        n_outputs = output_layout(self._target, self.x).n_outputs
+        self.y = _target_rows(y, n_rows, n_outputs).reshape(n_rows * n_outputs)
+        self.n_samples, self.n_outputs = n_rows, n_outputs
         self.n_params = self._target.n_params
-        self.theta0 = flat_params(model, variables=variables).astype(np.float64)
+        self.theta0 = flat_params(model, variables=self._variables).astype(np.float64)
         self._options = {
-            "variables": variables,
+            "variables": self._variables,
             "training": training,
             "progress": False,
         }
@@ -59,7 +55,9 @@ class LeastSquaresProblem:
                 self._target.dtype.itemsize,
             )
         self.chunk_size = int(chunk_size)
-        self.compiled = _compiled_for(model, variables, training, False, "per_sample")
+        self.compiled = _compiled_for(
+            model, self._variables, training, False, "per_sample"
+        )
 
     def set_params(self, theta):
         """Write ``theta`` (length ``n_params``) into the model's variables."""
@@ -74,13 +72,16 @@ class LeastSquaresProblem:
         set_flat_params(self.model, theta, variables=self._variables)
 
     def _residuals(self, start, stop):
-        outputs = self._target.forward(self.x[start:stop]).numpy()
+        outputs = self._target.forward(take(self.x, start, stop)).numpy()
         rows = slice(start * self.n_outputs, stop * self.n_outputs)
         return outputs.astype(np.float64).ravel() - self.y[rows]
 
     def _jacobian(self, start, stop):
         J = chunked_jacobian(
-            self.model, self.x[start:stop], chunk_size=self.chunk_size, **self._options
+            self.model,
+            take(self.x, start, stop),
+            chunk_size=self.chunk_size,
+            **self._options,
         )
         return J.reshape(-1, self.n_params).astype(np.float64)
 
@@ -110,6 +111,34 @@ class LeastSquaresProblem:
             JtJ += J.T @ J
             Jtr += J.T @ self._residuals(start, stop)
         return JtJ, Jtr
+
+
+def _target_rows(y, n_rows, n_outputs):
+    """Targets as (n_samples, n_outputs) float64, the same layout as the rows.
+
+    ``y`` is one array, or for a model with several outputs a list or dict
+    like the model's outputs (each leaf flattened per sample and joined in
+    ``tf.nest.flatten`` order, dict keys sorted).
+    """
+    nested = isinstance(y, dict) or (
+        isinstance(y, (list, tuple)) and y and all(hasattr(e, "shape") for e in y)
+    )
+    leaves = tf.nest.flatten(y) if nested else [y]
+    try:
+        rows = [np.asarray(leaf, np.float64) for leaf in leaves]
+        rows = [r.reshape(len(r), -1) if r.ndim else r for r in rows]
+        y2d = np.concatenate(rows, axis=1) if nested else rows[0]
+    except ValueError:
+        y2d = None
+    if y2d is None or y2d.shape[:1] != (n_rows,) or y2d[0].size != n_outputs:
+        shape = "its leaves" if nested else f"shape {np.shape(y)}"
+        raise ValueError(
+            f"y has {shape}; the model gives {n_outputs} outputs for each of "
+            f"the {n_rows} samples of x, so y should have shape ({n_rows}, "
+            f"{n_outputs}), or be a list or dict like the model's outputs with "
+            f"{n_rows} samples first in each."
+        )
+    return y2d.reshape(n_rows, n_outputs)
 
 
 def least_squares_problem(

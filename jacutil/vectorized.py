@@ -10,23 +10,26 @@ Two ways to vectorize, with very different costs:
 """
 
 from ._tf import tf
-from .target import as_batch, resolve_target, stack_columns
+from .target import as_batch, n_samples, output_layout, resolve_target, stack_columns
 
 
 def batch_tape_jacobian(target, x):
     """(n, l, m) tensor: ``tape.jacobian`` of the whole batch's outputs."""
     with tf.GradientTape() as tape:
+        target.watch(tape)
         y = target.forward(x)
     jacobians = tape.jacobian(y, target.variables)
-    return stack_columns(jacobians, target.variables, tf.shape(x)[0])
+    return stack_columns(jacobians, target.variables, n_samples(x))
 
 
 def per_sample_tape_jacobian(target, x):
     """(n, l, m) tensor: a one-sample Jacobian, vectorized over samples."""
 
     def one_sample(xi):
+        xi = tf.nest.map_structure(lambda t: t[None], xi)  # a batch of one
         with tf.GradientTape() as tape:
-            y = target.forward(xi[None])  # (1, l)
+            target.watch(tape)
+            y = target.forward(xi)  # (1, l)
         jacobians = tape.jacobian(y, target.variables)
         return stack_columns(jacobians, target.variables, 1)[0]
 
@@ -43,7 +46,9 @@ def vectorized_jacobian(model, x, *, variables=None, training=False):
     Returns (n_samples, n_outputs, n_params). Introduced in ``02-vectorized``.
     """
     target = resolve_target(model, variables, training, x)
-    return batch_tape_jacobian(target, as_batch(x, target)).numpy()
+    x = as_batch(x, target)
+    output_layout(target, x)  # checks the outputs first, with a clear message
+    return batch_tape_jacobian(target, x).numpy()
 
 
 def per_sample_jacobian(model, x, *, variables=None, training=False):
@@ -51,8 +56,14 @@ def per_sample_jacobian(model, x, *, variables=None, training=False):
 
     The Jacobian of one sample's outputs is written once and mapped over the
     batch, so each sample is differentiated through itself only: linear in n.
+    Recurrent layers are unrolled while it is traced, and a model that pfor
+    cannot vectorize runs sample by sample (``jacutil.formulation``).
 
     Returns (n_samples, n_outputs, n_params). Introduced in ``02-vectorized``.
     """
+    from .formulation import per_sample_tensor
+
     target = resolve_target(model, variables, training, x)
-    return per_sample_tape_jacobian(target, as_batch(x, target)).numpy()
+    x = as_batch(x, target)
+    output_layout(target, x)
+    return per_sample_tensor(target, x)[0].numpy()

@@ -120,7 +120,7 @@ def test_callable_without_variables():
 
 def test_scalar_output_is_refused():
     f, variables = linear_with_spare()
-    with pytest.raises(ValueError, match="returned a scalar"):
+    with pytest.raises(ValueError, match="is a scalar"):
         ju.per_sample_jacobian(
             lambda x: tf.reduce_sum(f(x)), np.ones((2, 3)), variables=variables
         )
