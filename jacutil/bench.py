@@ -39,7 +39,7 @@ from .chunked import chunked_jacobian
 from .compiled import compiled_jacobian
 from .dense_jacobian import compiled_dense_jacobian
 from .loop import loop_jacobian
-from .models import question_mlp, regression_data
+from .models import question_mlp, regression_data, sequence_data, sequence_lstm
 from .vectorized import per_sample_jacobian, vectorized_jacobian
 
 SIZES = (100, 1000, 10_000)
@@ -89,6 +89,46 @@ PATHS = {
     "torch": Path_("torch.func vmap(jacrev)", peers.torch_jacobian),
 }
 PEERS = ("jax", "torch")
+
+
+@dataclass
+class BenchModel:
+    """A model to time: ``build(seed)`` and ``inputs(n, seed)``."""
+
+    label: str
+    build: object
+    inputs: object
+    paths: tuple = ()  # default paths (empty: all)
+
+
+MODELS = {
+    "mlp": BenchModel(
+        "the question's network (10-64-32-2, float32)",
+        lambda seed: question_mlp(seed=seed),
+        lambda n, seed: regression_data(n, seed=seed)[0],
+    ),
+    "lstm": BenchModel(
+        "LSTM(16) -> Dense(2) on 16 steps x 4 (float32)",
+        lambda seed: sequence_lstm(seed=seed),
+        lambda n, seed: sequence_data(n, seed=seed),
+        paths=(
+            "loop",
+            "vectorized",
+            "compiled_batch",
+            "per_sample",
+            "compiled",
+            "compiled_xla",
+            "chunked",
+        ),
+    ),
+}
+
+
+def jacobian_shape(model, x, n):
+    """(n, l, m) of the model's per-sample Jacobian, from one sample of x."""
+    n_outputs = int(np.prod(model(x[:1]).shape[1:]))
+    n_params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    return (n, n_outputs, n_params)
 
 
 def _bind(function, model, **options):
@@ -151,19 +191,19 @@ def _predict(done, path, n):
     return ran[-1].median * (n / ran[-1].n) ** slope
 
 
-def _predicted_peak(done, path, n):
+def _predicted_peak(done, path, n, model="mlp"):
     """Bytes at n of a quadratic path: a*n**2 fitted to the peaks measured so far."""
     peaks = [(r.n, r.peak) for r in done if r.path == path and r.peak]
     guesses = [max(p / m**2 for m, p in peaks) * n**2] if peaks else []
-    if hasattr(memory, "predicted_bytes"):  # the measured model of notebook 02
+    if model == "mlp":  # the measured model of notebook 02
         guesses.append(memory.predicted_bytes(n, "batch"))
     return max(guesses, default=None)
 
 
-def _skip_reason(done, path, n, repeats, max_seconds):
+def _skip_reason(done, path, n, repeats, max_seconds, model="mlp"):
     predicted = _predict(done, path, n)
     if PATHS[path].exponent == 2:  # memory first: it is the real limit
-        peak = _predicted_peak(done, path, n)
+        peak = _predicted_peak(done, path, n, model)
         free = _available()
         if peak is not None and peak > free:
             return predicted, (
@@ -206,24 +246,30 @@ def run_bench(
     paths=None,
     seed=0,
     log=print,
+    model="mlp",
 ):
-    """Time every path at every n; the results as a dict (``results.json``)."""
-    model = question_mlp(seed=seed)
-    names = list(paths or PATHS)
+    """Time every path at every n; the results as a dict (``results.json``).
+
+    ``model`` names one of :data:`MODELS`: the question's MLP (every path)
+    or an LSTM (the autodiff paths).
+    """
+    bench_model = MODELS[model]
+    network = bench_model.build(seed)
+    names = list(paths or bench_model.paths or PATHS)
     if REFERENCE not in names:
         names.insert(0, REFERENCE)
-    built = build_paths(model, names, log)
-    x_all = regression_data(max(sizes), seed=seed)[0]
+    built = build_paths(network, names, log)
+    x_all = bench_model.inputs(max(sizes), seed)
     done = []
     for n in sorted(sizes):
         x = x_all[:n]
-        shape = (n, 2, 2850)
+        shape = jacobian_shape(network, x, n)
         _, first, peak = _first_call(write_floor, shape, memory_mode)
         times = _times(write_floor, shape, repeats)
         done.append(Result(FLOOR, n, first, times, float(np.median(times)), peak))
         reference = None
         for name, jac in built.items():
-            predicted, reason = _skip_reason(done, name, n, repeats, max_seconds)
+            predicted, reason = _skip_reason(done, name, n, repeats, max_seconds, model)
             if reason:
                 done.append(Result(name, n, skipped=reason, predicted=predicted))
                 log(f"n = {n:>6,}  {PATHS[name].label:<45} skipped: {reason}")
@@ -248,10 +294,13 @@ def run_bench(
     if memory_mode == "fresh":
         for name in built:
             ran = [r for r in done if r.path == name and r.median is not None]
-            peaks = measure_in_fresh_process(name, [r.n for r in ran], seed)
+            peaks = measure_in_fresh_process(name, [r.n for r in ran], seed, model)
             for r, peak in zip(ran, peaks, strict=True):
                 r.peak = peak
     return {
+        "model": model,
+        "model_label": bench_model.label,
+        "shape": list(jacobian_shape(network, x_all, 1)[1:]),
         "machine": machine_summary(),
         "sizes": sorted(sizes),
         "repeats": repeats,
@@ -290,23 +339,24 @@ def machine_summary():
     }
 
 
-def _measure_memory(name, sizes, seed):
+def _measure_memory(name, sizes, seed, model="mlp"):
     """Peak bytes of each size's first call, sizes increasing (in this process)."""
-    model = question_mlp(seed=seed)
-    jac = PATHS[name].build(model) if name != FLOOR else None
-    x = regression_data(max(sizes), seed=seed)[0]
+    network = MODELS[model].build(seed)
+    jac = PATHS[name].build(network) if name != FLOOR else None
+    x = MODELS[model].inputs(max(sizes), seed)
     start = memory.anonymous_rss()
     peaks = []
     for n in sorted(sizes):
         if jac is None:
-            use = memory.peak_memory(write_floor, (n, 2, 2850), baseline=start)
+            shape = jacobian_shape(network, x, n)
+            use = memory.peak_memory(write_floor, shape, baseline=start)
         else:
             use = memory.peak_memory(jac, x[:n], baseline=start)
         peaks.append(use.peak)
     return peaks
 
 
-def measure_in_fresh_process(name, sizes, seed=0):
+def measure_in_fresh_process(name, sizes, seed=0, model="mlp"):
     """Peak bytes of path ``name`` at each size, in a new Python process."""
     if not sizes:
         return []
@@ -318,6 +368,8 @@ def measure_in_fresh_process(name, sizes, seed=0):
         name,
         "--seed",
         str(seed),
+        "--model",
+        model,
         "--sizes",
         *map(str, sizes),
     ]
@@ -387,10 +439,12 @@ def table_at(results, n):
     labels = results["labels"]
     share = ratios(results, n)
     floor = at[FLOOR]
-    mbytes = n * 2 * 2850 * 4 / 1e6
+    n_outputs, n_params = results.get("shape", (2, 2850))
+    mbytes = n * n_outputs * n_params * 4 / 1e6
     lines = [
-        f"**n = {n:,}** - the floor writes a new {n:,} x 2 x 2,850 float32 array "
-        f"({mbytes:,.1f} MB) in {_seconds(floor['median'])}",
+        f"**n = {n:,}** - the floor writes a new {n:,} x {n_outputs} x "
+        f"{n_params:,} float32 array ({mbytes:,.1f} MB) in "
+        f"{_seconds(floor['median'])}",
         "",
         "| path | median | first call | peak memory | loop / path | "
         "x fastest | x floor |",
@@ -423,8 +477,9 @@ def markdown(results):
     """All the tables, and where they were measured."""
     m = results["machine"]
     versions = ", ".join(f"{k} {v}" for k, v in m["versions"].items())
+    label = results.get("model_label", "the question's network (10-64-32-2, float32)")
     head = [
-        "# Per-sample Jacobian of the question's network (10-64-32-2, float32)",
+        f"# Per-sample Jacobian of {label}",
         "",
         f"{m['date']}, {m['cpu_count']} CPUs ({m['processor']}), load average "
         f"{m['load_average']}; {versions}. Medians of {results['repeats']} runs "
@@ -491,14 +546,19 @@ def plot(results, ax=None):
     for line in ax.get_lines():
         if line.get_label().startswith("write floor"):
             line.set(color="black", linestyle="--")
-    ax.set_title("Per-sample Jacobian of the question's network: median time")
+    label = results.get("model_label", "the question's network")
+    ax.set_title(f"Per-sample Jacobian of {label.split(' (')[0]}: median time")
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     ax.figure.tight_layout()
     return ax
 
 
 def save(results, out):
-    """Write results.json, results.md and scaling.png into ``out``."""
+    """Write results.json, results.md and scaling.png into ``out``.
+
+    A model other than the question's MLP gets its name in the file names:
+    results-lstm.json, results-lstm.md, scaling-lstm.png.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -506,11 +566,13 @@ def save(results, out):
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    (out / "results.md").write_text(markdown(results))
+    model = results.get("model", "mlp")
+    suffix = "" if model == "mlp" else f"-{model}"
+    (out / f"results{suffix}.json").write_text(json.dumps(results, indent=1))
+    (out / f"results{suffix}.md").write_text(markdown(results))
     fig, ax = plt.subplots(figsize=(9, 4.5))
     plot(results, ax=ax)
-    fig.savefig(out / "scaling.png", dpi=120)
+    fig.savefig(out / f"scaling{suffix}.png", dpi=120)
     plt.close(fig)
     return out
 
@@ -541,32 +603,48 @@ def main(argv=None):
     )
     parser.add_argument("--out", default="build/bench")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--model",
+        nargs="+",
+        choices=sorted(MODELS),
+        default=["mlp", "lstm"],
+        help="the models to time, one run each (default: mlp lstm)",
+    )
     parser.add_argument("--measure-memory", metavar="PATH", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.measure_memory:
-        print(json.dumps(_measure_memory(args.measure_memory, args.sizes, args.seed)))
+        peaks = _measure_memory(
+            args.measure_memory, args.sizes, args.seed, args.model[0]
+        )
+        print(json.dumps(peaks))
         return None
     if args.quick:
         args.sizes, args.repeats, args.memory = [100, 1000], 3, "inline"
-    results = run_bench(
-        args.sizes,
-        repeats=args.repeats,
-        max_seconds=args.max_seconds,
-        memory_mode=args.memory,
-        paths=args.paths,
-        seed=args.seed,
-    )
-    results["machine"]["load_average_after"] = [round(v, 2) for v in os.getloadavg()]
-    n = max(args.sizes)
-    if args.profile and "dense" in results["labels"]:
-        x = regression_data(n, seed=args.seed)[0]
-        profile = profile_dense(question_mlp(seed=args.seed), x, args.repeats)
-        results["profile"] = {"n": n, "seconds": profile}
-    out = save(results, args.out)
-    print()
-    print(markdown(results))
-    print(f"wrote {out}/results.json, results.md and scaling.png")
-    return results
+    every = []
+    for model in args.model:
+        print(f"\n{MODELS[model].label}")
+        results = run_bench(
+            args.sizes,
+            repeats=args.repeats,
+            max_seconds=args.max_seconds,
+            memory_mode=args.memory,
+            paths=args.paths,
+            seed=args.seed,
+            model=model,
+        )
+        after = [round(v, 2) for v in os.getloadavg()]
+        results["machine"]["load_average_after"] = after
+        n = max(args.sizes)
+        if args.profile and "dense" in results["labels"]:
+            x = regression_data(n, seed=args.seed)[0]
+            profile = profile_dense(question_mlp(seed=args.seed), x, args.repeats)
+            results["profile"] = {"n": n, "seconds": profile}
+        out = save(results, args.out)
+        print()
+        print(markdown(results))
+        every.append(results)
+    print(f"wrote results, tables and plots into {out}/")
+    return every[0] if len(every) == 1 else every
 
 
 if __name__ == "__main__":

@@ -6,17 +6,39 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .compiled import CompiledJacobian
-from .target import as_batch, n_samples, output_layout, resolve_target, take
+from .target import (
+    as_batch,
+    n_samples,
+    output_layout,
+    resolve_target,
+    signature_key,
+    take,
+)
 
-# Working memory of one sample's Jacobian, as a multiple of the bytes of its
-# rows of the result (n_outputs * n_params * itemsize): the rows themselves,
-# the per-variable blocks before they are joined, and what TensorFlow's pool
-# keeps. Measured on question_mlp() (float32, TensorFlow 2.21 with oneDNN,
-# 2026-11-30): chunked_jacobian of 20,000 samples into a memory-mapped file,
-# chunks of 256, 1,024 and 4,096, peaks of 30.5, 114 and 431 MiB, each in a
-# fresh process (jacutil.memory.measure_in_fresh_process): 4.8 to 5.2 times
-# the 22,800 bytes of a sample's rows. Notebook 04-chunked re-measures it.
+# Working memory of a chunk of c samples, in bytes (itemsize bytes a number;
+# l outputs, m parameters; A: the activations of one sample's forward pass, as
+# counted by jacutil.memory.activation_elements):
+#
+#   per_sample:  itemsize * c * l * (WORKING_MEMORY_FACTOR * m + ACTIVATION_FACTOR * A)
+#   batch:       itemsize * (WORKING_MEMORY_FACTOR * l * m * c
+#                            + ACTIVATION_FACTOR * l * A * c**2)
+#
+# The l*m term holds the chunk's rows, the per-variable blocks before they are
+# joined and what TensorFlow's pool keeps; the A term the back-propagated
+# signal of every output row through every layer (through the whole chunk,
+# with the batch method: hence c**2). Fitted to peak resident memory measured
+# in fresh processes (TensorFlow 2.21, oneDNN, 2-core x86, 2026-11-30) on nine
+# models - the question's MLP, two CNNs, Conv1D stacks of 2, 6 and 12 layers,
+# an unrolled LSTM, attention - at chunks from 8 to 16,000 samples: 4.2 and
+# 0.9, times a margin of 1.2 (per_sample) to 1.25 (batch). With it the
+# measured peak stayed at 0.5 to 1.0 of the budget (per_sample; batch up to
+# 1.1), and chunks are at most about 2x smaller than the largest that fits.
+# Notebook 04-chunked re-measures the first factor on the question's network.
 WORKING_MEMORY_FACTOR = 5
+ACTIVATION_FACTOR = 1.1
+# XLA lays memory out itself: up to 1.74x the peak of the same graph without
+# it (a wide CNN, batch method); the budget assumes the worst.
+XLA_FACTOR = 1.75
 DEFAULT_MEMORY_BUDGET = 256 * 2**20  # bytes, when neither size nor budget is given
 
 _compiled_cache = weakref.WeakKeyDictionary()  # model -> {key: CompiledJacobian}
@@ -51,22 +73,49 @@ def _compiled_for(model, variables, training, jit_compile, method, x=None):
     return per_model[key]
 
 
-def bytes_per_sample(n_outputs, n_params, itemsize):
-    """Estimated peak bytes that one sample costs while its rows are computed."""
-    return WORKING_MEMORY_FACTOR * n_outputs * n_params * itemsize
+def bytes_per_sample(n_outputs, n_params, itemsize, activations=0):
+    """Estimated peak bytes that one sample costs while its rows are computed.
+
+    ``activations``: elements of one sample's forward pass (``A`` above).
+    """
+    per_row = WORKING_MEMORY_FACTOR * n_params + ACTIVATION_FACTOR * activations
+    return int(itemsize * n_outputs * per_row)
 
 
-def chunk_size_for(memory_budget, n_outputs, n_params, itemsize):
-    """The largest chunk whose working memory fits in ``memory_budget`` bytes."""
-    per_sample = bytes_per_sample(n_outputs, n_params, itemsize)
+def chunk_size_for(
+    memory_budget, n_outputs, n_params, itemsize, *, activations=0, method="per_sample"
+):
+    """The largest chunk whose working memory fits in ``memory_budget`` bytes.
+
+    ``method="batch"`` (``tape.jacobian`` over the chunk) costs
+    ``c**2`` times the activations of a row; see the constants above.
+    """
+    per_sample = bytes_per_sample(n_outputs, n_params, itemsize, activations)
     if memory_budget < per_sample:
         raise ValueError(
             f"memory_budget={memory_budget:,} bytes is smaller than one sample "
             f"needs ({per_sample:,} bytes for {n_outputs} outputs x {n_params:,} "
-            "parameters). Raise the budget, or write the result to disk with "
-            "out=np.lib.format.open_memmap(...)."
+            "parameters and their activations). Raise the budget, or write the "
+            "result to disk with out=np.lib.format.open_memmap(...)."
         )
-    return int(memory_budget // per_sample)
+    if method != "batch" or not activations:
+        return int(memory_budget // per_sample)
+    # a*c**2 + b*c = budget, with b the rows and a the activations across the chunk
+    a = itemsize * n_outputs * ACTIVATION_FACTOR * activations
+    b = itemsize * n_outputs * WORKING_MEMORY_FACTOR * n_params
+    return max(1, int((-b + np.sqrt(b * b + 4 * a * memory_budget)) / (2 * a)))
+
+
+def _activations(jac, x):
+    """Activation elements of one sample, counted once per input shape."""
+    from .memory import activation_elements
+
+    key = signature_key(x)
+    if key not in jac.activations:
+        jac.activations[key] = activation_elements(
+            jac.target, x, unroll=jac.method == "per_sample"
+        )
+    return jac.activations[key]
 
 
 def _check_chunk_size(chunk_size):
@@ -140,7 +189,12 @@ def chunked_jacobian(
     if chunk_size is None:
         budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
         chunk_size = chunk_size_for(
-            budget, n_outputs, target.n_params, target.dtype.itemsize
+            budget / (XLA_FACTOR if jit_compile else 1),
+            n_outputs,
+            target.n_params,
+            target.dtype.itemsize,
+            activations=_activations(jac, x),
+            method=method,
         )
     chunk_size = min(chunk_size, n_rows)
     pad_to = chunk_size if jit_compile else None

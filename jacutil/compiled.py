@@ -3,7 +3,7 @@
 import numpy as np
 
 from ._tf import tf
-from .formulation import per_sample_tensor
+from .formulation import batch_tensor, per_sample_tensor
 from .guards import note_trace
 from .target import (
     as_batch,
@@ -15,7 +15,6 @@ from .target import (
     signature_key,
     take,
 )
-from .vectorized import batch_tape_jacobian
 
 METHODS = ("per_sample", "batch")
 
@@ -50,6 +49,7 @@ class CompiledJacobian:
         self.trace_count = 0
         self.compiled_shapes = set()
         self.formulation = None
+        self.activations = {}  # input signature -> activation elements (chunked)
         self._owner = owner  # keeps the model alive as long as jac
         self._functions = {}  # input signature -> tf.function
 
@@ -66,10 +66,8 @@ class CompiledJacobian:
         )
 
     def _jacobian(self, x):
-        if self.method == "batch":
-            self.formulation = "tape.jacobian over the batch"
-            return batch_tape_jacobian(self.target, x)
-        J, self.formulation = per_sample_tensor(self.target, x)
+        method = batch_tensor if self.method == "batch" else per_sample_tensor
+        J, self.formulation = method(self.target, x, self.jit_compile)
         return J
 
     def tensor(self, x, pad_to=None):

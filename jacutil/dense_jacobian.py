@@ -19,7 +19,7 @@ import numpy as np
 from ._tf import keras, tf
 from .compiled import compiled_jacobian
 from .formulation import per_sample_tensor
-from .target import as_batch, resolve_target, take
+from .target import as_batch, resolve_target, take, variable_list
 from .vectorized import per_sample_jacobian
 
 
@@ -29,6 +29,7 @@ def _is_exact_keras(model):
     if kind is keras.Sequential:
         return True
     return kind.__name__ == "Functional" and kind.__module__.startswith("keras.")
+
 
 # act'(z), written with z and a = act(z); None: the derivative is 1.
 DERIVATIVES = {
@@ -211,6 +212,7 @@ class DenseJacobian:
     """
 
     def __init__(self, model, jit_compile, variables, training):
+        variables = None if variables is None else variable_list(variables)
         self.model = model
         self.target = resolve_target(model, variables, training)
         self.chain, self.fallback = dense_chain(model, variables)
@@ -293,6 +295,7 @@ def dense_jacobian(model, x, *, variables=None, training=False):
 
     Returns (n_samples, n_outputs, n_params). Introduced in ``07-benchmark``.
     """
+    variables = None if variables is None else variable_list(variables)
     target = resolve_target(model, variables, training, x)
     chain, _ = dense_chain(model, variables)
     if chain is not None:

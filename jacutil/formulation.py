@@ -25,7 +25,7 @@ import warnings
 from ._tf import keras, tf
 from .guards import JacobianError, random_layers
 from .target import n_samples, pad_with_last, stack_columns
-from .vectorized import per_sample_tape_jacobian
+from .vectorized import batch_tape_jacobian, per_sample_tape_jacobian
 
 # Errors with which pfor refuses a graph it cannot vectorize.
 PFOR_ERRORS = (ValueError, TypeError, NotImplementedError, tf.errors.OpError)
@@ -53,46 +53,119 @@ def unrolled(layers):
             layer.unroll = unroll
 
 
-class _DropPforErrors(logging.Filter):
-    """pfor logs every op it fails to convert at ERROR level; we handle it."""
+class _PforLog(logging.Filter):
+    """Keep pfor's messages out of the user's log while we trace; note them.
+
+    pfor logs every op it fails to convert at ERROR level (we catch the
+    failure and fall back), and warns when it runs an op in a ``while_loop``
+    (``Conv2DBackpropFilter uses a while_loop``) or densifies an Embedding's
+    gradient: those go into the formulation, where ``jac.formulation`` shows
+    them, instead of a red box under the cell.
+    """
+
+    SOURCES = ("parallel_for/pfor.py", "framework/indexed_slices.py")
+
+    def __init__(self):
+        super().__init__()
+        self.notes = []
 
     def filter(self, record):
-        return not (
-            record.levelno >= logging.ERROR
-            and record.pathname.replace("\\", "/").endswith("parallel_for/pfor.py")
-        )
+        path = record.pathname.replace("\\", "/")
+        if not path.endswith(self.SOURCES):
+            return True
+        if record.levelno < logging.ERROR:
+            note = record.getMessage().split(". ")[0].split("(")[0].strip()
+            if note not in self.notes:
+                self.notes.append(note)
+        return False
 
 
 @contextlib.contextmanager
-def _pfor_errors_handled():
-    """Silence pfor's own error log while we try it: a failure is caught here."""
-    logger, quiet = tf.get_logger(), _DropPforErrors()
-    logger.addFilter(quiet)
+def _pfor_log():
+    """pfor's own log, captured while we trace (see :class:`_PforLog`)."""
+    logger, capture = tf.get_logger(), _PforLog()
+    logger.addFilter(capture)
     try:
-        yield
+        yield capture.notes
     finally:
-        logger.removeFilter(quiet)
+        logger.removeFilter(capture)
+
+
+# oneDNN's batch matmul corrupts the heap (malloc errors, segfaults) on some
+# broadcasting operands in TensorFlow 2.21 (tensorflow/tensorflow#117700 and
+# #123109). pfor writes such operands for attention (EinsumDense) gradients.
+# Where the traced Jacobian holds one, it runs under XLA instead.
+BATCH_MATMULS = ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3")
+
+
+def _broadcasts(op):
+    """Whether a batch matmul broadcasts its batch dimensions (ranks or sizes)."""
+    a, b = (t.shape for t in op.inputs[:2])
+    if a.rank is None or b.rank is None or a.rank != b.rank:
+        return True
+    pairs = zip(a.as_list()[:-2], b.as_list()[:-2], strict=True)
+    return any((d == 1) != (e == 1) for d, e in pairs)
+
+
+def onednn_hazards(ops):
+    """The batch matmuls among ``ops`` that broadcast (see above)."""
+    return [op for op in ops if op.type in BATCH_MATMULS and _broadcasts(op)]
+
+
+@contextlib.contextmanager
+def _new_ops():
+    """The operations added to the graph being traced inside the block."""
+    graph = tf.compat.v1.get_default_graph()
+    start = len(graph.get_operations())
+    created = []
+    yield created
+    created.extend(graph.get_operations()[start:])
+
+
+def vectorize(jacobian, target, x, xla=False):
+    """``jacobian(target, x)`` traced, and moved under XLA if it needs to be.
+
+    Call it inside a ``tf.function`` trace. Returns ``(tensor, notes)``:
+    what pfor said about the graph, and whether it runs under XLA.
+    """
+    with _pfor_log() as notes, _new_ops() as created:
+        J = jacobian(target, x)
+    if xla or not onednn_hazards(created):
+        return J, notes
+    compiled = tf.function(lambda x: jacobian(target, x), jit_compile=True)
+    with _pfor_log():
+        J = compiled(x)
+    return J, [
+        *notes,
+        "run under XLA: oneDNN's broadcasting batch matmul "
+        "corrupts memory in TensorFlow 2.21 (tensorflow#117700)",
+    ]
 
 
 def map_fn_jacobian(target, x):
-    """(n, l, m) tensor: the one-sample Jacobian in a ``tf.map_fn`` loop."""
+    """(n, l, m) tensor: the one-sample Jacobian in a ``tf.map_fn`` loop.
+
+    The l output rows are not vectorized either (``experimental_use_pfor=
+    False``), so nothing here meets pfor's limits: the slow, safe path.
+    """
 
     def one_sample(xi):
         xi = tf.nest.map_structure(lambda t: t[None], xi)
         with tf.GradientTape() as tape:
             target.watch(tape)
             y = target.forward(xi)
-        jacobians = tape.jacobian(y, target.variables)
+        jacobians = tape.jacobian(y, target.variables, experimental_use_pfor=False)
         return stack_columns(jacobians, target.variables, 1)[0]
 
     signature = tf.TensorSpec(None, target.dtype)
     return tf.map_fn(one_sample, x, fn_output_signature=signature)
 
 
-def _map_fn(target, x):
-    if tf.executing_eagerly():  # a graph runs the loop far faster than Python
-        return tf.function(lambda x: map_fn_jacobian(target, x))(x)
-    return map_fn_jacobian(target, x)
+def _padded_per_sample(target, x):
+    """pfor's unrolled recurrent gradient fails at run time on a batch of one
+    sample (TF 2.21): run one copy of the last sample more, and drop it."""
+    rows = n_samples(x)
+    return per_sample_tape_jacobian(target, pad_with_last(x, rows + 1))[:rows]
 
 
 def _first_line(error):
@@ -101,33 +174,50 @@ def _first_line(error):
     return str(message)[:200]
 
 
-def per_sample_tensor(target, x):
+def _in_a_graph(method):
+    """Eagerly, trace ``method(target, x, xla)`` in a new tf.function first:
+    the graph is what tells the formulation (pfor's limits, oneDNN hazards)."""
+
+    def run(target, x, xla=False):
+        if not tf.executing_eagerly():
+            return method(target, x, xla)
+        said = {}
+
+        def traced(x):
+            J, said["formulation"] = method(target, x, xla)
+            return J
+
+        return tf.function(traced)(x), said["formulation"]
+
+    run.__doc__, run.__name__ = method.__doc__, method.__name__
+    return run
+
+
+@_in_a_graph
+def per_sample_tensor(target, x, xla=False):
     """The per-sample Jacobian of ``x`` and the formulation that computed it.
 
     Returns ``(tensor, formulation)``: ``tf.vectorized_map`` (recurrent
     layers unrolled) when pfor can vectorize the model, ``tf.map_fn``
-    otherwise. Introduced in ``08-your-own-model``.
+    otherwise; ``xla`` says the caller compiles with XLA already.
+    Introduced in ``08-your-own-model``.
     """
     random = random_layers(target.layers) if target.training else []
     if random:
-        return _map_fn(target, x), (
+        return map_fn_jacobian(target, x), (
             "tf.map_fn over samples: random layers in training mode "
             f"({', '.join(random)}) draw one mask per sample"
         )
     rnns = recurrent_layers(target)
-    formulation = "tf.vectorized_map over samples"
+    formulation = ["tf.vectorized_map over samples"]
     if rnns:
         names = ", ".join(layer.name for layer in rnns)
-        formulation += f", recurrent layers unrolled while traced ({names})"
+        formulation.append(f"recurrent layers unrolled while traced ({names})")
+    jacobian = _padded_per_sample if rnns else per_sample_tape_jacobian
     try:
-        with unrolled(rnns), _pfor_errors_handled():
-            if not rnns:
-                return per_sample_tape_jacobian(target, x), formulation
-            # pfor's unrolled recurrent gradient fails at run time on a batch
-            # of one sample (TF 2.21): run one copy of the last sample more.
-            rows = n_samples(x)
-            J = per_sample_tape_jacobian(target, pad_with_last(x, rows + 1))
-            return J[:rows], formulation
+        with unrolled(rnns):
+            J, notes = vectorize(jacobian, target, x, xla)
+        return J, "; ".join(formulation + notes)
     except PFOR_ERRORS as error:
         if isinstance(error, JacobianError):
             raise
@@ -137,7 +227,13 @@ def per_sample_tensor(target, x):
         "samples run one at a time in tf.map_fn: correct, and much slower. "
         "Please report the model if it is a standard Keras one.",
         SlowPathWarning,
-        stacklevel=3,
+        stacklevel=4,
     )
-    return _map_fn(target, x), f"tf.map_fn over samples: pfor failed ({reason})"
+    return map_fn_jacobian(target, x), f"tf.map_fn over samples: pfor failed ({reason})"
 
+
+@_in_a_graph
+def batch_tensor(target, x, xla=False):
+    """``tape.jacobian`` over the batch, and its formulation (see above)."""
+    J, notes = vectorize(batch_tape_jacobian, target, x, xla)
+    return J, "; ".join(["tape.jacobian over the batch", *notes])

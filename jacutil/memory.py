@@ -138,6 +138,48 @@ BATCH_JACOBIAN = MemoryModel(quadratic=1955.0, linear=0.0, constant=4.5e6)
 PER_SAMPLE_JACOBIAN = MemoryModel(quadratic=0.0, linear=95658.0, constant=2.6e6)
 
 
+# Operations that allocate nothing new (views, reads, bookkeeping).
+NO_ALLOCATION = frozenset(
+    "Placeholder Const ReadVariableOp VarHandleOp Identity IdentityN Reshape "
+    "Squeeze ExpandDims StopGradient PreventGradient Shape ShapeN Size Rank "
+    "NoOp".split()
+)
+
+
+def activation_elements(target, x, *, unroll=True):
+    """Elements of one sample's forward pass: the ``A`` of the chunk memory model.
+
+    Traces the forward pass of one sample like ``x`` (a
+    :class:`jacutil.target.Target` and a checked batch) and adds up the
+    floating-point outputs of its operations, views and reads left out. With
+    ``unroll`` (the per-sample method) recurrent layers are traced unrolled,
+    and every read of a variable after its first counts too: an unrolled
+    layer gets one block of gradients per time step. Introduced in
+    ``04-chunked``.
+    """
+    from ._tf import tf
+    from .formulation import recurrent_layers, unrolled
+
+    spec = tf.nest.map_structure(lambda t: tf.TensorSpec([1, *t.shape[1:]], t.dtype), x)
+    rnns = recurrent_layers(target) if unroll else []
+    with unrolled(rnns):
+        graph = tf.function(target.forward).get_concrete_function(spec).graph
+    total, read = 0, set()
+    for op in graph.get_operations():
+        size = sum(
+            t.shape.num_elements()
+            for t in op.outputs
+            if t.dtype.is_floating and t.shape.is_fully_defined()
+        )
+        if op.type == "ReadVariableOp":
+            handle = op.inputs[0].ref()
+            total += size if (unroll and handle in read) else 0
+            read.add(handle)
+        elif op.type not in NO_ALLOCATION:
+            total += size
+    return int(total)
+
+
 def predicted_bytes(n_samples, method="batch"):
     """Predicted peak bytes of a Jacobian of ``n_samples`` on the question's network.
 

@@ -45,3 +45,46 @@ def regression_data(
     y = np.sin(z) + 0.5 * z**2 / (1 + z**2)
     y += noise * rng.standard_normal(y.shape)
     return x.astype(dtype), y.astype(dtype)
+
+
+def sequence_lstm(
+    n_steps=16, n_features=4, units=16, n_outputs=2, *, seed=0, dtype="float32"
+):
+    """A recurrent model: LSTM(units) -> Dense(n_outputs) on sequences.
+
+    With the defaults: 16 steps of 4 features, 1,378 parameters, seeded.
+    Introduced in ``08-your-own-model``.
+    """
+    return keras.Sequential(
+        [
+            keras.Input((n_steps, n_features), dtype=dtype),
+            keras.layers.LSTM(
+                units,
+                kernel_initializer=keras.initializers.GlorotUniform(seed=seed),
+                recurrent_initializer=keras.initializers.Orthogonal(seed=seed + 1),
+                bias_initializer=keras.initializers.RandomNormal(
+                    stddev=0.1, seed=seed + 2
+                ),
+                dtype=dtype,
+                name="lstm",
+            ),
+            keras.layers.Dense(
+                n_outputs,
+                kernel_initializer=keras.initializers.GlorotUniform(seed=seed + 3),
+                dtype=dtype,
+                name="head",
+            ),
+        ],
+        name="sequence_lstm",
+    )
+
+
+def sequence_data(n_samples, n_steps=16, n_features=4, *, seed=0, dtype="float32"):
+    """Seeded sequences, shape (n_samples, n_steps, n_features): a noisy sine."""
+    rng = np.random.default_rng(seed)
+    phase = rng.uniform(0, 2 * np.pi, (n_samples, 1, n_features))
+    steps = np.arange(n_steps)[None, :, None]
+    x = np.sin(0.4 * steps + phase) + 0.1 * rng.standard_normal(
+        (n_samples, n_steps, n_features)
+    )
+    return x.astype(dtype)

@@ -14,6 +14,7 @@ import scipy.linalg
 from ._tf import tf
 from .chunked import (
     DEFAULT_MEMORY_BUDGET,
+    _activations,
     _compiled_for,
     chunk_size_for,
     chunked_jacobian,
@@ -47,17 +48,18 @@ class LeastSquaresProblem:
             "training": training,
             "progress": False,
         }
+        self.compiled = _compiled_for(
+            model, self._variables, training, False, "per_sample"
+        )
         if chunk_size is None:
             chunk_size = chunk_size_for(
                 memory_budget or DEFAULT_MEMORY_BUDGET,
                 n_outputs,
                 self.n_params,
                 self._target.dtype.itemsize,
+                activations=_activations(self.compiled, self.x),
             )
         self.chunk_size = int(chunk_size)
-        self.compiled = _compiled_for(
-            model, self._variables, training, False, "per_sample"
-        )
 
     def set_params(self, theta):
         """Write ``theta`` (length ``n_params``) into the model's variables."""

@@ -261,10 +261,11 @@ def resolve_target(model, variables=None, training=False, x=None):
 
 
 def _all_layers(model):
+    """Every layer inside the model (not the model: the target must not hold it)."""
     flatten = getattr(model, "_flatten_layers", None)
     if flatten is None:
-        return [model]
-    return list(flatten(include_self=True, recursive=True))
+        return []
+    return list(flatten(include_self=False, recursive=True))
 
 
 # --- inputs -------------------------------------------------------------------
@@ -305,9 +306,7 @@ def signature(x):
 
 def signature_key(x):
     """A hashable key of :func:`signature`: equal keys share one trace."""
-    leaves = tuple(
-        (tuple(t.shape[1:]), t.dtype.name) for t in tf.nest.flatten(x)
-    )
+    leaves = tuple((tuple(t.shape[1:]), t.dtype.name) for t in tf.nest.flatten(x))
     return tf.nest.map_structure(lambda _: 0, x).__repr__(), leaves
 
 
@@ -333,6 +332,14 @@ def _structured(x, declared):
         return {k: x[k] for k in declared}
     if several:
         names = _input_names(declared)
+        if isinstance(x, dict):
+            if set(x) == set(names):  # Keras takes inputs by name too
+                return [x[name] for name in names]
+            raise ValueError(
+                f"the model takes {len(names)} inputs; got a dict with keys "
+                f"{sorted(x)}. Pass a list [{', '.join(names)}], or a dict with "
+                f"keys {sorted(names)}."
+            )
         if not isinstance(x, (list, tuple)) or len(x) != len(declared):
             got = (
                 f"{len(x)} arrays"
@@ -392,8 +399,7 @@ def _as_leaf(value, name, declared, dtype):
         hint = ""
         if _compatible(shape, expected):
             hint = (
-                " It looks like one sample without its batch axis: "
-                f"use {name}[None]."
+                f" It looks like one sample without its batch axis: use {name}[None]."
             )
         wanted = ", ".join("any" if d is None else str(d) for d in expected)
         raise ValueError(

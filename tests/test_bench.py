@@ -16,7 +16,7 @@ def test_bench_writes_results_table_and_plot(tmp_path):
             "--repeats", "1",
             "--memory", "inline",
             "--paths", "loop", "compiled_batch", "compiled", "dense",
-            "--out", str(tmp_path),
+            "--out", str(tmp_path), "--model", "mlp",
         ]
     )  # fmt: skip
     stored = json.loads((tmp_path / "results.json").read_text())
@@ -32,6 +32,22 @@ def test_bench_writes_results_table_and_plot(tmp_path):
     ratios = bench.ratios(results, 6)
     fastest = min(r[1] for r in ratios.values())
     assert fastest == pytest.approx(1.0)
+
+
+def test_bench_has_an_lstm_row(tmp_path):
+    results = bench.main(
+        [
+            "--sizes", "3", "6", "--repeats", "1", "--memory", "inline",
+            "--paths", "loop", "compiled", "chunked",
+            "--out", str(tmp_path), "--model", "lstm",
+        ]
+    )  # fmt: skip
+    assert results["model"] == "lstm" and results["shape"] == [2, 1378]
+    stored = json.loads((tmp_path / "results-lstm.json").read_text())
+    ran = {(r["path"], r["n"]) for r in stored["results"] if r["median"]}
+    assert ("compiled", 6) in ran and ("chunked", 6) in ran
+    table = (tmp_path / "results-lstm.md").read_text()
+    assert "LSTM(16)" in table and "6 x 2 x 1,378" in table
 
 
 def test_a_slow_path_is_skipped_with_its_prediction(tmp_path):

@@ -81,3 +81,83 @@ def test_memory_stays_near_the_budget(tmp_path):
     np.testing.assert_allclose(
         out[-7:], ju.per_sample_jacobian(model, x[-7:]), rtol=1e-5, atol=1e-6
     )
+
+
+# Run in a fresh process: TensorFlow keeps memory it grew pooled, so a peak
+# measured after other tests would hide what this call needs.
+PROBE = """
+import json, sys, tempfile
+import numpy as np
+import jacutil as ju
+from jacutil import keras
+from jacutil.memory import peak_memory
+
+kind, method, n, budget = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+keras.utils.set_random_seed(0)
+if kind == "cnn":
+    model = keras.Sequential([
+        keras.Input((12, 12, 1)),
+        keras.layers.Conv2D(8, 3, activation="relu"),
+        keras.layers.Conv2D(8, 3, activation="tanh"),
+        keras.layers.Flatten(),
+        keras.layers.Dense(4),
+    ])
+    x = np.random.default_rng(0).standard_normal((n, 12, 12, 1)).astype("float32")
+else:
+    model = ju.question_mlp()
+    x = ju.regression_data(n)[0]
+options = dict(memory_budget=budget, method=method, progress=False)
+ju.chunked_jacobian(model, x[:3], **options)  # the trace, outside the measure
+shape = (n, *ju.chunked_jacobian(model, x[:1], **options).shape[1:])
+folder = tempfile.TemporaryDirectory()
+out = np.lib.format.open_memmap(
+    folder.name + "/J.npy", mode="w+", dtype="float32", shape=shape
+)
+use = peak_memory(ju.chunked_jacobian, model, x, out=out, **options)
+print(json.dumps({"peak": use.peak, "result": out.nbytes}))
+"""
+
+
+def _peak_in_fresh_process(kind, method, n, budget):
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, kind, method, str(n), str(budget)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    "kind, method, n, budget",
+    [
+        ("cnn", "per_sample", 4000, 16 * 2**20),  # activations dominate l * m
+        ("mlp", "batch", 6000, 64 * 2**20),  # memory grows with chunk**2
+    ],
+)
+def test_the_budget_holds_where_activations_dominate(kind, method, n, budget):
+    measured = _peak_in_fresh_process(kind, method, n, budget)
+    assert measured["result"] > 2 * budget  # the result itself does not fit
+    assert measured["peak"] < 1.25 * budget, measured
+
+
+def test_the_default_budget_of_the_batch_method_fits_its_own_model():
+    """Sized like the per-sample method, it asked for ~10 GiB (notebook 02's model)."""
+    model = ju.question_mlp()
+    jac = ju.chunked._compiled_for(model, None, False, False, "batch")
+    x = ju.target.as_batch(ju.regression_data(3)[0], jac.target)
+    chunk = ju.chunk_size_for(
+        ju.chunked.DEFAULT_MEMORY_BUDGET,
+        2,
+        2850,
+        4,
+        activations=ju.chunked._activations(jac, x),
+        method="batch",
+    )
+    predicted = ju.memory.predicted_bytes(chunk, "batch")
+    assert 100 < chunk and predicted < ju.chunked.DEFAULT_MEMORY_BUDGET
