@@ -3,7 +3,7 @@
 import numpy as np
 
 from ._tf import tf
-from .formulation import batch_tensor, per_sample_tensor
+from .formulation import batch_tensor, per_sample_tensor, quiet_function
 from .guards import note_trace
 from .target import (
     as_batch,
@@ -61,7 +61,7 @@ class CompiledJacobian:
             note_trace(self.target.variables, (self.method, self.jit_compile))
             return self._jacobian(x)
 
-        return tf.function(
+        return quiet_function(
             traced, input_signature=[signature(x)], jit_compile=self.jit_compile
         )
 
@@ -95,7 +95,7 @@ class CompiledJacobian:
         # XLA cannot compile this formulation (tf.map_fn's TensorList): use
         # the same graph without XLA for these shapes.
         function = self._functions[key]
-        self._functions[key] = tf.function(
+        self._functions[key] = quiet_function(
             function.python_function, input_signature=function.input_signature
         )
         result = self._functions[key](x)

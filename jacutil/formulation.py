@@ -63,7 +63,7 @@ class _PforLog(logging.Filter):
     them, instead of a red box under the cell.
     """
 
-    SOURCES = ("parallel_for/pfor.py", "framework/indexed_slices.py")
+    SOURCES = ("parallel_for/pfor.py", "parallel_for/control_flow_ops.py")
 
     def __init__(self):
         super().__init__()
@@ -75,6 +75,8 @@ class _PforLog(logging.Filter):
             return True
         if record.levelno < logging.ERROR:
             note = record.getMessage().split(". ")[0].split("(")[0].strip()
+            if note.startswith("Converting IndexedSlices"):
+                note = "an Embedding's sparse gradient made dense (IndexedSlices)"
             if note not in self.notes:
                 self.notes.append(note)
         return False
@@ -107,6 +109,19 @@ def _broadcasts(op):
     return any((d == 1) != (e == 1) for d, e in pairs)
 
 
+def quiet_function(python_function, **options):
+    """``tf.function`` for jacutil's own traces, which TensorFlow does not count.
+
+    An eager stage traces a new function on every call, and one compiled
+    Jacobian is built per model: by design, not the retracing that
+    TensorFlow's "N out of the last N calls triggered tf.function retracing"
+    warns about (jacutil's own RetracingWarning watches for the real trap).
+    """
+    function = tf.function(python_function, **options)
+    function._omit_frequent_tracing_warning = True  # noqa: SLF001 (TF 2.21)
+    return function
+
+
 def onednn_hazards(ops):
     """The batch matmuls among ``ops`` that broadcast (see above)."""
     return [op for op in ops if op.type in BATCH_MATMULS and _broadcasts(op)]
@@ -132,7 +147,7 @@ def vectorize(jacobian, target, x, xla=False):
         J = jacobian(target, x)
     if xla or not onednn_hazards(created):
         return J, notes
-    compiled = tf.function(lambda x: jacobian(target, x), jit_compile=True)
+    compiled = quiet_function(lambda x: jacobian(target, x), jit_compile=True)
     with _pfor_log():
         J = compiled(x)
     return J, [
@@ -187,7 +202,7 @@ def _in_a_graph(method):
             J, said["formulation"] = method(target, x, xla)
             return J
 
-        return tf.function(traced)(x), said["formulation"]
+        return quiet_function(traced)(x), said["formulation"]
 
     run.__doc__, run.__name__ = method.__doc__, method.__name__
     return run

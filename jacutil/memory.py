@@ -158,12 +158,13 @@ def activation_elements(target, x, *, unroll=True):
     ``04-chunked``.
     """
     from ._tf import tf
-    from .formulation import recurrent_layers, unrolled
+    from .formulation import quiet_function, recurrent_layers, unrolled
 
     spec = tf.nest.map_structure(lambda t: tf.TensorSpec([1, *t.shape[1:]], t.dtype), x)
     rnns = recurrent_layers(target) if unroll else []
     with unrolled(rnns):
-        graph = tf.function(target.forward).get_concrete_function(spec).graph
+        forward = quiet_function(target.forward)
+        graph = forward.get_concrete_function(spec).graph
     total, read = 0, set()
     for op in graph.get_operations():
         size = sum(

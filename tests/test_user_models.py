@@ -394,3 +394,36 @@ def test_dropout_in_training_mode_one_mask_per_sample(stage):
     assert (kept == kept[:, :1]).all(), "a sample's outputs saw different masks"
     masks = kept[:, 0]
     assert len({m.tobytes() for m in masks}) > 1, "every sample had the same mask"
+
+
+ATTENTION = """
+import sys
+import numpy as np
+import jacutil as ju
+from jacutil import keras
+
+keras.utils.set_random_seed(0)
+x_in = keras.Input((8, 16))
+attended = keras.layers.MultiHeadAttention(2, key_dim=8)(x_in, x_in)
+y = keras.layers.LayerNormalization()(attended + x_in)
+model = keras.Model(x_in, keras.layers.Dense(2)(keras.layers.Flatten()(y)))
+x = np.random.default_rng(0).standard_normal((64, 8, 16)).astype("float32")
+jac = ju.compiled_jacobian(model)
+J = jac(x)
+for n in (1, 2, 3, 5, 64):
+    J = jac(x[:n])
+J = ju.chunked_jacobian(model, x, chunk_size=7, progress=False)
+reference = ju.loop_jacobian(model, x[:3])
+np.testing.assert_allclose(J[:3], reference, rtol=1e-4, atol=1e-5)
+print(jac.formulation)
+"""
+
+
+def test_attention_does_not_crash_the_process():
+    """oneDNN's batch matmul corrupted the heap on pfor's attention gradient
+    (malloc errors, segfaults: tensorflow#117700); run in a process of its own."""
+    done = subprocess.run(
+        [sys.executable, "-c", ATTENTION], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-1500:]
+    assert "under XLA" in done.stdout
