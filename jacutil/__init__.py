@@ -18,7 +18,14 @@ from .layout import (
     to_lm_by_n,
 )
 from .loop import loop_jacobian
-from .models import question_mlp, regression_data
+from .models import (
+    image_data,
+    question_mlp,
+    regression_data,
+    sequence_data,
+    sequence_lstm,
+    small_cnn,
+)
 from .reference import finite_difference_jacobian
 from .scipy_bridge import (
     LeastSquaresProblem,
@@ -46,6 +53,7 @@ __all__ = [
     "flat_params",
     "from_lm_by_n",
     "guards",
+    "image_data",
     "keras",
     "least_squares_problem",
     "levenberg_marquardt",
@@ -56,7 +64,10 @@ __all__ = [
     "plots",
     "question_mlp",
     "regression_data",
+    "sequence_data",
+    "sequence_lstm",
     "set_flat_params",
+    "small_cnn",
     "split_outputs",
     "tf",
     "time_call",

@@ -108,11 +108,11 @@ def chunk_size_for(
 
 def _activations(jac, x):
     """Activation elements of one sample, counted once per input shape."""
-    from .memory import activation_elements
+    from .memory import count_activations
 
     key = signature_key(x)
     if key not in jac.activations:
-        jac.activations[key] = activation_elements(
+        jac.activations[key] = count_activations(
             jac.target, x, unroll=jac.method == "per_sample"
         )
     return jac.activations[key]

@@ -19,6 +19,7 @@ pfor (``tf.vectorized_map``). Three kinds of model need more:
 """
 
 import contextlib
+import functools
 import logging
 import warnings
 
@@ -83,8 +84,12 @@ class _PforLog(logging.Filter):
 
 
 @contextlib.contextmanager
-def _pfor_log():
-    """pfor's own log, captured while we trace (see :class:`_PforLog`)."""
+def pfor_log():
+    """Capture pfor's own log lines inside the block (see :class:`_PforLog`).
+
+    Yields the list of notes (warnings) it collects; errors are dropped.
+    Introduced in ``08-your-own-model``.
+    """
     logger, capture = tf.get_logger(), _PforLog()
     logger.addFilter(capture)
     try:
@@ -143,12 +148,12 @@ def vectorize(jacobian, target, x, xla=False):
     Call it inside a ``tf.function`` trace. Returns ``(tensor, notes)``:
     what pfor said about the graph, and whether it runs under XLA.
     """
-    with _pfor_log() as notes, _new_ops() as created:
+    with pfor_log() as notes, _new_ops() as created:
         J = jacobian(target, x)
     if xla or not onednn_hazards(created):
         return J, notes
     compiled = quiet_function(lambda x: jacobian(target, x), jit_compile=True)
-    with _pfor_log():
+    with pfor_log():
         J = compiled(x)
     return J, [
         *notes,
@@ -204,8 +209,7 @@ def _in_a_graph(method):
 
         return quiet_function(traced)(x), said["formulation"]
 
-    run.__doc__, run.__name__ = method.__doc__, method.__name__
-    return run
+    return functools.wraps(method)(run)
 
 
 @_in_a_graph

@@ -146,17 +146,24 @@ NO_ALLOCATION = frozenset(
 )
 
 
-def activation_elements(target, x, *, unroll=True):
+def activation_elements(model, x, *, variables=None, training=False, unroll=True):
     """Elements of one sample's forward pass: the ``A`` of the chunk memory model.
 
-    Traces the forward pass of one sample like ``x`` (a
-    :class:`jacutil.target.Target` and a checked batch) and adds up the
-    floating-point outputs of its operations, views and reads left out. With
-    ``unroll`` (the per-sample method) recurrent layers are traced unrolled,
-    and every read of a variable after its first counts too: an unrolled
-    layer gets one block of gradients per time step. Introduced in
-    ``04-chunked``.
+    Traces the forward pass of one sample like ``x`` and adds up the
+    floating-point outputs of its operations, views and reads left out
+    (``jacutil.chunked`` turns it into bytes). With ``unroll`` (the
+    per-sample method) recurrent layers are traced unrolled, and every read
+    of a variable after its first counts too: an unrolled layer gets one
+    block of gradients per time step. Introduced in ``04-chunked``.
     """
+    from .target import as_batch, resolve_target
+
+    target = resolve_target(model, variables, training, x)
+    return count_activations(target, as_batch(x, target), unroll=unroll)
+
+
+def count_activations(target, x, *, unroll=True):
+    """:func:`activation_elements` of a resolved target and a checked batch."""
     from ._tf import tf
     from .formulation import quiet_function, recurrent_layers, unrolled
 
@@ -199,17 +206,29 @@ def available_bytes(safety=0.5):
     return int(safety * psutil.virtual_memory().available)
 
 
-def _sweep(method, sizes, n_samples=None):
+# Models that measure_in_fresh_process can build: name -> (model, inputs).
+SWEEP_MODELS = {
+    "question_mlp": ("question_mlp", "regression_data"),
+    "small_cnn": ("small_cnn", "image_data"),
+    "sequence_lstm": ("sequence_lstm", "sequence_data"),
+}
+
+
+def _sweep(method, sizes, n_samples=None, model_name="question_mlp"):
     """Peaks of one sweep, run in this process from a clean start (see below)."""
     import tempfile
 
     import jacutil as ju
 
-    model = ju.question_mlp()
+    build, data = (getattr(ju.models, f) for f in SWEEP_MODELS[model_name])
+    model = build()
     largest = n_samples or max(sizes)
-    x = ju.regression_data(largest)[0]
+    x = data(largest)
+    x = x[0] if isinstance(x, tuple) else x
     if method == "chunked":
-        shape = (largest, 2, 2850)
+        n_outputs = int(np.prod(model(x[:1]).shape[1:]))
+        n_params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+        shape = (largest, n_outputs, n_params)
         folder = tempfile.TemporaryDirectory()
         out = np.lib.format.open_memmap(
             f"{folder.name}/J.npy", mode="w+", dtype="float32", shape=shape
@@ -232,20 +251,20 @@ def _sweep(method, sizes, n_samples=None):
     return [peak_memory(run, n, baseline=start).peak for n in sizes]
 
 
-def measure_in_fresh_process(method, sizes, *, n_samples=None):
+def measure_in_fresh_process(method, sizes, *, n_samples=None, model="question_mlp"):
     """Peak bytes of each size, measured in a new Python process, sizes increasing.
 
     ``method``: ``"batch"`` (``vectorized_jacobian``), ``"per_sample"``
     (``per_sample_jacobian``), or ``"chunked"`` (``chunked_jacobian`` of
-    ``n_samples`` into a memory-mapped file; ``sizes`` are chunk sizes), all on
-    ``question_mlp()``. A fresh process starts with an empty memory pool, and
-    each peak is above the level before the first size: what the process had
-    to grow to. Introduced in ``02-vectorized``.
+    ``n_samples`` into a memory-mapped file; ``sizes`` are chunk sizes), on
+    ``model``, a name in :data:`SWEEP_MODELS` (``question_mlp()`` by
+    default). A fresh process starts with an empty memory pool, and each
+    peak is above the level before the first size: what the process had to
+    grow to. Introduced in ``02-vectorized``.
     """
     sizes = sorted(int(n) for n in sizes)
     command = [sys.executable, "-m", "jacutil.memory", method, json.dumps(sizes)]
-    if n_samples is not None:
-        command.append(str(int(n_samples)))
+    command += [str(int(n_samples or 0)), model]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"the measuring process failed:\n{done.stderr[-2000:]}")
@@ -254,5 +273,6 @@ def measure_in_fresh_process(method, sizes, *, n_samples=None):
 
 if __name__ == "__main__":
     _method, _sizes = sys.argv[1], json.loads(sys.argv[2])
-    _n = int(sys.argv[3]) if len(sys.argv) > 3 else None
-    print(json.dumps(_sweep(_method, _sizes, _n)))
+    _n = int(sys.argv[3]) or None if len(sys.argv) > 3 else None
+    _model = sys.argv[4] if len(sys.argv) > 4 else "question_mlp"
+    print(json.dumps(_sweep(_method, _sizes, _n, _model)))

@@ -88,3 +88,55 @@ def sequence_data(n_samples, n_steps=16, n_features=4, *, seed=0, dtype="float32
         (n_samples, n_steps, n_features)
     )
     return x.astype(dtype)
+
+
+def small_cnn(size=12, channels=8, n_outputs=4, *, seed=0, dtype="float32"):
+    """A small CNN on size x size images: two 3x3 convolutions, then Dense.
+
+    With the defaults 2,716 parameters, and activations (8 feature maps of
+    10 x 10 and 8 x 8) that outweigh one sample's Jacobian rows.
+    Introduced in ``08-your-own-model``.
+    """
+    conv = {"dtype": dtype}
+    return keras.Sequential(
+        [
+            keras.Input((size, size, 1), dtype=dtype),
+            keras.layers.Conv2D(
+                channels,
+                3,
+                activation="relu",
+                kernel_initializer=keras.initializers.GlorotUniform(seed=seed),
+                **conv,
+            ),
+            keras.layers.Conv2D(
+                channels,
+                3,
+                activation="tanh",
+                kernel_initializer=keras.initializers.GlorotUniform(seed=seed + 1),
+                **conv,
+            ),
+            keras.layers.Flatten(dtype=dtype),
+            keras.layers.Dense(
+                n_outputs,
+                kernel_initializer=keras.initializers.GlorotUniform(seed=seed + 2),
+                dtype=dtype,
+            ),
+        ],
+        name="small_cnn",
+    )
+
+
+def image_data(n_samples, size=12, *, seed=0, dtype="float32"):
+    """Seeded images, shape (n_samples, size, size, 1): smooth blobs and noise."""
+    rng = np.random.default_rng(seed)
+    grid = np.linspace(-1, 1, size)
+    centres = rng.uniform(-0.5, 0.5, (n_samples, 2, 1, 1))
+    blob = np.exp(
+        -(
+            (grid[None, :, None] - centres[:, 0]) ** 2
+            + (grid[None, None] - centres[:, 1]) ** 2
+        )
+        / 0.2
+    )
+    x = blob + 0.1 * rng.standard_normal((n_samples, size, size))
+    return x[..., None].astype(dtype)

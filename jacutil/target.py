@@ -507,10 +507,10 @@ def as_rows(y, n):
 
 
 def _not_per_sample(where, shape, n):
-    samples = "an unknown number of" if n is None else f"{n}"
+    batch = "a batch" if n is None else f"a batch of {n} sample{'s' * (n != 1)}"
     raise JacobianError(
-        f"{where} has shape {tuple(shape)}, whose first dimension is not the "
-        f"number of samples ({samples}). A per-sample Jacobian needs every "
+        f"{where} has shape {tuple(shape)} for {batch}: its first dimension "
+        "is not the number of samples. A per-sample Jacobian needs every "
         "output to keep the samples first: a mean or sum over the batch mixes "
         "the samples and has no per-sample rows. Return per-sample outputs and "
         "reduce them outside the model."
@@ -518,16 +518,19 @@ def _not_per_sample(where, shape, n):
 
 
 def output_layout(target, x):
-    """The :class:`OutputLayout` of the model on batch ``x`` (one forward pass).
+    """The :class:`OutputLayout` of the model on batch ``x``.
 
-    Runs the model eagerly on the first two samples, once per input
-    signature, and checks that every output leaf has one row per sample.
+    Runs the model eagerly on the first sample and the first two, once per
+    input signature, and checks that every output leaf has one row per
+    sample.
     """
     key = signature_key(x)
     if key not in target.layouts:
-        count = min(2, int(n_samples(x)))
-        y = target.call(take(x, 0, count))
-        as_rows(y, count)  # the checks, with a static number of samples
+        # One sample and two: an output whose first dimension is not the
+        # number of samples (a batch mean of width 2, say) fails one of them.
+        for count in sorted({1, min(2, int(n_samples(x)))}):
+            y = target.call(take(x, 0, count))
+            as_rows(y, count)  # the checks, with a static number of samples
         shapes = tuple(
             tuple(tf.convert_to_tensor(t).shape[1:]) for t in tf.nest.flatten(y)
         )

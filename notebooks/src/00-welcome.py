@@ -138,6 +138,26 @@ print("round trip exact:", np.array_equal(ju.from_lm_by_n(M, n_outputs=l), J))
 print("SciPy (n*l) x m:", J.reshape(n * l, m).shape)
 
 # %% [markdown]
+# ## Several inputs, several outputs
+#
+# A model with several inputs takes them as a list (or a dict by input
+# name) of arrays that share their first dimension: the samples. A model
+# with several outputs - a list or dict of heads, or an output of shape
+# `(n, 4, 2)` - contributes **every output leaf, flattened per sample, in
+# `tf.nest.flatten` order** (a list in its order, a dict by sorted keys), so
+# `l` counts them all. `split_outputs` gives the model's structure back:
+
+# %%
+inputs = [ju.keras.Input((3,)), ju.keras.Input((2,))]
+joined = ju.keras.layers.Concatenate()(inputs)
+heads = [ju.keras.layers.Dense(2)(joined), ju.keras.layers.Dense(1)(joined)]
+two_heads = ju.keras.Model(inputs, heads)
+x_two = [np.ones((4, 3), "float32"), np.ones((4, 2), "float32")]
+J_two = ju.per_sample_jacobian(two_heads, x_two)
+print("J:", J_two.shape, "- l = 2 + 1 rows per sample")
+print("split:", [part.shape for part in ju.split_outputs(J_two, two_heads, x_two)])
+
+# %% [markdown]
 # ## How this collection works
 #
 # | notebook | stage | `jacutil` function |
@@ -147,6 +167,10 @@ print("SciPy (n*l) x m:", J.reshape(n * l, m).shape)
 # | `02-vectorized` | one tape, `tape.jacobian`; `vectorized_map` | `vectorized_jacobian`, `per_sample_jacobian` |
 # | `03-compiled` | `tf.function` and XLA | `compiled_jacobian` |
 # | `04-chunked` | bounded memory | `chunked_jacobian` |
+# | `05-scipy-least-squares` | fit with SciPy | `least_squares_problem` |
+# | `06-pitfalls` | the popular answers' traps | `guards` |
+# | `07-benchmark` | every path side by side | `compiled_dense_jacobian` |
+# | `08-your-own-model` | CNNs, LSTMs, several inputs and heads | `split_outputs` |
 #
 # Each stage is proved equal to the previous one inside its notebook, then
 # timed. From the repository's root, `make run` executes every notebook and

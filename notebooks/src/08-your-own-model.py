@@ -1,0 +1,415 @@
+# ---
+# jupyter:
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 08 · Your own model: a CNN, an LSTM, two heads and two inputs
+#
+# **Questions**
+# - Do the stages of notebooks 01-04 work on the model *I* bring - a CNN, an
+#   LSTM, a model with two inputs and two heads?
+# - Where do several outputs go in `J`, and how do I get them back?
+# - What changes inside TensorFlow for a recurrent layer, and what falls
+#   back to a slower path?
+#
+# **Objectives**
+# - Compute the per-sample Jacobian of a CNN, an LSTM and a two-input,
+#   two-head model with every stage, each proved equal to the loop.
+# - Read the rows of `J` for several outputs and split them back with
+#   `split_outputs`.
+# - Explain why pfor cannot vectorize an LSTM's `while_loop`, and read
+#   `jac.formulation` to see what jacutil did instead.
+# - Size chunks for a model whose activations outweigh its Jacobian rows.
+#
+# *Teaching: 20 min · Exercises: 15 min*
+
+# %% [markdown]
+# ## Setup
+
+# %%
+import time
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+import jacutil as ju
+from jacutil import keras, tf
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print(ju.notebook.device_summary())
+
+# %% tags=["parameters"]
+n_check = 4  # samples in the proofs against the loop
+steps = 8  # time steps of the LSTM's sequences
+n_time = 1000  # samples in the timings
+n_map = 200  # samples for the slow tf.map_fn formulation
+repeats = 3  # timed calls after the first
+budget_mib = 16  # memory budget of the CNN's chunks, MiB
+n_memory = 2000  # samples in the CNN's memory measurement
+seed = 0
+
+# %% [markdown]
+# ## Three models a user brings
+#
+# A small CNN on grey images, an LSTM on sequences of `steps` steps (both from
+# `jacutil.models`, seeded), and a functional model with **two inputs** - a
+# vector and a small matrix - and **two heads** of different widths.
+
+# %%
+cnn = ju.small_cnn(seed=seed)
+lstm = ju.sequence_lstm(n_steps=steps, seed=seed)
+
+keras.utils.set_random_seed(seed)
+vector = keras.Input((6,), name="vector")
+matrix = keras.Input((3, 4), name="matrix")
+joined = keras.layers.Concatenate()([vector, keras.layers.Flatten()(matrix)])
+hidden = keras.layers.Dense(16, activation="tanh")(joined)
+score = keras.layers.Dense(2, name="score")(hidden)
+probabilities = keras.layers.Dense(3, activation="softmax", name="probs")(hidden)
+two_heads = keras.Model([vector, matrix], [score, probabilities])
+
+rng = np.random.default_rng(seed)
+inputs = {
+    "cnn": ju.image_data(n_time, seed=seed),
+    "lstm": ju.sequence_data(n_time, n_steps=steps, seed=seed),
+    "two_heads": [rng.standard_normal((n_time, 6)).astype("float32"),
+                  rng.standard_normal((n_time, 3, 4)).astype("float32")],
+}
+models = {"cnn": cnn, "lstm": lstm, "two_heads": two_heads}
+
+
+def first(x, n):
+    """The first n samples of one input, or of each of several."""
+    return tf.nest.map_structure(lambda a: a[:n], x)
+
+
+for name, model in models.items():
+    J = ju.per_sample_jacobian(model, first(inputs[name], 2))
+    print(f"{name:>9}: J of 2 samples has shape {J.shape}  "
+          f"(l = {J.shape[1]} outputs, m = {J.shape[2]:,} parameters)")
+
+# %% [markdown]
+# ## Several inputs and outputs: one layout
+#
+# Several inputs go in as the model takes them: a list (or a dict by input
+# name) of arrays that share their first dimension, the samples. The
+# outputs may be any nest. Each sample's row is **every output leaf,
+# flattened, joined in `tf.nest.flatten` order** (a list in its order, a
+# dict by sorted keys), so the two heads above give `l = 2 + 3 = 5`. This is
+# the rule, in the code every stage runs:
+
+# %%
+ju.notebook.show_source(ju.target.as_rows)
+
+# %% [markdown]
+# Prove it: rows 0-1 of `J` must be the Jacobian of the `score` head alone,
+# and rows 2-4 that of the `probs` head - with zeros in the columns of the
+# other head's layer, which it does not use.
+
+# %%
+x_two = first(inputs["two_heads"], n_check)
+J_two = ju.per_sample_jacobian(two_heads, x_two)
+score_only = keras.Model(two_heads.inputs, score)
+probs_only = keras.Model(two_heads.inputs, probabilities)
+columns, start = {}, 0
+for v in two_heads.trainable_variables:
+    columns[id(v)] = np.arange(start, start + int(np.prod(v.shape)))
+    start += int(np.prod(v.shape))
+for rows, head in [(slice(0, 2), score_only), (slice(2, 5), probs_only)]:
+    own = np.concatenate([columns[id(v)] for v in head.trainable_variables])
+    np.testing.assert_allclose(J_two[:, rows][:, :, own],
+                               ju.loop_jacobian(head, x_two),
+                               rtol=1e-5, atol=1e-6)
+    others = np.setdiff1d(np.arange(J_two.shape[2]), own)
+    assert not J_two[:, rows][:, :, others].any()
+print("rows 0-1 = the score head, rows 2-4 = the probs head: True")
+
+# %% [markdown]
+# `split_outputs` gives the rows back in the model's own structure, each
+# output with its per-sample shape and then the parameters:
+
+# %%
+ju.notebook.show_source(ju.split_outputs)
+
+# %%
+parts = ju.split_outputs(J_two, two_heads, x_two)
+for name, part in zip(["score", "probs"], parts, strict=True):
+    print(f"{name}: {part.shape}")
+
+# %% [markdown]
+# An output that does not keep the samples first - a mean over the batch -
+# has no per-sample Jacobian. Every stage says so instead of returning
+# numbers:
+
+# %%
+def batch_mean(x):
+    return tf.reduce_mean(two_heads(x)[0], axis=0)
+
+
+try:
+    ju.per_sample_jacobian(batch_mean, x_two,
+                           variables=two_heads.trainable_variables)
+except ValueError as error:
+    print("ValueError:", str(error)[:118], "...")
+
+# %% [markdown]
+# ## Every stage, on every model, equals the loop
+#
+# The loop of `01` is the reference: slow, and written with nothing but
+# `tape.gradient`. Each faster stage must give the same numbers. The
+# hand-derived path of `07` takes only chains of `Dense` layers; on these
+# models it falls back to autodiff and says why (`jac.fallback`). (XLA
+# comes in the timings below; the tests prove every stage on many more
+# models.)
+
+# %%
+jacs = {name: ju.compiled_jacobian(model) for name, model in models.items()}
+stages = {
+    "vectorized": ju.vectorized_jacobian,
+    "per_sample": ju.per_sample_jacobian,
+    "compiled": lambda m, x: jacs[name](x),
+    "chunked": lambda m, x: ju.chunked_jacobian(m, x, chunk_size=3,
+                                                progress=False),
+    "hand-derived": lambda m, x: ju.compiled_dense_jacobian(m)(x),
+}
+for name, model in models.items():
+    x_check = first(inputs[name], n_check)
+    reference = ju.loop_jacobian(model, x_check)
+    for stage in stages.values():
+        np.testing.assert_allclose(stage(model, x_check), reference,
+                                   rtol=1e-4, atol=1e-5)
+    fallback = ju.compiled_dense_jacobian(model).fallback
+    print(f"{name:>9}: {len(stages)} stages == loop_jacobian: True; "
+          f"hand-derived path: {fallback}")
+
+# %% [markdown]
+# ## The LSTM: pfor and the `while_loop`
+#
+# A Keras LSTM runs its time steps in a `tf.while_loop`. `tf.vectorized_map`
+# (pfor) vectorizes the per-sample Jacobian by rewriting every operation for
+# a batch - but it cannot rewrite the *gradient* of a `while_loop` inside
+# another pfor (the Jacobian's own, over the outputs). Tried directly:
+
+# %%
+target = ju.target.resolve_target(lstm)
+x_lstm = tf.constant(first(inputs["lstm"], n_check))
+with ju.formulation.pfor_log():  # pfor logs each op it fails on; keep it
+    try:
+        tf.function(
+            lambda x: ju.vectorized.per_sample_tape_jacobian(target, x))(x_lstm)
+    except ValueError as error:
+        last = str(error).strip().splitlines()[-1].strip()
+        print("ValueError:", last.removeprefix("ValueError: ")[:100], "...")
+
+# %% [markdown]
+# The cure: while the Jacobian is *traced*, set each RNN layer's `unroll`
+# flag - the same layer, the same weights. Unrolled, the time steps become
+# copies of the step's operations, which pfor vectorizes. The flag is put
+# back afterwards:
+
+# %%
+ju.notebook.show_source(ju.formulation.unrolled)
+
+# %% [markdown]
+# `per_sample_tensor` picks the formulation for each model and says which
+# one it used; the compiled and chunked stages call it, and
+# `jac.formulation` keeps its answer:
+
+# %%
+ju.notebook.show_source(ju.formulation.per_sample_tensor)
+
+# %%
+for name, jac in jacs.items():
+    print(f"{name:>9}: {jac.formulation}")
+
+# %% [markdown]
+# Two lines to read. The LSTM was unrolled. The CNN's gradient of a
+# convolution with respect to its filters (`Conv2DBackpropFilter`) has no
+# pfor rule, so pfor runs that one operation sample by sample in a
+# `while_loop`: correct, and the slow part of the CNN's Jacobian.
+#
+# How do the ways to compute the LSTM's Jacobian compare? Unrolled pfor
+# (`tf.function`, and XLA), the batch tape in chunks of 32 (quadratic inside
+# a chunk, but no pfor over a `while_loop`), and `tf.map_fn`, one sample per
+# loop step - timed on fewer samples (`n_map`) and scaled, as it is slow.
+# The one-off cost of tracing and compiling (the first call less a later
+# one) is reported apart.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+x_time = inputs["lstm"]
+map_fn = tf.function(lambda x: ju.formulation.map_fn_jacobian(target, x))
+ways = {
+    "vectorized_map, unrolled (tf.function)": (ju.compiled_jacobian(lstm),
+                                               n_time),
+    "vectorized_map, unrolled (XLA)": (ju.compiled_jacobian(lstm,
+                                                            jit_compile=True),
+                                       n_time),
+    "tape.jacobian in chunks of 32": (
+        lambda x: ju.chunked_jacobian(lstm, x, chunk_size=32, method="batch",
+                                      progress=False), n_time),
+    "tf.map_fn, one sample a step": (lambda x: map_fn(x).numpy(), n_map),
+}
+rows = []
+for label, (jac, n) in ways.items():
+    start = time.perf_counter()
+    jac(x_time[:n])
+    first_call = time.perf_counter() - start
+    median = ju.time_call(jac, x_time[:n], repeats=repeats).median
+    trace = max(first_call - median, 0.0)  # tracing and compiling only
+    rows.append((label, trace, median * n_time / n))
+    print(f"{label:<40} trace/compile {trace:6.2f} s   "
+          f"n = {n_time:,}: {1e3 * median * n_time / n:8.1f} ms")
+fastest = min(rows, key=lambda r: r[2])
+slowest = max(rows, key=lambda r: r[2])
+print(f"Finding: LSTM, n = {n_time:,}: {fastest[0]} is fastest "
+      f"({1e3 * fastest[2]:.0f} ms), {slowest[2] / fastest[2]:.0f}x faster "
+      f"than {slowest[0]}")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+fig, ax = plt.subplots(figsize=(9, 3.2))
+where = np.arange(len(rows))
+ax.barh(where - 0.2, [r[2] for r in rows], height=0.4, color="tab:blue",
+        label=f"each call, n = {n_time:,}")
+ax.barh(where + 0.2, [max(r[1], 1e-3) for r in rows], height=0.4,
+        color="tab:orange", label="once: trace and compile")
+ax.set_yticks(where, [r[0] for r in rows])
+ax.set_xscale("log")
+ax.set_xlabel("seconds (log scale)")
+ax.invert_yaxis()
+ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+ax.set_title(f"LSTM(16) on {steps} steps: four ways to the same Jacobian")
+fig.tight_layout()
+
+# %% [markdown]
+# Unrolling makes the *first* call slower - tracing a copy of the step per
+# time step takes seconds, and longer sequences take longer - and every call after it
+# fast. For a Jacobian you need once on a long sequence, the batch tape in
+# small chunks skips the unrolling.
+
+# %% [markdown]
+# ## The CNN: memory goes to activations too
+#
+# A chunk of `c` samples holds `c · l` back-propagated signals through
+# every layer. For the MLP of `04` those are tiny beside the Jacobian's
+# rows; a convolution's feature maps are not. `chunked_jacobian` counts one
+# sample's activations from the model's traced forward pass and sizes the
+# chunk with both terms:
+
+# %%
+ju.notebook.show_source(ju.chunked.bytes_per_sample)
+
+# %%
+x_cnn = inputs["cnn"]
+n_outputs, n_params = 4, cnn.count_params()
+activations = ju.memory.activation_elements(cnn, x_cnn[:1])
+budget = budget_mib * 2**20
+rows_only = ju.chunk_size_for(budget, n_outputs, n_params, 4)
+with_activations = ju.chunk_size_for(budget, n_outputs, n_params, 4,
+                                     activations=activations)
+print(f"one sample: {n_outputs} x {n_params:,} Jacobian entries, "
+      f"{activations:,} activations")
+print(f"chunk for {budget_mib} MiB: {rows_only} counting the rows only, "
+      f"{with_activations} counting the activations too")
+
+# %% [markdown]
+# Measure both chunk sizes, each in a fresh process (TensorFlow keeps the
+# memory it grew, so a second measurement in one process sees too little):
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+peaks = ju.memory.measure_in_fresh_process(
+    "chunked", [with_activations, rows_only], n_samples=n_memory,
+    model="small_cnn")
+for label, chunk, peak in zip(["with activations", "rows only"],
+                              [with_activations, rows_only], peaks,
+                              strict=True):
+    print(f"chunks of {chunk:>4} ({label}): peak {peak / 2**20:5.1f} MiB "
+          f"= {peak / budget:.2f} x the budget")
+print(f"Finding: CNN, {budget_mib} MiB budget: chunks of {with_activations} "
+      f"peak at {peaks[0] / budget:.2f}x the budget; sized by the rows alone "
+      f"({rows_only}), {peaks[1] / budget:.2f}x")
+
+# %% [markdown]
+# ## Exercises
+#
+# **1.** A GRU with `return_sequences=True` outputs one vector per time
+# step. Build `Input((5, 3)) → GRU(4, return_sequences=True) → Dense(2)`.
+# How many rows per sample does its Jacobian have? Split them back into
+# `(n, 5, 2, m)` and check step 0's rows against a model that outputs step 0
+# alone.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# Solution: l = 5 steps x 2 outputs = 10 rows per sample.
+keras.utils.set_random_seed(seed)
+seq_in = keras.Input((5, 3))
+steps_out = keras.layers.Dense(2)(keras.layers.GRU(4, return_sequences=True)(seq_in))
+gru = keras.Model(seq_in, steps_out)
+step0 = keras.Model(seq_in, steps_out[:, 0])
+x_gru = np.random.default_rng(seed).standard_normal((3, 5, 3)).astype("float32")
+J_gru = ju.compiled_jacobian(gru)(x_gru)
+per_step = ju.split_outputs(J_gru, gru, x_gru)
+np.testing.assert_allclose(per_step[:, 0], ju.loop_jacobian(step0, x_gru),
+                           rtol=1e-5, atol=1e-6)
+print("rows per sample:", J_gru.shape[1], " split:", per_step.shape,
+      " step 0 == its own model: True")
+
+# %% [markdown]
+# **2.** Give the two-head model's outputs as a dict
+# `{"score": ..., "probs": ...}` instead of a list. Which rows of `J` hold
+# `score` now? Check with `split_outputs`.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# Solution: dict keys are sorted, so "probs" (3 rows) comes before "score".
+as_dict = keras.Model(two_heads.inputs,
+                      {"score": score, "probs": probabilities})
+J_dict = ju.per_sample_jacobian(as_dict, x_two)
+by_name = ju.split_outputs(J_dict, as_dict, x_two)
+np.testing.assert_array_equal(J_dict[:, 3:5], by_name["score"])
+# The dict model lists its variables in another order, so its columns are
+# permuted: compare each row's length, which the order does not change.
+np.testing.assert_allclose(np.linalg.norm(by_name["score"], axis=-1),
+                           np.linalg.norm(J_two[:, 0:2], axis=-1), rtol=1e-5)
+print("score is rows 3-4 of the dict model's J: True")
+
+# %% [markdown]
+# **3.** Differentiate with respect to a variable that is *not* trainable:
+# the moving mean of a `BatchNormalization` (inference mode). Pass
+# `variables=[...]` and compare with `finite_difference_jacobian` on a
+# float64 copy.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# Solution: every variable passed in variables= is watched by the tape,
+# trainable or not.
+keras.utils.set_random_seed(seed)
+bn_model = keras.Sequential([keras.Input((3,), dtype="float64"),
+                             keras.layers.BatchNormalization(dtype="float64"),
+                             keras.layers.Dense(2, dtype="float64")])
+norm = bn_model.layers[0]
+x_bn = np.random.default_rng(seed).standard_normal((4, 3))
+J_bn = ju.per_sample_jacobian(bn_model, x_bn, variables=[norm.moving_mean])
+reference = ju.finite_difference_jacobian(bn_model, x_bn,
+                                          variables=[norm.moving_mean])
+np.testing.assert_allclose(J_bn, reference, rtol=1e-6, atol=1e-9)
+print("d outputs / d moving_mean:", J_bn.shape, " == finite differences: True")
+
+# %% [markdown]
+# ## Keypoints
+#
+# - Every stage takes the models users bring: several inputs as a list or a
+#   dict, any nest of outputs, recurrent and convolutional layers, attention,
+#   `Embedding`, subclassed models, explicit non-trainable variables.
+# - One sample's row is every output leaf flattened, in `tf.nest.flatten`
+#   order; `split_outputs` gives the structure back. An output without the
+#   samples first is an error.
+# - pfor cannot vectorize the gradient of a `while_loop`: jacutil unrolls
+#   recurrent layers while tracing, and `jac.formulation` says what it did.
+# - Activations count towards a chunk's memory; the chunk size comes from
+#   both the Jacobian's rows and one sample's traced forward pass.
+# - Prove every stage against the loop on *your* model before you trust it.
