@@ -176,3 +176,25 @@ def test_levenberg_marquardt_bad_scaling_is_a_clear_error():
     _, _, _, problem = small_problem()
     with pytest.raises(ValueError, match='use "diag" or "identity"'):
         ju.levenberg_marquardt(problem, scaling="marquardt")
+
+
+@pytest.mark.parametrize("name", ["two_inputs_two_heads", "lstm", "embedding"])
+def test_the_bridge_takes_the_models_users_bring(name):
+    """Several inputs (a dict), two heads (y as a list), recurrent, integer ids."""
+    from tests.architectures import build
+
+    case = build(name)
+    x = case.batch(6)
+    outputs = ju.tf.nest.map_structure(lambda t: t.numpy(), case.model64(x))
+    rng = np.random.default_rng(0)
+    y = ju.tf.nest.map_structure(lambda t: t + rng.standard_normal(t.shape), outputs)
+    problem = ju.least_squares_problem(case.model64, x, y, chunk_size=4)
+    theta = problem.theta0 + 0.05 * rng.standard_normal(problem.n_params)
+    J = problem.jac(theta)
+    assert J.shape == (6 * case.n_outputs, problem.n_params)
+    np.testing.assert_allclose(
+        J, finite_differences(problem.fun, theta), rtol=1e-6, atol=1e-8
+    )
+    JtJ, Jtr = problem.normal_equations(theta)
+    np.testing.assert_allclose(JtJ, J.T @ J, rtol=1e-9, atol=1e-10)
+    np.testing.assert_allclose(Jtr, J.T @ problem.fun(theta), rtol=1e-9, atol=1e-10)
