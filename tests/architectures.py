@@ -362,10 +362,6 @@ class Case:
     n_outputs: int  # per-sample outputs after flattening every output leaf
     recurrent: bool  # contains an RNN layer (LSTM/GRU/SimpleRNN)
 
-    def __iter__(self):
-        # Transitional: lets ``model32, model64, batch = build(name)`` keep working.
-        return iter((self.model32, self.model64, self.batch))
-
 
 def _perturbed(values, rng):
     """float64 copies moved by 0.1 * standard normal noise, so nothing sits at 0

@@ -175,7 +175,8 @@ def elu_activation(dtype):
     ],
 )
 def test_other_models_fall_back_to_the_per_sample_stage(name, reason):
-    model32, model64, batch = build(name)
+    case = build(name)
+    model32, model64, batch = case.model32, case.model64, case.batch
     chain, why = dense_chain(model64)
     assert chain is None and reason in why
     x = batch(4)
