@@ -5,7 +5,7 @@ Every stage returns ``J[i, k, p] = d f(x)[i, k] / d theta[p]``, shape
 Each function's docstring names the notebook that introduces it.
 """
 
-from . import formulation, guards, memory, notebook, plots
+from . import batch, formulation, guards, memory, notebook, outputs, plots
 from ._tf import keras, tf
 from .chunked import chunk_size_for, chunked_jacobian
 from .compiled import CompiledJacobian, compiled_jacobian
@@ -42,6 +42,7 @@ __all__ = [
     "CompiledJacobian",
     "LeastSquaresProblem",
     "Timing",
+    "batch",
     "chunk_size_for",
     "chunked_jacobian",
     "compiled_dense_jacobian",
@@ -60,6 +61,7 @@ __all__ = [
     "loop_jacobian",
     "memory",
     "notebook",
+    "outputs",
     "per_sample_jacobian",
     "plots",
     "question_mlp",

@@ -5,15 +5,10 @@ import weakref
 import numpy as np
 from tqdm.auto import tqdm
 
+from .batch import as_batch, n_samples, signature_key, take
 from .compiled import CompiledJacobian
-from .target import (
-    as_batch,
-    n_samples,
-    output_layout,
-    resolve_target,
-    signature_key,
-    take,
-)
+from .outputs import output_layout
+from .target import resolve_target
 
 # Working memory of a chunk of c samples, in bytes (itemsize bytes a number;
 # l outputs, m parameters; A: the activations of one sample's forward pass, as

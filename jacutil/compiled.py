@@ -3,18 +3,11 @@
 import numpy as np
 
 from ._tf import tf
+from .batch import as_batch, n_samples, pad_with_last, signature, signature_key, take
 from .formulation import batch_tensor, per_sample_tensor, quiet_function
 from .guards import note_trace
-from .target import (
-    as_batch,
-    n_samples,
-    output_layout,
-    pad_with_last,
-    resolve_target,
-    signature,
-    signature_key,
-    take,
-)
+from .outputs import output_layout
+from .target import resolve_target
 
 METHODS = ("per_sample", "batch")
 

@@ -17,9 +17,10 @@ falls back to the autodiff per-sample stage.
 import numpy as np
 
 from ._tf import keras, tf
+from .batch import as_batch, take
 from .compiled import compiled_jacobian
 from .formulation import per_sample_tensor
-from .target import as_batch, resolve_target, take, variable_list
+from .target import resolve_target, variable_list
 from .vectorized import per_sample_jacobian
 
 

@@ -24,8 +24,9 @@ import logging
 import warnings
 
 from ._tf import keras, tf
+from .batch import n_samples, pad_with_last
 from .guards import JacobianError, random_layers
-from .target import n_samples, pad_with_last, stack_columns
+from .target import stack_columns
 from .vectorized import batch_tape_jacobian, per_sample_tape_jacobian
 
 # Errors with which pfor refuses a graph it cannot vectorize.

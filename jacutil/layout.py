@@ -10,7 +10,9 @@ order.
 import numpy as np
 
 from ._tf import tf
-from .target import as_batch, output_layout, resolve_target
+from .batch import as_batch
+from .outputs import output_layout
+from .target import resolve_target
 
 
 def to_lm_by_n(J):

@@ -4,8 +4,10 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ._tf import tf
+from .batch import as_batch, take
 from .guards import random_layers
-from .target import as_batch, output_layout, resolve_target, stack_columns, take
+from .outputs import output_layout
+from .target import resolve_target, stack_columns
 
 
 def loop_jacobian(model, x, *, variables=None, training=False, progress=False):

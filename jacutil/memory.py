@@ -156,7 +156,8 @@ def activation_elements(model, x, *, variables=None, training=False, unroll=True
     of a variable after its first counts too: an unrolled layer gets one
     block of gradients per time step. Introduced in ``04-chunked``.
     """
-    from .target import as_batch, resolve_target
+    from .batch import as_batch
+    from .target import resolve_target
 
     target = resolve_target(model, variables, training, x)
     return count_activations(target, as_batch(x, target), unroll=unroll)

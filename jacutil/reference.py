@@ -6,7 +6,8 @@ disagree by about sqrt(float32 eps), which proves nothing (notebook 06-pitfalls)
 
 import numpy as np
 
-from .target import as_batch, resolve_target
+from .batch import as_batch
+from .target import resolve_target
 
 
 def finite_difference_jacobian(model, x, *, variables=None, training=False, step=1e-6):

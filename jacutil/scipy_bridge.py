@@ -12,6 +12,7 @@ import numpy as np
 import scipy.linalg
 
 from ._tf import tf
+from .batch import as_batch, n_samples, take
 from .chunked import (
     DEFAULT_MEMORY_BUDGET,
     _activations,
@@ -20,7 +21,8 @@ from .chunked import (
     chunked_jacobian,
 )
 from .layout import flat_params, set_flat_params
-from .target import as_batch, n_samples, output_layout, resolve_target, take
+from .outputs import output_layout
+from .target import resolve_target
 
 
 class LeastSquaresProblem:

@@ -10,7 +10,9 @@ Two ways to vectorize, with very different costs:
 """
 
 from ._tf import tf
-from .target import as_batch, n_samples, output_layout, resolve_target, stack_columns
+from .batch import as_batch, n_samples
+from .outputs import output_layout
+from .target import resolve_target, stack_columns
 
 
 def batch_tape_jacobian(target, x):

@@ -150,7 +150,7 @@ def test_the_default_budget_of_the_batch_method_fits_its_own_model():
     """Sized like the per-sample method, it asked for ~10 GiB (notebook 02's model)."""
     model = ju.question_mlp()
     jac = ju.chunked._compiled_for(model, None, False, False, "batch")
-    x = ju.target.as_batch(ju.regression_data(3)[0], jac.target)
+    x = ju.batch.as_batch(ju.regression_data(3)[0], jac.target)
     chunk = ju.chunk_size_for(
         ju.chunked.DEFAULT_MEMORY_BUDGET,
         2,

@@ -104,7 +104,7 @@ for name, model in models.items():
 # the rule, in the code every stage runs:
 
 # %%
-ju.notebook.show_source(ju.target.as_rows)
+ju.notebook.show_source(ju.outputs.as_rows)
 
 # %% [markdown]
 # Prove it: rows 0-1 of `J` must be the Jacobian of the `score` head alone,
