@@ -16,6 +16,11 @@ pfor (``tf.vectorized_map``). Three kinds of model need more:
   semantics as ``model(x, training=True)`` and the other stages.
 * **Anything else pfor cannot convert**: ``tf.map_fn`` too, with a
   :class:`SlowPathWarning`.
+
+And one TensorFlow 2.21 bug: for attention layers pfor writes broadcasting
+batch matmuls on which oneDNN corrupts memory and crashes the process; a
+Jacobian whose graph holds one runs under XLA. ``jac.formulation`` says which
+of these applied, with what pfor itself noted while tracing.
 """
 
 import contextlib
