@@ -651,11 +651,18 @@ print("float32 Jacobian == float64 Jacobian to float32 precision: True")
 # pass per output row - `n·l` of them, vectorized - and **each row is
 # back-propagated through the whole batch**: its intermediate tensors hold
 # all `n` samples, although only one contributes. Time and memory grow like
-# $n^2$: ten times the samples, a hundred times the memory. On the
-# question's network, n = 10,000 asks for about 143 GiB (TensorFlow 2.21);
-# `02-vectorized` measures the growth at sizes that fit.
-#
-# Nothing is run here. The fixes are the next stages: differentiate each
+# $n^2$: ten times the samples, a hundred times the memory. The memory
+# model that `02-vectorized` measured at sizes that fit predicts the
+# question's network at larger n (nothing big is run):
+
+# %%
+for n in (1_000, 10_000):
+    need = ju.memory.predicted_bytes(n, "batch")
+    print(f"n = {n:>6,}: tape.jacobian over the batch needs about "
+          f"{need / 2**30:,.1f} GiB")
+
+# %% [markdown]
+# The fixes are the next stages: differentiate each
 # sample through itself only (`ju.per_sample_jacobian`, linear in n,
 # `02-vectorized`), and cut the batch into chunks whose working memory fits
 # a budget (`ju.chunked_jacobian`, `04-chunked`).

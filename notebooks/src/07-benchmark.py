@@ -184,10 +184,14 @@ x_big = ju.regression_data(largest, seed=seed)[0]
 profile = bench.profile_dense(model, x_big, repeats=repeats)
 display(Markdown(bench.profile_table({"n": largest, "seconds": profile})))
 
+# %%
+size = largest * 2 * ju.flat_params(model).size * 4
+print(f"the result at n = {largest:,}: {size / 1e6:,.0f} MB of float32")
+
 # %% [markdown]
 # The forward pass and the back-propagated signals are tiny matrices; almost
-# all of the time is **writing the result**, n · l · m numbers (228 MB at
-# n = 10,000). The outer products write it once, `tf.concat` joins the blocks
+# all of the time is **writing the result**, n · l · m numbers (the size
+# printed below). The outer products write it once, `tf.concat` joins the blocks
 # (a second pass), and `.numpy()` would copy it a third time. `jac(x)` hands
 # back a read-only view of TensorFlow's buffer instead; ask for
 # `jac(x, copy=True)` only when you must write into the array. Past this
