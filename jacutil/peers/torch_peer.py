@@ -1,0 +1,62 @@
+"""The per-sample Jacobian in PyTorch: ``torch.func.vmap(jacrev(f))``.
+
+``f(theta, x)`` is the Keras model rebuilt from its weights for one sample
+(see ``layers.forward``), in Keras's layouts: activations stay channels last
+(h, w, c) between layers, so ``conv2d`` permutes to PyTorch's (c, h, w) and
+back, and ``Flatten`` sees Keras's order. Eager: PyTorch compiles nothing
+here. Introduced in ``07-benchmark``.
+"""
+
+import numpy as np
+import torch
+
+from .layers import Ops, bind, forward
+from .network import describe
+
+
+def conv2d(a, kernel, layer):
+    """One sample (h, w, c_in), channels last, as Keras's Conv2D."""
+    y = torch.nn.functional.conv2d(
+        a.permute(2, 0, 1),  # (c_in, h, w)
+        kernel.permute(3, 2, 0, 1),  # (c_out, c_in, kh, kw)
+        stride=layer.strides,
+        padding=layer.padding,
+        dilation=layer.dilation,
+    )
+    return y.permute(1, 2, 0)  # back to (h', w', c_out)
+
+
+OPS = Ops(
+    act={
+        "linear": lambda z: z,
+        "relu": torch.relu,
+        "tanh": torch.tanh,
+        "sigmoid": torch.sigmoid,
+    },
+    conv2d=conv2d,
+)
+
+
+def _tensor(array):
+    return torch.from_numpy(np.array(array))  # a writable copy
+
+
+def torch_jacobian(model):
+    """``jac(x)``: the (n_samples, n_outputs, n_params) Jacobian, from torch."""
+    layers, theta = describe(model)
+    layers = bind(layers, _tensor)
+    theta = tuple(_tensor(p) for p in theta)
+
+    def f(theta, x):
+        return forward(layers, theta, x, OPS)
+
+    per_sample = torch.func.vmap(torch.func.jacrev(f), in_dims=(None, 0))
+
+    def jac(x):
+        with torch.no_grad():
+            blocks = per_sample(theta, _tensor(x))
+            n_samples, n_outputs = blocks[0].shape[:2]
+            flat = [b.reshape(n_samples, n_outputs, -1) for b in blocks]
+            return torch.cat(flat, dim=2).numpy()  # columns in flat_params order
+
+    return jac
