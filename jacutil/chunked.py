@@ -6,7 +6,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .batch import as_batch, n_samples, signature_key, take
-from .compiled import CompiledJacobian
+from .compiled import CompiledJacobian, bucket_size
 from .outputs import output_layout
 from .target import resolve_target
 
@@ -64,7 +64,9 @@ def _compiled_for(model, variables, training, jit_compile, method, x=None):
     if key not in per_model:
         while len(per_model) >= CACHED_PER_MODEL:
             del per_model[next(iter(per_model))]
-        per_model[key] = CompiledJacobian(target, method, jit_compile, 1024)
+        per_model[key] = CompiledJacobian(
+            target, method, jit_compile, 1024, model=model
+        )
     return per_model[key]
 
 
@@ -159,12 +161,13 @@ def chunked_jacobian(
     retraced) and are written into ``out``: a NumPy array, or a memory-mapped
     ``.npy`` from ``np.lib.format.open_memmap`` for a Jacobian larger than
     memory. Without ``chunk_size`` the largest chunk whose working memory fits
-    ``memory_budget`` bytes (default 256 MiB) is used. With ``jit_compile`` the
-    last chunk is padded, so XLA compiles one shape only.
+    ``memory_budget`` bytes (default 256 MiB) is used. With ``jit_compile`` a
+    short last chunk is padded to the next power of two, so XLA compiles at
+    most two shapes per chunk size.
 
     ``x`` is an array, or a list or dict of arrays for a model with several
     inputs. When the first chunk is the whole batch and no ``out`` is given,
-    it is returned as it is, without a copy.
+    it is returned after one copy out of TensorFlow.
 
     Returns ``out`` (created when not given), shape (n_samples, n_outputs,
     n_params). Introduced in ``04-chunked``.
@@ -192,22 +195,28 @@ def chunked_jacobian(
             method=method,
         )
     chunk_size = min(chunk_size, n_rows)
-    pad_to = chunk_size if jit_compile else None
 
-    first = jac.tensor(take(x, 0, chunk_size), pad_to).numpy()
+    def chunk(start):
+        """Rows start.. of J as a tensor; under XLA a short last chunk is
+        padded to its own power of two (one more compile), not a full chunk."""
+        stop = min(start + chunk_size, n_rows)
+        pad_to = bucket_size(stop - start, chunk_size) if jit_compile else None
+        return jac.tensor(take(x, start, stop), pad_to)
+
+    first = chunk(0)
     shape = (n_rows, n_outputs, target.n_params)
     if out is None and chunk_size == n_rows:
-        return first  # one chunk: TensorFlow's buffer, no copy
+        return first.numpy()  # one chunk: one copy out of TensorFlow
     if out is None:
         out = np.empty(shape, target.dtype)
     else:
         out = _check_out(out, shape, target.dtype)
-    out[:chunk_size] = first
+    # np.asarray: a view of TensorFlow's result, so each chunk is copied once
+    out[:chunk_size] = np.asarray(first)
     del first
     with tqdm(total=n_rows, disable=not progress, unit="sample") as bar:
         bar.update(chunk_size)
         for start in range(chunk_size, n_rows, chunk_size):
-            stop = min(start + chunk_size, n_rows)
-            out[start:stop] = jac.tensor(take(x, start, stop), pad_to).numpy()
-            bar.update(stop - start)
+            out[start : start + chunk_size] = np.asarray(chunk(start))
+            bar.update(min(chunk_size, n_rows - start))
     return out

@@ -7,9 +7,10 @@ from .batch import as_batch, n_samples, pad_with_last, signature, signature_key,
 from .formulation import batch_tensor, per_sample_tensor, quiet_function
 from .guards import note_trace
 from .outputs import output_layout
+from .rules import disagreement, plan_for, rules_tensor
 from .target import resolve_target
 
-METHODS = ("per_sample", "batch")
+METHODS = ("per_sample", "batch", "rules")
 
 
 def bucket_size(n_samples, block_size):
@@ -24,9 +25,12 @@ class CompiledJacobian:
     per input shape: a new number of samples does not retrace),
     ``compiled_shapes`` the batch sizes that XLA has seen (one compile each),
     and ``formulation`` says how the last trace computes the Jacobian.
+    With ``method="rules"``, ``plan`` holds each layer's rule
+    (``jacutil.rules``), or is None and ``fallback`` says why the per-sample
+    stage runs instead.
     """
 
-    def __init__(self, target, method, jit_compile, block_size, owner=None):
+    def __init__(self, target, method, jit_compile, block_size, owner=None, model=None):
         if method not in METHODS:
             raise ValueError(
                 f"method must be one of {sorted(METHODS)}; got {method!r}."
@@ -45,6 +49,12 @@ class CompiledJacobian:
         self.activations = {}  # input signature -> activation elements (chunked)
         self._owner = owner  # keeps the model alive as long as jac
         self._functions = {}  # input signature -> tf.function
+        self.plan, self.fallback = None, None
+        if method == "rules":
+            model = owner if model is None else model
+            self.plan, self.fallback = plan_for(
+                model, target.variables, target.training
+            )
 
     def _build(self, x):
         """A ``tf.function`` for batches like ``x``: any n, the same features."""
@@ -59,6 +69,9 @@ class CompiledJacobian:
         )
 
     def _jacobian(self, x):
+        if self.plan is not None:
+            self.formulation = self.plan.describe()
+            return rules_tensor(self.plan, x)
         method = batch_tensor if self.method == "batch" else per_sample_tensor
         J, self.formulation = method(self.target, x, self.jit_compile)
         return J
@@ -71,13 +84,24 @@ class CompiledJacobian:
         """
         key = signature_key(x)
         if key not in self._functions:
+            if self.plan is not None:
+                self._check_rules(x)
             self._functions[key] = self._build(x)
         n_rows = n_samples(x)
-        if pad_to is not None and pad_to > n_rows:
+        padded = pad_to is not None and pad_to > n_rows
+        if padded:
             x = pad_with_last(x, pad_to)
         if self.jit_compile:
             self.compiled_shapes.add(int(n_samples(x)))
-        return self._run(key, x)[:n_rows]
+        J = self._run(key, x)
+        return J[:n_rows] if padded else J
+
+    def _check_rules(self, x):
+        """Once per input shape: the rules against autodiff on one sample."""
+        reason = disagreement(self.plan, self.target, x)
+        if reason is not None:
+            self.plan, self.fallback = None, reason
+            self._functions.clear()
 
     def _run(self, key, x):
         try:
@@ -95,20 +119,31 @@ class CompiledJacobian:
         self.formulation += ", without XLA (XLA cannot compile it)"
         return result
 
-    def __call__(self, x):
-        """Return the (n_samples, n_outputs, n_params) Jacobian of ``x``."""
+    def __call__(self, x, *, copy=True):
+        """Return the (n_samples, n_outputs, n_params) Jacobian of ``x``.
+
+        ``copy=False`` returns a read-only view of TensorFlow's result
+        instead of a copy (``.numpy()`` copies: at n = 10,000 on the
+        question's network that copy costs longer than the Jacobian).
+        """
         x = as_batch(x, self.target)
         output_layout(self.target, x)  # checks the outputs, once per shape
-        if not self.jit_compile:
-            return self.tensor(x).numpy()
         n_rows = int(n_samples(x))
-        if n_rows <= self.block_size:
-            return self.tensor(x, bucket_size(n_rows, self.block_size)).numpy()
-        blocks = [
-            self.tensor(take(x, i, i + self.block_size), self.block_size).numpy()
-            for i in range(0, n_rows, self.block_size)
-        ]
-        return np.concatenate(blocks)
+        if not self.jit_compile or n_rows <= self.block_size:
+            pad_to = bucket_size(n_rows, self.block_size) if self.jit_compile else None
+            J = self.tensor(x, pad_to)
+            return J.numpy() if copy else np.asarray(J)
+        # Blocks, the last padded to its own power of two (not a full block),
+        # each written straight into the result.
+        out = None
+        for start in range(0, n_rows, self.block_size):
+            stop = min(start + self.block_size, n_rows)
+            pad_to = bucket_size(stop - start, self.block_size)
+            block = np.asarray(self.tensor(take(x, start, stop), pad_to))
+            if out is None:
+                out = np.empty((n_rows, *block.shape[1:]), block.dtype)
+            out[start:stop] = block
+        return out
 
 
 def compiled_jacobian(
@@ -130,8 +165,10 @@ def compiled_jacobian(
     ``block_size`` and larger batches run in blocks of ``block_size``: at most
     ``log2(block_size) + 1`` compiles, whatever the sizes (``jac.compiled_shapes``).
 
-    ``method`` is ``"per_sample"`` (``tf.vectorized_map``, linear in n) or
-    ``"batch"`` (``tape.jacobian`` over the batch, quadratic in n).
+    ``method`` is ``"per_sample"`` (``tf.vectorized_map``, linear in n),
+    ``"batch"`` (``tape.jacobian`` over the batch, quadratic in n) or
+    ``"rules"`` (each layer's hand-derived rule, ``jacutil.rules``; where
+    they do not apply, ``jac.fallback`` says why and ``"per_sample"`` runs).
     ``jac.formulation`` says how the model is vectorized (recurrent layers
     are unrolled; see ``jacutil.formulation``).
 

@@ -1,0 +1,87 @@
+"""A layer without a rule keeps the model on the fast path: autodiff.
+
+The signal passes back through it as a vector-Jacobian product of l rows per
+sample, all at once: the layer's input repeated l times is one batch of
+``n * l`` rows, and one gradient call gives every row's signal
+(:func:`tiled_vjp`; exact because the layer treats each row on its own, as
+every layer does in inference mode). Only a layer that holds wanted
+variables needs each row's gradient apart: ``tf.vectorized_map`` of the same
+product over the rows (:class:`AutodiffRule`). Every other layer keeps its
+hand-derived rule.
+"""
+
+from .._tf import keras, tf
+from .registry import Rule, per_output, rows
+
+
+def repeat_rows(a, n_outputs):
+    """(n, *shape) -> (n * l, *shape): each sample repeated l times in a row."""
+    shape = tf.shape(a)
+    tiled = tf.broadcast_to(
+        a[:, None], tf.concat([shape[:1], [n_outputs], shape[1:]], 0)
+    )
+    return tf.reshape(tiled, tf.concat([[-1], shape[1:]], 0))
+
+
+def tiled_vjp(function, a, delta):
+    """The signal at ``a`` from the signal ``delta`` (n, l, *out) at ``function(a)``."""
+    n_samples, n_outputs = tf.shape(delta)[0], tf.shape(delta)[1]
+    a_rows = repeat_rows(a, n_outputs)
+    with tf.GradientTape() as tape:
+        tape.watch(a_rows)
+        y = function(a_rows)
+    below = tape.gradient(y, a_rows, output_gradients=rows(delta))
+    if below is None:  # the output does not depend on the input
+        below = tf.zeros_like(a_rows)
+    return per_output(below, n_samples, n_outputs)
+
+
+def _watched(variable):
+    return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+class AutodiffRule(Rule):
+    """Any layer: its signal and, when wanted, its own blocks by autodiff."""
+
+    name = "autodiff"
+
+    def __init__(self, layer, why=""):
+        super().__init__(layer)
+        self.variables = list(layer.weights)
+        self.why = why
+
+    def describe(self):
+        return f"autodiff ({self.why})" if self.why else "autodiff"
+
+    def backward(self, a, delta, wanted, need_signal):
+        layer = self.layer
+        ours = [v for v in self.variables if id(v) in wanted]
+        if not ours:
+            below = None
+            if need_signal:
+                below = tiled_vjp(lambda t: layer(t, training=False), a, delta)
+            return {}, below
+        n_samples, n_outputs = tf.shape(delta)[0], tf.shape(delta)[1]
+        floating = a.dtype.is_floating
+        watched = [_watched(v) for v in ours]
+
+        def one_row(row):
+            a_row, d_row = row
+            with tf.GradientTape() as tape:
+                if floating:
+                    tape.watch(a_row)
+                tape.watch(watched)
+                y = layer(a_row[None], training=False)
+            sources = ([a_row] if floating else []) + watched
+            grads = tape.gradient(y, sources, output_gradients=d_row[None])
+            return [
+                tf.zeros_like(s) if g is None else tf.convert_to_tensor(g)
+                for g, s in zip(grads, sources, strict=True)
+            ]
+
+        grads = tf.vectorized_map(one_row, (repeat_rows(a, n_outputs), rows(delta)))
+        below = per_output(grads[0], n_samples, n_outputs) if floating else None
+        blocks = {}
+        for v, g in zip(ours, grads[1:] if floating else grads, strict=True):
+            blocks[wanted[id(v)]] = tf.reshape(g, [n_samples, n_outputs, -1])
+        return blocks, below if need_signal else None

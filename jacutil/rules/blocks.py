@@ -1,0 +1,62 @@
+"""How a layer with a kernel writes its columns: one matrix product.
+
+For ``z[t, q] = sum_p a[t, p] W[p, q] + b[q]`` at positions t (one position
+for Dense on a flat input; every output pixel for a convolution, with ``a``
+its patches), a per-sample signal ``delta[i, k, t, q]`` at z gives
+
+    d y[i, k] / d W[p, q] = sum_t a[i, t, p] * delta[i, k, t, q]
+    d y[i, k] / d b[q]    = sum_t delta[i, k, t, q]
+
+the per-example-gradient trick (Goodfellow 2015; BackPACK). A kernel
+followed by its bias in the columns is one product: ``a`` with a column of
+ones appended gives the kernel's rows and then the bias's.
+"""
+
+from .._tf import tf
+
+
+def outer_blocks(a, delta):
+    """(n, l, p * q) block: ``sum_t a[i, t, p] * delta[i, k, t, q]``.
+
+    ``a`` is (n, *positions, p) and ``delta`` (n, l, *positions, q).
+    """
+    n_samples, n_outputs = tf.shape(delta)[0], tf.shape(delta)[1]
+    p, q = a.shape[-1], delta.shape[-1]
+    if a.shape.rank == 2:  # one position: a batch of (p, 1) @ (1, q) products
+        column = tf.broadcast_to(a[:, None, :, None], [n_samples, n_outputs, p, 1])
+        product = tf.matmul(column, delta[:, :, None, :])  # (n, l, p, q)
+        return tf.reshape(product, [n_samples, n_outputs, p * q])
+    a = tf.reshape(a, [n_samples, -1, p])  # (n, t, p)
+    delta = tf.reshape(delta, [n_samples, n_outputs, -1, q])  # (n, l, t, q)
+    by_position = tf.transpose(delta, [0, 2, 1, 3])  # (n, t, l, q)
+    by_position = tf.reshape(by_position, [n_samples, -1, n_outputs * q])
+    product = tf.matmul(a, by_position, transpose_a=True)  # (n, p, l * q)
+    product = tf.reshape(product, [n_samples, p, n_outputs, q])
+    return tf.reshape(
+        tf.transpose(product, [0, 2, 1, 3]), [n_samples, n_outputs, p * q]
+    )
+
+
+def sum_positions(delta, width):
+    """(n, l, width): ``delta`` (n, l, *positions, width) summed over positions."""
+    n_samples, n_outputs = tf.shape(delta)[0], tf.shape(delta)[1]
+    return tf.reduce_sum(tf.reshape(delta, [n_samples, n_outputs, -1, width]), 2)
+
+
+def kernel_and_bias(a, delta, kernel, bias, wanted):
+    """``{column position: block}`` of a kernel and its bias (either may be unwanted).
+
+    A bias right after its kernel shares the kernel's block (its position
+    maps to None: nothing more to join).
+    """
+    at_kernel = wanted.get(id(kernel))
+    at_bias = None if bias is None else wanted.get(id(bias))
+    if at_kernel is not None and at_bias == at_kernel + 1:
+        ones = tf.ones_like(a[..., :1])
+        return {at_kernel: outer_blocks(tf.concat([a, ones], -1), delta), at_bias: None}
+    blocks = {}
+    if at_kernel is not None:
+        blocks[at_kernel] = outer_blocks(a, delta)
+    if at_bias is not None:
+        blocks[at_bias] = sum_positions(delta, delta.shape[-1])
+    return blocks

@@ -1,0 +1,91 @@
+"""Conv1D and Conv2D: patches and one matrix product per layer.
+
+A convolution is a Dense layer applied at every output position to the
+patch of input under the kernel: with ``tf.image.extract_patches`` (the same
+strides, padding and dilation) the kernel's block is the outer-product rule
+of ``jacutil.rules.blocks`` summed over positions, for every sample at once.
+Conv1D runs as a Conv2D of height 1. The signal below is the transposed
+convolution of the signal, by autodiff of the (linear) convolution.
+"""
+
+from .._tf import keras, tf
+from .activations import Activation
+from .blocks import kernel_and_bias
+from .registry import NoRule, Rule, per_output, register, rows
+
+
+@register(keras.layers.Conv1D, keras.layers.Conv2D)
+class ConvRule(Rule):
+    """``y = act(conv(a, W) + b)``, channels last, any strides, padding, dilation."""
+
+    name = "conv"
+
+    def __init__(self, layer):
+        super().__init__(layer)
+        if layer.data_format != "channels_last":
+            raise NoRule("a channels_first convolution")
+        if layer.groups != 1:
+            raise NoRule("a grouped convolution")
+        if getattr(layer, "lora_enabled", False):
+            raise NoRule("a LoRA convolution")
+        self.flat = layer.rank == 1  # Conv1D: height 1
+        self.causal = layer.padding == "causal"
+        self.left = layer.dilation_rate[0] * (layer.kernel_size[0] - 1)  # causal
+        self.padding = "VALID" if self.causal else layer.padding.upper()
+        self.strides = [1, *([1] if self.flat else []), *layer.strides, 1]
+        self.rates = [1, *([1] if self.flat else []), *layer.dilation_rate, 1]
+        self.activation = Activation(layer.activation)
+        self.bias = layer.bias if layer.use_bias else None
+        self.variables = [layer.kernel] + ([self.bias] if self.bias is not None else [])
+
+    def describe(self):
+        return f"conv{self.layer.rank}d" + self.activation.describe()
+
+    def _kernel(self):
+        kernel = self.layer.kernel
+        return kernel[None] if self.flat else tf.convert_to_tensor(kernel)
+
+    def _as_image(self, a):
+        """(n, h, w, c) input, causal padding applied."""
+        if self.flat:
+            a = a[:, None]
+        if self.causal:
+            a = tf.pad(a, [[0, 0], [0, 0], [self.left, 0], [0, 0]])
+        return a
+
+    def _convolve(self, image):
+        return tf.nn.conv2d(
+            image, self._kernel(), self.strides, self.padding, dilations=self.rates
+        )
+
+    def forward(self, a):
+        image = self._as_image(a)
+        z = self._convolve(image)
+        if self.bias is not None:
+            z = z + self.bias
+        y, slope = self.activation.forward(z)
+        return (y[:, 0] if self.flat else y), (image, slope)
+
+    def backward(self, saved, delta, wanted, need_signal):
+        image, slope = saved
+        if self.flat:
+            delta = delta[:, :, None]
+        delta = self.activation.backward(slope, delta)
+        kernel = self.layer.kernel
+        kh, kw, c_in = self._kernel().shape[:3]
+        patches = tf.image.extract_patches(
+            image, [1, kh, kw, 1], self.strides, self.rates, self.padding
+        )  # (n, h', w', kh * kw * c_in), in the kernel's (kh, kw, c_in) order
+        blocks = kernel_and_bias(patches, delta, kernel, self.bias, wanted)
+        if not need_signal:
+            return blocks, None
+        n_samples, n_outputs = tf.shape(delta)[0], tf.shape(delta)[1]
+        shape = tf.concat([[n_samples * n_outputs], tf.shape(image)[1:]], 0)
+        zeros = tf.zeros(shape, image.dtype)  # the convolution is linear in its input
+        with tf.GradientTape() as tape:
+            tape.watch(zeros)
+            z = self._convolve(zeros)
+        below = per_output(tape.gradient(z, zeros, rows(delta)), n_samples, n_outputs)
+        if self.causal:
+            below = below[:, :, :, self.left :]
+        return blocks, (below[:, :, 0] if self.flat else below)

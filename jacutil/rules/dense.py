@@ -1,0 +1,46 @@
+"""Dense with any activation: outer products (see ``jacutil.rules.blocks``)."""
+
+from .._tf import keras, tf
+from .activations import Activation
+from .blocks import kernel_and_bias
+from .registry import NoRule, Rule, register
+
+
+@register(keras.layers.Dense)
+class DenseRule(Rule):
+    """``y = act(a @ W + b)``, on the last axis of an input of any rank."""
+
+    name = "dense"
+
+    def __init__(self, layer):
+        super().__init__(layer)
+        if getattr(layer, "lora_enabled", False) or layer.quantization_mode:
+            raise NoRule("a LoRA or quantized Dense")
+        self.activation = Activation(layer.activation)
+        self.bias = layer.bias if layer.use_bias else None
+        self.variables = [layer.kernel] + ([self.bias] if self.bias is not None else [])
+
+    def describe(self):
+        return self.name + self.activation.describe()
+
+    def forward(self, a):
+        kernel = self.layer.kernel
+        z = tf.tensordot(a, kernel, 1) if a.shape.rank > 2 else tf.matmul(a, kernel)
+        if self.bias is not None:
+            z = z + self.bias
+        y, slope = self.activation.forward(z)
+        return y, (a, slope)
+
+    def backward(self, saved, delta, wanted, need_signal):
+        a, slope = saved
+        delta = self.activation.backward(slope, delta)
+        blocks = kernel_and_bias(a, delta, self.layer.kernel, self.bias, wanted)
+        below = None
+        if need_signal:  # delta @ W.T, as one 2-D product over every row
+            width = delta.shape[-1]
+            below = tf.matmul(
+                tf.reshape(delta, [-1, width]), self.layer.kernel, transpose_b=True
+            )
+            shape = tf.concat([tf.shape(delta)[:-1], [a.shape[-1]]], 0)
+            below = tf.reshape(below, shape)
+        return blocks, below

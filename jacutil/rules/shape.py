@@ -1,0 +1,77 @@
+"""Layers that move numbers without weights: reshapes, inference-mode noise, activations.
+
+Flatten and Reshape reshape the signal back to the layer's input; Dropout and
+the other noise layers are the identity in inference mode; activation layers
+pass the signal through their activation (``jacutil.rules.activations``).
+Pooling and any other weightless layer need no rule of their own: autodiff
+passes their signal (``jacutil.rules.autodiff``).
+"""
+
+from .._tf import keras, tf
+from .activations import Activation
+from .registry import Rule, register
+
+IDENTITY_AT_INFERENCE = tuple(
+    getattr(keras.layers, name)
+    for name in (
+        "Dropout", "SpatialDropout1D", "SpatialDropout2D", "SpatialDropout3D",
+        "GaussianNoise", "GaussianDropout", "AlphaDropout", "ActivityRegularization",
+    )
+    if hasattr(keras.layers, name)
+)  # fmt: skip
+
+
+@register(keras.layers.Flatten, keras.layers.Reshape)
+class ReshapeRule(Rule):
+    name = "reshape"
+
+    def forward(self, a):
+        return self.layer(a, training=False), tf.shape(a)
+
+    def backward(self, shape, delta, wanted, need_signal):
+        if not need_signal:
+            return {}, None
+        return {}, tf.reshape(
+            delta, tf.concat([shape[:1], tf.shape(delta)[1:2], shape[1:]], 0)
+        )
+
+
+@register(*IDENTITY_AT_INFERENCE)
+class IdentityRule(Rule):
+    name = "identity (inference)"
+
+    def forward(self, a):
+        return a, None
+
+    def backward(self, saved, delta, wanted, need_signal):
+        return {}, delta
+
+
+@register(keras.layers.Activation)
+class ActivationRule(Rule):
+    name = "activation"
+
+    def __init__(self, layer):
+        super().__init__(layer)
+        self.activation = Activation(layer.activation)
+
+    def describe(self):
+        return self.activation.describe().lstrip("+") or "linear"
+
+    def forward(self, a):
+        return self.activation.forward(a)
+
+    def backward(self, saved, delta, wanted, need_signal):
+        return {}, self.activation.backward(saved, delta) if need_signal else None
+
+
+@register(keras.layers.ReLU, keras.layers.LeakyReLU, keras.layers.ELU)
+class ElementwiseLayerRule(ActivationRule):
+    """Element-wise layers with options (max_value, negative_slope, ...)."""
+
+    name = "elementwise"
+
+    def __init__(self, layer):
+        Rule.__init__(self, layer)
+        self.activation = Activation(lambda t: layer(t, training=False))
+        self.activation.kind = "elementwise"
