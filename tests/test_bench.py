@@ -1,12 +1,14 @@
 """The benchmark runs on a tiny size list and writes its files (no timing asserted)."""
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from jacutil import bench, peers
-from jacutil.models import question_mlp, regression_data
+import jacutil as ju
+from jacutil import bench
 
 
 def test_bench_writes_results_table_and_plot(tmp_path):
@@ -22,32 +24,47 @@ def test_bench_writes_results_table_and_plot(tmp_path):
     stored = json.loads((tmp_path / "results.json").read_text())
     assert stored["sizes"] == [3, 6]
     paths = {(r["path"], r["n"]) for r in stored["results"]}
-    for path in ("floor", "loop", "compiled_batch", "compiled", "dense"):
+    for path in ("floor", "floor_new", "loop", "compiled_batch", "compiled", "dense"):
         assert {(path, 3), (path, 6)} <= paths
     ran = [r for r in stored["results"] if r["median"] is not None]
     assert all(len(r["times"]) == 1 and r["first"] > 0 for r in ran)
     table = (tmp_path / "results.md").read_text()
     assert "hand-derived, tf.function" in table and "**n = 6**" in table
+    assert "fills a preallocated" in table and "np.full" in table
     assert (tmp_path / "scaling.png").stat().st_size > 10_000
     ratios = bench.ratios(results, 6)
-    fastest = min(r[1] for r in ratios.values())
+    fastest = min(r.fastest for r in ratios.values())
     assert fastest == pytest.approx(1.0)
+    assert ratios["dense"][1] == ratios["dense"].fastest  # still a tuple
+    assert "profile" in results  # the hand-derived path, piece by piece
 
 
-def test_bench_has_an_lstm_row(tmp_path):
-    results = bench.main(
+def test_bench_has_cnn_and_lstm_rows(tmp_path):
+    every = bench.main(
         [
             "--sizes", "3", "6", "--repeats", "1", "--memory", "inline",
             "--paths", "loop", "compiled", "chunked",
-            "--out", str(tmp_path), "--model", "lstm",
+            "--out", str(tmp_path), "--model", "cnn", "lstm",
         ]
     )  # fmt: skip
-    assert results["model"] == "lstm" and results["shape"] == [2, 1378]
+    cnn, lstm = every
+    assert lstm["model"] == "lstm" and lstm["shape"] == [2, 1378]
+    assert cnn["model"] == "cnn" and cnn["shape"] == [4, 2716]
     stored = json.loads((tmp_path / "results-lstm.json").read_text())
     ran = {(r["path"], r["n"]) for r in stored["results"] if r["median"]}
     assert ("compiled", 6) in ran and ("chunked", 6) in ran
     table = (tmp_path / "results-lstm.md").read_text()
     assert "LSTM(16)" in table and "6 x 2 x 1,378" in table
+    assert "6 x 4 x 2,716" in (tmp_path / "results-cnn.md").read_text()
+
+
+def test_each_model_has_its_sizes_and_the_paths_that_apply():
+    assert bench.MODELS["mlp"].sizes == (100, 1000, 10_000)
+    assert bench.MODELS["cnn"].sizes == bench.MODELS["lstm"].sizes == (100, 2000)
+    mlp = bench.default_paths("mlp", ju.question_mlp())
+    cnn = bench.default_paths("cnn", ju.small_cnn())
+    assert mlp == list(bench.PATHS)
+    assert "dense" not in cnn and {"compiled", "jax", "torch"} <= set(cnn)
 
 
 def test_a_slow_path_is_skipped_with_its_prediction(tmp_path):
@@ -64,30 +81,82 @@ def test_a_slow_path_is_skipped_with_its_prediction(tmp_path):
     assert loop[1]["median"] is None and "predicted" in loop[1]["skipped"]
     assert loop[1]["predicted"] > loop[0]["median"]
     ran = {(r["path"], r["n"]) for r in results["results"] if r["median"]}
-    expected = {("floor", 2), ("loop", 2), ("compiled", 2)}
-    assert ran == expected | {("floor", 2000), ("compiled", 2000)}
+    floors = {(f, n) for f in ("floor", "floor_new") for n in (2, 2000)}
+    assert ran == floors | {("loop", 2), ("compiled", 2), ("compiled", 2000)}
     assert "skipped" in bench.markdown(results)
 
 
-def test_the_floor_writes_every_element():
+def test_a_quadratic_path_is_skipped_by_its_predicted_memory():
+    results = bench.run_bench(
+        [4, 200_000],
+        repeats=1,
+        memory_mode="fresh",  # the quadratic path still watches its memory
+        paths=["compiled_batch"],
+        model="cnn",
+        log=lambda *a: None,
+    )
+    at = {(r["path"], r["n"]): r for r in results["results"]}
+    assert at[("compiled_batch", 4)]["median"] is not None
+    assert "out of memory" in at[("compiled_batch", 200_000)]["skipped"]
+
+
+def test_the_floors_write_every_element():
     floor = bench.write_floor((2, 3, 4))
     assert floor.shape == (2, 3, 4) and floor.dtype == np.float32
     assert np.all(floor == 1.0)
+    out = bench.preallocated((2, 3, 4))
+    assert bench.fill_floor(out) is out and np.all(out == 1.0)
+
+
+def _fake_results():
+    """Medians in seconds at one n: two jacutil paths, two peers, both floors."""
+    medians = {
+        "compiled": 4.0, "dense": 2.0, "jax": 1.0, "torch": 8.0,
+        "floor": 0.5, "floor_new": 1.0, "loop": None,
+    }  # fmt: skip
+    results = [
+        {"path": p, "n": 10, "median": t, "predicted": 400.0 if t is None else None}
+        for p, t in medians.items()
+    ]
+    labels = {p: p.upper() for p in medians}
+    return {"sizes": [10], "results": results, "labels": labels}
+
+
+def test_ratios_to_the_floor_and_the_fastest_peer():
+    share = bench.ratios(_fake_results(), 10)
+    assert share["dense"] == (200.0, 2.0, 4.0, 2.0)
+    assert share["jax"].peer == 1.0 and share["torch"].peer == 8.0
+    assert "floor" not in share and "floor_new" not in share
+    (row,) = bench.summary(_fake_results())
+    assert row["best"] == "dense" and row["per_peer"] == 2.0
+    assert row["per_floor"] == 4.0 and row["torch"] == 8.0
+
+
+def test_without_peers_the_peer_ratio_is_empty():
+    results = _fake_results()
+    results["results"] = [
+        r for r in results["results"] if r["path"] not in ("jax", "torch")
+    ]
+    assert bench.ratios(results, 10)["dense"].peer is None
+    assert bench.summary(results)[0]["per_peer"] is None
 
 
 @pytest.mark.parametrize("name", ["jax", "torch"])
-def test_peer_equals_jacutil_when_installed(name):
-    if not peers.available(name):
-        pytest.skip(f"{name} is not installed (pip install -e '.[peers]')")
-    model = question_mlp()
-    x, _ = regression_data(5)
-    jac = bench.PATHS[name].build(model)
-    np.testing.assert_allclose(
-        jac(x), bench.PATHS["compiled"].build(model)(x), rtol=1e-5, atol=1e-6
+def test_the_bench_checks_a_peer_against_jacutil(name):
+    pytest.importorskip(name)
+    results = bench.run_bench(
+        [3], repeats=1, memory_mode="inline", paths=[name], model="cnn",
+        log=lambda *a: None,
+    )  # fmt: skip
+    share = bench.ratios(results, 3)
+    assert share[name].peer == 1.0 and share["compiled"].peer > 0
+
+
+def test_python_dash_m_runs_the_cli():
+    done = subprocess.run(
+        [sys.executable, "-m", "jacutil.bench", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
     )
-
-
-def test_peers_are_none_when_not_installed(monkeypatch):
-    monkeypatch.setattr(peers, "available", lambda name: False)
-    model = question_mlp()
-    assert peers.jax_jacobian(model) is None and peers.torch_jacobian(model) is None
+    assert "--model" in done.stdout and "cnn" in done.stdout

@@ -237,7 +237,7 @@ print(f"Finding: batch tape at n = {n_mid:,}: eager "
 # network, `ju.question_mlp(hidden=(8,))`, to keep it quick).
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
-# Solution: powers of two up to 64, then blocks of 64 (the last one padded to a power of two).
+# Solution: powers of two up to 64, then blocks of 64 (the last one padded).
 small = ju.question_mlp(hidden=(8,), seed=seed)
 jac_64 = ju.compiled_jacobian(small, jit_compile=True, block_size=64)
 for n in range(1, 201, 7):
