@@ -1,12 +1,16 @@
 """jacutil: fast per-sample Jacobians of neural networks in TensorFlow 2.
 
-Every stage returns ``J[i, k, p] = d f(x)[i, k] / d theta[p]``, shape
+``jacutil.jacobian(model, x)`` is the one call to use: it picks the fastest
+correct path (``jacutil.rules``, the compiled stage, chunks) and, with
+``explain=True``, says which. Every path returns
+``J[i, k, p] = d f(x)[i, k] / d theta[p]``, shape
 (n_samples, n_outputs, n_params), with theta in ``flat_params(model)`` order.
 Each function's docstring names the notebook that introduces it.
 """
 
-from . import batch, formulation, guards, memory, notebook, outputs, plots
+from . import batch, formulation, guards, memory, notebook, outputs, plots, rules
 from ._tf import keras, tf
+from .auto import Choice, jacobian
 from .chunked import chunk_size_for, chunked_jacobian
 from .compiled import CompiledJacobian, compiled_jacobian
 from .dense_jacobian import compiled_dense_jacobian, dense_jacobian
@@ -39,6 +43,7 @@ from .vectorized import per_sample_jacobian, vectorized_jacobian
 __version__ = "0.1.0"
 
 __all__ = [
+    "Choice",
     "CompiledJacobian",
     "LeastSquaresProblem",
     "Timing",
@@ -55,6 +60,7 @@ __all__ = [
     "from_lm_by_n",
     "guards",
     "image_data",
+    "jacobian",
     "keras",
     "least_squares_problem",
     "levenberg_marquardt",
@@ -65,6 +71,7 @@ __all__ = [
     "per_sample_jacobian",
     "plots",
     "question_mlp",
+    "rules",
     "regression_data",
     "sequence_data",
     "sequence_lstm",

@@ -19,8 +19,9 @@ from .registry import rule_for
 # Left to the compiled per-sample stage: pfor unrolls their time loop
 # (jacutil.formulation), and attention's products need XLA in TF 2.21.
 NOT_IN_A_CHAIN = (
-    keras.layers.RNN, keras.layers.LSTM, keras.layers.GRU, keras.layers.SimpleRNN,
-    keras.layers.Bidirectional, keras.layers.MultiHeadAttention, keras.layers.EinsumDense,
+    keras.layers.RNN, keras.layers.LSTM, keras.layers.GRU,
+    keras.layers.SimpleRNN, keras.layers.Bidirectional,
+    keras.layers.MultiHeadAttention, keras.layers.EinsumDense,
 )  # fmt: skip
 
 
@@ -89,7 +90,8 @@ def plan_for(model, variables, training=False):
     if not is_exact_keras(model):
         return (
             None,
-            f"{type(model).__name__} is a subclass: its call() may differ from its layers",
+            f"{type(model).__name__} is a subclass: its call() may differ from "
+            "its layers",
         )
     layers = chain_layers(model)
     if not layers:

@@ -1,4 +1,4 @@
-"""Layers that move numbers without weights: reshapes, inference-mode noise, activations.
+"""Weightless layers: reshapes, inference-mode noise, activation layers.
 
 Flatten and Reshape reshape the signal back to the layer's input; Dropout and
 the other noise layers are the identity in inference mode; activation layers

@@ -1,0 +1,151 @@
+"""One entry: ``jacutil.jacobian(model, x)`` picks the path (notebook 00-welcome).
+
+The staged functions (notebooks 01 to 07) are the lessons; this is the one
+call to use. It takes, for this model and this size:
+
+1. **the layer rules** (``jacutil.rules``) when the model is a Keras chain
+   they can read, in inference mode: each layer writes its own blocks, no
+   pfor over the model;
+2. otherwise **the compiled per-sample stage** (``tf.vectorized_map`` in a
+   ``tf.function``, recurrent layers unrolled; see ``jacutil.formulation``);
+3. either of them **in chunks** written into ``out`` when the working memory
+   would pass ``memory_budget`` (default: half the memory free now), or when
+   ``out`` is given (a NumPy array or a memory-mapped ``.npy``).
+
+The compiled functions are cached per model (weakly), so the second call on
+the same model traces nothing. ``explain=True`` returns the choice and why.
+"""
+
+from dataclasses import dataclass, field
+
+from .batch import as_batch, n_samples
+from .chunked import (
+    _activations,
+    _compiled_for,
+    bytes_per_sample,
+    chunk_size_for,
+    chunked_jacobian,
+)
+from .outputs import output_layout
+from .target import variable_list
+
+
+@dataclass
+class Choice:
+    """Which path ``jacobian`` took, and why. ``print(choice)`` says it in words."""
+
+    path: str  # "layer rules" or "per-sample autodiff"
+    why: str
+    formulation: str
+    layers: list = field(default_factory=list)  # [(layer name, rule)], rules path
+    chunks: int = 1
+    chunk_size: int | None = None
+    working_bytes: int = 0
+    budget_bytes: int = 0
+    traced: bool = False  # this call traced (compiled) a new function
+
+    def __str__(self):
+        lines = [f"path: {self.path} ({self.why})"]
+        if self.layers:
+            lines += [f"  layer {name}: {rule}" for name, rule in self.layers]
+        else:
+            lines.append(f"how: {self.formulation}")
+        memory = (
+            f"working memory about {self.working_bytes / 2**20:,.0f} MiB, "
+            f"budget {self.budget_bytes / 2**20:,.0f} MiB"
+        )
+        if self.chunks > 1:
+            lines.append(
+                f"chunks: {self.chunks} of {self.chunk_size} samples ({memory})"
+            )
+        else:
+            lines.append(f"one call, no chunks ({memory})")
+        lines.append(
+            "traced in this call" if self.traced else "compiled function reused"
+        )
+        return "\n".join(lines)
+
+
+def _free_bytes():
+    import psutil
+
+    return int(0.5 * psutil.virtual_memory().available)
+
+
+def jacobian(
+    model,
+    x,
+    *,
+    out=None,
+    memory_budget=None,
+    variables=None,
+    training=False,
+    explain=False,
+    copy=False,
+    progress=False,
+):
+    """The per-sample Jacobian of ``model`` at ``x`` by the fastest correct path.
+
+    ``model`` is a Keras model, or a callable ``f(x)`` with ``variables=``.
+    ``x`` is an array, or a list or dict of arrays for several inputs.
+    Returns J, shape (n_samples, n_outputs, n_params), columns in
+    ``flat_params`` order. Without ``out`` and in one piece, J is a
+    read-only view of TensorFlow's result (a copy would cost as long as the
+    Jacobian on a small network): pass ``copy=True`` for an array you may
+    write to. With ``out`` (an array or ``np.lib.format.open_memmap``), or
+    when the working memory would pass ``memory_budget`` bytes, the batch
+    runs in chunks written into ``out``.
+
+    ``explain=True`` returns ``(J, choice)``: a :class:`Choice` that says the
+    path, why, each layer's rule and the chunks. Introduced in ``00-welcome``.
+    """
+    variables = None if variables is None else variable_list(variables)
+    jac = _compiled_for(model, variables, training, False, "rules", x)
+    traces = jac.trace_count
+    target = jac.target
+    batch = as_batch(x, target)
+    n_outputs = output_layout(target, batch).n_outputs
+    rows = int(n_samples(batch))
+    per_sample = bytes_per_sample(
+        n_outputs, target.n_params, target.dtype.itemsize, _activations(jac, batch)
+    )
+    budget = _free_bytes() if memory_budget is None else int(memory_budget)
+    if budget <= 0:
+        raise ValueError(
+            f"memory_budget must be a positive number of bytes; got {memory_budget}."
+        )
+    chunk_size = rows
+    if out is not None or per_sample * rows > budget:
+        chunk_size = min(
+            rows,
+            chunk_size_for(
+                budget,
+                n_outputs,
+                target.n_params,
+                target.dtype.itemsize,
+                activations=_activations(jac, batch),
+            ),
+        )
+        J = chunked_jacobian(
+            model, x, chunk_size=chunk_size, out=out, progress=progress,
+            variables=variables, training=training, method="rules",
+        )  # fmt: skip
+    else:
+        J = jac(batch, copy=copy)
+    if not explain:
+        return J
+    on_rules = jac.plan is not None
+    choice = Choice(
+        path="layer rules" if on_rules else "per-sample autodiff",
+        why="every layer has a rule or passes its signal by autodiff"
+        if on_rules
+        else f"no layer rules: {jac.fallback}",
+        formulation=jac.formulation or "",
+        layers=jac.plan.layers() if on_rules else [],
+        chunks=-(-rows // chunk_size),
+        chunk_size=chunk_size,
+        working_bytes=per_sample * rows,
+        budget_bytes=budget,
+        traced=jac.trace_count > traces,
+    )
+    return J, choice
