@@ -1,0 +1,5 @@
+"""``python -m jacutil.bench``: see ``cli.py``."""
+
+from .cli import main
+
+main()

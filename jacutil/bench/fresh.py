@@ -1,0 +1,47 @@
+"""Peak memory of a path measured in a fresh Python process (``--memory fresh``).
+
+TensorFlow keeps memory it grew in a pool, so a path measured after others
+would not count what they left. ``measure_in_fresh_process`` runs
+``python -m jacutil.bench --measure-memory PATH`` instead: one new process
+per path, its sizes in increasing order, each first call's peak above the
+level before the first. Introduced in ``07-benchmark``.
+"""
+
+import json
+import subprocess
+import sys
+
+from .. import memory
+from .paths import MODELS, PATHS
+
+
+def measure_memory(name, sizes, seed, model="mlp"):
+    """Peak bytes of each size's first call, sizes increasing (in this process)."""
+    network = MODELS[model].build(seed)
+    jac = PATHS[name].build(network)
+    x = MODELS[model].inputs(max(sizes), seed)
+    start = memory.anonymous_rss()
+    return [memory.peak_memory(jac, x[:n], baseline=start).peak for n in sorted(sizes)]
+
+
+def measure_in_fresh_process(name, sizes, seed=0, model="mlp"):
+    """Peak bytes of path ``name`` at each size, in a new Python process."""
+    if not sizes:
+        return []
+    command = [
+        sys.executable,
+        "-m",
+        "jacutil.bench",
+        "--measure-memory",
+        name,
+        "--seed",
+        str(seed),
+        "--model",
+        model,
+        "--sizes",
+        *map(str, sizes),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"measuring {name} failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])

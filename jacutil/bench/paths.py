@@ -1,0 +1,137 @@
+"""The registries: ``PATHS``, the ways to compute J, and ``MODELS``, what to time.
+
+Adding a path is one entry in :data:`PATHS`: ``build(model)`` returns
+``jac(x)`` (or None when a library is missing), and ``applies(model)``, if
+given, says on which models it runs by default. Adding a model is one entry
+in :data:`MODELS`. Introduced in ``07-benchmark``.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import peers
+from ..chunked import chunked_jacobian
+from ..compiled import compiled_jacobian
+from ..dense_jacobian import compiled_dense_jacobian, dense_chain
+from ..loop import loop_jacobian
+from ..models import (
+    image_data,
+    question_mlp,
+    regression_data,
+    sequence_data,
+    sequence_lstm,
+    small_cnn,
+)
+from ..vectorized import per_sample_jacobian, vectorized_jacobian
+
+SIZES = (100, 1000, 10_000)  # the question's network; other models name theirs
+REFERENCE = "compiled"  # every path is checked against this one, at every n
+PEERS = ("jax", "torch")  # the other libraries: "x peer" is to the faster one
+
+
+@dataclass
+class Path_:
+    """One way to compute the Jacobian: ``build(model)`` returns ``jac(x)``."""
+
+    label: str
+    build: object
+    exponent: int = 1  # time and memory grow like n**exponent
+    applies: object = None  # applies(model) -> bool; None: every model
+
+
+def _bind(function, model, **options):
+    return lambda x: function(model, x, **options)
+
+
+def _dense_chain(model):
+    """Whether the hand-derived path applies (elsewhere it falls back)."""
+    return dense_chain(model)[0] is not None
+
+
+PATHS = {
+    "loop": Path_("loop_jacobian (nested loop)", lambda m: _bind(loop_jacobian, m)),
+    "vectorized": Path_(
+        "vectorized_jacobian (tape.jacobian, eager)",
+        lambda m: _bind(vectorized_jacobian, m),
+        exponent=2,
+    ),
+    "compiled_batch": Path_(
+        "tape.jacobian, tf.function",
+        lambda m: compiled_jacobian(m, method="batch"),
+        exponent=2,
+    ),
+    "per_sample": Path_(
+        "per_sample_jacobian (vectorized_map, eager)",
+        lambda m: _bind(per_sample_jacobian, m),
+    ),
+    "compiled": Path_("vectorized_map, tf.function", compiled_jacobian),
+    "compiled_xla": Path_(
+        "vectorized_map, XLA", lambda m: compiled_jacobian(m, jit_compile=True)
+    ),
+    "chunked": Path_(
+        "chunked_jacobian (256 MiB chunks)",
+        lambda m: _bind(chunked_jacobian, m, progress=False),
+    ),
+    "dense": Path_(
+        "hand-derived, tf.function", compiled_dense_jacobian, applies=_dense_chain
+    ),
+    "dense_xla": Path_(
+        "hand-derived, XLA",
+        lambda m: compiled_dense_jacobian(m, jit_compile=True),
+        applies=_dense_chain,
+    ),
+    "jax": Path_("JAX jit(vmap(jacrev))", peers.jax_jacobian),
+    "torch": Path_("torch.func vmap(jacrev)", peers.torch_jacobian),
+}
+
+
+@dataclass
+class BenchModel:
+    """A model to time: ``build(seed)``, ``inputs(n, seed)``, default sizes."""
+
+    label: str
+    build: object
+    inputs: object
+    sizes: tuple = SIZES
+    paths: tuple = ()  # default paths (empty: every path that applies)
+
+
+MODELS = {
+    "mlp": BenchModel(
+        "the question's network (10-64-32-2, float32)",
+        lambda seed: question_mlp(seed=seed),
+        lambda n, seed: regression_data(n, seed=seed)[0],
+    ),
+    "cnn": BenchModel(
+        "CNN: Conv2D(8) -> Conv2D(8) -> Dense(4) on 12 x 12 x 1 (float32)",
+        lambda seed: small_cnn(seed=seed),
+        lambda n, seed: image_data(n, seed=seed),
+        sizes=(100, 2000),
+    ),
+    "lstm": BenchModel(
+        "LSTM(16) -> Dense(2) on 16 steps x 4 (float32)",
+        lambda seed: sequence_lstm(seed=seed),
+        lambda n, seed: sequence_data(n, seed=seed),
+        sizes=(100, 2000),
+    ),
+}
+
+
+def default_paths(model_name, network):
+    """The paths a run times when none are named: those that apply."""
+    chosen = MODELS[model_name].paths
+    if chosen:
+        return list(chosen)
+    return [
+        name
+        for name, path in PATHS.items()
+        if path.applies is None or path.applies(network)
+    ]
+
+
+def jacobian_shape(model, x, n):
+    """(n, l, m) of the model's per-sample Jacobian, from one sample of x."""
+    n_outputs = int(np.prod(model(x[:1]).shape[1:]))
+    n_params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    return (n, n_outputs, n_params)

@@ -1,0 +1,44 @@
+"""Where the hand-derived path's time goes, piece by piece (``07-benchmark``)."""
+
+import numpy as np
+
+from .._tf import tf
+from ..dense_jacobian import compiled_dense_jacobian, dense_blocks
+from .floor import fill_floor, preallocated, write_floor
+from .runner import _times
+
+
+def _median_seconds(piece, repeats):
+    piece()  # warm-up: trace and compile
+    return float(np.median(_times(lambda _: piece(), None, repeats)))
+
+
+def profile_dense(model, x, repeats=5):
+    """Where the hand-derived path's time goes at one n: ``{piece: seconds}``.
+
+    Each piece includes the ones before it: the forward pass alone, the
+    column blocks (not joined), the joined tensor, ``jac(x)`` (a NumPy view
+    of it), ``jac(x, copy=True)``; and both floors.
+    """
+    jac = compiled_dense_jacobian(model)
+    if jac.fallback:
+        raise ValueError(f"the hand-derived path does not apply: {jac.fallback}.")
+    x_tensor = tf.constant(x)
+    spec = [tf.TensorSpec([None, x.shape[1]], x_tensor.dtype)]
+    forward = tf.function(lambda x: model(x, training=False), input_signature=spec)
+    blocks = tf.function(
+        lambda x: dense_blocks(jac.chain, jac.target.variables, x),
+        input_signature=spec,
+    )
+    shape = (len(x), int(model.outputs[0].shape[-1]), jac.target.n_params)
+    out = preallocated(shape)
+    pieces = {
+        "forward pass only": lambda: forward(x_tensor),
+        "column blocks, not joined": lambda: blocks(x_tensor),
+        "joined: the (n, l, m) tensor": lambda: jac.tensor(x_tensor),
+        "jac(x): a read-only NumPy view": lambda: jac(x),
+        "jac(x, copy=True): writable": lambda: jac(x, copy=True),
+        "floor: fill a preallocated array": lambda: fill_floor(out),
+        "floor, new array: np.full": lambda: write_floor(shape),
+    }
+    return {name: _median_seconds(piece, repeats) for name, piece in pieces.items()}

@@ -1,0 +1,164 @@
+"""``run_bench``: time every path at every n, each checked against the reference.
+
+Each path runs at each n: the first call (trace, compile) is timed apart,
+then ``repeats`` more calls give the median. Every result is checked
+against the compiled per-sample stage before it is timed. Beside the paths,
+both write floors are timed at each n (see ``floor.py``). Introduced in
+``07-benchmark``.
+"""
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from .. import memory
+from .floor import FLOOR, FLOOR_NEW, LABELS, fill_floor, preallocated, write_floor
+from .fresh import measure_in_fresh_process
+from .machine import machine_summary
+from .paths import MODELS, PATHS, REFERENCE, default_paths, jacobian_shape
+from .skipping import format_seconds, quadratic_bytes, skip_reason
+
+
+@dataclass
+class Result:
+    """One path at one n: seconds, peak bytes, or why it was skipped."""
+
+    path: str
+    n: int
+    first: float | None = None
+    times: list = field(default_factory=list)
+    median: float | None = None
+    peak: int | None = None
+    skipped: str | None = None
+    predicted: float | None = None  # seconds of one call, where skipped
+
+
+def _first_call(jac, x, watch_memory):
+    """(result, seconds, peak bytes or None) of the first call at this n."""
+    if watch_memory:
+        use = memory.peak_memory(jac, x)
+        return use.result, use.seconds, use.peak
+    start = time.perf_counter()
+    J = jac(x)
+    return J, time.perf_counter() - start, None
+
+
+def _times(jac, x, repeats):
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jac(x)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _timed(name, n, function, argument, repeats, watch_memory):
+    """The :class:`Result` of ``function(argument)``, and its first value."""
+    value, first, peak = _first_call(function, argument, watch_memory)
+    times = _times(function, argument, repeats)
+    return Result(name, n, first, times, float(np.median(times)), peak), value
+
+
+def time_floors(shape, repeats, watch_memory):
+    """Both floors at J's ``shape``: filling a preallocated array, and np.full."""
+    out = preallocated(shape)  # outside the timing
+    floor, _ = _timed(FLOOR, shape[0], fill_floor, out, repeats, watch_memory)
+    new, _ = _timed(FLOOR_NEW, shape[0], write_floor, shape, repeats, watch_memory)
+    return [floor, new]
+
+
+def build_paths(model, names, log=print):
+    """``{name: jac}`` for the paths that can run here (peers when installed)."""
+    built = {}
+    for name in names:
+        jac = PATHS[name].build(model)
+        if jac is None:
+            log(
+                f"note: {PATHS[name].label} skipped: {name} is not installed "
+                "(make bench-peers installs it)."
+            )
+            continue
+        built[name] = jac
+    return built
+
+
+def run_bench(
+    sizes=None,
+    *,
+    repeats=5,
+    max_seconds=30.0,
+    memory_mode="fresh",
+    paths=None,
+    seed=0,
+    log=print,
+    model="mlp",
+):
+    """Time every path at every n; the results as a dict (``results.json``).
+
+    ``model`` names one of :data:`MODELS` (the question's MLP, a CNN, an
+    LSTM); ``sizes`` default to the model's own. ``paths`` default to every
+    path that applies to the model. Peak memory is the first call's, measured
+    in a fresh process per path (``memory_mode="fresh"``) or in this one
+    (``"inline"``).
+    """
+    bench_model = MODELS[model]
+    sizes = sorted(sizes or bench_model.sizes)
+    network = bench_model.build(seed)
+    names = list(paths or default_paths(model, network))
+    if REFERENCE not in names:
+        names.insert(0, REFERENCE)
+    built = build_paths(network, names, log)
+    x_all = bench_model.inputs(max(sizes), seed)
+    per_n2 = None
+    if any(PATHS[name].exponent == 2 for name in built):
+        per_n2 = quadratic_bytes(network, x_all)
+    inline = memory_mode == "inline"
+    done = []
+    for n in sizes:
+        x = x_all[:n]
+        done += time_floors(jacobian_shape(network, x, n), repeats, inline)
+        reference = None
+        for name, jac in built.items():
+            predicted, reason = skip_reason(
+                done, name, n, repeats, max_seconds, model, per_n2
+            )
+            label = PATHS[name].label
+            if reason:
+                done.append(Result(name, n, skipped=reason, predicted=predicted))
+                log(f"n = {n:>6,}  {label:<45} skipped: {reason}")
+                continue
+            # the quadratic paths watch memory even here: it guards larger n
+            watch = inline or PATHS[name].exponent == 2
+            result, J = _timed(name, n, jac, x, repeats, watch)
+            if reference is None:
+                reference = np.array(J)
+            np.testing.assert_allclose(
+                J,
+                reference,
+                rtol=1e-5,
+                atol=1e-6,
+                err_msg=f"{name} disagrees with {REFERENCE} at n = {n}",
+            )
+            done.append(result)
+            log(
+                f"n = {n:>6,}  {label:<45} {format_seconds(result.median):>9}"
+                f"  (first {format_seconds(result.first)})"
+            )
+    if memory_mode == "fresh":
+        for name in built:
+            ran = [r for r in done if r.path == name and r.median is not None]
+            peaks = measure_in_fresh_process(name, [r.n for r in ran], seed, model)
+            for r, peak in zip(ran, peaks, strict=True):
+                r.peak = peak
+    return {
+        "model": model,
+        "model_label": bench_model.label,
+        "shape": list(jacobian_shape(network, x_all, 1)[1:]),
+        "machine": machine_summary(),
+        "sizes": sizes,
+        "repeats": repeats,
+        "memory": memory_mode,
+        "labels": {name: PATHS[name].label for name in built} | LABELS,
+        "results": [asdict(r) for r in done],
+    }
