@@ -166,6 +166,72 @@ def activation_layers(dtype):
     )
 
 
+@_entry(_floats(8, 2), n_outputs=2)
+def causal_conv1d(dtype):
+    """Conv1D, causal and dilated, then strided; LayerNorm; pooling; softmax head.
+
+    gelu and swish have no formula in the layer rules: their slope is autodiff's.
+    """
+    return _stack(
+        dtype,
+        (8, 2),
+        layers.Conv1D(
+            3, 3, padding="causal", dilation_rate=2, activation="gelu", dtype=dtype
+        ),
+        layers.LayerNormalization(dtype=dtype),
+        layers.Conv1D(2, 2, strides=2, activation="swish", dtype=dtype),
+        layers.GlobalAveragePooling1D(dtype=dtype),
+        _dense(2, "softmax", dtype=dtype),
+    )
+
+
+@_entry(_floats(7, 7, 1), n_outputs=3)
+def dilated_conv(dtype):
+    """A dilated, same-padded Conv2D, max pooling, a second Conv2D, log-softmax."""
+    return _stack(
+        dtype,
+        (7, 7, 1),
+        layers.Conv2D(
+            2, 3, padding="same", dilation_rate=2, activation="elu", dtype=dtype
+        ),
+        layers.MaxPooling2D(2, dtype=dtype),
+        layers.Conv2D(2, 2, activation=tf.nn.softplus, dtype=dtype),
+        layers.Flatten(dtype=dtype),
+        _dense(3, "log_softmax", dtype=dtype),
+    )
+
+
+class Scale(layers.Layer):
+    """A custom layer with weights: ``x * scale``; ``unused`` never reaches the output."""
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=input_shape[-1:], initializer="ones")
+        self.unused = self.add_weight(shape=(2,), initializer="ones")
+
+    def call(self, x):
+        return x * self.scale
+
+
+@_entry(_floats(4), n_outputs=2)
+def custom_layer(dtype):
+    """A custom layer (no rule: autodiff), an unknown activation, a nested Sequential.
+
+    ``Scale.unused`` is a trainable variable that the outputs do not use: its
+    columns are zeros, beside connected ones.
+    """
+    inner = keras.Sequential(
+        [_dense(3, tf.nn.tanh, dtype=dtype), layers.LeakyReLU(0.2, dtype=dtype)]
+    )
+    return _stack(
+        dtype,
+        (4,),
+        _dense(5, lambda t: t * tf.sigmoid(2 * t), dtype=dtype),
+        Scale(dtype=dtype),
+        inner,
+        _dense(2, dtype=dtype),
+    )
+
+
 @_entry(_floats(4), n_outputs=2)
 def shared_layer(dtype):
     """One Dense object applied twice: its variables get two contributions each."""

@@ -39,6 +39,14 @@ def hand_derived(model, x, **kw):
     return ju.compiled_dense_jacobian(model, **kw)(x)
 
 
+def rules(model, x, **kw):
+    return ju.compiled_jacobian(model, method="rules", **kw)(x)
+
+
+def entry(model, x, **kw):
+    return ju.jacobian(model, x, **kw)
+
+
 STAGES = {
     "loop": ju.loop_jacobian,
     "vectorized": ju.vectorized_jacobian,
@@ -49,6 +57,8 @@ STAGES = {
     "chunked": chunked,
     "chunked_xla": chunked_xla,
     "hand_derived": hand_derived,
+    "rules": rules,
+    "jacobian": entry,
 }
 
 
@@ -73,7 +83,9 @@ def test_float64_stage_equals_finite_differences(problem, stage):
     np.testing.assert_allclose(J, reference, rtol=1e-6, atol=1e-8)
 
 
-@pytest.mark.parametrize("stage", ["per_sample", "compiled_xla", "chunked"])
+@pytest.mark.parametrize(
+    "stage", ["per_sample", "compiled_xla", "chunked", "rules", "jacobian"]
+)
 def test_float32_stage_matches_float64(problem, stage):
     """float32 models (the casts, the dtype of J) on the three main paths."""
     case, x, reference = problem

@@ -95,6 +95,11 @@ class Activation:
         return tiled_vjp(self.function, z, delta)
 
     def describe(self):
-        return {"linear": "", "unknown": "+autodiff activation"}.get(
-            self.kind, f"+{self.kind}"
-        )
+        name = getattr(self.function, "__name__", type(self.function).__name__)
+        if self.kind == "linear":
+            return ""
+        if self.kind == "elementwise":
+            return f"+{name} (slope by autodiff)"
+        if self.kind == "unknown":
+            return f"+{name} (signal by autodiff)"
+        return f"+{self.kind}"

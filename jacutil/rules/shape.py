@@ -75,3 +75,6 @@ class ElementwiseLayerRule(ActivationRule):
         Rule.__init__(self, layer)
         self.activation = Activation(lambda t: layer(t, training=False))
         self.activation.kind = "elementwise"
+
+    def describe(self):
+        return f"{type(self.layer).__name__} (slope by autodiff)"
