@@ -60,17 +60,20 @@ lock:
 		| grep -v -i -E '^(jacutil|jax|jaxlib|torch|sympy|mpmath|networkx)==' \
 		> requirements.lock
 
-# Every path at n = 100, 1,000, 10,000 in one process (a few minutes): tables,
-# ratios to the loop, the fastest path and the write floor, and a log-log plot
-# in build/bench/. A quick look: make bench BENCH_ARGS=--quick (n = 100, 1,000).
+# Every path on the question's MLP (n = 100, 1,000, 10,000), the CNN and the LSTM
+# (n = 100, 2,000) in one run (minutes): tables, ratios to the loop, the
+# fastest path, the write floor and the faster peer, and a log-log plot in
+# build/bench/. A quick look: make bench BENCH_ARGS=--quick (n = 100, 1,000).
 bench: setup
-	$(BIN)/python -m jacutil.bench $(BENCH_ARGS)
+	$(BIN)/python -m jacutil.bench --model mlp cnn lstm $(BENCH_ARGS)
 
 # The same, with JAX and PyTorch (torch==2.13.0, CPU) as peers in the same run.
-# They install next to the locked packages without changing any of them.
+# They install next to the locked packages without changing any of them; the
+# CPU index offers torch 2.13.0+cpu, which pip prefers to the CUDA build.
 bench-peers: setup
-	$(BIN)/python -m pip install --quiet -c requirements.lock -e ".[peers]"
-	$(BIN)/python -m jacutil.bench $(BENCH_ARGS)
+	$(BIN)/python -m pip install --quiet -c requirements.lock jax "torch==2.13.0" \
+		--extra-index-url https://download.pytorch.org/whl/cpu
+	$(BIN)/python -m jacutil.bench --model mlp cnn lstm $(BENCH_ARGS)
 
 clean:
 	rm -rf build .pytest_cache .hypothesis
