@@ -205,8 +205,10 @@ class Scale(layers.Layer):
     """A custom layer with weights: ``x * scale``; ``unused`` never reaches the output."""
 
     def build(self, input_shape):
-        self.scale = self.add_weight(shape=input_shape[-1:], initializer="ones")
-        self.unused = self.add_weight(shape=(2,), initializer="ones")
+        self.scale = self.add_weight(
+            shape=input_shape[-1:], initializer="ones", name="scale"
+        )
+        self.unused = self.add_weight(shape=(2,), initializer="ones", name="unused")
 
     def call(self, x):
         return x * self.scale

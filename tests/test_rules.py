@@ -1,0 +1,226 @@
+"""The layer rules (jacutil.rules) and the one entry, jacutil.jacobian.
+
+Every rule is proved against float64 finite differences on the zoo in
+test_stages.py (stages "rules" and "jacobian"); here: which rule each layer
+gets, what falls back and why, a rule that lies is caught, and the entry's
+choices (chunks, out, copies, the cache).
+"""
+
+import numpy as np
+import pytest
+
+import jacutil as ju
+from jacutil import keras, rules
+from tests.architectures import build
+
+layers = keras.layers
+
+# zoo entry -> the rule of each layer, input to output
+PLANS = {
+    "mlp": ["dense+relu", "dense+relu", "dense"],
+    "convolution": ["conv2d+tanh", "reshape", "dense"],
+    "strided_conv": ["conv2d+tanh", "reshape", "dense"],
+    "embedding": ["embedding", "reshape", "dense"],
+    "frozen_layer": ["dense+tanh", "batch_norm (inference)", "dense"],
+    "activation_layers": [
+        "dense", "tanh", "dense", "ReLU (slope by autodiff)",
+        "identity (inference)", "dense",
+    ],
+    "causal_conv1d": [
+        "conv1d+gelu (slope by autodiff)", "layer_norm",
+        "conv1d+silu (slope by autodiff)",
+        "autodiff (no rule for GlobalAveragePooling1D)", "dense+softmax",
+    ],
+    "dilated_conv": [
+        "conv2d+elu (slope by autodiff)", "autodiff (no rule for MaxPooling2D)",
+        "conv2d+softplus (slope by autodiff)", "reshape", "dense+log_softmax",
+    ],
+    "custom_layer": [
+        "dense+<lambda> (signal by autodiff)", "autodiff (no rule for Scale)",
+        "dense+tanh", "LeakyReLU (slope by autodiff)", "dense",
+    ],
+}  # fmt: skip
+
+FALLBACKS = {
+    "lstm": "is a LSTM",
+    "bidirectional": "is a Bidirectional",
+    "attention": "not a single chain",
+    "two_inputs": "not a single chain",
+    "dict_heads": "not a single chain",
+    "subclassed": "TanhSkip is a subclass",
+    "sequential_subclass": "DoubledSequential is a subclass",
+    "shared_layer": "used more than once",
+    "explicit_nontrainable": "not a Keras model",
+}
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_each_layer_gets_its_rule(name):
+    case = build(name)
+    jac = ju.compiled_jacobian(case.model32, method="rules")
+    assert jac.fallback is None
+    assert [rule for _, rule in jac.plan.layers()] == PLANS[name]
+
+
+@pytest.mark.parametrize("name", sorted(FALLBACKS))
+def test_models_beyond_the_rules_fall_back_and_say_why(name):
+    case = build(name)
+    x = case.batch(3)
+    J, choice = ju.jacobian(case.model64, x, variables=case.variables64, explain=True)
+    assert choice.path == "per-sample autodiff"
+    assert FALLBACKS[name] in choice.why
+    assert "vectorized_map" in choice.formulation or "map_fn" in choice.formulation
+    np.testing.assert_allclose(
+        J,
+        ju.per_sample_jacobian(case.model64, x, variables=case.variables64),
+        rtol=1e-10,
+        atol=1e-12,
+    )
+
+
+def test_training_mode_and_frozen_variables():
+    model = build("activation_layers").model32
+    jac = ju.compiled_jacobian(model, method="rules", training=True)
+    assert jac.plan is None and "training=True" in jac.fallback
+    model = build("frozen_layer").model32
+    # BatchNorm's moving statistics are variables no rule writes
+    jac = ju.compiled_jacobian(model, method="rules", variables=model.variables)
+    assert jac.plan is None and "moving_mean" in jac.fallback
+
+
+def test_unused_variable_gets_zero_columns():
+    case = build("custom_layer")
+    x = case.batch(4)
+    J = ju.jacobian(case.model64, x)
+    names = [v.path for v in case.model64.trainable_variables]
+    sizes = [int(np.prod(v.shape)) for v in case.model64.trainable_variables]
+    start = sum(sizes[: names.index(next(n for n in names if "unused" in n))])
+    assert np.all(J[:, :, start : start + 2] == 0)
+    assert np.abs(J).max() > 0.1
+
+
+def test_a_wrong_rule_is_caught_on_the_first_call():
+    """A rule that lies (here: Dense without its activation) is checked on one
+    sample against autodiff; the model falls back, with the reason."""
+
+    class Lying(rules.dense.DenseRule):
+        def __init__(self, layer):
+            super().__init__(layer)
+            self.activation = rules.activations.Activation(None)
+
+    saved = rules.RULES[layers.Dense]
+    rules.register(layers.Dense)(Lying)
+    try:
+        case = build("mlp")
+        x = case.batch(4)
+        jac = ju.compiled_jacobian(case.model64, method="rules")
+        assert jac.plan is not None
+        J = jac(x)
+    finally:
+        rules.RULES[layers.Dense] = saved
+    assert jac.plan is None and "differ from autodiff" in jac.fallback
+    np.testing.assert_allclose(J, ju.per_sample_jacobian(case.model64, x), rtol=1e-10)
+
+
+def test_a_registered_rule_is_used():
+    """Users register a rule for their own layer type: ``@rules.register(T)``."""
+
+    class Double(layers.Layer):
+        def call(self, x):
+            return 2 * x
+
+    @rules.register(Double)
+    class DoubleRule(rules.Rule):
+        name = "double"
+
+        def forward(self, a):
+            return 2 * a, None
+
+        def backward(self, saved, delta, wanted, need_signal):
+            return {}, 2 * delta
+
+    try:
+        model = keras.Sequential(
+            [
+                keras.Input((3,)),
+                layers.Dense(4, activation="tanh"),
+                Double(),
+                layers.Dense(2),
+            ]
+        )
+        x = np.random.default_rng(0).standard_normal((5, 3)).astype("float32")
+        J, choice = ju.jacobian(model, x, explain=True)
+    finally:
+        del rules.RULES[Double]
+    assert "double" in [rule for _, rule in choice.layers]
+    np.testing.assert_allclose(
+        J, ju.per_sample_jacobian(model, x), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_conv_options_against_finite_differences():
+    """Strides with valid padding, a causal Conv1D without dilation, no bias."""
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential(
+        [
+            keras.Input((9, 2), dtype="float64"),
+            layers.Conv1D(
+                2, 3, strides=2, use_bias=False, activation="tanh", dtype="float64"
+            ),
+            layers.Conv1D(2, 2, padding="causal", dtype="float64"),
+            layers.Flatten(dtype="float64"),
+            layers.Dense(2, dtype="float64"),
+        ]
+    )
+    x = np.random.default_rng(1).standard_normal((3, 9, 2))
+    J, choice = ju.jacobian(model, x, explain=True)
+    assert choice.path == "layer rules"
+    np.testing.assert_allclose(
+        J, ju.finite_difference_jacobian(model, x), rtol=1e-6, atol=1e-8
+    )
+
+
+def test_entry_chunks_into_out_when_past_the_budget(tmp_path):
+    model = ju.question_mlp(hidden=(8,))
+    x, _ = ju.regression_data(50)
+    expected = ju.per_sample_jacobian(model, x)
+    J, choice = ju.jacobian(model, x, memory_budget=40_000, explain=True)
+    assert choice.chunks > 1 and choice.chunk_size < 50
+    np.testing.assert_allclose(J, expected, rtol=1e-5, atol=1e-6)
+    out = np.lib.format.open_memmap(
+        tmp_path / "J.npy", mode="w+", dtype="float32", shape=expected.shape
+    )
+    J, choice = ju.jacobian(model, x, out=out, explain=True)
+    assert J is out and choice.chunks == 1
+    np.testing.assert_allclose(
+        np.load(tmp_path / "J.npy"), expected, rtol=1e-5, atol=1e-6
+    )
+
+
+def test_entry_returns_a_view_unless_asked_to_copy_and_reuses_its_function():
+    model = ju.question_mlp(hidden=(8,))
+    x, _ = ju.regression_data(20)
+    J, first = ju.jacobian(model, x, explain=True)
+    assert first.traced and not J.flags.writeable
+    J, second = ju.jacobian(model, x[:7], copy=True, explain=True)
+    assert not second.traced and J.flags.writeable and J.shape[0] == 7
+    assert "layer dense_0: dense+relu" in str(second)
+
+
+def test_entry_errors_teach():
+    model = ju.question_mlp(hidden=(8,))
+    x, _ = ju.regression_data(5)
+    with pytest.raises(ValueError, match="memory_budget must be a positive"):
+        ju.jacobian(model, x, memory_budget=0)
+    with pytest.raises(ValueError, match="smaller than one sample"):
+        ju.jacobian(model, x, memory_budget=10)
+    with pytest.raises(ValueError, match="takes"):
+        ju.jacobian(model, x[:, :3])
+
+
+def test_rules_under_xla_and_float32_match():
+    case = build("dilated_conv")
+    x = case.batch(6)
+    expected = ju.finite_difference_jacobian(case.model64, x)
+    J = ju.compiled_jacobian(case.model32, method="rules", jit_compile=True)(x)
+    np.testing.assert_allclose(J, expected, rtol=1e-4, atol=1e-5)
