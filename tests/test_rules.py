@@ -79,7 +79,7 @@ def test_models_beyond_the_rules_fall_back_and_say_why(name):
 
 
 def test_training_mode_and_frozen_variables():
-    model = build("activation_layers").model32
+    model = build("mlp").model32
     jac = ju.compiled_jacobian(model, method="rules", training=True)
     assert jac.plan is None and "training=True" in jac.fallback
     model = build("frozen_layer").model32
