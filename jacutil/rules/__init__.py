@@ -3,14 +3,16 @@
 ``plan_for(model, variables)`` gives each layer of a Keras chain its rule
 (``RULES``, by exact layer type): Dense, Conv1D/Conv2D, Embedding,
 LayerNormalization, BatchNormalization and Dropout in inference mode,
-Flatten/Reshape and activation layers. A layer without a rule (pooling, a
-custom layer) passes the signal by autodiff, and only its own blocks come
-from autodiff. ``rules_tensor(plan, x)`` is the Jacobian; the compiled,
-cached form is ``compiled_jacobian(model, method="rules")`` and
-``jacutil.jacobian`` picks it when it applies. Introduced in ``07-benchmark``.
+Flatten/Reshape, activation layers, and LSTM (back-propagation through
+time). A layer without a rule (pooling, a custom layer) passes the signal by
+autodiff, and only its own blocks come from autodiff.
+
+``rules_tensor(plan, x)`` is the Jacobian; its compiled, cached form is
+``compiled_jacobian(model, method="rules")``, and ``jacutil.jacobian`` picks
+it when it applies. Introduced in ``07-benchmark``.
 """
 
-from . import conv, dense, embedding, normalization, shape  # noqa: F401 (registers)
+from . import conv, dense, embedding, normalization, recurrent, shape  # noqa: F401
 from .autodiff import AutodiffRule, tiled_vjp
 from .engine import (
     Plan,

@@ -104,11 +104,15 @@ def plan_for(model, variables, training=False):
     dtype = variables[0].dtype if variables else None
     steps = []
     for layer in layers:
-        if isinstance(layer, NOT_IN_A_CHAIN):
-            return None, f"layer {layer.name!r} is a {type(layer).__name__}"
         if layer.weights and layer.compute_dtype != dtype:
             return None, f"layer {layer.name!r} computes in {layer.compute_dtype}"
+        if getattr(layer, "mask_zero", False) or isinstance(
+            layer, keras.layers.Masking
+        ):
+            return None, f"layer {layer.name!r} makes a mask (the rules ignore masks)"
         rule, why = rule_for(layer)
+        if rule is None and isinstance(layer, NOT_IN_A_CHAIN):
+            return None, f"layer {layer.name!r} is a {type(layer).__name__} ({why})"
         steps.append(rule if rule is not None else AutodiffRule(layer, why))
     position = {id(v): i for i, v in enumerate(variables)}
     wanted, owner = [], {}
