@@ -131,7 +131,7 @@ def jacobian(
             variables=variables, training=training, method="rules",
         )  # fmt: skip
     else:
-        J = jac(batch, copy=copy)
+        J = jac.of_batch(batch, copy=copy)
     if not explain:
         return J
     on_rules = jac.plan is not None

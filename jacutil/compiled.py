@@ -65,7 +65,12 @@ class CompiledJacobian:
             return self._jacobian(x)
 
         return quiet_function(
-            traced, input_signature=[signature(x)], jit_compile=self.jit_compile
+            traced,
+            input_signature=[signature(x)],
+            jit_compile=self.jit_compile,
+            # the rules' own code has no tensor-dependent Python control flow:
+            # converting it with autograph costs most of the first call
+            autograph=self.plan is None or self.plan.user_code,
         )
 
     def _jacobian(self, x):
@@ -128,6 +133,10 @@ class CompiledJacobian:
         """
         x = as_batch(x, self.target)
         output_layout(self.target, x)  # checks the outputs, once per shape
+        return self.of_batch(x, copy=copy)
+
+    def of_batch(self, x, *, copy=True):
+        """:meth:`__call__` of a batch already checked by ``as_batch``."""
         n_rows = int(n_samples(x))
         if not self.jit_compile or n_rows <= self.block_size:
             pad_to = bucket_size(n_rows, self.block_size) if self.jit_compile else None

@@ -18,6 +18,7 @@ layers = keras.layers
 # zoo entry -> the rule of each layer, input to output
 PLANS = {
     "mlp": ["dense+relu", "dense+relu", "dense"],
+    "lstm": ["lstm (BPTT)", "dense"],
     "convolution": ["conv2d+tanh", "reshape", "dense"],
     "strided_conv": ["conv2d+tanh", "reshape", "dense"],
     "embedding": ["embedding", "reshape", "dense"],
@@ -42,7 +43,7 @@ PLANS = {
 }  # fmt: skip
 
 FALLBACKS = {
-    "lstm": "is a LSTM",
+    "gru_sequences": "is a GRU",
     "bidirectional": "is a Bidirectional",
     "attention": "not a single chain",
     "two_inputs": "not a single chain",

@@ -73,6 +73,14 @@ class Plan:
     variables: list  # the Jacobian's columns
     lowest: int  # the lowest step holding a wanted variable
 
+    @property
+    def user_code(self):
+        """Whether code that is not ours runs (then autograph may matter)."""
+        return any(
+            isinstance(step, AutodiffRule) or "signal by autodiff" in step.describe()
+            for step in self.steps
+        )
+
     def layers(self):
         """``[(layer name, rule)]``, e.g. ``("conv2d", "conv2d+relu")``."""
         return [(step.layer.name, step.describe()) for step in self.steps]
