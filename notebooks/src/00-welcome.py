@@ -15,7 +15,8 @@
 # - How is this collection organised, and how do I run it?
 #
 # **Objectives**
-# - Compute a per-sample Jacobian with `jacutil` and read its shape `(n, l, m)`.
+# - Compute a per-sample Jacobian with `ju.jacobian` and read its shape `(n, l, m)`.
+# - Ask `ju.jacobian` which path it took, and why.
 # - Convert it to the `(l·m) × n` layout of the source question and back.
 # - Find the notebook for each stage, and run them all with `make run`.
 #
@@ -67,9 +68,33 @@ print("m = n_params =", theta.size)
 # `model.trainable_variables` order. The Jacobian's last axis follows exactly
 # that order, and `set_flat_params(model, theta)` writes such a vector back.
 
+# %% [markdown]
+# ## One call: `ju.jacobian`
+#
+# `ju.jacobian(model, x)` is the one call to use. It picks the fastest correct
+# path for this model and this size, caches what it compiles, and with
+# `explain=True` says what it did. The later notebooks build each path it can
+# take, one stage at a time: they are the lessons, this is the tool.
+
 # %%
-J = ju.per_sample_jacobian(model, x)
+J, choice = ju.jacobian(model, x, explain=True)
 print("x:", x.shape, " f(x):", model(x).shape, " J:", J.shape, J.dtype)
+print("path:", choice.path, "-", choice.why)
+for name, rule in choice.layers:
+    print(f"  layer {name}: {rule}")
+
+# %% [markdown]
+# Here every layer has a **rule**: a formula for its own block of columns,
+# derived by hand (`07-benchmark` derives the Dense one). A model the rules
+# cannot read - a subclassed model, branches - takes the compiled per-sample
+# stage of `03-compiled` instead, and `choice.why` says why. J comes back
+# read-only (a view of TensorFlow's result, no copy); `copy=True` gives an
+# array you may write to. Every path returns the same numbers: the
+# per-sample stage of `02-vectorized` agrees.
+
+# %%
+np.testing.assert_allclose(J, ju.per_sample_jacobian(model, x), rtol=1e-5, atol=1e-6)
+print("jacobian == per_sample_jacobian:", True)
 
 # %% [markdown]
 # Each entry is a real derivative. Nudge one parameter by a small step and the
@@ -99,7 +124,7 @@ print("J predicted the move to within", np.round(np.abs(moved - predicted).max()
 # NBVAL_IGNORE_OUTPUT
 tiny = ju.question_mlp(n_inputs=2, hidden=(3,), n_outputs=2, seed=seed)
 x_tiny = ju.regression_data(3, n_inputs=2, seed=seed)[0]
-J_tiny = ju.per_sample_jacobian(tiny, x_tiny)
+J_tiny = ju.jacobian(tiny, x_tiny)
 M_tiny = ju.to_lm_by_n(J_tiny)
 
 scale = {"cmap": "RdBu", "vmin": -np.abs(J_tiny).max(), "vmax": np.abs(J_tiny).max()}
@@ -153,8 +178,9 @@ joined = ju.keras.layers.Concatenate()(inputs)
 heads = [ju.keras.layers.Dense(2)(joined), ju.keras.layers.Dense(1)(joined)]
 two_heads = ju.keras.Model(inputs, heads)
 x_two = [np.ones((4, 3), "float32"), np.ones((4, 2), "float32")]
-J_two = ju.per_sample_jacobian(two_heads, x_two)
+J_two, choice_two = ju.jacobian(two_heads, x_two, explain=True)
 print("J:", J_two.shape, "- l = 2 + 1 rows per sample")
+print("path:", choice_two.path, "-", choice_two.why)
 print("split:", [part.shape for part in ju.split_outputs(J_two, two_heads, x_two)])
 
 # %% [markdown]
@@ -162,14 +188,14 @@ print("split:", [part.shape for part in ju.split_outputs(J_two, two_heads, x_two
 #
 # | notebook | stage | `jacutil` function |
 # |---|---|---|
-# | `00-welcome` | what we compute | `per_sample_jacobian`, `to_lm_by_n` |
+# | `00-welcome` | what we compute; the one call | `jacobian`, `to_lm_by_n` |
 # | `01-nested-loop` | the loop of the question | `loop_jacobian` |
 # | `02-vectorized` | one tape, `tape.jacobian`; `vectorized_map` | `vectorized_jacobian`, `per_sample_jacobian` |
 # | `03-compiled` | `tf.function` and XLA | `compiled_jacobian` |
 # | `04-chunked` | bounded memory | `chunked_jacobian` |
 # | `05-scipy-least-squares` | fit with SciPy | `least_squares_problem` |
 # | `06-pitfalls` | the popular answers' traps | `guards` |
-# | `07-benchmark` | every path side by side | `compiled_dense_jacobian` |
+# | `07-benchmark` | every path side by side; layer rules | `compiled_dense_jacobian`, `rules` |
 # | `08-your-own-model` | CNNs, LSTMs, several inputs and heads | `split_outputs` |
 #
 # Each stage is proved equal to the previous one inside its notebook, then
@@ -204,9 +230,27 @@ last_bias = J[:, :, -l:]
 print(np.array_equal(last_bias, np.broadcast_to(np.eye(l), (n, l, l))))
 
 # %% [markdown]
+# **3.** Ask `ju.jacobian` about the small CNN of `08-your-own-model`
+# (`ju.small_cnn()` on `ju.image_data(4)`): which path does it take, and
+# which rule does each layer get? Then freeze its first layer
+# (`layers[0].trainable = False`): how many columns does J lose?
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# Solution: the layer rules (Conv2D: patches and one product per layer);
+# freezing the first convolution drops its 3*3*1*8 weights and 8 biases.
+cnn = ju.small_cnn(seed=seed)
+x_cnn = ju.image_data(4, seed=seed)
+J_cnn, choice_cnn = ju.jacobian(cnn, x_cnn, explain=True)
+print(choice_cnn.path, [rule for _, rule in choice_cnn.layers])
+cnn.layers[0].trainable = False
+print(J_cnn.shape[2] - ju.jacobian(cnn, x_cnn).shape[2], "columns fewer")
+
+# %% [markdown]
 # ## Keypoints
 #
 # - The per-sample Jacobian has shape `(n, l, m)`: samples, outputs, parameters.
+# - `ju.jacobian(model, x)` computes it by the fastest correct path;
+#   `explain=True` says which and why.
 # - The parameter axis follows `flat_params(model)`: each variable flattened,
 #   in `trainable_variables` order.
 # - `to_lm_by_n` gives the `(l·m) × n` matrix of the source question (one column
