@@ -24,5 +24,10 @@ def machine_summary():
         "load_average": [round(v, 2) for v in os.getloadavg()],
         "python": platform.python_version(),
         "versions": versions,
+        "threads": {  # OpenMP settings: they decide PyTorch's CPU speed here
+            k: os.environ[k]
+            for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+            if k in os.environ
+        },
         "date": time.strftime("%Y-%m-%d %H:%M"),
     }

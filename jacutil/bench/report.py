@@ -166,6 +166,7 @@ def markdown(results):
     """All the tables, and where they were measured."""
     m = results["machine"]
     versions = ", ".join(f"{k} {v}" for k, v in m["versions"].items())
+    versions += "".join(f", {k}={v}" for k, v in m.get("threads", {}).items())
     label = results.get("model_label", "the question's network (10-64-32-2, float32)")
     head = [
         f"# Per-sample Jacobian of {label}",

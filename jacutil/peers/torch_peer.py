@@ -5,13 +5,29 @@
 (h, w, c) between layers, so ``conv2d`` permutes to PyTorch's (c, h, w) and
 back, and ``Flatten`` sees Keras's order. Eager: PyTorch compiles nothing
 here. Introduced in ``07-benchmark``.
+
+PyTorch's CPU build runs its operations on OpenMP threads, which by default
+spin for a long time at each barrier. On a small machine shared with other
+work (2 cores here, TensorFlow's own thread pools beside them) a spinning
+thread takes the core that the next operation needs, and ``jac(x)`` ran an
+order of magnitude slower than with a short spin. So, unless the user chose
+(``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``) or torch is already loaded, the
+spin is shortened before torch is imported.
 """
 
+import os
+import sys
+
 import numpy as np
-import torch
 
 from .layers import Ops, bind, forward
 from .network import describe
+
+SPIN = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # the user's choice, if set
+if "torch" not in sys.modules and not any(name in os.environ for name in SPIN):
+    os.environ["GOMP_SPINCOUNT"] = "10000"  # read once, when libgomp loads
+
+import torch  # noqa: E402  (after GOMP_SPINCOUNT is set)
 
 
 def conv2d(a, kernel, layer):
