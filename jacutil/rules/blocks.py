@@ -26,15 +26,20 @@ def outer_blocks(a, delta):
         column = tf.broadcast_to(a[:, None, :, None], [n_samples, n_outputs, p, 1])
         product = tf.matmul(column, delta[:, :, None, :])  # (n, l, p, q)
         return tf.reshape(product, [n_samples, n_outputs, p * q])
-    a = tf.reshape(a, [n_samples, -1, p])  # (n, t, p)
     delta = tf.reshape(delta, [n_samples, n_outputs, -1, q])  # (n, l, t, q)
-    by_position = tf.transpose(delta, [0, 2, 1, 3])  # (n, t, l, q)
+    return outer_by_position(a, tf.transpose(delta, [0, 2, 1, 3]))
+
+
+def outer_by_position(a, by_position):
+    """:func:`outer_blocks` of a signal laid out (n, t, l, q), positions first."""
+    n_samples, n_outputs = tf.shape(by_position)[0], tf.shape(by_position)[2]
+    p, q = a.shape[-1], by_position.shape[-1]
+    a = tf.reshape(a, [n_samples, -1, p])  # (n, t, p)
     by_position = tf.reshape(by_position, [n_samples, -1, n_outputs * q])
     product = tf.matmul(a, by_position, transpose_a=True)  # (n, p, l * q)
     product = tf.reshape(product, [n_samples, p, n_outputs, q])
-    return tf.reshape(
-        tf.transpose(product, [0, 2, 1, 3]), [n_samples, n_outputs, p * q]
-    )
+    product = tf.transpose(product, [0, 2, 1, 3])
+    return tf.reshape(product, [n_samples, n_outputs, p * q])
 
 
 def sum_positions(delta, width):
@@ -43,20 +48,25 @@ def sum_positions(delta, width):
     return tf.reduce_sum(tf.reshape(delta, [n_samples, n_outputs, -1, width]), 2)
 
 
-def kernel_and_bias(a, delta, kernel, bias, wanted):
+def kernel_and_bias(a, delta, kernel, bias, wanted, by_position=False):
     """``{column position: block}`` of a kernel and its bias (either may be unwanted).
 
     A bias right after its kernel shares the kernel's block (its position
-    maps to None: nothing more to join).
+    maps to None: nothing more to join). ``by_position``: ``delta`` is laid
+    out (n, t, l, q), positions first.
     """
+    outer = outer_by_position if by_position else outer_blocks
     at_kernel = wanted.get(id(kernel))
     at_bias = None if bias is None else wanted.get(id(bias))
     if at_kernel is not None and at_bias == at_kernel + 1:
         ones = tf.ones_like(a[..., :1])
-        return {at_kernel: outer_blocks(tf.concat([a, ones], -1), delta), at_bias: None}
+        return {at_kernel: outer(tf.concat([a, ones], -1), delta), at_bias: None}
     blocks = {}
     if at_kernel is not None:
-        blocks[at_kernel] = outer_blocks(a, delta)
+        blocks[at_kernel] = outer(a, delta)
     if at_bias is not None:
-        blocks[at_bias] = sum_positions(delta, delta.shape[-1])
+        width = delta.shape[-1]
+        blocks[at_bias] = (
+            tf.reduce_sum(delta, 1) if by_position else sum_positions(delta, width)
+        )
     return blocks

@@ -62,11 +62,13 @@ class LSTMRule(Rule):
             zi, zf, zg, zo = tf.split(z, 4, axis=-1)
             (i, di), (f, df) = self._slope(self.gate, zi), self._slope(self.gate, zf)
             (g, dg), (o, do) = self._slope(self.act, zg), self._slope(self.gate, zo)
-            c_before, h_before = c, h
+            h_before = h
+            gates = (g * di, c * df, i * dg)  # dz_i, dz_f, dz_g per unit of dc
             c = f * c + i * g
             ac, dac = self._slope(self.act, c)
             h = o * ac
-            saved.append((h_before, c_before, i, f, g, o, di, df, dg, do, ac, dac))
+            # per sample (n, ...), so the backward pass, per output, multiplies less
+            saved.append((h_before, f, o * dac, tf.concat([*gates, ac * do], -1)))
             outputs.append(h)
         y = tf.stack(outputs, 1) if self.layer.return_sequences else h
         return y, (a, saved)
@@ -79,25 +81,25 @@ class LSTMRule(Rule):
         dc = 0.0
         dzs = [None] * len(saved)
         for t in reversed(range(len(saved))):
-            h_before, c_before, i, f, g, o, di, df, dg, do, ac, dac = (
-                s[:, None] for s in saved[t]
-            )
+            f, o_dac, gates = (s[:, None] for s in saved[t][1:])
             if sequences:
                 dh = dh + delta[:, :, t]
-            dc = dc + dh * o * dac
-            dz = tf.concat(
-                [dc * g * di, dc * c_before * df, dc * i * dg, dh * ac * do], -1
-            )  # (n, l, 4u)
+            dc = dc + dh * o_dac
+            dz = tf.concat([dc, dc, dc, dh], -1) * gates  # (n, l, 4u)
             dzs[t] = dz
             dc = dc * f
             dh = _times_transpose(dz, cell.recurrent_kernel)
-        dz = tf.stack(dzs, 2)  # (n, l, T, 4u)
+        by_step = tf.stack(dzs, 1)  # (n, T, l, 4u): steps first, no transpose
         states = tf.stack([s[0] for s in saved], 1)  # h_{t-1}: (n, T, u)
-        blocks = kernel_and_bias(a, dz, cell.kernel, None, wanted)
-        blocks.update(
-            kernel_and_bias(states, dz, cell.recurrent_kernel, self.bias, wanted)
-        )
-        below = _times_transpose(dz, cell.kernel) if need_signal else None
+        blocks = {}
+        for inputs, kernel, bias in (
+            (a, cell.kernel, None),
+            (states, cell.recurrent_kernel, self.bias),
+        ):
+            blocks.update(kernel_and_bias(inputs, by_step, kernel, bias, wanted, True))
+        below = None
+        if need_signal:
+            below = _times_transpose(tf.stack(dzs, 2), cell.kernel)
         return blocks, below
 
 
