@@ -19,6 +19,8 @@ layers = keras.layers
 PLANS = {
     "mlp": ["dense+relu", "dense+relu", "dense"],
     "lstm": ["lstm (BPTT)", "dense"],
+    "gru_sequences": ["gru (BPTT)", "dense"],
+    "simple_rnn": ["simple_rnn (BPTT)", "dense"],
     "convolution": ["conv2d+tanh", "reshape", "dense"],
     "strided_conv": ["conv2d+tanh", "reshape", "dense"],
     "embedding": ["embedding", "reshape", "dense"],
@@ -43,7 +45,6 @@ PLANS = {
 }  # fmt: skip
 
 FALLBACKS = {
-    "gru_sequences": "is a GRU",
     "bidirectional": "is a Bidirectional",
     "attention": "not a single chain",
     "two_inputs": "not a single chain",

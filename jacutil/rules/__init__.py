@@ -3,9 +3,9 @@
 ``plan_for(model, variables)`` gives each layer of a Keras chain its rule
 (``RULES``, by exact layer type): Dense, Conv1D/Conv2D, Embedding,
 LayerNormalization, BatchNormalization and Dropout in inference mode,
-Flatten/Reshape, activation layers, and LSTM (back-propagation through
-time). A layer without a rule (pooling, a custom layer) passes the signal by
-autodiff, and only its own blocks come from autodiff.
+Flatten/Reshape, activation layers, and LSTM, GRU and SimpleRNN
+(back-propagation through time). A layer without a rule (pooling, a custom layer)
+passes the signal by autodiff, and only its own blocks come from autodiff.
 
 ``rules_tensor(plan, x)`` is the Jacobian; its compiled, cached form is
 ``compiled_jacobian(model, method="rules")``, and ``jacutil.jacobian`` picks

@@ -1,16 +1,23 @@
-"""LSTM: back-propagation through time, per sample and output, by hand.
+"""LSTM, GRU and SimpleRNN: back-propagation through time, per sample and output.
 
-Keras's LSTM step, with ``s = recurrent_activation`` and ``a = activation``:
+Each step of a recurrent layer is ``state_t = cell(x_t @ K, state_{t-1})``,
+with the recurrent kernel R applied to ``h_{t-1}``. The forward pass keeps
+what every step's backward needs (per sample: the gates and their slopes);
+the backward pass walks the steps from the last, carrying the signal at the
+state for every sample and output at once, and writes each step's signal at
+``x_t @ K`` and at ``h_{t-1} @ R``. The blocks are then the outer-product
+rule summed over the steps (``jacutil.rules.blocks``): K from the inputs
+x_t, R (and a bias after it) from the previous states h_{t-1}. The loop over
+steps is unrolled while traced, so the sequence length must be known (it is,
+per input shape).
 
-    z_t = x_t @ K + h_{t-1} @ R + b,   split into (i, f, g, o) pre-activations
-    c_t = s(f) * c_{t-1} + s(i) * a(g),   h_t = s(o) * a(c_t)
+Keras's steps, with ``s = recurrent_activation`` and ``a = activation``:
 
-The forward pass keeps every step's gates; the backward pass walks the steps
-from the last, carrying the signal at h and at c for every sample and output
-at once, and writes ``dz_t``. The blocks are the outer-product rule over the
-time steps (``jacutil.rules.blocks``): K from the inputs x_t, R (and the bias
-after it) from the previous states h_{t-1}. The loop over steps is unrolled
-while traced, so the sequence length must be known (it is, per input shape).
+    LSTM       z = x K + h R + b = (i, f, g, o);
+               c' = s(f) c + s(i) a(g);  h' = s(o) a(c')
+    GRU        (reset_after) x K + b_x = (xz, xr, xh);  h R + b_h = (hz, hr, hh);
+               z = s(xz + hz); r = s(xr + hr); n = a(xh + r hh);  h' = z h + (1 - z) n
+    SimpleRNN  h' = a(x K + h R + b)
 """
 
 from .._tf import keras, tf
@@ -19,91 +26,186 @@ from .blocks import kernel_and_bias
 from .registry import NoRule, Rule, register
 
 
-@register(keras.layers.LSTM)
-class LSTMRule(Rule):
-    name = "lstm (BPTT)"
+def _times_transpose(delta, matrix):
+    """``delta @ matrix.T`` over the last axis, as one 2-D product."""
+    rows = tf.matmul(tf.reshape(delta, [-1, delta.shape[-1]]), matrix, transpose_b=True)
+    return tf.reshape(rows, tf.concat([tf.shape(delta)[:-1], [matrix.shape[0]]], 0))
+
+
+def _with_slope(activation, z):
+    y, slope = activation.forward(z)
+    return y, (tf.ones_like(z) if slope is None else slope)
+
+
+class _Recurrent(Rule):
+    """The loop over steps; subclasses write one step forward and backward."""
 
     def __init__(self, layer):
         super().__init__(layer)
         if layer.go_backwards or layer.stateful or layer.return_state:
-            raise NoRule("an LSTM that runs backwards, keeps state or returns it")
+            raise NoRule(
+                "a recurrent layer that runs backwards, keeps or returns state"
+            )
         try:
             steps = layer.input.shape[1]
         except (AttributeError, ValueError):
             steps = None
         if steps is None:
-            raise NoRule("an LSTM over sequences of unknown length")
-        cell = layer.cell
-        self.cell = cell
-        self.act = Activation(cell.activation)
-        self.gate = Activation(cell.recurrent_activation)
-        if {self.act.kind, self.gate.kind} - {"tanh", "sigmoid", "relu", "linear"}:
-            raise NoRule("an LSTM activation without a formula")
-        self.bias = cell.bias if cell.use_bias else None
-        self.variables = [cell.kernel, cell.recurrent_kernel]
+            raise NoRule("a recurrent layer over sequences of unknown length")
+        self.cell = layer.cell
+        self.act = Activation(self.cell.activation)
+        kinds = {self.act.kind}
+        if hasattr(self.cell, "recurrent_activation"):
+            self.gate = Activation(self.cell.recurrent_activation)
+            kinds.add(self.gate.kind)
+        if kinds - {"tanh", "sigmoid", "relu", "linear"}:
+            raise NoRule("a recurrent activation without a formula")
+        self.bias = self.cell.bias if self.cell.use_bias else None
+        self.variables = [self.cell.kernel, self.cell.recurrent_kernel]
         self.variables += [self.bias] if self.bias is not None else []
 
-    def _slope(self, activation, z):
-        y, slope = activation.forward(z)
-        return y, (tf.ones_like(z) if slope is None else slope)
-
     def forward(self, a):
-        cell, units = self.cell, self.cell.units
-        steps = a.shape[1]
-        n_samples = tf.shape(a)[0]
-        h = tf.zeros([n_samples, units], a.dtype)
-        c = tf.zeros([n_samples, units], a.dtype)
-        inputs = tf.tensordot(a, cell.kernel, 1)  # (n, T, 4u): x_t @ K for all t
+        n_samples, units = tf.shape(a)[0], self.cell.units
+        inputs = tf.tensordot(a, self.cell.kernel, 1)  # x_t @ K for every t
         if self.bias is not None:
-            inputs = inputs + self.bias
+            inputs = inputs + self.input_bias()
+        state = self.initial(tf.zeros([n_samples, units], a.dtype))
         saved, outputs = [], []
-        for t in range(steps):
-            z = inputs[:, t] + tf.matmul(h, cell.recurrent_kernel)
-            zi, zf, zg, zo = tf.split(z, 4, axis=-1)
-            (i, di), (f, df) = self._slope(self.gate, zi), self._slope(self.gate, zf)
-            (g, dg), (o, do) = self._slope(self.act, zg), self._slope(self.gate, zo)
-            h_before = h
-            gates = (g * di, c * df, i * dg)  # dz_i, dz_f, dz_g per unit of dc
-            c = f * c + i * g
-            ac, dac = self._slope(self.act, c)
-            h = o * ac
-            # per sample (n, ...), so the backward pass, per output, multiplies less
-            saved.append((h_before, f, o * dac, tf.concat([*gates, ac * do], -1)))
-            outputs.append(h)
-        y = tf.stack(outputs, 1) if self.layer.return_sequences else h
+        for t in range(a.shape[1]):
+            h_before = state[0]
+            state, kept = self.step(inputs[:, t], state)
+            saved.append((h_before, kept))
+            outputs.append(state[0])
+        y = tf.stack(outputs, 1) if self.layer.return_sequences else state[0]
         return y, (a, saved)
 
     def backward(self, kept, delta, wanted, need_signal):
         a, saved = kept
-        cell = self.cell
         sequences = self.layer.return_sequences
-        dh = 0.0 if sequences else delta
-        dc = 0.0
-        dzs = [None] * len(saved)
+        carry = self.initial(0.0 if sequences else delta)
+        by_input, by_state = [None] * len(saved), [None] * len(saved)
         for t in reversed(range(len(saved))):
-            f, o_dac, gates = (s[:, None] for s in saved[t][1:])
             if sequences:
-                dh = dh + delta[:, :, t]
-            dc = dc + dh * o_dac
-            dz = tf.concat([dc, dc, dc, dh], -1) * gates  # (n, l, 4u)
-            dzs[t] = dz
-            dc = dc * f
-            dh = _times_transpose(dz, cell.recurrent_kernel)
-        by_step = tf.stack(dzs, 1)  # (n, T, l, 4u): steps first, no transpose
+                carry = (carry[0] + delta[:, :, t], *carry[1:])
+            kept_t = tuple(k[:, None] for k in saved[t][1])
+            by_input[t], by_state[t], carry = self.step_back(kept_t, carry)
+        inputs = tf.stack(by_input, 1)  # (n, T, l, gates): steps first
         states = tf.stack([s[0] for s in saved], 1)  # h_{t-1}: (n, T, u)
-        blocks = {}
-        for inputs, kernel, bias in (
-            (a, cell.kernel, None),
-            (states, cell.recurrent_kernel, self.bias),
-        ):
-            blocks.update(kernel_and_bias(inputs, by_step, kernel, bias, wanted, True))
+        blocks = self.blocks(a, states, inputs, tf.stack(by_state, 1), wanted)
         below = None
         if need_signal:
-            below = _times_transpose(tf.stack(dzs, 2), cell.kernel)
+            below = _times_transpose(tf.stack(by_input, 2), self.cell.kernel)
         return blocks, below
 
+    def blocks(self, a, states, by_input, by_state, wanted):
+        """Blocks of K, R and the bias after R (LSTM, SimpleRNN)."""
+        cell = self.cell
+        blocks = kernel_and_bias(a, by_input, cell.kernel, None, wanted, True)
+        blocks.update(
+            kernel_and_bias(
+                states, by_state, cell.recurrent_kernel, self.bias, wanted, True
+            )
+        )
+        return blocks
 
-def _times_transpose(delta, matrix):
-    """``delta @ matrix.T`` over the last axis, as one 2-D product."""
-    rows = tf.matmul(tf.reshape(delta, [-1, delta.shape[-1]]), matrix, transpose_b=True)
-    return tf.reshape(rows, tf.concat([tf.shape(delta)[:-1], [matrix.shape[0]]], 0))
+    def input_bias(self):
+        return self.bias
+
+    def initial(self, h):
+        return (h,)
+
+
+@register(keras.layers.LSTM)
+class LSTMRule(_Recurrent):
+    name = "lstm (BPTT)"
+
+    def initial(self, h):
+        return (h, h if isinstance(h, float) else tf.zeros_like(h))
+
+    def step(self, x_k, state):
+        h, c = state
+        z = x_k + tf.matmul(h, self.cell.recurrent_kernel)
+        zi, zf, zg, zo = tf.split(z, 4, axis=-1)
+        (i, di), (f, df) = _with_slope(self.gate, zi), _with_slope(self.gate, zf)
+        (g, dg), (o, do) = _with_slope(self.act, zg), _with_slope(self.gate, zo)
+        gates = (g * di, c * df, i * dg)  # dz_i, dz_f, dz_g per unit of dc
+        c = f * c + i * g
+        ac, dac = _with_slope(self.act, c)
+        return (o * ac, c), (f, o * dac, tf.concat([*gates, ac * do], -1))
+
+    def step_back(self, kept, carry):
+        f, o_dac, gates = kept
+        dh, dc = carry
+        dc = dc + dh * o_dac
+        dz = tf.concat([dc, dc, dc, dh], -1) * gates  # (n, l, 4u)
+        dh = _times_transpose(dz, self.cell.recurrent_kernel)
+        return dz, dz, (dh, dc * f)
+
+
+@register(keras.layers.GRU)
+class GRURule(_Recurrent):
+    name = "gru (BPTT)"
+
+    def __init__(self, layer):
+        super().__init__(layer)
+        if not self.cell.reset_after:
+            raise NoRule("a GRU with reset_after=False")
+
+    def input_bias(self):
+        return self.bias[0]
+
+    def step(self, x_k, state):
+        (h,) = state
+        units = self.cell.units
+        recurrent = tf.matmul(h, self.cell.recurrent_kernel)
+        if self.bias is not None:
+            recurrent = recurrent + self.bias[1]
+        (z, dz), (r, dr) = (
+            _with_slope(self.gate, x_k[:, k * units : (k + 1) * units]
+                        + recurrent[:, k * units : (k + 1) * units])
+            for k in range(2)
+        )  # fmt: skip
+        hh = recurrent[:, 2 * units :]
+        n, dn = _with_slope(self.act, x_k[:, 2 * units :] + r * hh)
+        # per unit of dh: the signal at (xz, xr, xh) before the r * hh term
+        at_input = tf.concat([(h - n) * dz, (1 - z) * dn * hh * dr, (1 - z) * dn], -1)
+        return (z * h + (1 - z) * n,), (z, r, at_input)
+
+    def step_back(self, kept, carry):
+        z, r, at_input = kept
+        (dh,) = carry
+        units = self.cell.units
+        by_input = tf.concat([dh, dh, dh], -1) * at_input  # (n, l, 3u)
+        by_state = tf.concat(
+            [by_input[..., : 2 * units], by_input[..., 2 * units :] * r], -1
+        )
+        dh = dh * z + _times_transpose(by_state, self.cell.recurrent_kernel)
+        return by_input, by_state, (dh,)
+
+    def blocks(self, a, states, by_input, by_state, wanted):
+        """K and R apart; the bias (2, 3u) is its input row, then its recurrent row."""
+        cell = self.cell
+        blocks = kernel_and_bias(a, by_input, cell.kernel, None, wanted, True)
+        blocks.update(
+            kernel_and_bias(states, by_state, cell.recurrent_kernel, None, wanted, True)
+        )
+        at = None if self.bias is None else wanted.get(id(self.bias))
+        if at is not None:
+            sums = [tf.reduce_sum(by_input, 1), tf.reduce_sum(by_state, 1)]
+            blocks[at] = tf.concat(sums, -1)
+        return blocks
+
+
+@register(keras.layers.SimpleRNN)
+class SimpleRNNRule(_Recurrent):
+    name = "simple_rnn (BPTT)"
+
+    def step(self, x_k, state):
+        (h,) = state
+        h, slope = _with_slope(self.act, x_k + tf.matmul(h, self.cell.recurrent_kernel))
+        return (h,), (slope,)
+
+    def step_back(self, kept, carry):
+        (slope,) = kept
+        dz = carry[0] * slope
+        return dz, dz, (_times_transpose(dz, self.cell.recurrent_kernel),)
