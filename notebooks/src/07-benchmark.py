@@ -18,7 +18,10 @@
 # - Derive the per-sample Jacobian of a Dense network by hand and prove it
 #   equal to autodiff and to finite differences.
 # - Run the benchmark of `make bench` on a small scale and read its table:
-#   ratios to the loop, to the fastest path and to the *write floor*.
+#   ratios to the loop, to the fastest path, to the *write floor* and, when
+#   they are installed, to JAX and PyTorch.
+# - Compare the same paths on a CNN and an LSTM, where no hand-derived
+#   shortcut applies.
 # - Explain where the fastest path's time goes, and choose a path for a job.
 #
 # *Teaching: 20 min · Exercises: 15 min*
@@ -39,10 +42,12 @@ from jacutil.dense_jacobian import dense_blocks
 print(ju.notebook.device_summary())
 
 # %% tags=["parameters"]
-sizes = [100, 1000]  # numbers of samples the benchmark runs at
+sizes = [100, 1000]  # numbers of samples the benchmark runs at (the MLP)
 repeats = 3  # timed runs after the first, per path and size
 max_seconds = 10  # skip a path at a size if all its runs would take longer
 paths = None  # None: every path; or a list of names from bench.PATHS
+other_sizes = [100]  # numbers of samples for the CNN and the LSTM
+other_paths = ["compiled_batch", "compiled", "chunked", "jax", "torch"]
 n_check = 4  # samples in the correctness checks
 seed = 0
 
@@ -124,12 +129,18 @@ print("fallback:", jac_conv.fallback)
 # is timed apart, then `repeats` more give the median; each result is checked
 # against the compiled per-sample stage before it is timed. A path is skipped
 # where its predicted time is too long, or (the quadratic `tape.jacobian`)
-# where its predicted memory does not fit. JAX and PyTorch join when
-# installed (`make bench-peers`).
+# where its predicted memory does not fit. JAX (`jit(vmap(jacrev))`) and
+# PyTorch (`torch.func.vmap(jacrev)`) join when installed
+# (`make bench-peers`): `jacutil.peers` rebuilds the Keras model from its
+# weights in each library, and the run checks their Jacobians against ours
+# like any other path.
 #
-# The **floor** is the time to write a new array of the Jacobian's size,
-# `np.full((n, l, m), 1.0)`: any function that returns a new Jacobian has to
-# do at least that.
+# The **floor** is the time to fill a preallocated array of the Jacobian's
+# shape, `out.fill(1.0)`: whatever computes J writes its n · l · m numbers at
+# least once. Beside it, the time to allocate and write a new one,
+# `np.full((n, l, m), 1.0)`, which any function that returns a new Jacobian
+# also pays. Each table gives every path's time over the floor (`x floor`)
+# and over the faster of JAX and PyTorch (`x peer`) when they ran.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -154,11 +165,56 @@ share = bench.ratios(results, largest)
 fastest = min(share, key=lambda p: share[p][1])
 label = results["labels"][fastest]
 print(f"Finding: at n = {largest:,} the fastest path is {label}, "
-      f"{share[fastest][2]:.1f}x the write floor")
+      f"{share[fastest].floor:.1f}x the write floor")
 if "compiled" in share and "dense" in share:
     gain = share["compiled"][1] / share["dense"][1]
     print(f"Finding: hand-derived is {gain:.1f}x faster than vectorized_map "
           f"(tf.function) at n = {largest:,}")
+
+
+def peer_finding(results):
+    """One line per n: jacutil's best path against the faster peer."""
+    for row in bench.summary(results):
+        best = results["labels"][row["best"]]
+        line = (f"Finding: n = {row['n']:,}, jacutil's fastest is {best}, "
+                f"{row['per_floor']:.1f}x the floor")
+        if row["per_peer"]:
+            line += f", {row['per_peer']:.2f}x the faster peer"
+        print(line)
+
+
+peer_finding(results)
+
+# %% [markdown]
+# ## A CNN and an LSTM
+#
+# The same run on the two models of notebook 08: the small CNN
+# (`small_cnn`: two 3 x 3 convolutions, then Dense) and the LSTM
+# (`sequence_lstm`: LSTM(16), then Dense). No hand-derived shortcut applies,
+# so the rows are the autodiff paths, and the peers when installed. The LSTM
+# is unrolled for `vectorized_map` (notebook 08 says why), and so it is in
+# the peers.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+others = {}
+for name in ["cnn", "lstm"]:
+    others[name] = bench.run_bench(
+        other_sizes, repeats=repeats, max_seconds=max_seconds,
+        memory_mode="inline", paths=other_paths, seed=seed, model=name,
+        log=lambda *a: None)
+    print(others[name]["model_label"])
+    for n in other_sizes:
+        display(Markdown(bench.table_at(others[name], n)))
+    peer_finding(others[name])
+
+# %% [markdown]
+# Each finding prints how far the best path is above the floor. The
+# Jacobians of the CNN and the LSTM are no larger than the MLP's; where their
+# best path sits much further above the floor, the arithmetic (convolutions,
+# the recurrence step by step), not writing the result, is the limit, and a
+# hand-derived rule for those layers, like the Dense one above, is what
+# could close the gap.
 
 # %% [markdown]
 # ## Scaling slopes
@@ -256,3 +312,6 @@ print(f"view {1e3 * view:.1f} ms, copy {1e3 * copy:.1f} ms, "
 #   (joins, `.numpy()`) and compare with the write floor.
 # - The nested loop and the batch-wide `tape.jacobian` are never the answer
 #   at scale: one is overhead-bound, the other quadratic in memory.
+# - JAX and PyTorch compute the same Jacobian from the same weights; the
+#   `x peer` column says how far each path is from the faster of them, on
+#   this machine, at each n.
