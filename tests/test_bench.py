@@ -86,6 +86,26 @@ def test_a_slow_path_is_skipped_with_its_prediction(tmp_path):
     assert "skipped" in bench.markdown(results)
 
 
+def test_a_new_path_is_one_entry_and_checked_before_it_is_timed(monkeypatch):
+    calls = []
+
+    def wrong(model):
+        def jac(x):
+            calls.append(len(x))
+            return np.zeros((len(x), 2, 2850), np.float32)
+
+        return jac
+
+    monkeypatch.setitem(bench.PATHS, "wrong", bench.Path_("a wrong path", wrong))
+    assert "wrong" in bench.default_paths("mlp", ju.question_mlp())
+    with pytest.raises(AssertionError, match="wrong disagrees with compiled"):
+        bench.run_bench(
+            [3], repeats=4, memory_mode="inline", paths=["wrong"],
+            log=lambda *a: None,
+        )  # fmt: skip
+    assert calls == [3]  # the first call only: no timed calls
+
+
 def test_a_quadratic_path_is_skipped_by_its_predicted_memory():
     results = bench.run_bench(
         [4, 5000],

@@ -9,6 +9,7 @@ both write floors are timed at each n (see ``floor.py``). Introduced in
 
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 import numpy as np
 
@@ -53,19 +54,35 @@ def _times(jac, x, repeats):
     return times
 
 
-def _timed(name, n, function, argument, repeats, watch_memory):
-    """The :class:`Result` of ``function(argument)``, and its first value."""
+def _timed(name, n, function, argument, repeats, watch_memory, check=None):
+    """The :class:`Result` of ``function(argument)``; ``check(first value)``
+    runs between the first call and the timed ones."""
     value, first, peak = _first_call(function, argument, watch_memory)
+    if check is not None:
+        check(value)
     times = _times(function, argument, repeats)
-    return Result(name, n, first, times, float(np.median(times)), peak), value
+    return Result(name, n, first, times, float(np.median(times)), peak)
 
 
 def time_floors(shape, repeats, watch_memory):
     """Both floors at J's ``shape``: filling a preallocated array, and np.full."""
     out = preallocated(shape)  # outside the timing
-    floor, _ = _timed(FLOOR, shape[0], fill_floor, out, repeats, watch_memory)
-    new, _ = _timed(FLOOR_NEW, shape[0], write_floor, shape, repeats, watch_memory)
+    floor = _timed(FLOOR, shape[0], fill_floor, out, repeats, watch_memory)
+    new = _timed(FLOOR_NEW, shape[0], write_floor, shape, repeats, watch_memory)
     return [floor, new]
+
+
+def _check(J, reference, name, n):
+    """Every path's J equals the reference's (the first path run at this n)."""
+    if not reference:
+        reference.append(np.array(J))
+    np.testing.assert_allclose(
+        J,
+        reference[0],
+        rtol=1e-5,
+        atol=1e-6,
+        err_msg=f"{name} disagrees with {REFERENCE} at n = {n}",
+    )
 
 
 def build_paths(model, names, log=print):
@@ -106,8 +123,7 @@ def run_bench(
     sizes = sorted(sizes or bench_model.sizes)
     network = bench_model.build(seed)
     names = list(paths or default_paths(model, network))
-    if REFERENCE not in names:
-        names.insert(0, REFERENCE)
+    names = [REFERENCE] + [name for name in names if name != REFERENCE]
     built = build_paths(network, names, log)
     x_all = bench_model.inputs(max(sizes), seed)
     per_n2 = None
@@ -118,7 +134,7 @@ def run_bench(
     for n in sizes:
         x = x_all[:n]
         done += time_floors(jacobian_shape(network, x, n), repeats, inline)
-        reference = None
+        reference = []  # the reference's J at this n, once it has run
         for name, jac in built.items():
             predicted, reason = skip_reason(
                 done, name, n, repeats, max_seconds, model, per_n2
@@ -130,16 +146,8 @@ def run_bench(
                 continue
             # the quadratic paths watch memory even here: it guards larger n
             watch = inline or PATHS[name].exponent == 2
-            result, J = _timed(name, n, jac, x, repeats, watch)
-            if reference is None:
-                reference = np.array(J)
-            np.testing.assert_allclose(
-                J,
-                reference,
-                rtol=1e-5,
-                atol=1e-6,
-                err_msg=f"{name} disagrees with {REFERENCE} at n = {n}",
-            )
+            check = partial(_check, reference=reference, name=name, n=n)
+            result = _timed(name, n, jac, x, repeats, watch, check)
             done.append(result)
             log(
                 f"n = {n:>6,}  {label:<45} {format_seconds(result.median):>9}"
