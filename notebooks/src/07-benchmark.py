@@ -20,8 +20,8 @@
 # - Run the benchmark of `make bench` on a small scale and read its table:
 #   ratios to the loop, to the fastest path, to the *write floor* and, when
 #   they are installed, to JAX and PyTorch.
-# - Compare the same paths on a CNN and an LSTM, where no hand-derived
-#   shortcut applies.
+# - Compare the same paths on a CNN and an LSTM, where the hand-derived
+#   Dense path does not apply.
 # - Explain where the fastest path's time goes, and choose a path for a job.
 #
 # *Teaching: 20 min · Exercises: 15 min*
@@ -190,10 +190,10 @@ peer_finding(results)
 #
 # The same run on the two models of notebook 08: the small CNN
 # (`small_cnn`: two 3 x 3 convolutions, then Dense) and the LSTM
-# (`sequence_lstm`: LSTM(16), then Dense). No hand-derived shortcut applies,
-# so the rows are the autodiff paths, and the peers when installed. The LSTM
-# is unrolled for `vectorized_map` (notebook 08 says why), and so it is in
-# the peers.
+# (`sequence_lstm`: LSTM(16), then Dense). The hand-derived Dense path does
+# not apply to them, so the rows here are the autodiff paths, and the peers
+# when installed. The LSTM is unrolled for `vectorized_map` (notebook 08
+# says why), and so it is in the peers.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
