@@ -20,17 +20,9 @@ from ._tf import keras, tf
 from .batch import as_batch, take
 from .compiled import compiled_jacobian
 from .formulation import per_sample_tensor
+from .rules import chain_layers, is_exact_keras
 from .target import resolve_target, variable_list
 from .vectorized import per_sample_jacobian
-
-
-def _is_exact_keras(model):
-    """A plain ``keras.Sequential`` or functional model, not a subclass."""
-    kind = type(model)
-    if kind is keras.Sequential:
-        return True
-    return kind.__name__ == "Functional" and kind.__module__.startswith("keras.")
-
 
 # act'(z), written with z and a = act(z); None: the derivative is 1.
 DERIVATIVES = {
@@ -48,28 +40,6 @@ def _activation_name(layer):
     return None
 
 
-def _chain_layers(model):
-    """The model's layers from input to output, or None if it is not a chain."""
-    if type(model) is keras.Sequential:
-        return list(model.layers)
-    if not _is_exact_keras(model) or len(model.inputs) != 1:
-        return None  # subclassed models: we cannot see their call
-    if len(model.outputs) != 1:
-        return None
-    chain = []
-    tensor = model.outputs[0]
-    while True:
-        layer = tensor._keras_history.operation
-        if isinstance(layer, keras.layers.InputLayer):
-            break
-        nodes = layer._inbound_nodes
-        if len(nodes) != 1 or len(nodes[0].input_tensors) != 1:
-            return None  # shared layers or several inputs
-        chain.append(layer)
-        tensor = nodes[0].input_tensors[0]
-    return chain[::-1]
-
-
 def dense_chain(model, variables=None):
     """``[(layer, activation name), ...]`` if the hand-derived path applies.
 
@@ -84,12 +54,12 @@ def dense_chain(model, variables=None):
         return None, "not a Keras model"
     if variables is not None:
         return None, "variables= given"
-    if not _is_exact_keras(model):
+    if not is_exact_keras(model):
         return None, (
             f"{type(model).__name__} is a subclass: its call() may differ from "
             "its layers"
         )
-    layers = _chain_layers(model)
+    layers = chain_layers(model)
     if not layers:
         return None, "not a single chain of layers"
     if len({id(layer) for layer in layers}) != len(layers):

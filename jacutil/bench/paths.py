@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import peers
+from ..auto import jacobian
 from ..chunked import chunked_jacobian
 from ..compiled import compiled_jacobian
 from ..dense_jacobian import compiled_dense_jacobian, dense_chain
@@ -42,6 +43,11 @@ class Path_:
 
 def _bind(function, model, **options):
     return lambda x: function(model, x, **options)
+
+
+def _view(jac):
+    """``jac(x)`` with no copy out of TensorFlow, as ``jacutil.jacobian`` returns."""
+    return lambda x: jac(x, copy=False)
 
 
 def _dense_chain(model):
@@ -80,6 +86,13 @@ PATHS = {
         "hand-derived, XLA",
         lambda m: compiled_dense_jacobian(m, jit_compile=True),
         applies=_dense_chain,
+    ),
+    "rules": Path_(
+        "layer rules, tf.function",
+        lambda m: _view(compiled_jacobian(m, method="rules")),
+    ),
+    "jacobian": Path_(
+        "jacutil.jacobian (picks the path)", lambda m: _bind(jacobian, m)
     ),
     "jax": Path_("JAX jit(vmap(jacrev))", peers.jax_jacobian),
     "torch": Path_("torch.func vmap(jacrev)", peers.torch_jacobian),

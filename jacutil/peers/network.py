@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .._tf import keras
-from ..dense_jacobian import _chain_layers
+from ..rules import chain_layers
 
 ACTIVATIONS = ("linear", "relu", "tanh", "sigmoid")
 
@@ -47,7 +47,7 @@ def describe(model):
 
     Raises ``ValueError`` for a layer or an option the peers do not rebuild.
     """
-    layers = _chain_layers(model) if isinstance(model, keras.Model) else None
+    layers = chain_layers(model) if isinstance(model, keras.Model) else None
     if not layers:
         raise ValueError("the peers rebuild a Keras chain of layers only")
     variables = list(model.trainable_variables)  # flat_params order

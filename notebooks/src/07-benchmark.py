@@ -20,8 +20,10 @@
 # - Run the benchmark of `make bench` on a small scale and read its table:
 #   ratios to the loop, to the fastest path, to the *write floor* and, when
 #   they are installed, to JAX and PyTorch.
+# - Extend the hand derivation to every layer: a rule per layer type
+#   (`jacutil.rules`), proved equal to finite differences on a CNN.
 # - Compare the same paths on a CNN and an LSTM, where the hand-derived
-#   Dense path does not apply.
+#   Dense path does not apply but the layer rules do.
 # - Explain where the fastest path's time goes, and choose a path for a job.
 #
 # *Teaching: 20 min · Exercises: 15 min*
@@ -47,7 +49,7 @@ repeats = 3  # timed runs after the first, per path and size
 max_seconds = 10  # skip a path at a size if all its runs would take longer
 paths = None  # None: every path; or a list of names from bench.PATHS
 other_sizes = [100]  # numbers of samples for the CNN and the LSTM
-other_paths = ["compiled_batch", "compiled", "chunked", "jax", "torch"]
+other_paths = ["compiled_batch", "compiled", "chunked", "rules", "jacobian", "jax", "torch"]
 n_check = 4  # samples in the correctness checks
 seed = 0
 
@@ -122,6 +124,49 @@ np.testing.assert_allclose(jac_conv(x_conv.astype("float32")),
 print("fallback:", jac_conv.fallback)
 
 # %% [markdown]
+# ## Beyond Dense: a rule per layer
+#
+# The Dense derivation generalizes. Every layer that has weights computes, at
+# some positions, a product of its input with its kernel: one position for
+# Dense, every output pixel for a convolution (its input there is the
+# **patch** under the kernel), every time step for a recurrent layer. So
+# each layer's block is the same outer product of its input and the signal at
+# its output, summed over positions; and the signal below it is the signal
+# times the transposed kernel. `jacutil.rules` holds one **rule** per layer
+# type (Dense, Conv1D/Conv2D, Embedding, LayerNormalization, BatchNorm and
+# Dropout in inference mode, reshapes, activation layers, LSTM/GRU/SimpleRNN
+# by back-propagation through time); a layer without one passes the signal
+# through by autodiff. Here is the convolution's backward step:
+
+# %%
+ju.notebook.show_source(ju.rules.conv.ConvRule.backward)
+
+# %% [markdown]
+# `compiled_jacobian(model, method="rules")` runs them, and says which rule
+# each layer got; the convolution above, in float64, against finite
+# differences:
+
+# %%
+conv64 = keras.Sequential([
+    keras.Input((6, 6, 1), dtype="float64"),
+    keras.layers.Conv2D(2, 3, activation="tanh", dtype="float64"),
+    keras.layers.Flatten(dtype="float64"),
+    keras.layers.Dense(2, dtype="float64"),
+])
+conv64.set_weights([w.astype("float64") for w in conv.get_weights()])
+jac_rules = ju.compiled_jacobian(conv64, method="rules")
+np.testing.assert_allclose(jac_rules(x_conv),
+                           ju.finite_difference_jacobian(conv64, x_conv),
+                           rtol=1e-6, atol=1e-9)
+print("rules == finite differences: True")
+for name, rule in jac_rules.plan.layers():
+    print(f"  {name}: {rule}")
+
+# %% [markdown]
+# `ju.jacobian(model, x)` (notebook 00) takes the rules whenever they apply,
+# and the compiled autodiff stage otherwise. Both are rows of the benchmark.
+
+# %% [markdown]
 # ## The benchmark
 #
 # `make bench` runs every path at n = 100, 1,000 and 10,000 in one process;
@@ -191,9 +236,10 @@ peer_finding(results)
 # The same run on the two models of notebook 08: the small CNN
 # (`small_cnn`: two 3 x 3 convolutions, then Dense) and the LSTM
 # (`sequence_lstm`: LSTM(16), then Dense). The hand-derived Dense path does
-# not apply to them, so the rows here are the autodiff paths, and the peers
-# when installed. The LSTM is unrolled for `vectorized_map` (notebook 08
-# says why), and so it is in the peers.
+# not apply to them; the layer rules do (patches for the convolutions,
+# back-propagation through time for the LSTM), beside the autodiff paths and
+# the peers when installed. The LSTM is unrolled for `vectorized_map`
+# (notebook 08 says why), and so it is in the peers.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -212,9 +258,9 @@ for name in ["cnn", "lstm"]:
 # Each finding prints how far the best path is above the floor. The
 # Jacobians of the CNN and the LSTM are no larger than the MLP's; where their
 # best path sits much further above the floor, the arithmetic (convolutions,
-# the recurrence step by step), not writing the result, is the limit, and a
-# hand-derived rule for those layers, like the Dense one above, is what
-# could close the gap.
+# the recurrence step by step), not writing the result, is the limit. Compare
+# the `layer rules` row with the autodiff rows: the rules do that arithmetic
+# once per sample and output, with no tape over the model.
 
 # %% [markdown]
 # ## Scaling slopes
@@ -258,7 +304,9 @@ print(f"the result at n = {largest:,}: {size / 1e6:,.0f} MB of float32")
 #
 # | job | use | why |
 # |---|---|---|
+# | any model | `jacutil.jacobian` | picks the rules, the compiled stage or chunks, and says which |
 # | a chain of Dense layers, any n | `compiled_dense_jacobian` | no tape, near the write floor |
+# | a chain of known layers | `compiled_jacobian(method="rules")` | a rule per layer, no tape over the model |
 # | any other model, fits in memory | `compiled_jacobian` | autodiff `vectorized_map`, linear in n |
 # | any model, larger than memory | `chunked_jacobian(..., out=memmap)` | bounded memory, same speed |
 # | one small batch, once | `per_sample_jacobian` | no compile to wait for |
@@ -307,7 +355,9 @@ print(f"view {1e3 * view:.1f} ms, copy {1e3 * copy:.1f} ms, "
 #   apart, and compare ratios, not absolute times on a shared machine.
 # - For Dense networks the per-sample Jacobian can be written down: outer
 #   products of each layer's input and its back-propagated signal. It equals
-#   autodiff and is the fastest path; other models fall back to autodiff.
+#   autodiff and is the fastest path. The same outer products, summed over
+#   positions, give a rule per layer type (`jacutil.rules`): convolutions,
+#   embeddings, normalization, recurrent layers.
 # - Near the limit the cost is writing n · l · m numbers: avoid extra copies
 #   (joins, `.numpy()`) and compare with the write floor.
 # - The nested loop and the batch-wide `tape.jacobian` are never the answer
