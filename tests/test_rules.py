@@ -226,3 +226,52 @@ def test_rules_under_xla_and_float32_match():
     expected = ju.finite_difference_jacobian(case.model64, x)
     J = ju.compiled_jacobian(case.model32, method="rules", jit_compile=True)(x)
     np.testing.assert_allclose(J, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_normalization_over_feature_maps_against_finite_differences():
+    """BatchNorm (moved statistics) and LayerNorm on a 4-D feature map: their
+    blocks sum over every pixel."""
+    keras.utils.set_random_seed(4)
+    model = keras.Sequential(
+        [
+            keras.Input((5, 5, 1), dtype="float64"),
+            layers.Conv2D(3, 2, activation="tanh", dtype="float64"),
+            layers.BatchNormalization(dtype="float64"),
+            layers.LayerNormalization(dtype="float64"),
+            layers.AveragePooling2D(2, dtype="float64"),
+            layers.Flatten(dtype="float64"),
+            layers.Dense(2, dtype="float64"),
+        ]
+    )
+    rng = np.random.default_rng(5)
+    model.set_weights(
+        [w + 0.3 * rng.random(w.shape) for w in model.get_weights()]
+    )  # moving variance stays positive
+    x = rng.standard_normal((3, 5, 5, 1))
+    J, choice = ju.jacobian(model, x, explain=True)
+    assert choice.path == "layer rules"
+    assert [rule for _, rule in choice.layers][1:3] == [
+        "batch_norm (inference)",
+        "layer_norm",
+    ]
+    np.testing.assert_allclose(
+        J, ju.finite_difference_jacobian(model, x), rtol=1e-6, atol=1e-8
+    )
+
+
+def test_explicit_variables_in_any_order():
+    """Columns follow ``variables=``, here a bias before a kernel, a layer skipped."""
+    case = build("mlp")
+    model = case.model64
+    dense = [layer for layer in model.layers if layer.weights]
+    chosen = [dense[2].bias, dense[0].kernel, dense[0].bias]
+    x = case.batch(4)
+    jac = ju.compiled_jacobian(model, method="rules", variables=chosen)
+    J = jac(x)
+    assert jac.plan is not None
+    np.testing.assert_allclose(
+        J,
+        ju.finite_difference_jacobian(model, x, variables=chosen),
+        rtol=1e-6,
+        atol=1e-8,
+    )
