@@ -66,6 +66,9 @@ class Choice:
         return "\n".join(lines)
 
 
+SMALL_BYTES = 64 * 2**20  # working memory that never needs chunks
+
+
 def _free_bytes():
     import psutil
 
@@ -109,13 +112,19 @@ def jacobian(
     per_sample = bytes_per_sample(
         n_outputs, target.n_params, target.dtype.itemsize, _activations(jac, batch)
     )
-    budget = _free_bytes() if memory_budget is None else int(memory_budget)
+    working = per_sample * rows
+    if memory_budget is not None:
+        budget = int(memory_budget)
+    elif working <= SMALL_BYTES and not explain:
+        budget = SMALL_BYTES  # fits, whatever is free: no need to look
+    else:
+        budget = _free_bytes()
     if budget <= 0:
         raise ValueError(
             f"memory_budget must be a positive number of bytes; got {memory_budget}."
         )
     chunk_size = rows
-    if out is not None or per_sample * rows > budget:
+    if out is not None or working > budget:
         chunk_size = min(
             rows,
             chunk_size_for(
@@ -144,7 +153,7 @@ def jacobian(
         layers=jac.plan.layers() if on_rules else [],
         chunks=-(-rows // chunk_size),
         chunk_size=chunk_size,
-        working_bytes=per_sample * rows,
+        working_bytes=working,
         budget_bytes=budget,
         traced=jac.trace_count > traces,
     )

@@ -54,8 +54,14 @@ def _compiled_for(model, variables, training, jit_compile, method, x=None):
     ``layer.trainable = False`` the model gets a compiled Jacobian of its new
     columns, and the cache is weak: it does not keep a model alive.
     """
-    target = resolve_target(model, variables, training, x)
     owner, extra = _cache_owner(model)
+    if variables is None and getattr(model, "built", False):
+        # the second call on a model: no checks to repeat, the key is at hand
+        quick = (training, jit_compile, method, *map(id, model.trainable_variables))
+        found = _compiled_cache.get(owner, {}).get((*quick, *extra))
+        if found is not None:
+            return found
+    target = resolve_target(model, variables, training, x)
     key = (training, jit_compile, method, *map(id, target.variables), *extra)
     try:
         per_model = _compiled_cache.setdefault(owner, {})
