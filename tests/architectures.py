@@ -202,7 +202,7 @@ def dilated_conv(dtype):
 
 
 class Scale(layers.Layer):
-    """A custom layer with weights: ``x * scale``; ``unused`` never reaches the output."""
+    """A custom layer: ``x * scale``; its ``unused`` weight never reaches the output."""
 
     def build(self, input_shape):
         self.scale = self.add_weight(
