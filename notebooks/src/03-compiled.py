@@ -148,10 +148,12 @@ for n in xla_sizes:
           f"then {1e3 * timing.median:.2f} ms")
 
 # %% [markdown]
-# The cure is to show XLA few shapes: pad the batch with zero samples to the
-# next power of two (at most `block_size`, in blocks beyond it) and cut the
+# The cure is to show XLA few shapes: pad the batch with copies of its last
+# sample to the next power of two (at most `block_size`; beyond it, in blocks
+# of `block_size`, the last one padded to its own power of two) and cut the
 # padded rows off the result. Each sample's rows depend on that sample only,
-# so the padding changes nothing:
+# so the padding changes nothing (copies, not zeros: a model that takes a
+# log is not finite at zero):
 
 # %%
 ju.notebook.show_source(ju.compiled.CompiledJacobian.tensor)
