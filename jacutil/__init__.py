@@ -8,7 +8,17 @@ correct path (``jacutil.rules``, the compiled stage, chunks) and, with
 Each function's docstring names the notebook that introduces it.
 """
 
-from . import batch, formulation, guards, memory, notebook, outputs, plots, rules
+from . import (
+    batch,
+    formulation,
+    guards,
+    matrix_free,
+    memory,
+    notebook,
+    outputs,
+    plots,
+    rules,
+)
 from ._tf import keras, tf
 from .auto import Choice, jacobian
 from .chunked import chunk_size_for, chunked_jacobian
@@ -22,6 +32,7 @@ from .layout import (
     to_lm_by_n,
 )
 from .loop import loop_jacobian
+from .matrix_free import jacobian_operator, jvp, products, vjp
 from .models import (
     image_data,
     question_mlp,
@@ -61,15 +72,19 @@ __all__ = [
     "guards",
     "image_data",
     "jacobian",
+    "jacobian_operator",
+    "jvp",
     "keras",
     "least_squares_problem",
     "levenberg_marquardt",
     "loop_jacobian",
+    "matrix_free",
     "memory",
     "notebook",
     "outputs",
     "per_sample_jacobian",
     "plots",
+    "products",
     "question_mlp",
     "rules",
     "regression_data",
@@ -82,4 +97,5 @@ __all__ = [
     "time_call",
     "to_lm_by_n",
     "vectorized_jacobian",
+    "vjp",
 ]
