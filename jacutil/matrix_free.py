@@ -40,7 +40,14 @@ class Products:
     ``trace_count`` counts traces (one per product and input shape).
     """
 
-    def __init__(self, model, variables=None, training=False, chunk_size=None):
+    def __init__(
+        self, model, variables=None, training=False, chunk_size=None, mode="forward"
+    ):
+        if mode not in ("forward", "double_backward"):
+            raise ValueError(
+                f'mode must be "forward" or "double_backward"; got {mode!r}.'
+            )
+        self.mode = mode
         variables = None if variables is None else variable_list(variables)
         self.target = resolve_target(model, variables, training)
         self._model = model  # the products hold the model, as a compiled stage does
@@ -89,6 +96,26 @@ class Products:
         tangent = accumulator.jvp(y)
         return tf.zeros_like(y) if tangent is None else tangent
 
+    def _jvp_double_backward(self, x, v):
+        """``J @ v`` by reverse mode twice: ``d/du (J.T u) . v`` at any u."""
+        self.trace_count += 1
+        watched = [_watched(w) for w in self.variables]
+        with tf.GradientTape() as outer:
+            u = tf.zeros_like(self.target.forward(x))  # J.T u is linear in u
+            outer.watch(u)
+            with tf.GradientTape() as inner:
+                inner.watch(watched)
+                y = self.target.forward(x)
+            grads = inner.gradient(y, watched, output_gradients=u)
+            terms = [
+                tf.reduce_sum(g * t)
+                for g, t in zip(grads, self._split(v), strict=True)
+                if g is not None
+            ]
+            score = tf.add_n(terms) if terms else tf.zeros([], y.dtype)
+        tangent = outer.gradient(score, u)
+        return tf.zeros_like(y) if tangent is None else tangent
+
     def _vjp(self, x, u):
         self.trace_count += 1
         watched = [_watched(w) for w in self.variables]
@@ -107,9 +134,13 @@ class Products:
     def _function(self, kind, x):
         key = (kind, signature_key(x))
         if key not in self._functions:
-            method = self._jvp if kind == "jvp" else self._vjp
+            method = {
+                "jvp": self._jvp,
+                "jvp_double_backward": self._jvp_double_backward,
+                "vjp": self._vjp,
+            }[kind]
             second = tf.TensorSpec(
-                [self.n_params] if kind == "jvp" else [None, None], self.target.dtype
+                [None, None] if kind == "vjp" else [self.n_params], self.target.dtype
             )
             self._functions[key] = quiet_function(
                 method, input_signature=[signature(x), second]
@@ -127,8 +158,9 @@ class Products:
         x = as_batch(x, self.target)
         output_layout(self.target, x)
         v = tf.constant(self._vector(v, self.n_params, "v", "one number per parameter"))
+        kind = "jvp" if self.mode == "forward" else "jvp_double_backward"
         parts = [
-            self._function("jvp", x)(take(x, a, b), v).numpy()
+            self._function(kind, x)(take(x, a, b), v).numpy()
             for a, b in self._chunks(x)
         ]
         return np.concatenate(parts)
@@ -157,14 +189,15 @@ class Products:
         return total
 
 
-def products(model, *, variables=None, training=False, chunk_size=None):
+def products(model, *, variables=None, training=False, chunk_size=None, mode="forward"):
     """Reusable, compiled ``jvp`` and ``vjp`` of ``model`` (a :class:`Products`).
 
     ``chunk_size`` runs the batch in slices of that many samples (memory of
-    one slice's forward and backward pass); None runs it whole.
-    Introduced in ``09-matrix-free``.
+    one slice's forward and backward pass); None runs it whole. ``mode``:
+    ``"forward"`` (``ForwardAccumulator``) or ``"double_backward"`` (the JVP
+    as the gradient of a VJP) for ``jvp``. Introduced in ``09-matrix-free``.
     """
-    return Products(model, variables, training, chunk_size)
+    return Products(model, variables, training, chunk_size, mode)
 
 
 def jvp(model, x, v, **options):

@@ -20,6 +20,8 @@ def test_jvp_and_vjp_equal_products_with_the_formed_jacobian(name):
     v, u = rng.standard_normal(m), rng.standard_normal((n, n_out))
     prods = matrix_free.products(model, variables=variables, chunk_size=2)
     np.testing.assert_allclose(prods.jvp(x, v), J @ v, rtol=1e-9, atol=1e-11)
+    twice = matrix_free.products(model, variables=variables, mode="double_backward")
+    np.testing.assert_allclose(twice.jvp(x, v), J @ v, rtol=1e-9, atol=1e-11)
     np.testing.assert_allclose(
         prods.vjp(x, u), np.einsum("ik,ikp->p", u, J), rtol=1e-9, atol=1e-11
     )
