@@ -24,6 +24,7 @@ from .auto import Choice, jacobian
 from .chunked import chunk_size_for, chunked_jacobian
 from .compiled import CompiledJacobian, compiled_jacobian
 from .dense_jacobian import compiled_dense_jacobian, dense_jacobian
+from .gauss_newton import levenberg_marquardt
 from .layout import (
     flat_params,
     from_lm_by_n,
@@ -42,12 +43,7 @@ from .models import (
     small_cnn,
 )
 from .reference import finite_difference_jacobian
-from .scipy_bridge import (
-    LeastSquaresProblem,
-    fit_least_squares,
-    least_squares_problem,
-    levenberg_marquardt,
-)
+from .scipy_bridge import LeastSquaresProblem, fit_least_squares, least_squares_problem
 from .timing import Timing, time_call
 from .vectorized import per_sample_jacobian, vectorized_jacobian
 

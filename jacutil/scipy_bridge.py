@@ -6,10 +6,7 @@ sample ``i``, output ``k``: exactly ``J.reshape(n*l, m)`` of the (n, l, m)
 Jacobian that every stage returns, so no transpose is needed.
 """
 
-import time
-
 import numpy as np
-import scipy.linalg
 
 from ._tf import tf
 from .batch import as_batch, n_samples, take
@@ -21,6 +18,7 @@ from .chunked import (
     chunked_jacobian,
 )
 from .layout import flat_params, set_flat_params
+from .matrix_free import jacobian_operator, products
 from .outputs import output_layout
 from .target import resolve_target
 
@@ -32,7 +30,14 @@ class LeastSquaresProblem:
     that every ``jac`` call reuses (its ``trace_count`` stays 1).
     """
 
-    def __init__(self, model, x, y, variables, training, chunk_size, memory_budget):
+    def __init__(
+        self, model, x, y, variables, training, chunk_size, memory_budget, jacobian
+    ):
+        if jacobian not in ("formed", "operator"):
+            raise ValueError(
+                f'jacobian must be "formed" or "operator"; got {jacobian!r}.'
+            )
+        self.jacobian = jacobian
         self.model = model
         self._target = resolve_target(model, variables, training, x)
         # The columns are the variables of this moment, kept: freezing a layer
@@ -53,15 +58,29 @@ class LeastSquaresProblem:
         self.compiled = _compiled_for(
             model, self._variables, training, False, "per_sample"
         )
-        if chunk_size is None:
+        activations = _activations(self.compiled, self.x)
+        if chunk_size is None and jacobian == "operator":
+            # a chunk holds its forward pass and its backward signals, not J
+            per_sample = self._target.dtype.itemsize * (4 * activations + 2 * n_outputs)
+            budget = memory_budget or DEFAULT_MEMORY_BUDGET
+            chunk_size = max(1, min(n_rows, int(budget // per_sample)))
+        elif chunk_size is None:
             chunk_size = chunk_size_for(
                 memory_budget or DEFAULT_MEMORY_BUDGET,
                 n_outputs,
                 self.n_params,
                 self._target.dtype.itemsize,
-                activations=_activations(self.compiled, self.x),
+                activations=activations,
             )
         self.chunk_size = int(chunk_size)
+        self.products = None
+        if jacobian == "operator":
+            self.products = products(
+                model,
+                variables=self._variables,
+                training=training,
+                chunk_size=self.chunk_size,
+            )
 
     def set_params(self, theta):
         """Write ``theta`` (length ``n_params``) into the model's variables."""
@@ -95,8 +114,14 @@ class LeastSquaresProblem:
         return self._residuals(0, self.n_samples)
 
     def jac(self, theta):
-        """The (n*l) x m Jacobian of the residuals at ``theta``, float64."""
+        """The (n*l) x m Jacobian of the residuals at ``theta``, float64.
+
+        With ``jacobian="operator"`` a ``LinearOperator`` of the same shape
+        (products with J, never J): pass ``tr_solver="lsmr"`` to SciPy.
+        """
         self.set_params(theta)
+        if self.products is not None:
+            return jacobian_operator(self.model, self.x, products=self.products)
         return self._jacobian(0, self.n_samples)
 
     def normal_equations(self, theta):
@@ -106,6 +131,12 @@ class LeastSquaresProblem:
         works when the whole (n*l) x m Jacobian does not fit in memory. The
         Gauss-Newton step solves ``(JtJ + damping * I) step = -Jtr``.
         """
+        if self.products is not None:
+            raise ValueError(
+                "normal_equations forms an m x m matrix, which the matrix-free "
+                'problem (jacobian="operator") exists to avoid; use '
+                'levenberg_marquardt(problem, solver="cg") instead.'
+            )
         self.set_params(theta)
         JtJ = np.zeros((self.n_params, self.n_params))
         Jtr = np.zeros(self.n_params)
@@ -154,6 +185,7 @@ def least_squares_problem(
     training=False,
     chunk_size=None,
     memory_budget=None,
+    jacobian="formed",
 ):
     """``fun``, ``jac`` and ``theta0`` for ``scipy.optimize.least_squares``.
 
@@ -167,10 +199,15 @@ def least_squares_problem(
     point SciPy evaluated may be a rejected trial).
     ``normal_equations(theta)`` gives JtJ and Jtr without the whole J.
 
+    ``jacobian="operator"``: ``jac`` returns a ``LinearOperator`` (products
+    with J by forward and reverse mode, ``jacutil.matrix_free``), for when
+    n*l*m numbers do not fit; fit with ``least_squares(..., tr_solver="lsmr")``
+    or ``levenberg_marquardt(problem, solver="cg")`` (notebook 09).
+
     Introduced in ``05-scipy-least-squares``.
     """
     return LeastSquaresProblem(
-        model, x, y, variables, training, chunk_size, memory_budget
+        model, x, y, variables, training, chunk_size, memory_budget, jacobian
     )
 
 
@@ -189,64 +226,3 @@ def fit_least_squares(model, x, y, **least_squares_options):
     )
     problem.set_params(result.x)
     return result
-
-
-def levenberg_marquardt(
-    problem, theta0=None, *, max_steps=20, damping=1e-3, factor=10.0, scaling="diag"
-):
-    """Levenberg-Marquardt on the chunked normal equations of ``problem``.
-
-    Each step solves ``(JtJ + damping * D) step = -Jtr`` (float64, Cholesky)
-    with ``D = diag(JtJ)`` (Marquardt; ``scaling="diag"``, floored so dead
-    units do not make it singular) or ``D = I`` (``scaling="identity"``).
-    A step that lowers the loss is accepted and ``damping /= factor``;
-    otherwise it is rejected and ``damping *= factor``, re-using JtJ. JtJ
-    and Jtr come from ``problem.normal_equations``, one chunk of J at a
-    time, so the whole (n*l) x m Jacobian is never held: memory is m x m.
-
-    ``max_steps`` counts trial steps (accepted or not). Returns a dict:
-    ``theta``, ``history`` (rows of seconds since the start and MSE, one
-    per accepted point, the start first), ``n_steps``, ``n_accepted``,
-    ``n_jev`` (normal-equation evaluations) and ``n_fev``. The solution is
-    written into the model.
-
-    Introduced in ``05-scipy-least-squares``.
-    """
-    if scaling not in ("diag", "identity"):
-        raise ValueError(f'scaling is {scaling!r}; use "diag" or "identity".')
-    start = time.perf_counter()
-    theta = np.array(problem.theta0 if theta0 is None else theta0, np.float64)
-    loss = np.mean(problem.fun(theta) ** 2)
-    history = [(time.perf_counter() - start, loss)]
-    n_jev, n_fev, n_accepted = 0, 1, 0
-    fresh = True  # JtJ and Jtr must be (re)computed at theta
-    for _ in range(max_steps):
-        if fresh:
-            JtJ, Jtr = problem.normal_equations(theta)
-            n_jev += 1
-            diag = np.diag(JtJ).copy() if scaling == "diag" else np.ones(len(Jtr))
-            diag = np.maximum(diag, 1e-9 * diag.max())
-        try:
-            factors = scipy.linalg.cho_factor(JtJ + damping * np.diag(diag))
-            trial = theta + scipy.linalg.cho_solve(factors, -Jtr)
-            trial_loss = np.mean(problem.fun(trial) ** 2)
-            n_fev += 1
-        except np.linalg.LinAlgError:  # not positive definite: damp more
-            trial_loss = np.inf
-        fresh = trial_loss < loss
-        if fresh:
-            theta, loss, damping = trial, trial_loss, damping / factor
-            n_accepted += 1
-            history.append((time.perf_counter() - start, loss))
-        else:
-            damping *= factor
-    problem.set_params(theta)
-    return {
-        "theta": theta,
-        "history": np.array(history),
-        "n_steps": max_steps,
-        "n_accepted": n_accepted,
-        "n_jev": n_jev,
-        "n_fev": n_fev,
-        "damping": damping,
-    }

@@ -72,3 +72,28 @@ def test_bad_input_errors_teach():
     model.layers[0].trainable = False
     prods_frozen = matrix_free.products(model)
     assert prods_frozen.n_params < prods.n_params
+
+
+def test_matrix_free_fits_match_the_formed_ones():
+    """The operator problem: SciPy's trf with lsmr, and LM with CG, lower the
+    loss like the formed Jacobian does; the operator equals the formed jac."""
+    from scipy.optimize import least_squares
+
+    model = ju.question_mlp(hidden=(8,), seed=2, dtype="float64")
+    x, y = ju.regression_data(40, seed=2)
+    formed = ju.least_squares_problem(model, x, y)
+    free = ju.least_squares_problem(model, x, y, jacobian="operator", chunk_size=16)
+    theta = formed.theta0
+    J = formed.jac(theta)
+    A = free.jac(theta)
+    v = np.random.default_rng(0).standard_normal(J.shape[1])
+    np.testing.assert_allclose(A @ v, J @ v, rtol=1e-9, atol=1e-11)
+    start = np.mean(formed.fun(theta) ** 2)
+    result = least_squares(
+        free.fun, free.theta0, jac=free.jac, tr_solver="lsmr", max_nfev=15
+    )
+    assert np.mean(result.fun**2) < 0.5 * start
+    lm = ju.levenberg_marquardt(free, max_steps=8, solver="cg")
+    assert lm["history"][-1, 1] < 0.5 * start and lm["n_accepted"] > 0
+    with pytest.raises(ValueError, match="normal_equations forms an m x m"):
+        free.normal_equations(theta)

@@ -1,0 +1,119 @@
+"""Levenberg-Marquardt on a least-squares problem (notebooks 05 and 09).
+
+Each step solves the damped Gauss-Newton system ``(JtJ + damping * D) step =
+-Jtr``. Two ways to solve it, one loop:
+
+* ``solver="cholesky"`` forms JtJ (m x m) chunk by chunk from J and factors
+  it: exact, for m up to a few thousand (notebook 05);
+* ``solver="cg"`` never forms J or JtJ: conjugate gradients on the products
+  ``J.T @ (J @ v)`` of a matrix-free problem (``jacobian="operator"``,
+  notebook 09), for large m.
+"""
+
+import time
+
+import numpy as np
+import scipy.linalg
+from scipy.sparse.linalg import LinearOperator, cg
+
+
+class NormalEquations:
+    """JtJ and Jtr at theta, factored with Cholesky for each damping."""
+
+    def __init__(self, problem, theta, scaling):
+        self.JtJ, self.Jtr = problem.normal_equations(theta)
+        diag = np.diag(self.JtJ).copy() if scaling == "diag" else np.ones(len(self.Jtr))
+        self.diag = np.maximum(diag, 1e-9 * diag.max())
+
+    def step(self, damping):
+        factors = scipy.linalg.cho_factor(self.JtJ + damping * np.diag(self.diag))
+        return scipy.linalg.cho_solve(factors, -self.Jtr)
+
+
+class GaussNewtonProducts:
+    """The same system as products with J: conjugate gradients, no JtJ."""
+
+    def __init__(self, problem, theta, iterations):
+        self.J = problem.jac(theta)  # a LinearOperator
+        self.Jtr = self.J.rmatvec(problem.fun(theta))
+        self.iterations = iterations
+
+    def step(self, damping):
+        m = len(self.Jtr)
+        J = self.J
+        system = LinearOperator(
+            (m, m), matvec=lambda v: J.rmatvec(J.matvec(v)) + damping * v, dtype=float
+        )
+        step, _ = cg(system, -self.Jtr, maxiter=self.iterations)
+        return step
+
+
+def levenberg_marquardt(
+    problem,
+    theta0=None,
+    *,
+    max_steps=20,
+    damping=1e-3,
+    factor=10.0,
+    scaling="diag",
+    solver="cholesky",
+    cg_iterations=50,
+):
+    """Levenberg-Marquardt on ``problem`` (from ``least_squares_problem``).
+
+    Each step solves ``(JtJ + damping * D) step = -Jtr`` with
+    ``D = diag(JtJ)`` (Marquardt; ``scaling="diag"``, floored so dead units
+    do not make it singular) or ``D = I`` (``scaling="identity"``).
+    ``solver="cholesky"`` factors JtJ, summed one chunk of J at a time
+    (memory m x m); ``solver="cg"`` runs ``cg_iterations`` of conjugate
+    gradients on products with J (``jacobian="operator"`` problems; memory
+    a few vectors of length m; ``D = I``). A step that lowers the loss is
+    accepted and ``damping /= factor``; otherwise it is rejected and
+    ``damping *= factor``, re-using the system.
+
+    ``max_steps`` counts trial steps (accepted or not). Returns a dict:
+    ``theta``, ``history`` (rows of seconds since the start and MSE, one
+    per accepted point, the start first), ``n_steps``, ``n_accepted``,
+    ``n_jev`` (systems built) and ``n_fev``. The solution is written into
+    the model. Introduced in ``05-scipy-least-squares``.
+    """
+    if scaling not in ("diag", "identity"):
+        raise ValueError(f'scaling is {scaling!r}; use "diag" or "identity".')
+    if solver not in ("cholesky", "cg"):
+        raise ValueError(f'solver is {solver!r}; use "cholesky" or "cg".')
+    start = time.perf_counter()
+    theta = np.array(problem.theta0 if theta0 is None else theta0, np.float64)
+    loss = np.mean(problem.fun(theta) ** 2)
+    history = [(time.perf_counter() - start, loss)]
+    n_jev, n_fev, n_accepted = 0, 1, 0
+    fresh = True  # the system must be (re)built at theta
+    for _ in range(max_steps):
+        if fresh:
+            if solver == "cg":
+                system = GaussNewtonProducts(problem, theta, cg_iterations)
+            else:
+                system = NormalEquations(problem, theta, scaling)
+            n_jev += 1
+        try:
+            trial = theta + system.step(damping)
+            trial_loss = np.mean(problem.fun(trial) ** 2)
+            n_fev += 1
+        except np.linalg.LinAlgError:  # not positive definite: damp more
+            trial_loss = np.inf
+        fresh = trial_loss < loss
+        if fresh:
+            theta, loss, damping = trial, trial_loss, damping / factor
+            n_accepted += 1
+            history.append((time.perf_counter() - start, loss))
+        else:
+            damping *= factor
+    problem.set_params(theta)
+    return {
+        "theta": theta,
+        "history": np.array(history),
+        "n_steps": max_steps,
+        "n_accepted": n_accepted,
+        "n_jev": n_jev,
+        "n_fev": n_fev,
+        "damping": damping,
+    }
