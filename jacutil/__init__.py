@@ -33,6 +33,7 @@ from .layout import (
     to_lm_by_n,
 )
 from .loop import loop_jacobian
+from .loss_gradients import per_sample_gradient_norms, per_sample_gradients
 from .matrix_free import jacobian_operator, jvp, products, vjp
 from .models import (
     image_data,
@@ -78,6 +79,8 @@ __all__ = [
     "memory",
     "notebook",
     "outputs",
+    "per_sample_gradient_norms",
+    "per_sample_gradients",
     "per_sample_jacobian",
     "plots",
     "products",

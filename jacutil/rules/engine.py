@@ -138,17 +138,26 @@ def plan_for(model, variables, training=False):
     return Plan(steps, wanted, list(variables), min(owner.values())), None
 
 
-def rules_tensor(plan, x):
-    """(n, l, m) Jacobian of batch ``x`` by the plan's rules."""
+def rules_tensor(plan, x, signal=None):
+    """(n, l, m) Jacobian of batch ``x`` by the plan's rules.
+
+    ``signal(y)``, when given, returns the signal to start from instead of
+    the identity: (n, r, *output shape), giving (n, r, m) - with r = 1 and
+    the derivative of a per-sample loss, the per-sample gradients.
+    """
     a, saved = x, []
     for step in plan.steps:
         a, kept = step.forward(a)
         saved.append(kept)
     n_samples = tf.shape(a)[0]
-    out_shape = a.shape[1:]
-    n_outputs = int(np.prod(out_shape, dtype=np.int64))
-    eye = tf.reshape(tf.eye(n_outputs, dtype=a.dtype), [1, n_outputs, *out_shape])
-    delta = tf.broadcast_to(eye, [n_samples, n_outputs, *out_shape])
+    if signal is not None:
+        delta = signal(a)
+        n_outputs = tf.shape(delta)[1]
+    else:
+        out_shape = a.shape[1:]
+        n_outputs = int(np.prod(out_shape, dtype=np.int64))
+        eye = tf.reshape(tf.eye(n_outputs, dtype=a.dtype), [1, n_outputs, *out_shape])
+        delta = tf.broadcast_to(eye, [n_samples, n_outputs, *out_shape])
     blocks = {}
     for j in reversed(range(plan.lowest, len(plan.steps))):
         found, delta = plan.steps[j].backward(

@@ -1,0 +1,179 @@
+"""Per-sample gradients of a loss, and their norms (notebook 09-matrix-free).
+
+Differential-privacy clipping and influence estimates need, for every
+sample i, the gradient of its own loss ``L_i = loss(y_i, f(x_i))`` with
+respect to theta: an (n, m) array, the per-sample Jacobian contracted with
+``dL_i/df`` - without forming the (n, l, m) Jacobian. On the layer-rules
+path (``jacutil.rules``) the backward pass simply starts from ``dL_i/df``
+instead of the identity; other models take one gradient per sample in
+``tf.vectorized_map``.
+
+For a chain of Dense layers the norms need not even the gradients: a
+kernel's per-sample gradient is the outer product ``a delta^T``, whose norm is
+``|a| |delta|``, so ``|g_i|^2`` is a sum over layers of
+``(|a_i|^2 + 1) |delta_i|^2`` (the 1 for the bias).
+"""
+
+import numpy as np
+
+from ._tf import keras, tf
+from .batch import as_batch, n_samples, pad_with_last
+from .chunked import _compiled_for
+from .formulation import quiet_function, recurrent_layers, unrolled
+from .guards import JacobianError
+from .rules.dense import DenseRule
+from .rules.engine import rules_tensor
+
+
+def _losses(loss_fn, y, prediction, n):
+    """One loss per sample; a loss with more axes (per time step, say) is
+    averaged over them per sample, as Keras averages when it reduces."""
+    losses = loss_fn(y, prediction)
+    if losses.shape.rank is not None and losses.shape.rank > 1:
+        losses = tf.reduce_mean(losses, axis=list(range(1, losses.shape.rank)))
+    wrong_length = n is not None and losses.shape[0] not in (None, n)
+    if losses.shape.rank != 1 or wrong_length:
+        raise JacobianError(
+            f"loss_fn returned shape {tuple(losses.shape)}; per-sample gradients need "
+            "one loss per sample, shape (n_samples,). Use a loss function that does "
+            "not reduce over the batch, e.g. keras.losses.mean_squared_error (the "
+            "function), not keras.losses.MeanSquaredError() (which averages)."
+        )
+    return losses
+
+
+def _signal(loss_fn, y):
+    """``prediction -> dL_i / d prediction_i``, shaped (n, 1, *output)."""
+
+    def signal(prediction):
+        with tf.GradientTape() as tape:
+            tape.watch(prediction)
+            losses = _losses(loss_fn, y, prediction, None)
+        return tape.gradient(losses, prediction)[:, None]
+
+    return signal
+
+
+def _watched(variable):
+    return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+def _autodiff_gradients(target, x, y, loss_fn):
+    """(n, m) by one gradient per sample, vectorized over samples."""
+    watched = [_watched(v) for v in target.variables]
+    sizes = [int(np.prod(v.shape, dtype=np.int64)) for v in target.variables]
+
+    def one(row):
+        x_i, y_i = row
+        x_i = tf.nest.map_structure(lambda t: t[None], x_i)
+        with tf.GradientTape() as tape:
+            tape.watch(watched)
+            loss = tf.reduce_sum(_losses(loss_fn, y_i[None], target.call(x_i), 1))
+        grads = tape.gradient(loss, watched)
+        return tf.concat(
+            [
+                tf.zeros([size], loss.dtype) if g is None else tf.reshape(g, [-1])
+                for g, size in zip(grads, sizes, strict=True)
+            ],
+            0,
+        )
+
+    with unrolled(recurrent_layers(target)):
+        return tf.vectorized_map(one, (x, y))
+
+
+def _dense_norms(plan, x, signal):
+    """|g_i| of a Dense chain on flat inputs, without the gradients."""
+    a, saved = x, []
+    for step in plan.steps:
+        a, kept = step.forward(a)
+        saved.append(kept)
+    delta, total = signal(a), 0.0
+    for j in reversed(range(plan.lowest, len(plan.steps))):
+        step, wanted = plan.steps[j], plan.wanted[j]
+        if not isinstance(step, DenseRule):
+            _, delta = step.backward(saved[j], delta, {}, True)
+            continue
+        inputs, slope = saved[j]
+        delta = step.activation.backward(slope, delta)
+        squared = tf.reduce_sum(delta * delta, [1, 2])  # |delta_i|^2
+        if id(step.layer.kernel) in wanted:
+            total += tf.reduce_sum(inputs * inputs, -1) * squared
+        if step.bias is not None and id(step.bias) in wanted:
+            total += squared
+        if j > plan.lowest:
+            delta = tf.einsum("nkq,pq->nkp", delta, step.layer.kernel)
+    return tf.sqrt(total)
+
+
+def _flat_input(layer):
+    try:
+        return len(layer.input.shape) == 2
+    except (AttributeError, ValueError):
+        return False
+
+
+def _dense_only(plan):
+    """Every layer with weights is a Dense layer on flat inputs."""
+    return all(
+        isinstance(s, DenseRule) and _flat_input(s.layer)
+        for s in plan.steps
+        if s.variables
+    )
+
+
+class _Gradients:
+    """Everything both functions share: the compiled stage, x and y checked."""
+
+    def __init__(self, model, x, y, variables, training):
+        self.jac = _compiled_for(model, variables, training, False, "rules", x)
+        self.target = self.jac.target
+        self.x = as_batch(x, self.target)
+        self.rows = int(n_samples(self.x))
+        self.y = tf.convert_to_tensor(np.asarray(y), self.target.dtype)
+        if self.y.shape.rank == 0 or self.y.shape[0] != self.rows:
+            raise ValueError(
+                f"y has shape {tuple(self.y.shape)}; it needs one target per sample "
+                f"({self.rows} rows, like x)."
+            )
+
+    def run(self, function):
+        return quiet_function(function, autograph=False)(self.x, self.y).numpy()
+
+
+def per_sample_gradients(model, loss_fn, x, y, *, variables=None, training=False):
+    """(n, m): the gradient of each sample's own loss, in ``flat_params`` order.
+
+    ``loss_fn(y, prediction)`` must return one loss per sample (shape (n,)),
+    e.g. ``keras.losses.mean_squared_error``. On the layer-rules path the
+    backward pass starts from ``dL_i/df``; otherwise one gradient per sample
+    in ``tf.vectorized_map``. Introduced in ``09-matrix-free``.
+    """
+    job = _Gradients(model, x, y, variables, training)
+    plan = job.jac.plan
+    if plan is not None:
+        return job.run(lambda x, y: rules_tensor(plan, x, _signal(loss_fn, y))[:, 0])
+    if job.rows == 1 and recurrent_layers(job.target):  # pfor needs two samples
+        padded = pad_with_last(job.x, 2), tf.concat([job.y, job.y], 0)
+        return quiet_function(
+            lambda x, y: _autodiff_gradients(job.target, x, y, loss_fn)
+        )(*padded).numpy()[:1]
+    return job.run(lambda x, y: _autodiff_gradients(job.target, x, y, loss_fn))
+
+
+def per_sample_gradient_norms(model, loss_fn, x, y, *, variables=None, training=False):
+    """(n,): the norm of each sample's loss gradient (what DP clipping needs).
+
+    For a chain of Dense layers on flat inputs, computed without the
+    gradients (``|a|^2 |delta|^2`` per layer); for any other model, the norms
+    of :func:`per_sample_gradients`. Introduced in ``09-matrix-free``.
+    """
+    job = _Gradients(model, x, y, variables, training)
+    plan = job.jac.plan
+    flat = not isinstance(job.x, (list, tuple, dict)) and job.x.shape.rank == 2
+    if plan is not None and flat and _dense_only(plan):
+        return job.run(lambda x, y: _dense_norms(plan, x, _signal(loss_fn, y)))
+    G = per_sample_gradients(
+        model, loss_fn, x, y, variables=variables, training=training
+    )
+    return np.linalg.norm(G, axis=1)
