@@ -24,6 +24,7 @@ from .auto import Choice, jacobian
 from .chunked import chunk_size_for, chunked_jacobian
 from .compiled import CompiledJacobian, compiled_jacobian
 from .dense_jacobian import compiled_dense_jacobian, dense_jacobian
+from .forward import forward_jacobian
 from .gauss_newton import levenberg_marquardt
 from .layout import (
     flat_params,
@@ -65,6 +66,7 @@ __all__ = [
     "fit_least_squares",
     "formulation",
     "flat_params",
+    "forward_jacobian",
     "from_lm_by_n",
     "guards",
     "image_data",

@@ -97,3 +97,14 @@ def test_matrix_free_fits_match_the_formed_ones():
     assert lm["history"][-1, 1] < 0.5 * start and lm["n_accepted"] > 0
     with pytest.raises(ValueError, match="normal_equations forms an m x m"):
         free.normal_equations(theta)
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_forward_jacobian_equals_the_reverse_mode_stage(name):
+    case = build(name)
+    x = case.batch(3)
+    model, variables = case.model64, case.variables64
+    expected = ju.per_sample_jacobian(model, x, variables=variables)
+    jac = ju.forward_jacobian(model, variables=variables, columns_per_pass=16)
+    np.testing.assert_allclose(jac(x), expected, rtol=1e-9, atol=1e-11)
+    assert jac.trace_count == 1
