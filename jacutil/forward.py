@@ -64,21 +64,19 @@ class ForwardJacobian:
         x = as_batch(x, self.target)
         n_outputs = output_layout(self.target, x).n_outputs
         m = self.target.n_params
+        columns = min(self.columns, m)  # no JVPs along padding when m is small
         key = signature_key(x)
         if key not in self._functions:
-            spec = tf.TensorSpec([self.columns, m], self.target.dtype)
+            spec = tf.TensorSpec([columns, m], self.target.dtype)
             self._functions[key] = quiet_function(
                 self._columns, input_signature=[signature(x), spec]
             )
         out = np.empty((int(n_samples(x)), n_outputs, m), self.target.dtype)
-        eye = np.eye(self.columns, m, dtype=self.target.dtype)
-        for start in range(0, m, self.columns):
-            stop = min(start + self.columns, m)
-            tangents = np.roll(
-                eye, start, axis=1
-            )  # unit vectors e_start.. (zeros past m)
-            if stop - start < self.columns:
-                tangents[stop - start :] = 0
+        eye = np.eye(columns, m, dtype=self.target.dtype)
+        for start in range(0, m, columns):
+            stop = min(start + columns, m)
+            tangents = np.roll(eye, start, axis=1)  # e_start, e_start+1, ...
+            tangents[stop - start :] = 0  # past m: no column
             block = self._functions[key](x, tf.constant(tangents))
             out[:, :, start:stop] = np.asarray(block)[:, :, : stop - start]
         return out

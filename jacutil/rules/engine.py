@@ -14,6 +14,7 @@ import numpy as np
 from .._tf import keras, tf
 from ..batch import take
 from .autodiff import AutodiffRule
+from .dense import DenseRule
 from .registry import rule_for
 
 # Left to the compiled per-sample stage: pfor unrolls their time loop
@@ -156,10 +157,14 @@ def rules_tensor(plan, x, signal=None):
     else:
         out_shape = a.shape[1:]
         n_outputs = int(np.prod(out_shape, dtype=np.int64))
-        eye = tf.reshape(tf.eye(n_outputs, dtype=a.dtype), [1, n_outputs, *out_shape])
-        delta = tf.broadcast_to(eye, [n_samples, n_outputs, *out_shape])
+        # one identity for every sample, broadcast only where a rule needs it
+        delta = tf.reshape(tf.eye(n_outputs, dtype=a.dtype), [1, n_outputs, *out_shape])
     blocks = {}
     for j in reversed(range(plan.lowest, len(plan.steps))):
+        if plan.wanted[j] or not isinstance(plan.steps[j], DenseRule):
+            delta = tf.broadcast_to(
+                delta, tf.concat([[n_samples], tf.shape(delta)[1:]], 0)
+            )
         found, delta = plan.steps[j].backward(
             saved[j], delta, plan.wanted[j], j > plan.lowest
         )
