@@ -3,14 +3,16 @@
 The staged functions (notebooks 01 to 07) are the lessons; this is the one
 call to use. It takes, for this model and this size:
 
-1. **the layer rules** (``jacutil.rules``) when the model is a Keras chain
+1. **forward mode** (``jacutil.forward``) when the outputs outnumber the
+   parameters many times over (notebook 09): one JVP per parameter;
+2. **the layer rules** (``jacutil.rules``) when the model is a Keras chain
    they can read, in inference mode: each layer writes its own blocks, no
    pfor over the model;
-2. otherwise **the compiled per-sample stage** (``tf.vectorized_map`` in a
+3. otherwise **the compiled per-sample stage** (``tf.vectorized_map`` in a
    ``tf.function``, recurrent layers unrolled; see ``jacutil.formulation``);
-3. either of them **in chunks** written into ``out`` when the working memory
-   would pass ``memory_budget`` (default: half the memory free now), or when
-   ``out`` is given (a NumPy array or a memory-mapped ``.npy``).
+4. the rules or the compiled stage **in chunks** written into ``out`` when
+   the working memory would pass ``memory_budget`` (default: half the
+   memory free now), or when ``out`` is given (an array or a memmap).
 
 The compiled functions are cached per model (weakly), so the second call on
 the same model traces nothing. ``explain=True`` returns the choice and why.
@@ -26,6 +28,7 @@ from .chunked import (
     chunk_size_for,
     chunked_jacobian,
 )
+from .forward import COLUMNS_PER_PASS, ForwardJacobian
 from .outputs import output_layout
 from .target import variable_list
 
@@ -67,6 +70,9 @@ class Choice:
 
 
 SMALL_BYTES = 64 * 2**20  # working memory that never needs chunks
+# Forward mode (one JVP per parameter) beat every reverse-mode path only where
+# the outputs outnumber the parameters many times over (notebook 09).
+FORWARD_WHEN_OUTPUTS_PER_PARAMETER = 100
 
 
 def _free_bytes():
@@ -104,7 +110,7 @@ def jacobian(
     """
     variables = None if variables is None else variable_list(variables)
     jac = _compiled_for(model, variables, training, False, "rules", x)
-    traces = jac.trace_count
+    traces = jac.trace_count + getattr(getattr(jac, "forward", None), "trace_count", 0)
     target = jac.target
     batch = as_batch(x, target)
     n_outputs = output_layout(target, batch).n_outputs
@@ -124,7 +130,16 @@ def jacobian(
             f"memory_budget must be a positive number of bytes; got {memory_budget}."
         )
     chunk_size = rows
-    if out is not None or working > budget:
+    forward = (
+        out is None
+        and working <= budget
+        and n_outputs >= FORWARD_WHEN_OUTPUTS_PER_PARAMETER * target.n_params
+    )
+    if forward:
+        if getattr(jac, "forward", None) is None:
+            jac.forward = ForwardJacobian(model, variables, training, COLUMNS_PER_PASS)
+        J = jac.forward(batch)
+    elif out is not None or working > budget:
         chunk_size = min(
             rows,
             chunk_size_for(
@@ -143,18 +158,32 @@ def jacobian(
         J = jac.of_batch(batch, copy=copy)
     if not explain:
         return J
-    on_rules = jac.plan is not None
+    on_rules = jac.plan is not None and not forward
+    if forward:
+        path = "forward mode"
+        why = (
+            f"{n_outputs} outputs, {target.n_params} parameters: one JVP per parameter"
+        )
+    elif on_rules:
+        path, why = (
+            "layer rules",
+            "every layer has a rule or passes its signal by autodiff",
+        )
+    else:
+        path, why = "per-sample autodiff", f"no layer rules: {jac.fallback}"
     choice = Choice(
-        path="layer rules" if on_rules else "per-sample autodiff",
-        why="every layer has a rule or passes its signal by autodiff"
-        if on_rules
-        else f"no layer rules: {jac.fallback}",
-        formulation=jac.formulation or "",
+        path=path,
+        why=why,
+        formulation="forward mode, vectorized over parameter columns"
+        if forward
+        else jac.formulation or "",
         layers=jac.plan.layers() if on_rules else [],
         chunks=-(-rows // chunk_size),
         chunk_size=chunk_size,
         working_bytes=working,
         budget_bytes=budget,
-        traced=jac.trace_count > traces,
+        traced=jac.trace_count
+        + getattr(getattr(jac, "forward", None), "trace_count", 0)
+        > traces,
     )
     return J, choice

@@ -275,3 +275,21 @@ def test_explicit_variables_in_any_order():
         rtol=1e-6,
         atol=1e-8,
     )
+
+
+def test_entry_takes_forward_mode_when_outputs_outnumber_parameters():
+    model = keras.Sequential(
+        [
+            keras.Input((3,)),
+            layers.Dense(2, activation="tanh"),
+            layers.Dense(1000, trainable=False),
+        ]
+    )  # m = 8 parameters, l = 1,000 outputs
+    x = np.random.default_rng(0).standard_normal((6, 3)).astype("float32")
+    J, choice = ju.jacobian(model, x, explain=True)
+    assert choice.path == "forward mode" and choice.traced
+    np.testing.assert_allclose(
+        J, ju.per_sample_jacobian(model, x), rtol=1e-5, atol=1e-6
+    )
+    _, again = ju.jacobian(model, x, explain=True)
+    assert not again.traced

@@ -1,0 +1,298 @@
+# ---
+# jupyter:
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 09 · Matrix-free: when J does not fit
+#
+# **Questions**
+# - When should I not form the Jacobian at all?
+# - How does SciPy fit a model with only products `J @ v` and `J.T @ u`?
+# - When is forward mode the faster way to get J, and how do I get
+#   per-sample gradients of a loss cheaply?
+#
+# **Objectives**
+# - Compute `J @ v` (forward mode) and `J.T @ u` (reverse mode) without J,
+#   and prove them equal to products with the formed J.
+# - Fit a network of about half a million parameters with
+#   `least_squares(..., tr_solver="lsmr")` through a `LinearOperator`, and
+#   measure its memory against what J would need.
+# - Compare forward and reverse mode for the whole J as m and l vary.
+# - Compute per-sample gradients of a loss and their norms.
+#
+# *Teaching: 20 min · Exercises: 15 min*
+
+# %% [markdown]
+# ## Setup
+
+# %%
+import matplotlib.pyplot as plt
+import numpy as np
+
+import jacutil as ju
+from jacutil import keras, wide_fit
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print(ju.notebook.device_summary())
+
+# %% tags=["parameters"]
+n_samples = 2000  # samples in the wide fit
+width = 512  # units of each hidden layer of the wide network
+depth = 3  # hidden layers of the wide network
+max_nfev = 8  # least_squares evaluations (trust-region steps)
+lsmr_iterations = 10  # products per trust-region step, each a matvec + rmatvec
+n_check = 5  # samples in the correctness checks
+crossover_outputs = [4, 64, 1024]  # l for the forward / reverse comparison
+crossover_hidden = [2, 8, 32]  # hidden units (m grows with them)
+seed = 0
+
+# %% [markdown]
+# ## The size of J
+#
+# The question's network made wide, 10 → 512 → 512 → 512 → 2, has about half
+# a million parameters. Its Jacobian on 2,000 samples, in the float64 that
+# SciPy works in, is n·l × m numbers:
+
+# %%
+wide = ju.question_mlp(hidden=(width,) * depth, seed=seed)
+m_wide = ju.flat_params(wide).size
+rows = n_samples * 2
+print(f"m = {m_wide:,} parameters; J: {rows:,} x {m_wide:,} float64 = "
+      f"{rows * m_wide * 8 / 2**30:,.1f} GiB")
+
+# %% [markdown]
+# A trust-region or Gauss-Newton step never needs J itself, only products
+# with it: `J @ v` (how the outputs move along a parameter direction v) and
+# `J.T @ u` (the gradient of `u · f`). Each costs about one forward and one
+# backward pass over the batch.
+#
+# ## Products without J
+#
+# Forward mode pushes a tangent v through the network
+# (`tf.autodiff.ForwardAccumulator`); reverse mode is one `tape.gradient`
+# with `output_gradients=u`:
+
+# %%
+ju.notebook.show_source(ju.matrix_free.Products._jvp)
+ju.notebook.show_source(ju.matrix_free.Products._vjp)
+
+# %% [markdown]
+# Proved on a small network against the formed J, in float64; then the same
+# products wrapped as a SciPy `LinearOperator` (rows sample-major, as the
+# SciPy bridge of notebook 05), its transpose and `matmat` included:
+
+# %%
+small = ju.question_mlp(hidden=(8, 6), seed=seed, dtype="float64")
+x_small, y_small = ju.regression_data(n_check, seed=seed)
+J = ju.per_sample_jacobian(small, x_small)
+n, l, m = J.shape
+rng = np.random.default_rng(seed)
+v, u = rng.standard_normal(m), rng.standard_normal((n, l))
+np.testing.assert_allclose(ju.jvp(small, x_small, v), J @ v, rtol=1e-10)
+np.testing.assert_allclose(ju.vjp(small, x_small, u),
+                           np.einsum("ik,ikp->p", u, J), rtol=1e-10)
+A = ju.jacobian_operator(small, x_small)
+rows_J = J.reshape(n * l, m)
+V = rng.standard_normal((m, 3))
+np.testing.assert_allclose(A @ v, rows_J @ v, rtol=1e-10)
+np.testing.assert_allclose(A.T @ u.ravel(), rows_J.T @ u.ravel(), rtol=1e-10)
+np.testing.assert_allclose(A @ V, rows_J @ V, rtol=1e-10)
+print("operator", A.shape, "== formed J: matvec, rmatvec, matmat: True")
+
+# %% [markdown]
+# ## Fitting half a million parameters
+#
+# `least_squares_problem(model, x, y, jacobian="operator")` returns the
+# operator from `jac`; SciPy's trust-region method solves each step with
+# `lsmr`, `lsmr_iterations` products at a time. The fit runs in a fresh
+# process (so that its memory is its own), and then Adam runs from the same
+# start for the same wall-clock time (its clock starts after its first,
+# compiling step). This takes about half a minute.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+fit = wide_fit.run_in_fresh_process(
+    n_samples=n_samples, width=width, depth=depth, max_nfev=max_nfev,
+    lsmr_iterations=lsmr_iterations, seed=seed)
+lsmr, adam = np.array(fit["lsmr"]), np.array(fit["adam"])
+print(f"m = {fit['n_params']:,}: J would need "
+      f"{fit['jacobian_bytes_float64'] / 2**30:,.1f} GiB in float64")
+print(f"the fit's peak memory: {fit['fit_peak_bytes'] / 2**20:,.0f} MiB above "
+      f"the level before it; the whole process "
+      f"{fit['process_peak_bytes'] / 2**20:,.0f} MiB")
+print(f"one matvec + rmatvec: {1e3 * fit['pair_seconds']:.0f} ms = "
+      f"{fit['pair_seconds'] / fit['forward_seconds']:.1f} forward passes "
+      f"({1e3 * fit['forward_seconds']:.0f} ms)")
+print(f"after {lsmr[-1, 0]:.1f} s: least_squares (lsmr) MSE {lsmr[:, 1].min():.2e}, "
+      f"Adam ({len(adam)} steps) MSE {adam[-1, 1]:.2e}")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+fig, ax = plt.subplots(figsize=(7, 3.5))
+ax.semilogy(lsmr[:, 0], np.minimum.accumulate(lsmr[:, 1]), "o-",
+            label="least_squares, tr_solver='lsmr' (operator)")
+ax.semilogy(adam[:, 0], adam[:, 1], label="Adam, full batch")
+ax.set_xlabel("seconds")
+ax.set_ylabel("training MSE (best so far)")
+ax.set_title(f"{fit['n_params']:,} parameters, {fit['n_samples']:,} samples")
+ax.legend()
+fig.tight_layout()
+
+# %% [markdown]
+# Read the two numbers above: the memory is that of a few forward and
+# backward passes, not of J. Whether the trust-region steps beat Adam in the
+# same time depends on how many products each step may use
+# (`lsmr_iterations`) and on the problem; a network this overparameterized
+# fits its 2,000 samples easily either way. Exercise 1 tries another budget.
+#
+# ## Forward mode for the whole J
+#
+# Reverse mode builds J a row at a time (one backward pass per output and
+# sample); forward mode a column at a time (one JVP per parameter, every
+# sample's column at once): `forward_jacobian`. Forward mode should pay off
+# when there are fewer parameters than outputs. Below, a tanh layer of h
+# units (its m = 5h parameters are the columns) feeds a frozen Dense layer of
+# l outputs:
+
+# %%
+ju.notebook.show_source(ju.forward.ForwardJacobian._columns)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+x_cross = np.random.default_rng(seed).standard_normal((500, 4)).astype("float32")
+timings = {}
+for l_out in crossover_outputs:
+    for hidden in crossover_hidden:
+        net = keras.Sequential([
+            keras.Input((4,)), keras.layers.Dense(hidden, activation="tanh"),
+            keras.layers.Dense(l_out, trainable=False)])
+        fwd = ju.forward_jacobian(net)
+        np.testing.assert_allclose(fwd(x_cross[:n_check]),
+                                   ju.jacobian(net, x_cross[:n_check]),
+                                   rtol=1e-4, atol=1e-5)
+        rules = ju.compiled_jacobian(net, method="rules")
+        paths = {"forward_jacobian": fwd,
+                 "layer rules": lambda x, rules=rules: rules(x, copy=False),
+                 "compiled_jacobian": ju.compiled_jacobian(net)}
+        timings[l_out, 5 * hidden] = {
+            name: ju.time_call(jac, x_cross, repeats=3).median
+            for name, jac in paths.items()}
+for (l_out, m_cols), row in timings.items():
+    best = min(row, key=row.get)
+    print(f"l = {l_out:4d}, m = {m_cols:4d}: " + ", ".join(
+        f"{name} {1e3 * s:6.1f} ms" for name, s in row.items()) + f"  -> {best}")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+fig, ax = plt.subplots(figsize=(7, 3.5))
+for l_out in crossover_outputs:
+    ms = [m_cols for (ll, m_cols) in timings if ll == l_out]
+    ratio = [timings[l_out, m_cols]["forward_jacobian"]
+             / min(t for k, t in timings[l_out, m_cols].items() if k != "forward_jacobian")
+             for m_cols in ms]
+    ax.plot(ms, ratio, "o-", label=f"l = {l_out}")
+ax.axhline(1, color="black", lw=0.8)
+ax.set_xscale("log")
+ax.set_yscale("log")
+ax.set_xlabel("m (parameters)")
+ax.set_ylabel("forward time / best reverse time")
+ax.set_title("below 1: forward mode wins")
+ax.legend()
+fig.tight_layout()
+
+# %% [markdown]
+# Each line is one l; points below 1 are where forward mode wins. The
+# reverse-mode paths vectorize over samples and outputs so well that on this
+# CPU forward mode at best breaks even with the compiled per-sample stage,
+# and only at the far left of the widest-output line, where the outputs
+# outnumber the parameters many times over. There it does beat the layer
+# rules (compare the two columns in the table), which `ju.jacobian` would
+# otherwise take, so `ju.jacobian` takes forward mode there
+# (`FORWARD_WHEN_OUTPUTS_PER_PARAMETER` in `jacutil.auto`) and says so. It is
+# the tool for a model with a handful of parameters and long outputs, such as
+# a physical model fitted to a signal.
+
+# %%
+narrow = keras.Sequential([
+    keras.Input((4,)), keras.layers.Dense(min(crossover_hidden), activation="tanh"),
+    keras.layers.Dense(max(crossover_outputs), trainable=False)])
+_, choice = ju.jacobian(narrow, x_cross[:n_check], explain=True)
+print(f"l = {max(crossover_outputs)}, m = {5 * min(crossover_hidden)}: "
+      f"ju.jacobian takes {choice.path}")
+
+# %% [markdown]
+# ## Per-sample gradients of a loss
+#
+# Differential-privacy clipping and influence estimates need each sample's
+# own gradient, `d loss_i / d theta`: the rows of J weighted by
+# `d loss_i / d f`. On the layer-rules path the backward pass simply starts
+# from that weight instead of the identity, and for a chain of Dense layers
+# the norms need not even the gradients (`|a|² |δ|²` per layer):
+
+# %%
+loss = keras.losses.mean_squared_error  # one loss per sample
+G = ju.per_sample_gradients(small, loss, x_small, y_small)
+norms = ju.per_sample_gradient_norms(small, loss, x_small, y_small)
+np.testing.assert_allclose(norms, np.linalg.norm(G, axis=1), rtol=1e-10)
+mean_gradient = G.mean(axis=0)
+with ju.tf.GradientTape() as tape:
+    batch_loss = ju.tf.reduce_mean(loss(y_small.astype("float64"), small(x_small)))
+full = np.concatenate([np.ravel(g) for g in tape.gradient(
+    batch_loss, small.trainable_variables)])
+np.testing.assert_allclose(mean_gradient, full, rtol=1e-10)
+print("per-sample gradients", G.shape, "- their mean is the batch gradient: True")
+print("norms without the gradients == norms of the gradients: True")
+
+# %% [markdown]
+# ## Exercises
+#
+# **1.** Give each trust-region step more products: run the wide fit with
+# `lsmr_iterations=40, max_nfev=4` (or a smaller network, `width=128`, to
+# keep it quick). Does least squares now beat Adam in the same time?
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# NBVAL_IGNORE_OUTPUT
+# Solution: each step is now closer to the exact Gauss-Newton step; whether
+# that is worth the products depends on the problem: compare the two curves.
+more = wide_fit.run_in_fresh_process(
+    n_samples=min(n_samples, 500), width=min(width, 128), depth=depth,
+    max_nfev=4, lsmr_iterations=40, seed=seed)
+print(f"lsmr {min(h[1] for h in more['lsmr']):.2e} against Adam "
+      f"{more['adam'][-1][1]:.2e} after {more['lsmr'][-1][0]:.1f} s")
+
+# %% [markdown]
+# **2.** `jvp` has a second mode, `products(model, mode="double_backward")`:
+# the JVP as the gradient of a VJP with respect to its weights (reverse mode
+# twice). Check that it gives the same `J @ v` as forward mode on `small`,
+# and time both on the wide network's first 500 samples.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# NBVAL_IGNORE_OUTPUT
+# Solution: the same numbers; forward mode is usually cheaper (one pass
+# carrying tangents against a forward and two backward passes).
+twice = ju.products(small, mode="double_backward")
+np.testing.assert_allclose(twice.jvp(x_small, v), J @ v, rtol=1e-10)
+x_wide = ju.regression_data(500, seed=seed)[0]
+v_wide = np.ones(m_wide)
+for mode in ("forward", "double_backward"):
+    prods = ju.products(wide, mode=mode)
+    seconds = ju.time_call(prods.jvp, x_wide, v_wide, repeats=3).median
+    print(f"{mode:<16} {1e3 * seconds:.1f} ms")
+
+# %% [markdown]
+# ## Keypoints
+#
+# - A trust-region or Gauss-Newton step needs products with J, not J:
+#   `jvp` (forward mode) and `vjp` (reverse mode) cost a pass or two each.
+# - `jacobian_operator` wraps them as a SciPy `LinearOperator`;
+#   `least_squares_problem(..., jacobian="operator")` with
+#   `tr_solver="lsmr"` fits a model whose J would not fit in memory.
+# - `forward_jacobian` builds J a column at a time; it pays off only with
+#   fewer parameters than outputs.
+# - Per-sample gradients of a loss are J's rows weighted by `dloss/df`:
+#   `per_sample_gradients`, and `per_sample_gradient_norms` for clipping.
