@@ -16,6 +16,8 @@ n*l*m numbers. Each product is compiled once per model and input shape;
 parameters are in ``flat_params`` order.
 """
 
+import weakref
+
 import numpy as np
 
 from ._tf import keras, tf
@@ -200,13 +202,35 @@ def products(model, *, variables=None, training=False, chunk_size=None, mode="fo
     return Products(model, variables, training, chunk_size, mode)
 
 
+_cache = weakref.WeakKeyDictionary()  # model -> {options and variables: Products}
+
+
+def _cached(model, options):
+    """The same compiled products for repeated ``jvp``/``vjp`` calls on a model."""
+    if options.get("variables") is not None or not hasattr(
+        model, "trainable_variables"
+    ):
+        return products(model, **options)
+    key = (tuple(sorted(options.items())), *map(id, model.trainable_variables))
+    try:
+        per_model = _cache.setdefault(model, {})
+    except TypeError:  # not weak-referenceable
+        return products(model, **options)
+    if key not in per_model:
+        found = products(model, **options)
+        found._model = None  # the cache must not keep the model alive
+        per_model.clear()  # the newest only: variables or options changed
+        per_model[key] = found
+    return per_model[key]
+
+
 def jvp(model, x, v, **options):
     """``J @ v``: (n, l), for a flat parameter direction ``v`` of length m.
 
     Forward mode: one forward pass carrying tangents, no J. Options as in
     :func:`products`. Introduced in ``09-matrix-free``.
     """
-    return products(model, **options).jvp(x, v)
+    return _cached(model, options).jvp(x, v)
 
 
 def vjp(model, x, u, **options):
@@ -215,7 +239,7 @@ def vjp(model, x, u, **options):
     Reverse mode: one ``tape.gradient`` with ``output_gradients=u``, no J.
     Introduced in ``09-matrix-free``.
     """
-    return products(model, **options).vjp(x, u)
+    return _cached(model, options).vjp(x, u)
 
 
 def jacobian_operator(model, x, **options):

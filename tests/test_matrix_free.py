@@ -108,3 +108,17 @@ def test_forward_jacobian_equals_the_reverse_mode_stage(name):
     jac = ju.forward_jacobian(model, variables=variables, columns_per_pass=16)
     np.testing.assert_allclose(jac(x), expected, rtol=1e-9, atol=1e-11)
     assert jac.trace_count == 1
+
+
+def test_repeated_calls_reuse_one_compiled_product_and_shape_changes_are_caught():
+    model = ju.question_mlp(hidden=(8,))
+    x, _ = ju.regression_data(6)
+    m = ju.flat_params(model).size
+    for _ in range(3):
+        matrix_free.jvp(model, x, np.ones(m))
+    assert matrix_free._cached(model, {}).trace_count == 1
+    prods = matrix_free.products(model)
+    prods.vjp(x, np.ones((6, 2)))
+    prods.shapes[0] = (1, 1)  # as if the variables had changed shape
+    with pytest.raises(ValueError, match="changed shape"):
+        prods.vjp(x, np.ones((6, 2)))
