@@ -11,17 +11,13 @@ physical model fitted to long signals.
 
 import numpy as np
 
-from ._tf import keras, tf
+from ._tf import tf
 from .batch import as_batch, n_samples, signature, signature_key
 from .formulation import quiet_function, recurrent_layers, unrolled
 from .outputs import output_layout
-from .target import resolve_target, variable_list
+from .target import resolve_target, variable_list, watched
 
 COLUMNS_PER_PASS = 64  # parameter columns vectorized together
-
-
-def _watched(variable):
-    return variable.value if isinstance(variable, keras.Variable) else variable
 
 
 class ForwardJacobian:
@@ -43,7 +39,7 @@ class ForwardJacobian:
         """(n, l, c): the JVPs of batch x along the c rows of ``tangents``."""
         self.trace_count += 1
         variables = self.target.variables
-        watched = [_watched(v) for v in variables]
+        tracked = [watched(v) for v in variables]
         sizes = [int(np.prod(v.shape, dtype=np.int64)) for v in variables]
 
         def along(tangent):
@@ -51,7 +47,7 @@ class ForwardJacobian:
             shaped = [
                 tf.reshape(p, v.shape) for p, v in zip(parts, variables, strict=True)
             ]
-            with tf.autodiff.ForwardAccumulator(watched, shaped) as accumulator:
+            with tf.autodiff.ForwardAccumulator(tracked, shaped) as accumulator:
                 y = self.target.forward(x)
             column = accumulator.jvp(y)
             return tf.zeros_like(y) if column is None else column

@@ -16,13 +16,14 @@ kernel's per-sample gradient is the outer product ``a delta^T``, whose norm is
 
 import numpy as np
 
-from ._tf import keras, tf
+from ._tf import tf
 from .batch import as_batch, n_samples, pad_with_last
 from .chunked import _compiled_for
 from .formulation import quiet_function, recurrent_layers, unrolled
 from .guards import JacobianError
 from .rules.dense import DenseRule
 from .rules.engine import rules_tensor
+from .target import watched
 
 
 def _losses(loss_fn, y, prediction, n):
@@ -54,22 +55,18 @@ def _signal(loss_fn, y):
     return signal
 
 
-def _watched(variable):
-    return variable.value if isinstance(variable, keras.Variable) else variable
-
-
 def _autodiff_gradients(target, x, y, loss_fn):
     """(n, m) by one gradient per sample, vectorized over samples."""
-    watched = [_watched(v) for v in target.variables]
+    tracked = [watched(v) for v in target.variables]
     sizes = [int(np.prod(v.shape, dtype=np.int64)) for v in target.variables]
 
     def one(row):
         x_i, y_i = row
         x_i = tf.nest.map_structure(lambda t: t[None], x_i)
         with tf.GradientTape() as tape:
-            tape.watch(watched)
+            tape.watch(tracked)
             loss = tf.reduce_sum(_losses(loss_fn, y_i[None], target.call(x_i), 1))
-        grads = tape.gradient(loss, watched)
+        grads = tape.gradient(loss, tracked)
         return tf.concat(
             [
                 tf.zeros([size], loss.dtype) if g is None else tf.reshape(g, [-1])

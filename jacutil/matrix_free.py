@@ -20,15 +20,11 @@ import weakref
 
 import numpy as np
 
-from ._tf import keras, tf
+from ._tf import tf
 from .batch import as_batch, n_samples, signature, signature_key, take
 from .formulation import quiet_function, recurrent_layers, unrolled
 from .outputs import output_layout
-from .target import resolve_target, variable_list
-
-
-def _watched(variable):
-    return variable.value if isinstance(variable, keras.Variable) else variable
+from .target import resolve_target, variable_list, watched
 
 
 def _sizes(variables):
@@ -89,11 +85,11 @@ class Products:
 
     def _jvp(self, x, v):
         self.trace_count += 1
-        watched = [_watched(w) for w in self.variables]
+        tracked = [watched(w) for w in self.variables]
         # forward mode cannot carry tangents through a while_loop's variable
         # reads (TF 2.21): recurrent layers are unrolled while traced
         with unrolled(recurrent_layers(self.target)):
-            with tf.autodiff.ForwardAccumulator(watched, self._split(v)) as accumulator:
+            with tf.autodiff.ForwardAccumulator(tracked, self._split(v)) as accumulator:
                 y = self.target.forward(x)
         tangent = accumulator.jvp(y)
         return tf.zeros_like(y) if tangent is None else tangent
@@ -101,14 +97,14 @@ class Products:
     def _jvp_double_backward(self, x, v):
         """``J @ v`` by reverse mode twice: ``d/du (J.T u) . v`` at any u."""
         self.trace_count += 1
-        watched = [_watched(w) for w in self.variables]
+        tracked = [watched(w) for w in self.variables]
         with tf.GradientTape() as outer:
             u = tf.zeros_like(self.target.forward(x))  # J.T u is linear in u
             outer.watch(u)
             with tf.GradientTape() as inner:
-                inner.watch(watched)
+                inner.watch(tracked)
                 y = self.target.forward(x)
-            grads = inner.gradient(y, watched, output_gradients=u)
+            grads = inner.gradient(y, tracked, output_gradients=u)
             terms = [
                 tf.reduce_sum(g * t)
                 for g, t in zip(grads, self._split(v), strict=True)
@@ -120,11 +116,11 @@ class Products:
 
     def _vjp(self, x, u):
         self.trace_count += 1
-        watched = [_watched(w) for w in self.variables]
+        tracked = [watched(w) for w in self.variables]
         with tf.GradientTape() as tape:
-            tape.watch(watched)
+            tape.watch(tracked)
             y = self.target.forward(x)
-        grads = tape.gradient(y, watched, output_gradients=u)
+        grads = tape.gradient(y, tracked, output_gradients=u)
         flat = [
             tf.zeros([size], y.dtype)
             if g is None

@@ -49,7 +49,12 @@ class Target:
     def watch(self, tape):
         """Make ``tape`` record every variable, trainable or not."""
         for v in self.variables:
-            tape.watch(v.value if isinstance(v, keras.Variable) else v)
+            tape.watch(watched(v))
+
+
+def watched(variable):
+    """What a tape or an accumulator watches: a ``keras.Variable``'s ``tf.Variable``."""
+    return variable.value if isinstance(variable, keras.Variable) else variable
 
 
 def _size(variable):

@@ -10,7 +10,8 @@ product over the rows (:class:`AutodiffRule`). Every other layer keeps its
 hand-derived rule.
 """
 
-from .._tf import keras, tf
+from .._tf import tf
+from ..target import watched
 from .registry import Rule, per_output, rows
 
 
@@ -36,10 +37,6 @@ def tiled_vjp(function, a, delta):
     return per_output(below, n_samples, n_outputs)
 
 
-def _watched(variable):
-    return variable.value if isinstance(variable, keras.Variable) else variable
-
-
 class AutodiffRule(Rule):
     """Any layer: its signal and, when wanted, its own blocks by autodiff."""
 
@@ -63,16 +60,16 @@ class AutodiffRule(Rule):
             return {}, below
         n_samples, n_outputs = tf.shape(delta)[0], tf.shape(delta)[1]
         floating = a.dtype.is_floating
-        watched = [_watched(v) for v in ours]
+        tracked = [watched(v) for v in ours]
 
         def one_row(row):
             a_row, d_row = row
             with tf.GradientTape() as tape:
                 if floating:
                     tape.watch(a_row)
-                tape.watch(watched)
+                tape.watch(tracked)
                 y = layer(a_row[None], training=False)
-            sources = ([a_row] if floating else []) + watched
+            sources = ([a_row] if floating else []) + tracked
             grads = tape.gradient(y, sources, output_gradients=d_row[None])
             return [
                 tf.zeros_like(s) if g is None else tf.convert_to_tensor(g)

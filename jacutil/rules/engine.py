@@ -13,6 +13,7 @@ import numpy as np
 
 from .._tf import keras, tf
 from ..batch import take
+from ..target import watched
 from .autodiff import AutodiffRule
 from .dense import DenseRule
 from .registry import rule_for
@@ -193,9 +194,7 @@ def disagreement(plan, target, x, seed=0):
         target.watch(tape)
         y = target.forward(one)[0]
         score = tf.reduce_sum(w * y)
-    sources = [
-        v.value if isinstance(v, keras.Variable) else v for v in target.variables
-    ]
+    sources = [watched(v) for v in target.variables]
     grads = tape.gradient(score, sources)
     auto = np.concatenate(
         [
