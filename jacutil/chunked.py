@@ -1,5 +1,6 @@
 """Stage 4: slices of the batch through the compiled Jacobian (notebook 04-chunked)."""
 
+import os
 import weakref
 
 import numpy as np
@@ -8,6 +9,7 @@ from tqdm.auto import tqdm
 from .batch import as_batch, n_samples, signature_key, take
 from .compiled import CompiledJacobian, bucket_size
 from .outputs import output_layout
+from .resume import fingerprint, open_rows
 from .target import resolve_target
 
 # Working memory of a chunk of c samples, in bytes (itemsize bytes a number;
@@ -171,6 +173,12 @@ def chunked_jacobian(
     short last chunk is padded to the next power of two, so XLA compiles at
     most two shapes per chunk size.
 
+    ``out`` may also be a path (``"J.npy"``): the rows go into that ``.npy``
+    file and a ledger beside it records each finished chunk, so a run that is
+    interrupted and called again with the same arguments skips what is done;
+    with other weights or ``x`` it is refused (``jacutil.resume``, notebook
+    ``10-beyond-one-machine``). Returns the file opened read-only.
+
     ``x`` is an array, or a list or dict of arrays for a model with several
     inputs. When the first chunk is the whole batch and no ``out`` is given,
     it is returned after one copy out of TensorFlow.
@@ -184,7 +192,8 @@ def chunked_jacobian(
         raise ValueError(
             f"memory_budget must be a positive number of bytes; got {memory_budget}."
         )
-    if chunk_size is not None:
+    explicit = chunk_size is not None
+    if explicit:
         chunk_size = _check_chunk_size(chunk_size)
 
     x = as_batch(x, target)
@@ -203,14 +212,12 @@ def chunked_jacobian(
     chunk_size = min(chunk_size, n_rows)
 
     def chunk(start):
-        """Rows start.. of J as a tensor; under XLA a short last chunk is
-        padded to its own power of two (one more compile), not a full chunk."""
-        stop = min(start + chunk_size, n_rows)
-        pad_to = bucket_size(stop - start, chunk_size) if jit_compile else None
-        return jac.tensor(take(x, start, stop), pad_to)
+        return chunk_rows(jac, x, chunk_size, start)
 
-    first = chunk(0)
     shape = (n_rows, n_outputs, target.n_params)
+    if isinstance(out, (str, os.PathLike)):
+        return _resumable(jac, model, x, out, shape, chunk_size, explicit, progress)
+    first = chunk(0)
     if out is None and chunk_size == n_rows:
         return first.numpy()  # one chunk: one copy out of TensorFlow
     if out is None:
@@ -226,3 +233,43 @@ def chunked_jacobian(
             out[start : start + chunk_size] = np.asarray(chunk(start))
             bar.update(min(chunk_size, n_rows - start))
     return out
+
+
+def chunk_rows(jac, x, chunk_size, start):
+    """Rows ``start..`` of J (one chunk) as a tensor; under XLA a short last
+    chunk is padded to its own power of two (one more compile), not a full one."""
+    stop = min(start + chunk_size, int(n_samples(x)))
+    pad_to = bucket_size(stop - start, chunk_size) if jac.jit_compile else None
+    return jac.tensor(take(x, start, stop), pad_to)
+
+
+def run_record(jac, model, x):
+    """What identifies a resumable run: see :func:`jacutil.resume.fingerprint`."""
+    options = {"method": jac.method, "jit_compile": jac.jit_compile}
+    options["training"] = jac.target.training
+    return {"fingerprint": fingerprint(model, jac.target.variables, x, **options)}
+
+
+def _resumable(jac, model, x, path, shape, chunk_size, explicit, progress):
+    """Chunks into the ``.npy`` at ``path``, skipping those an earlier run finished."""
+    out, ledger, chunk_size = open_rows(
+        path,
+        shape,
+        jac.target.dtype,
+        run_record(jac, model, x),
+        chunk_size if explicit else None,
+        lambda c: -(-shape[0] // c),
+    )
+    done = sum(min(chunk_size, shape[0] - k * chunk_size) for k in ledger.done)
+    with tqdm(total=shape[0], initial=done, disable=not progress, unit="sample") as bar:
+        for k in ledger.todo():
+            start = k * chunk_size
+            out[start : start + chunk_size] = np.asarray(
+                chunk_rows(jac, x, chunk_size, start)
+            )
+            out.flush()  # the rows are on disk before the ledger says so
+            ledger.done.add(k)
+            ledger.save(chunk_size)
+            bar.update(min(chunk_size, shape[0] - start))
+    del out
+    return np.load(path, mmap_mode="r")

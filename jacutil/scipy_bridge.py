@@ -20,6 +20,7 @@ from .chunked import (
 from .layout import flat_params, set_flat_params
 from .matrix_free import jacobian_operator, products
 from .outputs import output_layout
+from .resume import SumCheckpoint, fingerprint
 from .target import resolve_target
 
 
@@ -124,12 +125,17 @@ class LeastSquaresProblem:
             return jacobian_operator(self.model, self.x, products=self.products)
         return self._jacobian(0, self.n_samples)
 
-    def normal_equations(self, theta):
+    def normal_equations(self, theta, checkpoint=None):
         """``(J.T @ J, J.T @ r)`` at ``theta``, summed chunk by chunk.
 
         Only one chunk of J (``chunk_size`` samples) exists at a time, so this
         works when the whole (n*l) x m Jacobian does not fit in memory. The
         Gauss-Newton step solves ``(JtJ + damping * I) step = -Jtr``.
+
+        ``checkpoint``: a ``.npz`` path where the partial sums are saved after
+        each chunk; called again after an interruption with the same theta,
+        data and chunk size, it goes on from the next chunk and ends with the
+        same sums, bit for bit (notebook ``10-beyond-one-machine``).
         """
         if self.products is not None:
             raise ValueError(
@@ -138,14 +144,35 @@ class LeastSquaresProblem:
                 'levenberg_marquardt(problem, solver="cg") instead.'
             )
         self.set_params(theta)
-        JtJ = np.zeros((self.n_params, self.n_params))
-        Jtr = np.zeros(self.n_params)
-        for start in range(0, self.n_samples, self.chunk_size):
-            stop = min(start + self.chunk_size, self.n_samples)
-            J = self._jacobian(start, stop)
-            JtJ += J.T @ J
-            Jtr += J.T @ self._residuals(start, stop)
-        return JtJ, Jtr
+        sums = (np.zeros((self.n_params, self.n_params)), np.zeros(self.n_params))
+        first, saved = 0, None
+        if checkpoint is not None:
+            record = fingerprint(
+                self.model,
+                self._variables,
+                (self.x, self.y),
+                chunk_size=self.chunk_size,
+                training=self._target.training,
+            )
+            saved = SumCheckpoint(checkpoint, record)
+            first, sums = saved.load(sums)
+        for k in range(first, self.n_chunks):
+            for total, part in zip(sums, self.chunk_normal_equations(k), strict=True):
+                total += part
+            if saved is not None:
+                saved.save(k + 1, sums)
+        return sums
+
+    @property
+    def n_chunks(self):
+        return -(-self.n_samples // self.chunk_size)
+
+    def chunk_normal_equations(self, k):
+        """``J_k.T @ J_k`` and ``J_k.T @ r_k`` of chunk ``k`` at the model's weights."""
+        start = k * self.chunk_size
+        stop = min(start + self.chunk_size, self.n_samples)
+        J = self._jacobian(start, stop)
+        return J.T @ J, J.T @ self._residuals(start, stop)
 
 
 def _target_rows(y, n_rows, n_outputs):

@@ -6,6 +6,11 @@ a layer used twice, explicit non-trainable variables. The reference itself is
 checked against a Jacobian written by hand.
 """
 
+import json
+import tempfile
+from functools import partial
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -21,6 +26,24 @@ def chunked_xla(model, x, **kw):
     return ju.chunked_jacobian(
         model, x, chunk_size=3, progress=False, jit_compile=True, **kw
     )
+
+
+def chunked_resumable(model, x, **kw):
+    """Into a .npy with its ledger; then chunk 1 lost (NaN, unrecorded) and resumed."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "J.npy"
+        run = partial(
+            ju.chunked_jacobian, model, x, chunk_size=2, out=path, progress=False, **kw
+        )
+        run()
+        lost = np.lib.format.open_memmap(path, mode="r+")
+        lost[2:4] = np.nan
+        lost.flush()
+        ledger = Path(folder) / "J.npy.progress.json"
+        state = json.loads(ledger.read_text())
+        state["done"] = [[0, 1], [2, state["n_chunks"]]]
+        ledger.write_text(json.dumps(state))
+        return np.array(run())
 
 
 def compiled(model, x, **kw):
@@ -56,6 +79,7 @@ STAGES = {
     "compiled_batch": compiled_batch,
     "chunked": chunked,
     "chunked_xla": chunked_xla,
+    "chunked_resumable": chunked_resumable,
     "hand_derived": hand_derived,
     "rules": rules,
     "jacobian": entry,
