@@ -57,7 +57,7 @@ learner: setup
 # Benchmark peers (make bench-peers) are not part of the lock.
 lock:
 	$(BIN)/python -m pip freeze --exclude-editable \
-		| grep -v -i -E '^(jacutil|jax|jaxlib|torch|sympy|mpmath|networkx)==' \
+		| grep -v -i -E '^(jacutil|jax|jaxlib|torch|sympy|mpmath|networkx|filelock)==' \
 		> requirements.lock
 
 # Every path on the question's MLP (n = 100, 1,000, 10,000), the CNN and the LSTM

@@ -1,0 +1,209 @@
+"""Chunks on Dask workers (127.0.0.1): equal to one process, faults survived,
+bad starts reported in bounded time, and no process left behind."""
+
+import json
+import socket
+import threading
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+import jacutil as ju
+from jacutil.distributed import (
+    DistributedLeastSquares,
+    LocalWorkers,
+    WorkerStartError,
+    distributed_jacobian,
+)
+from jacutil.resume import LEDGER_SUFFIX
+from tests.architectures import ARCHITECTURES, build
+
+
+def _alive(pid):
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _assert_all_stopped(pids):
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(map(_alive, pids)):
+        time.sleep(0.1)
+    assert not [pid for pid in pids if _alive(pid)], "processes left behind"
+
+
+class Started:
+    """Every pid a LocalWorkers ran (spawned ones, and workers seen running)."""
+
+    def __init__(self, workers):
+        self.workers = workers
+        self.pids = {p.pid for p in workers.processes}
+        self.see()
+
+    def see(self):
+        self.pids |= set(self.workers.worker_pids().values())
+
+
+@pytest.fixture(scope="module")
+def workers():
+    with LocalWorkers(2, start_timeout=120) as running:
+        started = Started(running)
+        yield running
+        started.see()
+    _assert_all_stopped(started.pids)
+
+
+def test_rows_equal_one_process_bit_for_bit(workers, tmp_path):
+    model, (x, _) = ju.question_mlp(seed=2), ju.regression_data(1000, seed=4)
+    one = ju.chunked_jacobian(model, x, chunk_size=125, method="rules", progress=False)
+    in_memory = distributed_jacobian(model, x, workers, chunk_size=125, progress=False)
+    on_disk = distributed_jacobian(
+        model, x, workers, chunk_size=125, out=tmp_path / "J.npy", progress=False
+    )
+    assert np.array_equal(in_memory, one) and np.array_equal(on_disk, one)
+    assert json.loads((tmp_path / ("J.npy" + LEDGER_SUFFIX)).read_text())["done"] == [
+        [0, 8]
+    ]
+
+
+def test_a_run_started_in_one_process_is_finished_on_workers(workers, tmp_path):
+    """The same ledger: chunks 3.. left by a one-process run, done by workers."""
+    model, (x, _) = ju.question_mlp(seed=2), ju.regression_data(400, seed=5)
+    path = tmp_path / "J.npy"
+    ju.chunked_jacobian(model, x, chunk_size=50, out=path, method="rules",
+                        progress=False)
+    ledger = tmp_path / ("J.npy" + LEDGER_SUFFIX)
+    state = json.loads(ledger.read_text())
+    state["done"] = [[0, 3]]
+    ledger.write_text(json.dumps(state))
+    lost = np.lib.format.open_memmap(path, mode="r+")
+    lost[150:] = np.nan
+    lost.flush()
+    finished = distributed_jacobian(model, x, workers, out=path, progress=False)
+    one = ju.chunked_jacobian(model, x, chunk_size=50, method="rules", progress=False)
+    assert np.array_equal(finished, one)
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_zoo_on_workers(workers, name):
+    """Every zoo model the workers can rebuild gives the one-process rows; the
+    others are refused with what to do."""
+    case = build(name)
+    x = case.batch(5)
+    if case.variables64 is not None:
+        with pytest.raises(TypeError):
+            distributed_jacobian(case.model64, x, workers, chunk_size=2)
+        return
+    try:
+        J = distributed_jacobian(case.model64, x, workers, chunk_size=2, progress=False)
+    except TypeError as error:
+        assert "register_keras_serializable" in str(error) or (
+            "computes other outputs than yours" in str(error)
+        )
+        assert name in {
+            "custom_layer", "subclassed", "sequential_subclass", "shared_layer"
+        }
+        return
+    one = ju.chunked_jacobian(case.model64, x, chunk_size=2, method="rules",
+                              progress=False)
+    np.testing.assert_allclose(J, one, rtol=1e-12, atol=1e-14)
+
+
+def test_normal_equations_and_one_levenberg_marquardt_step(workers):
+    model, (x, y) = ju.question_mlp(seed=2), ju.regression_data(600, seed=6)
+    one = ju.least_squares_problem(model, x, y, chunk_size=100)
+    spread = DistributedLeastSquares(model, x, y, workers, chunk_size=100)
+    theta = one.theta0
+    for a, b in zip(one.normal_equations(theta), spread.normal_equations(theta),
+                    strict=True):
+        # BLAS sums J.T @ J in an order that depends on its thread count
+        np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-12 * np.abs(a).max())
+    steps = [ju.levenberg_marquardt(p, theta, max_steps=2) for p in (one, spread)]
+    np.testing.assert_allclose(steps[1]["theta"], steps[0]["theta"], rtol=1e-9)
+    assert steps[0]["history"][-1, 1] < steps[0]["history"][0, 1]
+
+
+def test_a_killed_worker_loses_nothing(tmp_path):
+    """SIGKILL a worker while it holds a chunk: the chunk is rerun elsewhere and
+    the file equals the uninterrupted result, bit for bit."""
+    model, (x, _) = ju.question_mlp(seed=2), ju.regression_data(6000, seed=7)
+    one = ju.chunked_jacobian(model, x, chunk_size=100, method="per_sample",
+                              progress=False)
+    path = tmp_path / "J.npy"
+    ledger = tmp_path / ("J.npy" + LEDGER_SUFFIX)
+    with LocalWorkers(2, start_timeout=120) as running:
+        started = Started(running)
+        # warm both workers (TensorFlow imported, model traced) so the kill
+        # lands while chunks are being computed, not while starting
+        distributed_jacobian(model, x[:400], running, chunk_size=100,
+                             method="per_sample", progress=False)
+        result = {}
+        run = threading.Thread(target=lambda: result.update(J=distributed_jacobian(
+            model, x, running, chunk_size=100, out=path, method="per_sample",
+            progress=False)))
+        run.start()
+        holding = {}
+        deadline = time.monotonic() + 60
+        while not holding and time.monotonic() < deadline:
+            if ledger.exists() and json.loads(ledger.read_text())["done"]:
+                holding = {w: keys for w, keys in running.client.processing().items()
+                           if keys}
+            time.sleep(0.005)
+        assert holding, "no worker was holding a chunk"
+        victim = next(iter(holding))
+        pid = running.worker_pids()[victim]
+        done_before = json.loads(ledger.read_text())["done"]
+        psutil.Process(pid).kill()
+        run.join(120)
+        assert not run.is_alive()
+        assert done_before != [[0, 60]], "the run ended before the kill"
+        assert not _alive(pid)
+        assert np.array_equal(result["J"], one)
+        started.see()  # the nanny's new worker too
+    _assert_all_stopped(started.pids)
+
+
+def test_a_worker_that_never_starts_is_an_error_in_bounded_time(monkeypatch):
+    spawn = LocalWorkers._spawn
+
+    def hanging_workers(self, name, arguments):
+        if name.startswith("worker"):
+            arguments = ["-c", "import time; time.sleep(600)"]
+        return spawn(self, name, arguments)
+
+    monkeypatch.setattr(LocalWorkers, "_spawn", hanging_workers)
+    seen = []
+    monkeypatch.setattr(LocalWorkers, "close", lambda self, real=LocalWorkers.close: (
+        seen.extend(p.pid for p in self.processes), real(self)))
+    started = time.monotonic()
+    with pytest.raises(WorkerStartError, match="did not start within start_timeout"):
+        LocalWorkers(2, start_timeout=8)
+    assert time.monotonic() - started < 30
+    _assert_all_stopped(seen)
+
+
+def test_a_worker_that_crashes_at_start_is_reported_with_its_log(monkeypatch):
+    spawn = LocalWorkers._spawn
+
+    def crashing_workers(self, name, arguments):
+        if name.startswith("worker"):
+            arguments = ["-c", "import sys; print('no GPU here'); sys.exit(3)"]
+        return spawn(self, name, arguments)
+
+    monkeypatch.setattr(LocalWorkers, "_spawn", crashing_workers)
+    with pytest.raises(WorkerStartError, match=r"exited with code 3(.|\n)*no GPU here"):
+        LocalWorkers(1, start_timeout=60)
+
+
+def test_a_taken_port_is_an_error():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        with pytest.raises(WorkerStartError, match=f"port {port} on 127.0.0.1 is taken"):
+            LocalWorkers(1, port=port)
+        assert time.monotonic() - started < 5
