@@ -150,6 +150,8 @@ class LocalWorkers:
                 "--port",
                 str(self.port),
                 "--no-dashboard",
+                "--dashboard-address",
+                f"{HOST}:0",
             ],
         )
         while not _port_taken(self.port):
@@ -171,6 +173,10 @@ class LocalWorkers:
                     "--name",
                     f"worker-{i}",
                     "--no-dashboard",
+                    "--dashboard-address",
+                    f"{HOST}:0",
+                "--dashboard-address",
+                f"{HOST}:0",
                     "--nanny",
                     "--memory-limit",
                     "0",

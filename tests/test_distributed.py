@@ -56,6 +56,17 @@ def workers():
     _assert_all_stopped(started.pids)
 
 
+def test_every_process_listens_on_loopback_only(workers):
+    pids = {p.pid for p in workers.processes} | set(workers.worker_pids().values())
+    listening = [
+        (c.pid, c.laddr.ip)
+        for c in psutil.net_connections("tcp")
+        if c.status == psutil.CONN_LISTEN and c.pid in pids
+    ]
+    assert len({pid for pid, _ in listening}) == len(pids) == 5  # 1 + 2 x 2
+    assert {ip for _, ip in listening} == {"127.0.0.1"}
+
+
 def test_rows_equal_one_process_bit_for_bit(workers, tmp_path):
     model, (x, _) = ju.question_mlp(seed=2), ju.regression_data(1000, seed=4)
     one = ju.chunked_jacobian(model, x, chunk_size=125, method="rules", progress=False)
@@ -73,8 +84,9 @@ def test_a_run_started_in_one_process_is_finished_on_workers(workers, tmp_path):
     """The same ledger: chunks 3.. left by a one-process run, done by workers."""
     model, (x, _) = ju.question_mlp(seed=2), ju.regression_data(400, seed=5)
     path = tmp_path / "J.npy"
-    ju.chunked_jacobian(model, x, chunk_size=50, out=path, method="rules",
-                        progress=False)
+    ju.chunked_jacobian(
+        model, x, chunk_size=50, out=path, method="rules", progress=False
+    )
     ledger = tmp_path / ("J.npy" + LEDGER_SUFFIX)
     state = json.loads(ledger.read_text())
     state["done"] = [[0, 3]]
@@ -104,21 +116,27 @@ def test_zoo_on_workers(workers, name):
             "computes other outputs than yours" in str(error)
         )
         assert name in {
-            "custom_layer", "subclassed", "sequential_subclass", "shared_layer"
+            "custom_layer",
+            "subclassed",
+            "sequential_subclass",
+            "shared_layer",
         }
         return
-    one = ju.chunked_jacobian(case.model64, x, chunk_size=2, method="rules",
-                              progress=False)
+    one = ju.chunked_jacobian(
+        case.model64, x, chunk_size=2, method="rules", progress=False
+    )
     np.testing.assert_allclose(J, one, rtol=1e-12, atol=1e-14)
 
 
 def test_normal_equations_and_one_levenberg_marquardt_step(workers):
-    model, (x, y) = ju.question_mlp(seed=2), ju.regression_data(600, seed=6)
+    model = ju.question_mlp(seed=2, hidden=(16,))
+    x, y = ju.regression_data(600, seed=6)
     one = ju.least_squares_problem(model, x, y, chunk_size=100)
     spread = DistributedLeastSquares(model, x, y, workers, chunk_size=100)
     theta = one.theta0
-    for a, b in zip(one.normal_equations(theta), spread.normal_equations(theta),
-                    strict=True):
+    for a, b in zip(
+        one.normal_equations(theta), spread.normal_equations(theta), strict=True
+    ):
         # BLAS sums J.T @ J in an order that depends on its thread count
         np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-12 * np.abs(a).max())
     steps = [ju.levenberg_marquardt(p, theta, max_steps=2) for p in (one, spread)]
@@ -130,27 +148,40 @@ def test_a_killed_worker_loses_nothing(tmp_path):
     """SIGKILL a worker while it holds a chunk: the chunk is rerun elsewhere and
     the file equals the uninterrupted result, bit for bit."""
     model, (x, _) = ju.question_mlp(seed=2), ju.regression_data(6000, seed=7)
-    one = ju.chunked_jacobian(model, x, chunk_size=100, method="per_sample",
-                              progress=False)
+    one = ju.chunked_jacobian(
+        model, x, chunk_size=100, method="per_sample", progress=False
+    )
     path = tmp_path / "J.npy"
     ledger = tmp_path / ("J.npy" + LEDGER_SUFFIX)
     with LocalWorkers(2, start_timeout=120) as running:
         started = Started(running)
         # warm both workers (TensorFlow imported, model traced) so the kill
         # lands while chunks are being computed, not while starting
-        distributed_jacobian(model, x[:400], running, chunk_size=100,
-                             method="per_sample", progress=False)
+        distributed_jacobian(
+            model, x[:400], running, chunk_size=100, method="per_sample", progress=False
+        )
         result = {}
-        run = threading.Thread(target=lambda: result.update(J=distributed_jacobian(
-            model, x, running, chunk_size=100, out=path, method="per_sample",
-            progress=False)))
+        run = threading.Thread(
+            target=lambda: result.update(
+                J=distributed_jacobian(
+                    model,
+                    x,
+                    running,
+                    chunk_size=100,
+                    out=path,
+                    method="per_sample",
+                    progress=False,
+                )
+            )
+        )
         run.start()
         holding = {}
         deadline = time.monotonic() + 60
         while not holding and time.monotonic() < deadline:
             if ledger.exists() and json.loads(ledger.read_text())["done"]:
-                holding = {w: keys for w, keys in running.client.processing().items()
-                           if keys}
+                holding = {
+                    w: keys for w, keys in running.client.processing().items() if keys
+                }
             time.sleep(0.005)
         assert holding, "no worker was holding a chunk"
         victim = next(iter(holding))
@@ -176,8 +207,14 @@ def test_a_worker_that_never_starts_is_an_error_in_bounded_time(monkeypatch):
 
     monkeypatch.setattr(LocalWorkers, "_spawn", hanging_workers)
     seen = []
-    monkeypatch.setattr(LocalWorkers, "close", lambda self, real=LocalWorkers.close: (
-        seen.extend(p.pid for p in self.processes), real(self)))
+    monkeypatch.setattr(
+        LocalWorkers,
+        "close",
+        lambda self, real=LocalWorkers.close: (
+            seen.extend(p.pid for p in self.processes),
+            real(self),
+        ),
+    )
     started = time.monotonic()
     with pytest.raises(WorkerStartError, match="did not start within start_timeout"):
         LocalWorkers(2, start_timeout=8)
@@ -204,6 +241,8 @@ def test_a_taken_port_is_an_error():
         taken.listen()
         port = taken.getsockname()[1]
         started = time.monotonic()
-        with pytest.raises(WorkerStartError, match=f"port {port} on 127.0.0.1 is taken"):
+        with pytest.raises(
+            WorkerStartError, match=f"port {port} on 127.0.0.1 is taken"
+        ):
             LocalWorkers(1, port=port)
         assert time.monotonic() - started < 5

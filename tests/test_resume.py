@@ -26,7 +26,8 @@ ju.chunked_jacobian(ju.question_mlp(seed=1), x, chunk_size={chunk}, out=sys.argv
 RUN_SUMS = """
 import sys, jacutil as ju
 x, y = ju.regression_data({n}, seed=3)
-problem = ju.least_squares_problem(ju.question_mlp(seed=1), x, y, chunk_size={chunk})
+model = ju.question_mlp(seed=1, hidden=(16,))
+problem = ju.least_squares_problem(model, x, y, chunk_size={chunk})
 problem.normal_equations(problem.theta0, checkpoint=sys.argv[1])
 """
 
@@ -130,7 +131,8 @@ def test_killed_normal_equations_resume_to_the_same_sums(tmp_path):
     )
     assert 3 <= done < N // CHUNK, "the run was not killed part-way"
     x, y = ju.regression_data(N, seed=3)
-    problem = ju.least_squares_problem(ju.question_mlp(seed=1), x, y, chunk_size=CHUNK)
+    model = ju.question_mlp(seed=1, hidden=(16,))
+    problem = ju.least_squares_problem(model, x, y, chunk_size=CHUNK)
     JtJ, Jtr = problem.normal_equations(problem.theta0, checkpoint=path)
     whole_JtJ, whole_Jtr = problem.normal_equations(problem.theta0)
     assert np.array_equal(JtJ, whole_JtJ) and np.array_equal(Jtr, whole_Jtr)
