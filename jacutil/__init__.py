@@ -10,6 +10,7 @@ Each function's docstring names the notebook that introduces it.
 
 from . import (
     batch,
+    distributed,
     formulation,
     guards,
     matrix_free,
@@ -17,6 +18,7 @@ from . import (
     notebook,
     outputs,
     plots,
+    resume,
     rules,
 )
 from ._tf import keras, tf
@@ -24,6 +26,7 @@ from .auto import Choice, jacobian
 from .chunked import chunk_size_for, chunked_jacobian
 from .compiled import CompiledJacobian, compiled_jacobian
 from .dense_jacobian import compiled_dense_jacobian, dense_jacobian
+from .distributed import DistributedLeastSquares, LocalWorkers, distributed_jacobian
 from .forward import forward_jacobian
 from .gauss_newton import levenberg_marquardt
 from .layout import (
@@ -54,7 +57,9 @@ __version__ = "0.1.0"
 __all__ = [
     "Choice",
     "CompiledJacobian",
+    "DistributedLeastSquares",
     "LeastSquaresProblem",
+    "LocalWorkers",
     "Timing",
     "batch",
     "chunk_size_for",
@@ -62,6 +67,8 @@ __all__ = [
     "compiled_dense_jacobian",
     "compiled_jacobian",
     "dense_jacobian",
+    "distributed",
+    "distributed_jacobian",
     "finite_difference_jacobian",
     "fit_least_squares",
     "formulation",
@@ -86,6 +93,7 @@ __all__ = [
     "per_sample_jacobian",
     "plots",
     "products",
+    "resume",
     "question_mlp",
     "rules",
     "regression_data",

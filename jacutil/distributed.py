@@ -160,6 +160,7 @@ def distributed_jacobian(
     jit_compile=False,
     method="rules",
     timeout=None,
+    on_chunk=None,
 ):
     """Per-sample Jacobian with its chunks computed on Dask workers.
 
@@ -170,7 +171,8 @@ def distributed_jacobian(
     array, or a ``.npy`` path that is resumable as in ``chunked_jacobian`` -
     the same ledger, so a run started in one process can be finished on
     workers. A worker that dies mid-chunk has its chunk rerun elsewhere.
-    ``timeout`` (seconds) bounds the wait for any one chunk.
+    ``timeout`` (seconds) bounds the wait for any one chunk; ``on_chunk(k)``
+    is called after chunk ``k`` is written (and recorded).
 
     Returns ``out`` (an array, or the file opened read-only), shape
     (n_samples, n_outputs, n_params). Introduced in ``10-beyond-one-machine``.
@@ -208,14 +210,14 @@ def distributed_jacobian(
         where = () if path is None else (str(path.resolve()), start)
         task = client.submit(_rows_task, spec, rows, options, *where, pure=False)
         futures[task] = k
-    _collect(futures, out, ledger, chunk_size, n_rows, progress, timeout)
+    _collect(futures, out, ledger, chunk_size, n_rows, progress, timeout, on_chunk)
     if ledger is None:
         return out
     del out
     return np.load(path, mmap_mode="r")
 
 
-def _collect(futures, out, ledger, chunk_size, n_rows, progress, timeout):
+def _collect(futures, out, ledger, chunk_size, n_rows, progress, timeout, on_chunk):
     """Each chunk as it arrives: its rows written into ``out``, or, when the
     workers wrote them into the file themselves, recorded in ``ledger``."""
     from distributed import as_completed
@@ -237,6 +239,8 @@ def _collect(futures, out, ledger, chunk_size, n_rows, progress, timeout):
                 ledger.done.add(k)
                 ledger.save(chunk_size)
             bar.update(min(chunk_size, n_rows - start))
+            if on_chunk is not None:
+                on_chunk(k)
 
 
 class DistributedLeastSquares(LeastSquaresProblem):

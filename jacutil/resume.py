@@ -140,6 +140,17 @@ class Ledger:
         _write_atomically(self.path, lambda f: f.write(json.dumps(state).encode()))
 
 
+def finished_chunks(path):
+    """``(finished, of)`` chunks of the resumable ``.npy`` at ``path``, from its
+    ledger; ``(0, None)`` before the ledger exists."""
+    ledger = Path(str(path) + LEDGER_SUFFIX)
+    try:
+        state = json.loads(ledger.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return 0, None
+    return len(_runs_to_chunks(state["done"])), state["n_chunks"]
+
+
 def _chunks_to_runs(chunks):
     """{0, 1, 2, 5} -> [[0, 3], [5, 6]]: chunks finish mostly in order."""
     runs = []

@@ -175,8 +175,8 @@ class LocalWorkers:
                     "--no-dashboard",
                     "--dashboard-address",
                     f"{HOST}:0",
-                "--dashboard-address",
-                f"{HOST}:0",
+                    "--dashboard-address",
+                    f"{HOST}:0",
                     "--nanny",
                     "--memory-limit",
                     "0",
@@ -210,6 +210,25 @@ class LocalWorkers:
     def worker_pids(self):
         """``{worker address: pid}`` of the worker processes (not their nannies)."""
         return self.client.run(os.getpid)
+
+    def kill_busy_worker(self, timeout=60.0):
+        """A fault drill: ``SIGKILL`` a worker process that holds a chunk.
+
+        Waits up to ``timeout`` seconds for a worker with tasks, kills it as
+        an out-of-memory killer or a lost machine would, and returns
+        ``(address, pid, keys it held)``. Its nanny starts a new worker; the
+        scheduler gives the chunks it held to a live one.
+        """
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            busy = {w: k for w, k in self.client.processing().items() if k}
+            pids = self.worker_pids()
+            for address, keys in busy.items():
+                if address in pids:
+                    os.kill(pids[address], signal.SIGKILL)
+                    return address, pids[address], list(keys)
+            time.sleep(0.005)
+        raise TimeoutError(f"no worker held a chunk within {timeout:g} seconds.")
 
     def close(self):
         """Stop the client, the workers and the scheduler; idempotent."""
