@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 from .batch import as_batch, n_samples, signature_key, take
 from .compiled import CompiledJacobian, bucket_size
 from .outputs import output_layout
-from .resume import fingerprint, open_rows
+from .resume import fingerprint, open_rows, write_rows
 from .target import resolve_target
 
 # Working memory of a chunk of c samples, in bytes (itemsize bytes a number;
@@ -252,7 +252,7 @@ def run_record(jac, model, x):
 
 def _resumable(jac, model, x, path, shape, chunk_size, explicit, progress):
     """Chunks into the ``.npy`` at ``path``, skipping those an earlier run finished."""
-    out, ledger, chunk_size = open_rows(
+    ledger, chunk_size = open_rows(
         path,
         shape,
         jac.target.dtype,
@@ -264,12 +264,9 @@ def _resumable(jac, model, x, path, shape, chunk_size, explicit, progress):
     with tqdm(total=shape[0], initial=done, disable=not progress, unit="sample") as bar:
         for k in ledger.todo():
             start = k * chunk_size
-            out[start : start + chunk_size] = np.asarray(
-                chunk_rows(jac, x, chunk_size, start)
-            )
-            out.flush()  # the rows are on disk before the ledger says so
+            rows = np.asarray(chunk_rows(jac, x, chunk_size, start))
+            write_rows(path, start, rows)  # on disk before the ledger says so
             ledger.done.add(k)
             ledger.save(chunk_size)
-            bar.update(min(chunk_size, shape[0] - start))
-    del out
+            bar.update(len(rows))
     return np.load(path, mmap_mode="r")

@@ -19,9 +19,9 @@ from tqdm.auto import tqdm
 
 from ._tf import keras, tf
 from .batch import as_batch, n_samples, take
-from .chunked import _compiled_for, chunked_jacobian, run_record
+from .chunked import _check_out, _compiled_for, chunked_jacobian, run_record
 from .outputs import output_layout
-from .resume import fingerprint, open_rows
+from .resume import fingerprint, open_rows, write_rows
 from .scipy_bridge import LeastSquaresProblem
 from .workers import LocalWorkers, WorkerStartError, client_of
 
@@ -129,9 +129,7 @@ def _rows_task(spec, x, options, path=None, start=0):
     )
     if path is None:
         return rows
-    out = np.lib.format.open_memmap(path, mode="r+")
-    out[start : start + len(rows)] = rows
-    out.flush()
+    write_rows(path, start, rows)
     return None
 
 
@@ -190,8 +188,10 @@ def distributed_jacobian(
     ledger = None
     if out is None:
         out = np.empty(shape, jac.target.dtype)
-    elif not isinstance(out, np.ndarray):
-        out, ledger, chunk_size = open_rows(
+    elif isinstance(out, np.ndarray):
+        out = _check_out(out, shape, jac.target.dtype)
+    else:
+        ledger, chunk_size = open_rows(
             out,
             shape,
             jac.target.dtype,
@@ -206,15 +206,12 @@ def distributed_jacobian(
     futures = {}
     for k in todo:
         start = k * chunk_size
-        rows = _as_numpy(take(x, start, start + chunk_size))
+        x_chunk = _as_numpy(take(x, start, start + chunk_size))
         where = () if path is None else (str(path.resolve()), start)
-        task = client.submit(_rows_task, spec, rows, options, *where, pure=False)
+        task = client.submit(_rows_task, spec, x_chunk, options, *where, pure=False)
         futures[task] = k
     _collect(futures, out, ledger, chunk_size, n_rows, progress, timeout, on_chunk)
-    if ledger is None:
-        return out
-    del out
-    return np.load(path, mmap_mode="r")
+    return out if ledger is None else np.load(path, mmap_mode="r")
 
 
 def _collect(futures, out, ledger, chunk_size, n_rows, progress, timeout, on_chunk):

@@ -18,6 +18,10 @@ order after a resume, so the total is the same to the last bit.
 import hashlib
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -167,10 +171,11 @@ def _runs_to_chunks(runs):
 
 
 def open_rows(path, shape, dtype, record, chunk_size, n_rows_of):
-    """The ``.npy`` memmap at ``path`` and its ledger, resumed if it exists.
+    """The ledger of the ``.npy`` at ``path``, resumed if the file exists;
+    otherwise a new file of ``shape`` and ``dtype`` (its rows not yet written).
 
     ``n_rows_of(chunk_size)`` gives the number of chunks. Returns
-    ``(out, ledger, chunk_size)``.
+    ``(ledger, chunk_size)``.
     """
     path = Path(path)
     ledger = Ledger(path, None, {**record, "shape": list(shape), "dtype": str(dtype)})
@@ -181,13 +186,39 @@ def open_rows(path, shape, dtype, record, chunk_size, n_rows_of):
         )
     chunk_size = ledger.load(chunk_size)
     ledger.n_chunks = n_rows_of(chunk_size)
-    if ledger.done and path.exists():
-        out = np.lib.format.open_memmap(path, mode="r+")
-    else:  # nothing finished yet: (re)create the file
+    if not (ledger.done and path.exists()):  # nothing finished: a new file
         ledger.done = set()
         ledger.save(chunk_size)
-        out = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
-    return out, ledger, chunk_size
+        new = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
+        del new  # the header is written; the rows stay a sparse file until then
+    return ledger, chunk_size
+
+
+def write_rows(path, start, rows):
+    """Write ``rows`` as rows ``start..`` of the ``.npy`` at ``path`` and flush
+    them to disk, through a mapping of those rows only (by the process that
+    computed them: this one, or a worker that sees the same file)."""
+    with open(path, "rb") as file:
+        major, _ = np.lib.format.read_magic(file)
+        read_header = (
+            np.lib.format.read_array_header_1_0
+            if major == 1
+            else np.lib.format.read_array_header_2_0
+        )
+        shape, _, dtype = read_header(file)
+        offset = file.tell()
+    if rows.shape[1:] != shape[1:] or rows.dtype != dtype:
+        raise ValueError(
+            f"rows of shape {rows.shape[1:]} and dtype {rows.dtype} do not fit "
+            f"{path}, whose rows have shape {shape[1:]} and dtype {dtype}."
+        )
+    row_bytes = int(np.prod(shape[1:])) * dtype.itemsize
+    part = np.memmap(
+        path, dtype, "r+", offset=offset + start * row_bytes, shape=rows.shape
+    )
+    part[:] = rows
+    part.flush()
+    del part
 
 
 class SumCheckpoint:
@@ -219,3 +250,25 @@ class SumCheckpoint:
             np.savez(file, record=self.record, next_chunk=next_chunk, **arrays)
 
         _write_atomically(self.path, write)
+
+
+def kill_part_way(script, progress, at_least=1, timeout=120.0):
+    """A drill: run ``script`` in a fresh Python and ``SIGKILL`` it - no
+    clean-up, as a lost machine - once ``progress()`` (chunks finished) reaches
+    ``at_least``. Returns ``progress()`` after the kill."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", script],
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
+    try:
+        deadline = time.monotonic() + timeout
+        while process.poll() is None and time.monotonic() < deadline:
+            if progress() >= at_least:
+                process.send_signal(signal.SIGKILL)
+                break
+            time.sleep(0.002)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+    return progress()

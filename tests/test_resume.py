@@ -1,70 +1,36 @@
 """Resumable out-of-core runs: killed part-way, resumed, equal bit for bit."""
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
-
 import numpy as np
 import pytest
 
 import jacutil as ju
 import jacutil.chunked
-from jacutil.resume import LEDGER_SUFFIX, ResumeMismatch
+from jacutil.resume import ResumeMismatch, finished_chunks, kill_part_way
 
 N, CHUNK = 4000, 20  # 200 chunks: long enough to be killed part-way
 
 RUN_ROWS = """
-import sys, jacutil as ju
+import jacutil as ju
 x, _ = ju.regression_data({n}, seed=3)
-ju.chunked_jacobian(ju.question_mlp(seed=1), x, chunk_size={chunk}, out=sys.argv[1],
+ju.chunked_jacobian(ju.question_mlp(seed=1), x, chunk_size={chunk}, out={path!r},
                     progress=False)
 """
 
 RUN_SUMS = """
-import sys, jacutil as ju
+import jacutil as ju
 x, y = ju.regression_data({n}, seed=3)
 model = ju.question_mlp(seed=1, hidden=(16,))
 problem = ju.least_squares_problem(model, x, y, chunk_size={chunk})
-problem.normal_equations(problem.theta0, checkpoint=sys.argv[1])
+problem.normal_equations(problem.theta0, checkpoint={path!r})
 """
-
-
-def _kill_part_way(script, path, progress, at_least=3, timeout=120):
-    """Run ``script`` in a fresh Python, SIGKILL it once ``progress()`` (chunks
-    finished on disk) reaches ``at_least``; returns that progress."""
-    process = subprocess.Popen(
-        [sys.executable, "-c", script, str(path)],
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
-    )
-    try:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and process.poll() is None:
-            if progress() >= at_least:
-                break
-            time.sleep(0.002)
-        process.send_signal(signal.SIGKILL)
-        process.wait(30)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    return progress()
-
-
-def _chunks_done(path):
-    ledger = path.with_name(path.name + LEDGER_SUFFIX)
-    if not ledger.exists():
-        return 0
-    runs = json.loads(ledger.read_text())["done"]
-    return sum(stop - start for start, stop in runs)
 
 
 def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch):
     path = tmp_path / "J.npy"
-    done = _kill_part_way(
-        RUN_ROWS.format(n=N, chunk=CHUNK), path, lambda: _chunks_done(path)
+    done = kill_part_way(
+        RUN_ROWS.format(n=N, chunk=CHUNK, path=str(path)),
+        lambda: finished_chunks(path)[0],
+        at_least=3,
     )
     n_chunks = N // CHUNK
     assert 3 <= done < n_chunks, "the run was not killed part-way"
@@ -126,8 +92,10 @@ def _sums_done(path):
 
 def test_killed_normal_equations_resume_to_the_same_sums(tmp_path):
     path = tmp_path / "sums.npz"
-    done = _kill_part_way(
-        RUN_SUMS.format(n=N, chunk=CHUNK), path, lambda: _sums_done(path)
+    done = kill_part_way(
+        RUN_SUMS.format(n=N, chunk=CHUNK, path=str(path)),
+        lambda: _sums_done(path),
+        at_least=3,
     )
     assert 3 <= done < N // CHUNK, "the run was not killed part-way"
     x, y = ju.regression_data(N, seed=3)

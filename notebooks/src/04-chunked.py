@@ -108,7 +108,9 @@ print(f"budget {budget_mib} MiB -> chunks of {chunk} samples, "
 # writing to it writes to the file, and the kernel keeps only what fits.
 # `chunked_jacobian` writes each chunk into it and shows a progress bar. A
 # call on two samples first traces the compiled function, so that the
-# trace's own memory is not measured.
+# trace's own memory is not measured. (Give `out` a path instead, and the
+# run keeps a ledger of finished chunks and can be resumed after a crash:
+# notebook 10.)
 
 # %%
 ju.notebook.show_source(ju.chunked_jacobian)

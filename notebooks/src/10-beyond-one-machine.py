@@ -1,0 +1,424 @@
+# ---
+# jupyter:
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 10 · Beyond one machine, and nothing lost
+#
+# **Questions**
+# - My out-of-core Jacobian takes an hour to write. What happens when the
+#   kernel dies half-way?
+# - How do I spread the chunks over several processes or machines, and what
+#   happens when one of them dies?
+# - How much faster will N machines be?
+#
+# **Objectives**
+# - Interrupt a chunked run on purpose (`SIGKILL`), resume it, and prove the
+#   file equal to an uninterrupted run, bit for bit.
+# - Compute the same chunks on 2 Dask worker processes, prove the answer
+#   equal, then kill a worker mid-run and see the run complete.
+# - Sum JᵀJ and Jᵀr on the workers for a Gauss–Newton step.
+# - Write down the cost model for N workers and put the 2-worker measurement
+#   beside it.
+#
+# *Teaching: 20 min · Exercises: 10 min*
+
+# %% [markdown]
+# ## Setup
+
+# %%
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+import jacutil as ju
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print(ju.notebook.device_summary())
+
+# %% tags=["parameters"]
+n_samples = 100_000  # samples of the one- against two-worker measurement
+chunk_size = 10_000  # samples per chunk on the workers and in one process
+n_workers = 2  # worker processes on this machine
+resume_samples = 20_000  # samples of the interrupted run
+resume_chunk = 500  # its chunk size
+gn_samples = 4_000  # samples of the Gauss-Newton step
+gn_chunk = 500  # its chunk size
+seed = 0
+
+# %% [markdown]
+# Everything is written into a temporary folder, removed at the end. The
+# question's network, 2,850 parameters and 2 outputs:
+
+# %%
+folder = Path(tempfile.mkdtemp(prefix="jacutil-10-"))
+model = ju.question_mlp(seed=seed)
+x, y = ju.regression_data(n_samples, seed=seed)
+m = ju.flat_params(model).size
+print(f"J for {n_samples:,} samples: {n_samples:,} x 2 x {m:,} float32 = "
+      f"{n_samples * 2 * m * 4 / 2**30:.1f} GiB")
+
+# %% [markdown]
+# ## Nothing lost: a resumable run
+#
+# Give `chunked_jacobian` a path instead of an array, and it writes the rows
+# into that `.npy` file and keeps a small ledger beside it,
+# `J.npy.progress.json`: a fingerprint of the model's weights, `x` and the
+# options, and the chunks finished so far. After each chunk the rows are
+# flushed to disk *first*, then the ledger is replaced in one atomic step, so
+# whatever instant the run dies at, every chunk the ledger lists is complete:
+
+# %%
+ju.notebook.show_source(ju.chunked._resumable)
+
+# %% [markdown]
+# Now the drill. A fresh Python process starts the run, and is killed with
+# `SIGKILL` - no clean-up, like a machine that is pre-empted - once a few
+# chunks are on disk:
+
+# %%
+path = folder / "J.npy"
+script = f"""
+import jacutil as ju
+x, _ = ju.regression_data({resume_samples}, seed={seed})
+ju.chunked_jacobian(ju.question_mlp(seed={seed}), x, chunk_size={resume_chunk},
+                    out={str(path)!r}, method="per_sample", progress=False)
+"""
+finished = ju.resume.kill_part_way(script, lambda: ju.resume.finished_chunks(path)[0],
+                                   at_least=3)
+n_chunks = -(-resume_samples // resume_chunk)
+assert finished < n_chunks, "the run finished before it was killed: raise resume_samples"
+ledger = json.loads(Path(str(path) + ju.resume.LEDGER_SUFFIX).read_text())
+print(f"killed with {finished} of {n_chunks} chunks finished; the ledger says:")
+print({key: ledger[key] for key in ("chunk_size", "n_chunks", "done")})
+
+# %% [markdown]
+# The same call again, in this process, skips the finished chunks (the
+# progress bar starts part-way) and completes the rest. Then it is compared
+# with a run that was never interrupted, in memory:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+x_resume = x[:resume_samples]
+resumed = ju.chunked_jacobian(model, x_resume, chunk_size=resume_chunk, out=path,
+                              method="per_sample")
+
+# %%
+whole = ju.chunked_jacobian(model, x_resume, chunk_size=resume_chunk,
+                            method="per_sample", progress=False)
+print("resumed file == uninterrupted run, bit for bit:", np.array_equal(resumed, whole))
+
+# %% [markdown]
+# A run may only resume what it started: change one weight (or one sample,
+# or the chunk size) and the fingerprint differs, so the file is refused
+# rather than mixed:
+
+# %%
+weights = model.get_weights()
+model.layers[0].kernel.assign(model.layers[0].kernel * 1.001)
+try:
+    ju.chunked_jacobian(model, x_resume, chunk_size=resume_chunk, out=path,
+                        method="per_sample")
+except ju.resume.ResumeMismatch as error:
+    print("ResumeMismatch:", error)
+model.set_weights(weights)
+del resumed, whole
+
+# %% [markdown]
+# The normal equations of notebook 05 resume the same way:
+# `problem.normal_equations(theta, checkpoint="sums.npz")` saves the partial
+# sums after each chunk and, called again, adds the remaining chunks in the
+# same order, so the sums are the same to the last bit (the tests kill it
+# part-way too).
+#
+# ## Chunks on worker processes
+#
+# One machine is too slow for some jobs; then the chunks go to other
+# processes, on this machine or others. We use Dask's distributed
+# scheduler: it hands each chunk to a worker and, when a worker dies while
+# holding one, gives that chunk to another.
+#
+# Why Dask? TensorFlow's own `ParameterServerStrategy` with a
+# `ClusterCoordinator` also reruns a lost worker's function, but it waits
+# forever - holding Python's lock, so nothing can time it out - for a worker
+# that never starts or whose port is taken, and its servers listen on every
+# network interface. Ray retries tasks too, at the cost of a far larger
+# install and a slower start. Keras's `MultiWorkerMirroredStrategy` is made
+# for `fit` (and broken with Keras 3 since TF 2.16), not for scheduling
+# chunks.
+#
+# `LocalWorkers` starts a scheduler and `n_workers` worker processes - the
+# same `dask scheduler` and `dask worker` commands a cluster runs -
+# listening on 127.0.0.1 only, and stops them all when the `with` block or
+# `close()` ends. A Keras model does not pickle well between processes, so
+# each worker rebuilds it from `model.to_json()` and the weights, and checks
+# on one sample that it computes what yours does:
+
+# %%
+ju.notebook.show_source(ju.distributed._rows_task)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+start = time.perf_counter()
+workers = ju.LocalWorkers(n_workers)
+started_in = time.perf_counter() - start
+warm_x = x[: 2 * n_workers * min(chunk_size, 1000)]
+start = time.perf_counter()
+ju.distributed_jacobian(model, warm_x, workers, progress=False)
+first_call = time.perf_counter() - start
+print(workers)
+print(f"started in {started_in:.1f} s; first chunks (TensorFlow imported and "
+      f"the model rebuilt on each worker) in {first_call:.1f} s")
+
+# %% [markdown]
+# The measurement: the whole Jacobian into a file on disk, once by one
+# process (`chunked_jacobian`) and once by the workers (each writes its
+# chunks into the same file; this process keeps the ledger), with the same
+# chunks and the layer-rules path in both:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+def timed(run):
+    os.sync()  # each measurement starts with earlier writes on disk
+    start = time.perf_counter()
+    result = run()
+    return result, time.perf_counter() - start
+
+
+one_path, two_path = folder / "one.npy", folder / "two.npy"
+J_one, t_one = timed(lambda: ju.chunked_jacobian(
+    model, x, chunk_size=chunk_size, out=one_path, method="rules", progress=False))
+J_two, t_two = timed(lambda: ju.distributed_jacobian(
+    model, x, workers, chunk_size=chunk_size, out=two_path, progress=False))
+print(f"one process: {t_one:.1f} s; {n_workers} workers: {t_two:.1f} s "
+      f"({t_two / t_one:.2f}x the one-process time)")
+
+# %%
+same = all(np.array_equal(J_one[i:i + chunk_size], J_two[i:i + chunk_size])
+           for i in range(0, n_samples, chunk_size))
+print(f"{n_workers} workers == one process, bit for bit:", same)
+
+# %% [markdown]
+# Read the ratio above: on this machine the workers share the same cores
+# that the one process already used, so they cannot compute faster; what the
+# ratio shows is the engine's overhead (sending chunks, the scheduler's
+# round trips) and whether writing from two processes at once helps. The cost
+# model below says what to expect on real machines.
+#
+# ## A worker lost
+#
+# Now kill a worker while it holds a chunk: `kill_busy_worker` sends `SIGKILL`
+# to a worker process with work assigned, from inside the run (`on_chunk`
+# is called after each chunk is recorded). The worker's nanny starts a new
+# one, and the scheduler gives the lost chunk to a live worker:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+fault_path = folder / "fault.npy"
+killed = []
+
+
+def kill_once(k):
+    if not killed:
+        killed.append(workers.kill_busy_worker())
+
+
+J_fault = ju.distributed_jacobian(
+    model, x_resume, workers, chunk_size=resume_chunk, out=fault_path,
+    method="per_sample", progress=False, on_chunk=kill_once)
+address, pid, held = killed[0]
+print(f"killed worker {address} (pid {pid}), which held {len(held)} chunk(s)")
+
+# %%
+whole = ju.chunked_jacobian(model, x_resume, chunk_size=resume_chunk,
+                            method="per_sample", progress=False)
+print("run with a lost worker == uninterrupted run, bit for bit:",
+      np.array_equal(J_fault, whole))
+del J_fault, whole
+
+# %% [markdown]
+# ## Gauss–Newton steps on the workers
+#
+# For notebook 05's Levenberg–Marquardt, the workers compute each chunk's
+# `J_k.T @ J_k` and `J_k.T @ r_k` (m × m and m numbers: far less to send
+# than the chunk's rows) and this process adds them in chunk order.
+# `DistributedLeastSquares` is a `LeastSquaresProblem` whose
+# `normal_equations` does that, so `levenberg_marquardt` takes it unchanged:
+
+# %%
+x_gn, y_gn = x[:gn_samples], y[:gn_samples]
+one = ju.least_squares_problem(model, x_gn, y_gn, chunk_size=gn_chunk)
+spread = ju.DistributedLeastSquares(model, x_gn, y_gn, workers, chunk_size=gn_chunk)
+(JtJ, Jtr), (JtJ_w, Jtr_w) = (p.normal_equations(one.theta0) for p in (one, spread))
+difference = max(np.abs(JtJ_w - JtJ).max() / np.abs(JtJ).max(),
+                 np.abs(Jtr_w - Jtr).max() / np.abs(Jtr).max())
+print(f"JtJ and Jtr from the workers against one process: largest difference "
+      f"{difference:.0e} of the largest entry")
+fit = ju.levenberg_marquardt(spread, max_steps=3)
+print(f"{fit['n_steps']} steps on the workers ({fit['n_accepted']} accepted): MSE "
+      f"{fit['history'][0, 1]:.4f} -> {fit['history'][-1, 1]:.4f}")
+model.set_weights(weights)
+
+# %% [markdown]
+# The sums are not bit for bit those of one process here: NumPy's matrix
+# product adds in an order that depends on how many threads BLAS uses, and
+# each worker runs one. The difference printed above is rounding; a run that
+# loses a worker gives the same sums as one that does not.
+#
+# ## On a real cluster, and what to expect
+#
+# - **Starting workers.** On the scheduler's machine run `dask scheduler`;
+#   on every other machine `dask worker tcp://SCHEDULER:8786 --nthreads 1`
+#   (with jacutil, TensorFlow and your custom layers installed there); in
+#   the notebook pass `dask.distributed.Client("tcp://SCHEDULER:8786")`
+#   where we passed `workers`. Nothing else changes.
+# - **Where the output lives.** With `out=path`, every worker writes its
+#   chunks into that file, so it must be on a file system every machine
+#   sees (NFS, Lustre, a cloud file share). With an object store (S3, GCS)
+#   each chunk would be its own object and the ledger the list of objects
+#   written; that is not built here. `out=None` sends the rows back to this
+#   process instead: fine for what fits in its memory.
+# - **GPUs.** Each worker process sees the GPUs of its own machine, and
+#   TensorFlow takes all of them by default. On a machine with k GPUs start
+#   k workers, each with `CUDA_VISIBLE_DEVICES=i` (and
+#   `TF_FORCE_GPU_ALLOW_GROWTH=true`), so each owns one. `LocalWorkers` gives
+#   its workers this process's environment, so it suits CPUs and one GPU.
+#
+# The time of a run on N workers, each as fast as this process:
+#
+# `T_N ≈ T_compute / s(N) + T_out + K · τ`
+#
+# where `T_compute` is the computing alone, `s(N)` its speed-up (N on N
+# machines; about 1 here, where the workers share this machine's cores),
+# `T_out` everything else one process spends - copying the rows out and
+# writing them to disk - which does not shrink with more machines unless the
+# storage grows with them, `K` the number of chunks and `τ` the scheduler's
+# cost per chunk. We measure `T_compute` (the same chunks, rows computed and
+# dropped) and `τ` (tasks that do nothing); `T_out` is the rest of the
+# one-process time:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+jac = ju.compiled_jacobian(model, method="rules")
+jac(x[:chunk_size], copy=False)  # traced before the clock starts
+_, t_compute = timed(lambda: [jac(x[i:i + chunk_size], copy=False)
+                              for i in range(0, n_samples, chunk_size)])
+no_ops = [workers.client.submit(int, k, pure=False) for k in range(200)]
+_, t_tasks = timed(lambda: workers.client.gather(no_ops))
+tau = t_tasks / len(no_ops)
+K = -(-n_samples // chunk_size)
+t_out = max(t_one - t_compute, 0.0)
+print(f"T_compute {t_compute:.1f} s, T_out {t_out:.1f} s, tau {1e3 * tau:.1f} ms, "
+      f"K = {K} chunks")
+print(f"{n_workers} workers on this machine: model {t_compute + t_out + K * tau:.1f} s, "
+      f"measured {t_two:.1f} s")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+machines = np.array([1, 2, 4, 8, 16])
+fig, ax = plt.subplots(figsize=(6.5, 3.5))
+ax.plot(machines, t_compute / machines + t_out + K * tau, "o-",
+        label="model: N machines, one shared disk")
+ax.axhline(t_out, color="gray", ls="--", label="T_out: the floor")
+ax.plot([1], [t_one], "s", label="measured: one process")
+ax.plot([n_workers], [t_two], "^", label=f"measured: {n_workers} workers, one machine")
+ax.set_xscale("log", base=2)
+ax.set_xticks(machines, [str(n) for n in machines])
+ax.set_ylim(bottom=0)
+ax.set_xlabel("machines N")
+ax.set_ylabel("seconds")
+ax.set_title(f"J of {n_samples:,} samples into a file, {K} chunks")
+ax.legend()
+fig.tight_layout()
+
+# %% [markdown]
+# Compare the measured points with the line. More machines shrink only
+# `T_compute`; the line flattens on `T_out`, the writing, unless the storage
+# grows with the machines. So the larger `T_compute` is against `T_out` (a
+# bigger network computes longer for each byte it writes), the more machines
+# pay. On this one machine the two workers can land below the model: two
+# processes copy into the disk cache at once where one process copies alone,
+# and disk write-back varies from run to run. The scheduler's cost, `K · τ`,
+# stays small while chunks take far longer than `τ`: keep chunks at seconds,
+# not milliseconds.
+
+# %% [markdown]
+# ## Exercises
+#
+# **1.** Resume the run above with another chunk size: call
+# `ju.chunked_jacobian(model, x_resume, chunk_size=250, out=path)`. What
+# does the error tell you to do? Do it.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# Solution: the file was written with chunk_size=500; resuming needs the
+# same chunks (leave chunk_size out to take the file's), or delete both files.
+try:
+    ju.chunked_jacobian(model, x_resume, chunk_size=resume_chunk // 2, out=path,
+                        method="per_sample", progress=False)
+except ju.resume.ResumeMismatch as error:
+    print(error)
+again = ju.chunked_jacobian(model, x_resume, out=path, method="per_sample",
+                            progress=False)
+print("resumed with the file's own chunk size:", again.shape)
+
+# %% [markdown]
+# **2.** Kill a worker twice in one run: make `kill_once` kill on the first
+# *and* on the fifth chunk. Is the result still complete and equal? What
+# would happen if every worker died (think of Dask's
+# `distributed.scheduler.allowed-failures`, 3 by default)?
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# NBVAL_IGNORE_OUTPUT
+# Solution: each lost chunk is rerun; the nanny restarts each killed worker.
+# A chunk whose workers die more than allowed-failures times is given up with
+# a KilledWorker error: a chunk that kills every worker is a bug, not bad luck.
+kills, chunks_done = [], []
+
+
+def kill_twice(k):
+    chunks_done.append(k)
+    if len(chunks_done) in (1, 5):
+        kills.append(workers.kill_busy_worker())
+
+
+J_twice = ju.distributed_jacobian(model, x_resume, workers, chunk_size=resume_chunk,
+                                  method="per_sample", progress=False,
+                                  on_chunk=kill_twice)
+print(f"{len(kills)} workers killed; equal:", np.array_equal(
+    J_twice, ju.chunked_jacobian(model, x_resume, chunk_size=resume_chunk,
+                                 method="per_sample", progress=False)))
+
+# %% [markdown]
+# ## Clean-up
+#
+# Stop the workers and the scheduler, and remove the files:
+
+# %%
+workers.close()
+del J_one, J_two
+shutil.rmtree(folder)
+print(workers)
+
+# %% [markdown]
+# ## Keypoints
+#
+# - `chunked_jacobian(model, x, out="J.npy")` keeps a ledger of finished
+#   chunks; after any interruption the same call finishes the file, and a
+#   changed model or `x` is refused, never mixed.
+# - `LocalWorkers` starts a Dask scheduler and workers on 127.0.0.1;
+#   `distributed_jacobian` gives them the chunks and equals one process bit
+#   for bit. On a cluster, pass a `Client` instead.
+# - A worker that dies loses nothing: its chunks are rerun elsewhere.
+# - `T_N ≈ T_compute / s(N) + T_write + K · τ`: machines shrink the
+#   computing, not the writing; keep chunks long against `τ`.
