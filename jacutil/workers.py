@@ -209,7 +209,9 @@ class LocalWorkers:
 
     def worker_pids(self):
         """``{worker address: pid}`` of the worker processes (not their nannies)."""
-        return self.client.run(os.getpid)
+        pids = self.client.run(os.getpid, on_error="return")
+        # a worker that is dying or restarting answers with an error: skipped
+        return {address: pid for address, pid in pids.items() if isinstance(pid, int)}
 
     def kill_busy_worker(self, timeout=60.0):
         """A fault drill: ``SIGKILL`` a worker process that holds a chunk.

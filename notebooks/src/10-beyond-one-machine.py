@@ -88,6 +88,7 @@ ju.notebook.show_source(ju.chunked._resumable)
 # chunks are on disk:
 
 # %%
+# NBVAL_IGNORE_OUTPUT
 path = folder / "J.npy"
 script = f"""
 import jacutil as ju
@@ -257,15 +258,18 @@ del J_fault, whole
 # `normal_equations` does that, so `levenberg_marquardt` takes it unchanged:
 
 # %%
+# NBVAL_IGNORE_OUTPUT
 x_gn, y_gn = x[:gn_samples], y[:gn_samples]
 one = ju.least_squares_problem(model, x_gn, y_gn, chunk_size=gn_chunk)
 spread = ju.DistributedLeastSquares(model, x_gn, y_gn, workers, chunk_size=gn_chunk)
 (JtJ, Jtr), (JtJ_w, Jtr_w) = (p.normal_equations(one.theta0) for p in (one, spread))
 difference = max(np.abs(JtJ_w - JtJ).max() / np.abs(JtJ).max(),
                  np.abs(Jtr_w - Jtr).max() / np.abs(Jtr).max())
+assert difference < 1e-12, "the workers' sums differ by more than rounding"
 print(f"JtJ and Jtr from the workers against one process: largest difference "
       f"{difference:.0e} of the largest entry")
-fit = ju.levenberg_marquardt(spread, max_steps=3)
+fit = ju.levenberg_marquardt(spread, max_steps=3, damping=1.0)  # started well damped
+assert fit["history"][-1, 1] < fit["history"][0, 1], "no step lowered the loss"
 print(f"{fit['n_steps']} steps on the workers ({fit['n_accepted']} accepted): MSE "
       f"{fit['history'][0, 1]:.4f} -> {fit['history'][-1, 1]:.4f}")
 model.set_weights(weights)
