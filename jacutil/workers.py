@@ -20,6 +20,7 @@ import weakref
 from pathlib import Path
 
 HOST = "127.0.0.1"
+MARKER = "JACUTIL_LOCAL_WORKERS"  # in the environment of every process started
 
 
 class WorkerStartError(RuntimeError):
@@ -107,6 +108,7 @@ class LocalWorkers:
         env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
         env["TF_NUM_INTRAOP_THREADS"] = str(self.threads)
         env["TF_NUM_INTEROP_THREADS"] = "1"
+        env[MARKER] = self.address  # inherited by the nanny's worker: see leftovers()
         command = [self.python, *arguments]
         process = subprocess.Popen(
             command,
@@ -255,6 +257,22 @@ class LocalWorkers:
             f"LocalWorkers({self.n_workers} workers x {self.threads} threads, "
             f"{self.address}, {state})"
         )
+
+
+def leftovers(address=None):
+    """Processes that a LocalWorkers (any, or the one at ``address``) started
+    and that still run: after ``close()``, none (``make test`` checks)."""
+    import psutil
+
+    found = []
+    for process in psutil.process_iter(["pid", "name"]):
+        try:
+            marker = process.environ().get(MARKER)
+            if marker and address in (None, marker) and process.status() != "zombie":
+                found.append(process)
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return found
 
 
 def client_of(workers):

@@ -17,6 +17,7 @@ from jacutil.distributed import (
     distributed_jacobian,
 )
 from jacutil.resume import LEDGER_SUFFIX
+from jacutil.workers import leftovers
 from tests.architectures import ARCHITECTURES, build
 
 
@@ -27,11 +28,13 @@ def _alive(pid):
         return False
 
 
-def _assert_all_stopped(pids):
+def _assert_all_stopped(pids, address=None):
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(map(_alive, pids)):
         time.sleep(0.1)
     assert not [pid for pid in pids if _alive(pid)], "processes left behind"
+    if address is not None:  # also any we did not see: by their environment
+        assert not leftovers(address)
 
 
 class Started:
@@ -52,7 +55,7 @@ def workers():
         started = Started(running)
         yield running
         started.see()
-    _assert_all_stopped(started.pids)
+    _assert_all_stopped(started.pids, started.workers.address)
 
 
 def test_every_process_listens_on_loopback_only(workers):
@@ -181,7 +184,7 @@ def test_a_killed_worker_loses_nothing(tmp_path):
         assert not _alive(pid)
         assert np.array_equal(J, one)
         started.see()  # the nanny's new worker too
-    _assert_all_stopped(started.pids)
+    _assert_all_stopped(started.pids, started.workers.address)
 
 
 def test_a_worker_that_never_starts_is_an_error_in_bounded_time(monkeypatch):
@@ -193,12 +196,13 @@ def test_a_worker_that_never_starts_is_an_error_in_bounded_time(monkeypatch):
         return spawn(self, name, arguments)
 
     monkeypatch.setattr(LocalWorkers, "_spawn", hanging_workers)
-    seen = []
+    seen, addresses = [], []
     monkeypatch.setattr(
         LocalWorkers,
         "close",
         lambda self, real=LocalWorkers.close: (
             seen.extend(p.pid for p in self.processes),
+            addresses.append(self.address),
             real(self),
         ),
     )
@@ -206,7 +210,8 @@ def test_a_worker_that_never_starts_is_an_error_in_bounded_time(monkeypatch):
     with pytest.raises(WorkerStartError, match="did not start within start_timeout"):
         LocalWorkers(2, start_timeout=8)
     assert time.monotonic() - started < 30
-    _assert_all_stopped(seen)
+    assert len(seen) == 3  # the scheduler and two workers that hung
+    _assert_all_stopped(seen, addresses[0])
 
 
 def test_a_worker_that_crashes_at_start_is_reported_with_its_log(monkeypatch):
