@@ -90,9 +90,15 @@ def _check_rebuilt(model, spec):
         )
 
 
+def _spec_task(spec):
+    return spec
+
+
 def _send(client, spec):
-    """The spec on every worker, once (a list: scatter would split a dict)."""
-    return client.scatter([spec], broadcast=True, hash=False)[0]
+    """The spec as the result of a task that holds it: every chunk depends on
+    it, and if each worker that had it dies, the scheduler runs the task
+    again (scattered data would be lost with the last worker holding it)."""
+    return client.submit(_spec_task, spec, pure=False)
 
 
 _rebuilt = {}  # on a worker: spec key -> model (the newest few)

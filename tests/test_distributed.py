@@ -146,9 +146,10 @@ def test_normal_equations_and_one_levenberg_marquardt_step(workers):
     assert steps[0]["history"][-1, 1] < steps[0]["history"][0, 1]
 
 
-def test_a_killed_worker_loses_nothing(tmp_path):
-    """SIGKILL a worker while it holds a chunk: the chunk is rerun elsewhere and
-    the file equals the uninterrupted result, bit for bit."""
+def test_killed_workers_lose_nothing(tmp_path):
+    """SIGKILL workers while they hold chunks, both at once, then a new one:
+    the chunks are rerun and the file equals the uninterrupted result, bit
+    for bit."""
     model, (x, _) = ju.question_mlp(seed=2), ju.regression_data(6000, seed=7)
     one = ju.chunked_jacobian(
         model, x, chunk_size=100, method="per_sample", progress=False
@@ -161,10 +162,14 @@ def test_a_killed_worker_loses_nothing(tmp_path):
         distributed_jacobian(
             model, x[:400], running, chunk_size=100, method="per_sample", progress=False
         )
-        killed = []
+        killed, finished = [], []
 
-        def kill_once(k):
-            if not killed:
+        def kill_twice(k):
+            # after the first chunk, both workers at once: every worker that
+            # was sent the model is gone, so it must be sent again; later,
+            # one of the new workers
+            finished.append(k)
+            for _ in range({1: 2, 8: 1}.get(len(finished), 0)):
                 killed.append(running.kill_busy_worker())
                 killed.append(ju.resume.finished_chunks(path))
 
@@ -176,12 +181,15 @@ def test_a_killed_worker_loses_nothing(tmp_path):
             out=path,
             method="per_sample",
             progress=False,
-            on_chunk=kill_once,
+            on_chunk=kill_twice,
         )
-        (address, pid, held), (done, n_chunks) = killed
-        assert held, "the killed worker held no chunk"
-        assert done < n_chunks, "the run ended before the kill"
-        assert not _alive(pid)
+        for (_, pid, held), (done, n_chunks) in zip(
+            killed[::2], killed[1::2], strict=True
+        ):
+            assert held, "the killed worker held no chunk"
+            assert done < n_chunks, "the run ended before the kill"
+            assert not _alive(pid)
+        assert len(killed) == 6 and len({pid for _, pid, _ in killed[::2]}) == 3
         assert np.array_equal(J, one)
         started.see()  # the nanny's new worker too
     _assert_all_stopped(started.pids, started.workers.address)

@@ -32,6 +32,7 @@
 
 # %%
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -42,6 +43,10 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import jacutil as ju
+
+# Dask logs a warning for each chunk it reruns; the cells below print what
+# happened instead
+logging.getLogger("distributed").setLevel(logging.ERROR)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
