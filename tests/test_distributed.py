@@ -3,6 +3,7 @@ bad starts reported in bounded time, and no process left behind."""
 
 import json
 import socket
+import threading
 import time
 
 import numpy as np
@@ -146,10 +147,11 @@ def test_normal_equations_and_one_levenberg_marquardt_step(workers):
     assert steps[0]["history"][-1, 1] < steps[0]["history"][0, 1]
 
 
-def test_killed_workers_lose_nothing(tmp_path):
-    """SIGKILL workers while they hold chunks, both at once, then a new one:
-    the chunks are rerun and the file equals the uninterrupted result, bit
-    for bit."""
+@pytest.mark.parametrize("at_once", [1, 2])
+def test_killed_workers_lose_nothing(tmp_path, at_once):
+    """SIGKILL one worker, or both at once (every worker that was sent the
+    model: it must be sent again), while they hold chunks: the chunks are
+    rerun and the file equals the uninterrupted result, bit for bit."""
     model, (x, _) = ju.question_mlp(seed=2), ju.regression_data(6000, seed=7)
     one = ju.chunked_jacobian(
         model, x, chunk_size=100, method="per_sample", progress=False
@@ -162,17 +164,15 @@ def test_killed_workers_lose_nothing(tmp_path):
         distributed_jacobian(
             model, x[:400], running, chunk_size=100, method="per_sample", progress=False
         )
-        killed, finished = [], []
+        killed = []
 
-        def kill_twice(k):
-            # after the first chunk, both workers at once: every worker that
-            # was sent the model is gone, so it must be sent again; later,
-            # one of the new workers
-            finished.append(k)
-            for _ in range({1: 2, 8: 1}.get(len(finished), 0)):
-                killed.append(running.kill_busy_worker())
-                killed.append(ju.resume.finished_chunks(path))
+        def kill():
+            for _ in range(at_once):
+                address, pid, held = running.kill_busy_worker(timeout=30)
+                killed.append((pid, held, ju.resume.finished_chunks(path)))
 
+        killer = threading.Thread(target=kill)
+        killer.start()
         J = distributed_jacobian(
             model,
             x,
@@ -181,17 +181,15 @@ def test_killed_workers_lose_nothing(tmp_path):
             out=path,
             method="per_sample",
             progress=False,
-            on_chunk=kill_twice,
         )
-        for (_, pid, held), (done, n_chunks) in zip(
-            killed[::2], killed[1::2], strict=True
-        ):
+        killer.join()
+        assert len({pid for pid, _, _ in killed}) == at_once
+        for pid, held, (done, n_chunks) in killed:
             assert held, "the killed worker held no chunk"
             assert done < n_chunks, "the run ended before the kill"
             assert not _alive(pid)
-        assert len(killed) == 6 and len({pid for _, pid, _ in killed[::2]}) == 3
         assert np.array_equal(J, one)
-        started.see()  # the nanny's new worker too
+        started.see()  # the nannies' new workers too
     _assert_all_stopped(started.pids, started.workers.address)
 
 

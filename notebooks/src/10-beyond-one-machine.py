@@ -36,17 +36,20 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 
+import distributed
 import matplotlib.pyplot as plt
 import numpy as np
 
 import jacutil as ju
 
-# Dask logs a warning for each chunk it reruns; the cells below print what
-# happened instead
-logging.getLogger("distributed").setLevel(logging.ERROR)
+# Dask (set up when `distributed` is imported) logs a warning for each chunk
+# it reruns; the cells below print what happened instead
+logging.getLogger("distributed.client").setLevel(logging.ERROR)
+print("Dask", distributed.__version__)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -56,9 +59,9 @@ print(ju.notebook.device_summary())
 n_samples = 100_000  # samples of the one- against two-worker measurement
 chunk_size = 10_000  # samples per chunk on the workers and in one process
 n_workers = 2  # worker processes on this machine
-resume_samples = 20_000  # samples of the interrupted run
+resume_samples = 10_000  # samples of the interrupted run
 resume_chunk = 500  # its chunk size
-gn_samples = 4_000  # samples of the Gauss-Newton step
+gn_samples = 3_000  # samples of the Gauss-Newton step
 gn_chunk = 500  # its chunk size
 seed = 0
 
@@ -224,25 +227,22 @@ print(f"{n_workers} workers == one process, bit for bit:", same)
 #
 # ## A worker lost
 #
-# Now kill a worker while it holds a chunk: `kill_busy_worker` sends `SIGKILL`
-# to a worker process with work assigned, from inside the run (`on_chunk`
-# is called after each chunk is recorded). The worker's nanny starts a new
-# one, and the scheduler gives the lost chunk to a live worker:
+# Now kill a worker while it holds a chunk: `kill_busy_worker` waits for a
+# worker process with work assigned and sends it `SIGKILL`. It runs in a
+# thread beside the run, so it strikes as the first chunks are handed out.
+# The worker's nanny starts a new one, and the scheduler gives the lost
+# chunks to a live worker:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 fault_path = folder / "fault.npy"
 killed = []
-
-
-def kill_once(k):
-    if not killed:
-        killed.append(workers.kill_busy_worker())
-
-
+killer = threading.Thread(target=lambda: killed.append(workers.kill_busy_worker()))
+killer.start()
 J_fault = ju.distributed_jacobian(
     model, x_resume, workers, chunk_size=resume_chunk, out=fault_path,
-    method="per_sample", progress=False, on_chunk=kill_once)
+    method="per_sample", progress=False)
+killer.join()
 address, pid, held = killed[0]
 print(f"killed worker {address} (pid {pid}), which held {len(held)} chunk(s)")
 
@@ -382,28 +382,25 @@ again = ju.chunked_jacobian(model, x_resume, out=path, method="per_sample",
 print("resumed with the file's own chunk size:", again.shape)
 
 # %% [markdown]
-# **2.** Kill a worker twice in one run: make `kill_once` kill on the first
-# *and* on the fifth chunk. Is the result still complete and equal? What
-# would happen if every worker died (think of Dask's
+# **2.** Kill *both* workers at once, as the run starts (call
+# `kill_busy_worker` twice in the thread). Is the result still complete and
+# equal? What would happen if the workers kept dying (think of Dask's
 # `distributed.scheduler.allowed-failures`, 3 by default)?
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
 # NBVAL_IGNORE_OUTPUT
-# Solution: each lost chunk is rerun; the nanny restarts each killed worker.
-# A chunk whose workers die more than allowed-failures times is given up with
-# a KilledWorker error: a chunk that kills every worker is a bug, not bad luck.
-kills, chunks_done = [], []
-
-
-def kill_twice(k):
-    chunks_done.append(k)
-    if len(chunks_done) in (1, 5):
-        kills.append(workers.kill_busy_worker())
-
-
+# Solution: each lost chunk is rerun once the nannies have restarted the
+# workers, and the model is sent again (it was the result of a task, which the
+# scheduler reruns). A chunk whose workers die more than allowed-failures
+# times is given up with a KilledWorker error: a chunk that kills every
+# worker is a bug, not bad luck.
+kills = []
+killer = threading.Thread(
+    target=lambda: kills.extend(workers.kill_busy_worker() for _ in range(2)))
+killer.start()
 J_twice = ju.distributed_jacobian(model, x_resume, workers, chunk_size=resume_chunk,
-                                  method="per_sample", progress=False,
-                                  on_chunk=kill_twice)
+                                  method="per_sample", progress=False)
+killer.join()
 print(f"{len(kills)} workers killed; equal:", np.array_equal(
     J_twice, ju.chunked_jacobian(model, x_resume, chunk_size=resume_chunk,
                                  method="per_sample", progress=False)))
