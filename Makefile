@@ -8,6 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9]*.ipynb))
 SHARED_CHECK := ../shared/tools/check_notebooks.py
+PROSE_CHECK := ../shared/tools/check_prose_numbers.py
 export TF_CPP_MIN_LOG_LEVEL := 2
 export JUPYTER_PREFER_ENV_PATH := 1
 export PYDEVD_DISABLE_FILE_VALIDATION := 1
@@ -42,6 +43,7 @@ test: setup lint
 lint: setup
 	$(BIN)/ruff check .
 	@if [ -f $(SHARED_CHECK) ]; then $(BIN)/python $(SHARED_CHECK) notebooks; fi
+	@if [ -f $(PROSE_CHECK) ]; then $(BIN)/python $(PROSE_CHECK) notebooks; fi
 
 # Rebuild notebooks/NN-*.ipynb from their sources in notebooks/src/ and store the
 # outputs of one top-to-bottom run with the default parameters.

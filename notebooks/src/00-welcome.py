@@ -33,6 +33,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import jacutil as ju
+from jacutil import tf
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -51,6 +52,14 @@ seed = 0  # seeds the weights and the data
 #
 # $$J[i, k, p] = \frac{\partial f(x_i)_k}{\partial \theta_p}, \qquad
 # J \in \mathbb{R}^{n \times l \times m}.$$
+#
+# This collection grew from two questions asked on Stack Exchange (and
+# reposted, with answers, in Chinese): *How to compute the Jacobian matrix
+# efficiently in TensorFlow, and speed up my slow code?* - a nested loop over
+# samples and variables - and *An efficient per-sample Jacobian of a network's
+# outputs with respect to its trainable variables, for an external SciPy
+# optimizer* - which wants an $(l·m) \times n$ matrix. "The source question"
+# in these notebooks is the first; its answers' mistakes are notebook 06.
 #
 # Our running example is the network of the source question:
 # 10 inputs → Dense 64 (ReLU) → Dense 32 (ReLU) → Dense 2.
@@ -184,6 +193,44 @@ print("path:", choice_two.path, "-", choice_two.why)
 print("split:", [part.shape for part in ju.split_outputs(J_two, two_heads, x_two)])
 
 # %% [markdown]
+# ## TensorFlow words
+#
+# The later notebooks use these words; each is one sentence and one line here.
+#
+# - **Eager execution**: TensorFlow runs each operation as Python reaches it,
+#   like NumPy. `tf.constant([1.0]) * 2` is computed at once.
+# - **`tf.GradientTape`**: records the operations run inside its `with` block,
+#   so that `tape.gradient(y, variables)` can go back through them.
+#   `with tf.GradientTape() as tape: y = model(x)`
+# - **`watch`**: a tape records trainable `tf.Variable`s by itself; anything
+#   else (an input tensor) must be watched first, inside the block.
+#   `tape.watch(x)`
+# - **`persistent=True`**: a tape can answer one `gradient` call and is then
+#   released; a persistent tape answers many (and is deleted by you).
+#   `with tf.GradientTape(persistent=True) as tape: ...`
+# - **`tape.jacobian`**: every output's gradient, stacked; with
+#   `experimental_use_pfor=True` (the default) one vectorized backward pass
+#   instead of a loop. `tape.jacobian(y, model.trainable_variables)`
+# - **pfor / `tf.vectorized_map`**: rewrites a per-item function into one
+#   batched computation over all items. `tf.vectorized_map(f, x)`
+# - **`tf.function` and tracing**: runs a Python function once with symbolic
+#   inputs (a *trace*) to build a graph, then runs the graph on each call; a
+#   new input shape or dtype can cause a new trace. `fast = tf.function(f)`
+# - **XLA**: a compiler that fuses a graph's operations into fewer kernels,
+#   once per concrete input shape. `tf.function(f, jit_compile=True)`
+
+# %%
+x_words = tf.constant(x)
+with tf.GradientTape(persistent=True) as tape:
+    tape.watch(x_words)  # an input: watched by hand
+    y_words = model(x_words)
+J_input = tape.batch_jacobian(y_words, x_words)  # d outputs / d inputs, per sample
+J_params = tape.jacobian(y_words, model.trainable_variables)  # one block per variable
+del tape  # a persistent tape is released by hand
+print("d y / d x per sample:", tuple(J_input.shape),
+      "| d y / d kernel of the first layer:", tuple(J_params[0].shape))
+
+# %% [markdown]
 # ## How this collection works
 #
 # | notebook | stage | `jacutil` function |
@@ -197,6 +244,8 @@ print("split:", [part.shape for part in ju.split_outputs(J_two, two_heads, x_two
 # | `06-pitfalls` | the popular answers' traps | `guards` |
 # | `07-benchmark` | every path side by side; layer rules | `compiled_dense_jacobian`, `rules` |
 # | `08-your-own-model` | CNNs, LSTMs, several inputs and heads | `split_outputs` |
+# | `09-matrix-free` | when J does not fit: products with J | `jvp`, `vjp`, `jacobian_operator` |
+# | `10-beyond-one-machine` | resumable runs; chunks on worker processes | `distributed_jacobian`, `LocalWorkers` |
 #
 # Each stage is proved equal to the previous one inside its notebook, then
 # timed. From the repository's root, `make run` executes every notebook and

@@ -152,7 +152,8 @@ print(f"Finding: one pass over 1,000 samples costs {thousand / one:.1f}x one "
       "sample's pass, not 1,000x")
 
 # %% [markdown]
-# A pass over 1,000 samples costs only a few times a pass over one. The loop's
+# Read the Finding: a pass over 1,000 samples costs nowhere near 1,000 passes
+# over one. The loop's
 # time is **overhead**: Python, the eager dispatch of every operation, a new
 # tape per row. The arithmetic itself is almost free. The next stages keep the
 # work and drop the overhead: they hand TensorFlow the whole batch at once.
@@ -172,8 +173,10 @@ print(f"about {predicted_minutes:.0f} minutes" if predicted_minutes >= 1 else
       "under a minute")
 
 # %% [markdown]
-# **2.** Halve the work: open one *persistent* tape per sample, run the forward
-# pass once, and take the gradient of each output from it. Check that you get
+# **2.** Halve the work: open one *persistent* tape per sample
+# (`tf.GradientTape(persistent=True)`, which answers more than one `gradient`
+# call: "TensorFlow words" in 00-welcome), run the forward pass once, and take
+# the gradient of each output from it. Check that you get
 # the same Jacobian as `loop_jacobian`.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}

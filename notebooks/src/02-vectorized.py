@@ -99,8 +99,9 @@ print("per_sample_jacobian:", J_per_sample.shape, "== loop_jacobian: True")
 # the recorded computation - and the recorded computation is the **whole
 # batch**. Row `(i, k)` carries a gradient for every sample `j`, although only
 # sample `i` can move it. Ask the tape for the Jacobian with respect to the
-# inputs and you see that wasted work: an `(n, l, n, d)` array that is zero
-# except where `j == i`.
+# inputs (an input is not a variable, so the tape must `watch` it: see
+# "TensorFlow words" in 00-welcome) and you see that wasted work: an
+# `(n, l, n, d)` array that is zero except where `j == i`.
 
 # %%
 x_small = tf.constant(x_all[:6])
@@ -181,19 +182,23 @@ print("stored:     ", f"batch {ju.memory.BATCH_JACOBIAN.quadratic:,.0f}"
       " bytes x n^2;",
       f"per sample {ju.memory.PER_SAMPLE_JACOBIAN.linear:,.0f} bytes x n")
 for n in batch_run:
+    off = batch_model.predict(n) / batch_peaks[n] - 1
     print(f"n = {n:>5}: measured {batch_peaks[n] / 2**20:7.1f} MiB, "
           f"fit on n <= {fit_up_to} predicts "
-          f"{batch_model.predict(n) / 2**20:7.1f} MiB")
+          f"{batch_model.predict(n) / 2**20:7.1f} MiB ({off:+.0%})")
 
 # %% [markdown]
-# The model fitted on the small sizes predicts the large ones: memory is
-# quadratic, and predictable.
+# Read the last column: how far the fit on the small sizes is from each
+# measured peak. Memory grows with n², and a fit on small runs predicts the
+# large ones to within that margin - close enough to choose a chunk size
+# before running out of memory (notebook 04 adds a safety margin for it).
 
 # %% [markdown]
 # ## Time against n
 #
-# Every size is timed after its first call (trace and pfor conversion), which
-# is reported apart.
+# Every size is timed after its first call (the trace that builds the graph,
+# and pfor's conversion: "TensorFlow words" in 00-welcome), which is
+# reported apart.
 
 # %%
 # NBVAL_IGNORE_OUTPUT

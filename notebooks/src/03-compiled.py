@@ -149,8 +149,10 @@ for n in xla_sizes:
 
 # %% [markdown]
 # The cure is to show XLA few shapes: pad the batch with copies of its last
-# sample to the next power of two (at most `block_size`; beyond it, in blocks
-# of `block_size`, the last one padded to its own power of two) and cut the
+# sample to the next power of two, up to `block_size` samples
+# (`compiled_jacobian(..., block_size=1024)` by default; a larger batch runs
+# in blocks of `block_size`, the last one padded to its own power of two),
+# and cut the
 # padded rows off the result. Each sample's rows depend on that sample only,
 # so the padding changes nothing (copies, not zeros: a model that takes a
 # log is not finite at zero):
@@ -228,8 +230,10 @@ print(f"Finding: batch tape at n = {n_mid:,}: eager "
 # Compiling removes the fixed cost of eager mode: the per-sample Jacobian
 # becomes fast at every n, and stays linear. The batch tape stays quadratic
 # whatever runs it: no compiler removes work that is computed and thrown
-# away. Whether XLA beats the plain graph depends on the machine; its first
-# call (the compile) costs far more, once per shape.
+# away. Whether XLA beats the plain graph depends on the machine: compare the
+# graph and XLA columns of the Findings above - on a small CPU XLA can lose,
+# and for the batch tape it can be slower than eager. Its first call (the
+# compile) costs far more, once per shape.
 
 # %% [markdown]
 # ## Exercises
@@ -242,7 +246,7 @@ print(f"Finding: batch tape at n = {n_mid:,}: eager "
 # Solution: powers of two up to 64, then blocks of 64 (the last one padded).
 small = ju.question_mlp(hidden=(8,), seed=seed)
 jac_64 = ju.compiled_jacobian(small, jit_compile=True, block_size=64)
-for n in range(1, 201, 7):
+for n in range(1, 201):  # every size: 2 and 4 too
     jac_64(x_all[:n])
 print(sorted(jac_64.compiled_shapes))
 

@@ -106,7 +106,8 @@ x_few = x[:5]
 J_few = ju.per_sample_jacobian(model, x_few).reshape(5 * l, m)
 np.testing.assert_allclose(J0[: 5 * l], J_few, rtol=1e-5, atol=1e-6)
 np.testing.assert_allclose(r0, (model(x).numpy() - y).ravel(), atol=1e-6)
-problem.jac(theta0 + 0.01)
+problem.jac(theta0 + 0.01)  # note: writes theta0 + 0.01 into the model
+problem.set_params(theta0)  # ... so put the start back
 print("jac == per_sample_jacobian, reshaped: True")
 print("traces after two calls at different theta:", problem.compiled.trace_count)
 
@@ -120,10 +121,17 @@ print("traces after two calls at different theta:", problem.compiled.trace_count
 # rejects raises it), Adam's after every epoch. Times include each method's
 # first call (tracing).
 #
-# `"trf"` runs with `tr_solver="lsmr"`: it needs only products of J with
-# vectors, never a factorisation of J. `"lm"` (MINPACK) factorises the whole
-# $(n·l) \times m$ matrix at every step, which costs about $2 n l m^2$
-# operations - more on that below.
+# `"trf"` (trust region reflective) runs with `tr_solver="lsmr"`: lsmr is an
+# iterative least-squares solver that needs only products of J with vectors
+# (`lsmr_maxiter` of them per step), never a factorisation of J. `"lm"` is
+# Levenberg-Marquardt from MINPACK, the Fortran library SciPy wraps: it
+# factorises the whole $(n·l) \times m$ matrix at every step, which costs
+# about $2 n l m^2$ operations - more on that below.
+#
+# Each method runs to its own cap (`trf_max_nfev`, `lm_max_nfev`, Adam's
+# epochs; the parameters cell): the end of each line is what it did within
+# its budget, not the best it can do. Compare the lines at the same time on
+# the x axis.
 
 # %%
 COLORS = {"lm": "tab:blue", "trf": "tab:orange", "adam": "tab:green",
@@ -266,12 +274,10 @@ for network, rows in [("question", rows_big), ("narrow", rows_small)]:
 # is its trial steps plus the start, and `njev` the times it summed the
 # normal equations. Read the plot as a race to a given loss. The
 # least-squares methods use the Jacobian of all residuals at every step, so
-# each step is costly but goes far; Adam's steps are cheap and many. In the
-# run stored here TRF stayed ahead of Adam on both networks. LM, once past
-# its first rejected trials, went lowest on both: on the question's
-# network `lm-jtj` reached the noise level with 8 Jacobians, but each of
-# its steps forms and solves a 2850 × 2850 system, so TRF got to 0.0035
-# sooner. The dashed
+# each step is costly but goes far; Adam's steps are cheap and many. Which
+# line is lowest at a given time is the answer for this run; the table above
+# gives where each ended. `lm-jtj` forms and solves an $m \times m$ system
+# at every step: few steps, each expensive. The dashed
 # line is the noise in `y` (standard deviation 0.05): a fit below it is
 # learning the noise.
 
@@ -406,6 +412,11 @@ print(f"chain rule == finite differences along {len(directions)} directions")
 # from the full J another way, through the $(n·l) \times (n·l)$ system
 # $\delta = -J^\top (J J^\top + \lambda I)^{-1} r$ (with fewer residuals
 # than parameters, that system is the smaller one).
+#
+# Summing pays only when the residuals outnumber the parameters,
+# $n·l > m$: below that, $J^\top J$ is larger than J itself. This check is
+# small, so compare the sizes printed below and then the last line, which
+# gives J at $n$ = 100,000, where the sums save almost everything.
 
 # %%
 ju.notebook.show_source(ju.LeastSquaresProblem.normal_equations)

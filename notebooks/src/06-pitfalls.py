@@ -340,8 +340,9 @@ print("and the layer's moving mean changed:", not np.allclose(
 # %% [markdown]
 # The same coupling breaks `tape.batch_jacobian` (derivatives with respect
 # to the *inputs*), which assumes that output `i` depends on input `i`
-# only: it returns each sample's block *plus* every other sample's
-# influence on it.
+# only. What it returns for sample `j` is the sum over every sample `i` of
+# $\partial y_i / \partial x_j$: sample `j`'s influence on *all* the
+# outputs of the batch, not on its own outputs alone.
 
 # %%
 def input_jacobians(model, x, training):
@@ -757,6 +758,6 @@ for name, dtype in (("float32", np.float32), ("float64", np.float64)):
 #   build the compiled Jacobian outside the loop (`jacutil` warns past
 #   `RETRACE_LIMIT` traces).
 # - Check Jacobians against finite differences in **float64**; in float32
-#   a correct Jacobian misses by $10^{-5}$ or more.
+#   even a correct Jacobian misses by the float32 "at best" Finding above.
 # - `tape.jacobian` over a whole batch needs $n^2$ memory: see
 #   `02-vectorized` and `04-chunked`.

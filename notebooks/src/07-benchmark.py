@@ -291,9 +291,11 @@ size = largest * 2 * ju.flat_params(model).size * 4
 print(f"the result at n = {largest:,}: {size / 1e6:,.0f} MB of float32")
 
 # %% [markdown]
-# The forward pass and the back-propagated signals are tiny matrices; almost
-# all of the time is **writing the result**, n · l · m numbers (the size
-# printed below). The outer products write it once, `tf.concat` joins the blocks
+# Read the profile's rows: the forward pass and the back-propagated signals
+# are tiny matrices; the outer products that **write the result**, n · l · m
+# numbers (the size printed above), and the join of the blocks take most of
+# the rest - how much, the table says for this run. The outer products write
+# it once, `tf.concat` joins the blocks
 # (a second pass), and `.numpy()` would copy it a third time. `jac(x)` hands
 # back a read-only view of TensorFlow's buffer instead; ask for
 # `jac(x, copy=True)` only when you must write into the array. Past this
@@ -322,8 +324,10 @@ print(f"the result at n = {largest:,}: {size / 1e6:,.0f} MB of float32")
 # **1.** The last layer is linear, so its signal is the identity: the last
 # block of columns is just the layer's input, with a one appended, on the
 # diagonal. Compute the last 66 columns of the Jacobian of `x32` with NumPy
-# alone (the activations of the second hidden layer, `model.layers[1]`), and
-# check them against `jac(x32)`.
+# from the activations of the second hidden layer, and check them against
+# `jac(x32)`. (To get those activations, run the first two layers as a model
+# of their own: `keras.Sequential(model.layers[:2])(x32)` - a `Sequential`
+# of existing layers shares their weights.)
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
 # Solution: dy_k/dW[p, q] = a[p] if q == k else 0; dy_k/db[q] = 1 if q == k.
