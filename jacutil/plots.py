@@ -8,8 +8,13 @@ def fitted_slope(sizes, values):
     return float(np.polyfit(np.log(sizes), np.log(values), 1)[0])
 
 
-def loglog_scaling(sizes, series, *, ylabel="seconds", xlabel="n_samples", ax=None):
+def loglog_scaling(
+    sizes, series, *, ylabel="seconds", xlabel="n_samples", ax=None, slopes=True
+):
     """Plot each ``series[name]`` against ``sizes`` on log-log axes, with slopes.
+
+    ``slopes=False`` for curves that are not power laws (a V-shaped time
+    against chunk size): a slope fitted to them would mislead.
 
     ``series`` maps a label to values at the matching ``sizes`` (``None`` or
     NaN where a size was not run). Returns the matplotlib axes.
@@ -23,7 +28,7 @@ def loglog_scaling(sizes, series, *, ylabel="seconds", xlabel="n_samples", ax=No
         pairs = [(s, v) for s, v, ok in zip(sizes, values, ran, strict=True) if ok]
         xs, ys = zip(*pairs, strict=True)
         label = name
-        if len(xs) >= 2:
+        if slopes and len(xs) >= 2:
             label = f"{name} (slope {fitted_slope(xs, ys):.2f})"
         ax.loglog(xs, ys, "o-", label=label)
     ax.set_xlabel(xlabel)
