@@ -414,7 +414,7 @@ print(f"{len(kills)} workers killed; equal:", np.array_equal(
 workers.close()
 del J_one, J_two
 shutil.rmtree(folder)
-print(workers)
+print("processes left behind:", ju.workers.leftovers(workers.address))
 
 # %% [markdown]
 # ## Keypoints
