@@ -26,6 +26,9 @@ def build(source: Path) -> Path:
     }
     for i, cell in enumerate(nb.cells):
         cell.id = f"{source.stem[:2]}-{i:02d}"  # stable ids keep diffs small
+        if "solution" in cell.metadata.get("tags", []):
+            # A solution's outputs give it away: hidden with its code.
+            cell.metadata.setdefault("jupyter", {})["outputs_hidden"] = True
     NotebookClient(
         nb,
         timeout=600,

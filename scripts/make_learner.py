@@ -1,7 +1,8 @@
 """`make learner`: learner copies of the notebooks in build/learner/.
 
 Outputs cleared, execution counts reset, and every solution cell (tagged
-`solution`) emptied to a stub that names its exercise; everything else - prose,
+`solution`) emptied to a stub that names its exercise and sets `answer = None` (the
+check cell after it then says "no answer yet"); everything else - prose,
 code, the parameters cell - is kept as it is. Solutions are shown (not hidden)
 so that a learner sees where to type.
 """
@@ -12,7 +13,11 @@ from pathlib import Path
 import nbformat
 
 OUT = Path("build/learner")
-STUB = "# Exercise {number}: your solution here.\n"
+STUB = (
+    "# Exercise {number}: your solution here. Put what the exercise asks for\n"
+    "# in `answer`; the next cell checks it.\n"
+    "answer = None\n"
+)
 
 
 def learner_copy(nb):
@@ -26,7 +31,7 @@ def learner_copy(nb):
         if "solution" in tags:
             number += 1
             cell.source = STUB.format(number=number)
-            cell.metadata.get("jupyter", {}).pop("source_hidden", None)
+            cell.metadata.pop("jupyter", None)  # code and outputs shown
             cell.metadata["tags"] = [t for t in tags if t != "solution"] + ["exercise"]
     return nb, number
 

@@ -47,7 +47,7 @@ def test_learner_copy_empties_solutions_only(learner_dir, book):
 @pytest.mark.parametrize("book", BOOKS, ids=[b.stem for b in BOOKS])
 def test_learner_copy_runs_to_the_end(learner_dir, book, tmp_path):
     parameters = json.loads((SMALL / f"{book.stem}.json").read_text())
-    papermill.execute_notebook(
+    executed = papermill.execute_notebook(
         str(learner_dir / book.name),
         str(tmp_path / book.name),
         parameters=parameters,
@@ -55,3 +55,10 @@ def test_learner_copy_runs_to_the_end(learner_dir, book, tmp_path):
         cwd=str(ROOT / "notebooks"),
         progress_bar=False,
     )
+    checks = [
+        "".join(o.get("text", "") for o in c.outputs)
+        for c in executed.cells
+        if c.cell_type == "code" and "check.exercise(" in c.source
+    ]
+    assert checks, "the learner copy lost its checks"
+    assert all("no answer yet" in said for said in checks), checks

@@ -55,6 +55,17 @@ def test_papermill_runs_with_small_parameters(book, tmp_path):
         c for c in executed.cells if "injected-parameters" in c.metadata.get("tags", [])
     ]
     assert len(injected) == 1
+    said = check_lines(executed)
+    assert said and all(line.startswith("✓") for line in said), said
+
+
+def check_lines(nb):
+    """What each exercise's check printed (the hidden solutions ran before them)."""
+    return [
+        "".join(o.get("text", "") for o in c.outputs).strip()
+        for c in nb.cells
+        if c.cell_type == "code" and "check.exercise(" in c.source
+    ]
 
 
 @pytest.mark.parametrize("book", BOOKS, ids=[b.stem for b in BOOKS])

@@ -33,7 +33,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import jacutil as ju
-from jacutil import tf
+from jacutil import check, tf
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -258,31 +258,44 @@ print("Finding: J has shape (n, l, m) =", J.shape, "for the question's network")
 # %% [markdown]
 # ## Exercises
 #
+# Each exercise ends with a check: put your answer in `answer` and run the
+# check's cell. It says "correct", or gives a hint (never the answer).
+# The solutions are hidden: click the "..." of a hidden cell to open one.
+#
 # **1.** How many parameters does a network 10 → 128 (ReLU) → 3 have? Predict
-# the number, then check it with `ju.question_mlp(hidden=(128,), n_outputs=3)`.
+# the number (`answer = ...`), then check it with
+# `ju.question_mlp(hidden=(128,), n_outputs=3)`.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
 # Solution: a Dense layer from a to b has a*b weights and b biases.
-predicted = 10 * 128 + 128 + 128 * 3 + 3
+answer = 10 * 128 + 128 + 128 * 3 + 3
 built = ju.flat_params(ju.question_mlp(hidden=(128,), n_outputs=3)).size
-print(predicted, built, predicted == built)
+print(answer, built, answer == built)
+
+# %%
+check.exercise("00-1", answer)
 
 # %% [markdown]
 # **2.** The last layer computes $f_k = \sum_j h_j W_{jk} + b_k$. What is
-# $\partial f_k / \partial b_{k'}$? Find the bias of the last layer in `J`
-# (its last `l` columns) and check your answer for every sample.
+# $\partial f_k / \partial b_{k'}$ for every pair $(k, k')$? Write it as an
+# `l × l` matrix `answer`, then find the last layer's bias in `J` (its last
+# `l` columns) and compare, for every sample.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
 # Solution: 1 when k == k', else 0 - for every sample: the last l columns of
 # J are an identity matrix.
-last_bias = J[:, :, -l:]
-print(np.array_equal(last_bias, np.broadcast_to(np.eye(l), (n, l, l))))
+answer = np.eye(l)
+print(np.array_equal(J[:, :, -l:], np.broadcast_to(answer, (n, l, l))))
+
+# %%
+check.exercise("00-2", answer, J=J)
 
 # %% [markdown]
 # **3.** Ask `ju.jacobian` about the small CNN of `08-your-own-model`
 # (`ju.small_cnn()` on `ju.image_data(4)`): which path does it take, and
 # which rule does each layer get? Then freeze its first layer
-# (`layers[0].trainable = False`): how many columns does J lose?
+# (`layers[0].trainable = False`): how many columns does J lose
+# (`answer`)?
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
 # Solution: the layer rules (Conv2D: patches and one product per layer);
@@ -292,7 +305,11 @@ x_cnn = ju.image_data(4, seed=seed)
 J_cnn, choice_cnn = ju.jacobian(cnn, x_cnn, explain=True)
 print(choice_cnn.path, [rule for _, rule in choice_cnn.layers])
 cnn.layers[0].trainable = False
-print(J_cnn.shape[2] - ju.jacobian(cnn, x_cnn).shape[2], "columns fewer")
+answer = J_cnn.shape[2] - ju.jacobian(cnn, x_cnn).shape[2]
+print(answer, "columns fewer")
+
+# %%
+check.exercise("00-3", answer)
 
 # %% [markdown]
 # ## Keypoints

@@ -1,0 +1,179 @@
+"""Exercises that check themselves: ``check.exercise("03-1", answer)``.
+
+Each notebook's exercises end with a cell such as::
+
+    check.exercise("03-1", answer, model=model)
+
+It prints one line: "correct", "no answer yet" (``answer`` is still ``None``,
+as in the learner copies of ``make learner``), or a hint that teaches what was
+expected - the shape, the order of magnitude, the concept - without giving the
+answer away. The keyword arguments are the notebook's own objects that the
+check needs to compute the expected answer itself (independently of the
+learner's code). ``verdict(...)`` returns the same judgement without printing
+(the tests use it). Introduced in ``00-welcome`` (its exercises).
+
+One module per notebook (``notebook_00`` ...) registers its checks with
+``@checks("00-1")``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["Verdict", "checks", "exercise", "keys", "verdict"]
+
+_CHECKS = {}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The judgement of one answer: ``correct`` and a line for the learner."""
+
+    key: str
+    correct: bool
+    message: str
+    answered: bool = True
+
+    def __str__(self):
+        if self.correct:
+            return f"✓ Exercise {self.key}: correct."
+        if not self.answered:
+            return f"… Exercise {self.key}: no answer yet. {self.message}"
+        return f"✗ Exercise {self.key}: not yet. Hint: {self.message}"
+
+
+class Hint(Exception):
+    """Raised inside a check: the answer is wrong, and the message says why."""
+
+
+class NoAnswer(Exception):
+    """Raised inside a check: the answer is still None."""
+
+
+def checks(*names):
+    """Register a check function ``check(answer, **context)`` for exercises."""
+
+    def register(function):
+        for name in names:
+            if name in _CHECKS:
+                raise ValueError(f"exercise {name!r} has two checks")
+            _CHECKS[name] = function
+        return function
+
+    return register
+
+
+def _load():
+    for module in pkgutil.iter_modules(__path__):
+        if module.name.startswith("notebook_"):
+            importlib.import_module(f"{__name__}.{module.name}")
+
+
+def keys():
+    """Every exercise that has a check, sorted ("00-1", "00-2", ...)."""
+    _load()
+    return sorted(_CHECKS)
+
+
+def verdict(key, answer, **context):
+    """Judge ``answer`` to exercise ``key`` (see ``exercise``); nothing printed."""
+    _load()
+    if key not in _CHECKS:
+        raise KeyError(f"no exercise {key!r}; there are {', '.join(keys())}")
+    try:
+        _CHECKS[key](answer, **context)
+    except NoAnswer as empty:
+        return Verdict(key, False, str(empty), answered=False)
+    except Hint as hint:
+        return Verdict(key, False, str(hint))
+    return Verdict(key, True, "")
+
+
+def exercise(key, answer, **context):
+    """Print whether ``answer`` to exercise ``key`` is right, or a hint.
+
+    ``key`` is "NN-k", exercise k of notebook NN. ``context``: the notebook's
+    objects the check needs (its model, its data); the exercise's cell names
+    them. Never raises for a wrong answer: it teaches and the notebook runs on.
+    """
+    print(verdict(key, answer, **context))
+
+
+# Helpers for the checks ----------------------------------------------------
+
+
+def answered(answer, what):
+    """Raise NoAnswer if ``answer`` is None; ``what`` says what to put there."""
+    if answer is None:
+        raise NoAnswer(f"Put {what} in `answer` and run this cell again.")
+    return answer
+
+
+def as_number(answer, what):
+    """``answer`` as a float, or a Hint that says a number was expected."""
+    answered(answer, what)
+    try:
+        value = float(np.asarray(answer).item())
+    except (TypeError, ValueError):
+        raise Hint(f"expected {what}: one number, got {type(answer).__name__}.") from None
+    if not np.isfinite(value):
+        raise Hint(f"expected {what}: a finite number, got {value}.")
+    return value
+
+
+def close_number(value, expected, rel, what):
+    """A Hint with the order of magnitude if ``value`` is not within ``rel``."""
+    if abs(value - expected) <= rel * abs(expected):
+        return
+    if expected and value and np.sign(value) == np.sign(expected):
+        factor = value / expected
+        if factor > 1:
+            raise Hint(f"{what} is too large, by a factor of about {factor:.2g}.")
+        raise Hint(f"{what} is too small, by a factor of about {1 / factor:.2g}.")
+    raise Hint(f"{what} has the wrong sign or is zero.")
+
+
+def as_array(answer, what, shape, shape_words):
+    """``answer`` as a float64 array of ``shape``, or a Hint about its shape.
+
+    ``shape_words`` names the axes, e.g. "(n samples, l outputs, m parameters)".
+    A tf.Tensor or a memmap is accepted; None, a list of tensors or a ragged
+    answer are not.
+    """
+    answered(answer, what)
+    if isinstance(answer, (list, tuple)) and any(a is None for a in answer):
+        raise Hint(
+            f"expected {what}; it holds None: a gradient that never reached the "
+            "variables (was the forward pass inside the tape?)."
+        )
+    try:
+        array = np.asarray(answer, dtype="float64")
+    except (TypeError, ValueError):
+        raise Hint(f"expected {what}, an array {shape_words}.") from None
+    if array.shape != tuple(shape):
+        raise Hint(
+            f"expected {what} of shape {shape_words} = {tuple(shape)}; "
+            f"got {array.shape}."
+        )
+    if not np.all(np.isfinite(array)):
+        raise Hint(f"{what} holds NaN or inf.")
+    return array
+
+
+def close_array(array, expected, what, rtol, atol, wrong):
+    """A Hint (``wrong``) if ``array`` is not ``expected`` within tolerance.
+
+    An all-zero answer gets the classic hint (a disconnected tape) first.
+    """
+    if np.allclose(array, expected, rtol=rtol, atol=atol):
+        return
+    if not np.any(array) and np.any(expected):
+        raise Hint(
+            f"{what} is all zeros: the derivatives never reached the variables "
+            "(a copy of them, or a pass outside the tape; see 06-pitfalls)."
+        )
+    raise Hint(wrong)
