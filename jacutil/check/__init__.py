@@ -119,7 +119,8 @@ def as_number(answer, what):
     try:
         value = float(np.asarray(answer).item())
     except (TypeError, ValueError):
-        raise Hint(f"expected {what}: one number, got {type(answer).__name__}.") from None
+        kind = type(answer).__name__
+        raise Hint(f"expected {what}: one number, got {kind}.") from None
     if not np.isfinite(value):
         raise Hint(f"expected {what}: a finite number, got {value}.")
     return value

@@ -24,10 +24,12 @@ def parameters_of_a_network(answer):
 def derivative_by_a_bias(answer, J):
     """d f_k / d b_k' of the last layer: the identity, for every sample."""
     J = np.asarray(J)
-    l = J.shape[1]
+    n_outputs = J.shape[1]
     words = "(l outputs k, l biases k')"
-    array = as_array(answer, "d f_k / d b_k' as an l x l matrix", (l, l), words)
-    for sample in J[:, :, -l:]:
+    array = as_array(
+        answer, "d f_k / d b_k' as an l x l matrix", (n_outputs, n_outputs), words
+    )
+    for sample in J[:, :, -n_outputs:]:
         close_array(
             array, sample, "your matrix", rtol=1e-6, atol=1e-6,
             wrong="it differs from the last l columns of J. Which terms of "
