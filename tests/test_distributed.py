@@ -102,33 +102,66 @@ def test_a_run_started_in_one_process_is_finished_on_workers(workers, tmp_path):
     assert np.array_equal(finished, one)
 
 
-@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
-def test_zoo_on_workers(workers, name):
-    """Every zoo model the workers can rebuild gives the one-process rows; the
-    others are refused with what to do."""
+REFUSED = {"custom_layer", "subclassed", "sequential_subclass", "shared_layer"}
+# On the workers: one model of each kind (convolution, recurrent, several
+# inputs and heads, attention) and one refused; every zoo model goes through
+# the same task in this process below, which is where architectures differ.
+ON_WORKERS = [
+    "attention",
+    "convolution",
+    "lstm",
+    "shared_layer",
+    "two_inputs_two_heads",
+]
+
+
+def _zoo_rows(name, compute):
+    """Rows of zoo model ``name`` by ``compute(model, x)``, against one process;
+    a model the workers cannot rebuild must be refused with what to do."""
     case = build(name)
     x = case.batch(5)
     if case.variables64 is not None:
         with pytest.raises(TypeError):
-            distributed_jacobian(case.model64, x, workers, chunk_size=2)
+            compute(case.model64, x)
         return
     try:
-        J = distributed_jacobian(case.model64, x, workers, chunk_size=2, progress=False)
+        J = compute(case.model64, x)
     except TypeError as error:
         assert "register_keras_serializable" in str(error) or (
             "computes other outputs than yours" in str(error)
         )
-        assert name in {
-            "custom_layer",
-            "subclassed",
-            "sequential_subclass",
-            "shared_layer",
-        }
+        assert name in REFUSED
         return
+    assert name not in REFUSED
     one = ju.chunked_jacobian(
         case.model64, x, chunk_size=2, method="rules", progress=False
     )
     np.testing.assert_allclose(J, one, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_zoo_rebuilt_from_what_workers_receive(name):
+    """The worker's task, run here: rebuilt from to_json + weights, checked."""
+    from jacutil import distributed
+
+    def rows(model, x):
+        distributed._check_sendable(model)
+        distributed._rebuilt.clear()
+        spec = distributed.model_spec(model, x)
+        options = {"training": False, "jit_compile": False, "method": "rules"}
+        return distributed._rows_task(spec, distributed._as_numpy(x), options)
+
+    _zoo_rows(name, rows)
+
+
+@pytest.mark.parametrize("name", ON_WORKERS)
+def test_zoo_on_workers(workers, name):
+    _zoo_rows(
+        name,
+        lambda model, x: distributed_jacobian(
+            model, x, workers, chunk_size=2, progress=False
+        ),
+    )
 
 
 def test_normal_equations_and_one_levenberg_marquardt_step(workers):
