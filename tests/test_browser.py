@@ -40,6 +40,11 @@ CHROMIUM_FLAGS = [
     "--disable-sync",
 ]
 TOKEN = "jacutil-browser-test"
+# Run here with the small parameters of tests/small_parameters/: notebook 10
+# starts worker processes and writes gigabytes at its defaults (1-1.5 min);
+# nbval runs its defaults, papermill and the learner copy its small ones.
+SMALL_HERE = {"10-beyond-one-machine"}
+SMALL = ROOT / "tests" / "small_parameters"
 SCREENSHOTS = ROOT / "build" / "screenshots"
 RUN_TIMEOUT_S = 240
 
@@ -75,12 +80,31 @@ def free_port():
         return s.getsockname()[1]
 
 
+def with_small_parameters(book, target):
+    """A copy of ``book`` with its small parameters in a cell after its
+    parameters cell, as papermill injects them."""
+    nb = nbformat.read(book, as_version=4)
+    values = json.loads((SMALL / f"{book.stem}.json").read_text())
+    at = next(
+        i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", [])
+    )
+    cell = nbformat.v4.new_code_cell(
+        "\n".join(f"{name} = {value!r}" for name, value in values.items())
+    )
+    cell.metadata["tags"] = ["injected-parameters"]
+    nb.cells.insert(at + 1, cell)
+    nbformat.write(nb, target)
+
+
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     """A running JupyterLab over a copy of notebooks/; yields its base URL."""
     work = tmp_path_factory.mktemp("lab")
     for book in BOOKS:
-        shutil.copy(book, work / book.name)
+        if book.stem in SMALL_HERE:
+            with_small_parameters(book, work / book.name)
+        else:
+            shutil.copy(book, work / book.name)
     settings = work / ".settings"
     for name, values in SETTINGS.items():
         path = settings / name
