@@ -37,7 +37,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import jacutil as ju
-from jacutil import keras, tf
+from jacutil import check, keras, tf
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -70,7 +70,8 @@ matrix = keras.Input((3, 4), name="matrix")
 joined = keras.layers.Concatenate()([vector, keras.layers.Flatten()(matrix)])
 hidden = keras.layers.Dense(16, activation="tanh")(joined)
 score = keras.layers.Dense(2, name="score")(hidden)
-probabilities = keras.layers.Dense(3, activation="softmax", name="probs")(hidden)
+probabilities = keras.layers.Dense(3, activation="softmax",
+                                   name="probs")(hidden)
 two_heads = keras.Model([vector, matrix], [score, probabilities])
 
 rng = np.random.default_rng(seed)
@@ -144,7 +145,8 @@ for name, part in zip(["score", "probs"], parts, strict=True):
 # %% [markdown]
 # An output that does not keep the samples first - a mean over the batch -
 # has no per-sample Jacobian. Every stage says so instead of returning
-# numbers:
+# numbers. (Each stage first runs the model on one sample and on two to
+# read the layout of its outputs; hence "a batch of 1 sample" below.)
 
 # %%
 def batch_mean(x):
@@ -200,14 +202,15 @@ target = ju.target.resolve_target(lstm)
 x_lstm = tf.constant(first(inputs["lstm"], n_check))
 with ju.formulation.pfor_log():  # pfor logs each op it fails on; keep it
     try:
-        tf.function(
-            lambda x: ju.vectorized.per_sample_tape_jacobian(target, x))(x_lstm)
+        tf.function(lambda x: ju.vectorized.per_sample_tape_jacobian(
+            target, x))(x_lstm)
     except ValueError as error:
         last = str(error).strip().splitlines()[-1].strip()
         print("ValueError:", last.removeprefix("ValueError: ")[:100], "...")
 
 # %% [markdown]
-# The cure: while the Jacobian is *traced*, set each RNN layer's `unroll`
+# The cure: while the Jacobian is *traced* (`tf.function`'s trace:
+# "TensorFlow words" in 00-welcome), set each RNN layer's `unroll`
 # flag - the same layer, the same weights. Unrolled, the time steps become
 # copies of the step's operations, which pfor vectorizes. The flag is put
 # back afterwards:
@@ -267,9 +270,12 @@ for label, (jac, n) in ways.items():
           f"n = {n_time:,}: {1e3 * median * n_time / n:8.1f} ms")
 fastest = min(rows, key=lambda r: r[2])
 slowest = max(rows, key=lambda r: r[2])
-print(f"Finding: LSTM, n = {n_time:,}: {fastest[0]} is fastest "
-      f"({1e3 * fastest[2]:.0f} ms), {slowest[2] / fastest[2]:.0f}x faster "
-      f"than {slowest[0]}")
+once = min(rows, key=lambda r: r[1] + r[2])
+print(f"Finding: LSTM, n = {n_time:,}, each call after the first: "
+      f"{fastest[0]} is fastest ({1e3 * fastest[2]:.0f} ms), "
+      f"{slowest[2] / fastest[2]:.0f}x faster than {slowest[0]}")
+print(f"Finding: LSTM, n = {n_time:,}, one call with its trace: {once[0]} "
+      f"is cheapest ({once[1] + once[2]:.1f} s)")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -288,10 +294,13 @@ ax.set_title(f"LSTM(16) on {steps} steps: four ways to the same Jacobian")
 fig.tight_layout()
 
 # %% [markdown]
-# Unrolling makes the *first* call slower - tracing a copy of the step per
-# time step takes seconds, and longer sequences take longer - and every call after it
-# fast. For a Jacobian you need once on a long sequence, the batch tape in
-# small chunks skips the unrolling.
+# Unrolling makes the *first* call slower: its trace holds a copy of the
+# step's operations for every time step, so it grows with the sequence;
+# every call after it is fast. For a Jacobian you need many times (at every
+# step of a fit) the blue bars decide; for one you need once, add the
+# orange bar: the second Finding line names the cheapest single call at
+# this length. The batch tape and `tf.map_fn` never unroll, so their traces
+# do not grow with the sequence.
 
 # %% [markdown]
 # ## The CNN: memory goes to activations too
@@ -339,31 +348,45 @@ print(f"Finding: CNN, {budget_mib} MiB budget: chunks of {with_activations} "
 # %% [markdown]
 # ## Exercises
 #
+# Each exercise ends with a check: put your answer in `answer` and run the
+# check's cell. It says "correct", or gives a hint (never the answer).
+#
 # **1.** A GRU with `return_sequences=True` outputs one vector per time
-# step. Build `Input((5, 3)) → GRU(4, return_sequences=True) → Dense(2)`.
-# How many rows per sample does its Jacobian have? Split them back into
-# `(n, 5, 2, m)` and check step 0's rows against a model that outputs step 0
-# alone.
+# step. The cell below builds `Input((5, 3)) → GRU(4,
+# return_sequences=True) → Dense(2)` and three sequences `x_gru`. How many
+# rows per sample does its Jacobian have? Split them back into `answer`, an
+# array of shape `(n, 5, 2, m)` (sample, step, output, parameter), and
+# check step 0's rows against a model that outputs step 0 alone.
 
-# %% tags=["solution"] jupyter={"source_hidden": true}
-# Solution: l = 5 steps x 2 outputs = 10 rows per sample.
+# %%
 keras.utils.set_random_seed(seed)
 seq_in = keras.Input((5, 3))
-steps_out = keras.layers.Dense(2)(keras.layers.GRU(4, return_sequences=True)(seq_in))
+gru_out = keras.layers.GRU(4, return_sequences=True)(seq_in)
+steps_out = keras.layers.Dense(2)(gru_out)
 gru = keras.Model(seq_in, steps_out)
-step0 = keras.Model(seq_in, steps_out[:, 0])
-x_gru = np.random.default_rng(seed).standard_normal((3, 5, 3)).astype("float32")
+x_gru = np.random.default_rng(seed).standard_normal((3, 5, 3))
+x_gru = x_gru.astype("float32")
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# Solution: l = 5 steps x 2 outputs = 10 rows per sample, step 0's first.
 J_gru = ju.compiled_jacobian(gru)(x_gru)
-per_step = ju.split_outputs(J_gru, gru, x_gru)
-np.testing.assert_allclose(per_step[:, 0], ju.loop_jacobian(step0, x_gru),
+answer = ju.split_outputs(J_gru, gru, x_gru)
+step0 = keras.Model(seq_in, steps_out[:, 0])
+np.testing.assert_allclose(answer[:, 0], ju.loop_jacobian(step0, x_gru),
                            rtol=1e-5, atol=1e-6)
-print("rows per sample:", J_gru.shape[1], " split:", per_step.shape,
+print("rows per sample:", J_gru.shape[1], " split:", answer.shape,
       " step 0 == its own model: True")
+
+# %%
+check.exercise("08-1", answer, model=gru, x=x_gru)
 
 # %% [markdown]
 # **2.** Give the two-head model's outputs as a dict
-# `{"score": ..., "probs": ...}` instead of a list. Which rows of `J` hold
-# `score` now? Check with `split_outputs`.
+# `{"score": ..., "probs": ...}` instead of a list (`keras.Model(
+# two_heads.inputs, {...})` with the heads `score` and `probabilities` of
+# the cell that built it). Which rows of `J` hold `score` now? Put their
+# indices in `answer` (a list of integers, counted from 0) and check with
+# `split_outputs`.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
 # Solution: dict keys are sorted, so "probs" (3 rows) comes before "score".
@@ -371,33 +394,47 @@ as_dict = keras.Model(two_heads.inputs,
                       {"score": score, "probs": probabilities})
 J_dict = ju.per_sample_jacobian(as_dict, x_two)
 by_name = ju.split_outputs(J_dict, as_dict, x_two)
-np.testing.assert_array_equal(J_dict[:, 3:5], by_name["score"])
+answer = [3, 4]
+np.testing.assert_array_equal(J_dict[:, answer], by_name["score"])
 # The dict model lists its variables in another order, so its columns are
 # permuted: compare each row's length, which the order does not change.
 np.testing.assert_allclose(np.linalg.norm(by_name["score"], axis=-1),
-                           np.linalg.norm(J_two[:, 0:2], axis=-1), rtol=1e-5)
-print("score is rows 3-4 of the dict model's J: True")
+                           np.linalg.norm(J_two[:, 0:2], axis=-1),
+                           rtol=1e-5)
+print("score is rows", answer, "of the dict model's J: True")
+
+# %%
+check.exercise("08-2", answer)
 
 # %% [markdown]
 # **3.** Differentiate with respect to a variable that is *not* trainable:
-# the moving mean of a `BatchNormalization` (inference mode). Pass
-# `variables=[...]` and compare with `finite_difference_jacobian` on a
-# float64 copy.
+# the moving mean of a `BatchNormalization` (inference mode), in the
+# float64 model below. Pass `variables=[...]`, put the Jacobian
+# d outputs / d moving_mean in `answer` (shape `(4, 2, 3)`: samples,
+# outputs, moving-mean entries), and compare it with
+# `finite_difference_jacobian`.
 
-# %% tags=["solution"] jupyter={"source_hidden": true}
-# Solution: every variable passed in variables= is watched by the tape,
-# trainable or not.
+# %%
 keras.utils.set_random_seed(seed)
 bn_model = keras.Sequential([keras.Input((3,), dtype="float64"),
                              keras.layers.BatchNormalization(dtype="float64"),
                              keras.layers.Dense(2, dtype="float64")])
 norm = bn_model.layers[0]
 x_bn = np.random.default_rng(seed).standard_normal((4, 3))
-J_bn = ju.per_sample_jacobian(bn_model, x_bn, variables=[norm.moving_mean])
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# Solution: every variable passed in variables= is watched by the tape,
+# trainable or not.
+answer = ju.per_sample_jacobian(bn_model, x_bn, variables=[norm.moving_mean])
 reference = ju.finite_difference_jacobian(bn_model, x_bn,
                                           variables=[norm.moving_mean])
-np.testing.assert_allclose(J_bn, reference, rtol=1e-6, atol=1e-9)
-print("d outputs / d moving_mean:", J_bn.shape, " == finite differences: True")
+np.testing.assert_allclose(answer, reference, rtol=1e-6, atol=1e-9)
+print("d outputs / d moving_mean:", answer.shape,
+      " == finite differences: True")
+
+# %%
+check.exercise("08-3", answer, model=bn_model, x=x_bn,
+               variable=norm.moving_mean)
 
 # %% [markdown]
 # ## Keypoints

@@ -34,7 +34,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import jacutil as ju
-from jacutil import keras, wide_fit
+from jacutil import check, keras, wide_fit
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -45,7 +45,7 @@ n_samples = 2000  # samples in the wide fit
 width = 512  # units of each hidden layer of the wide network
 depth = 3  # hidden layers of the wide network
 max_nfev = 8  # least_squares evaluations (trust-region steps)
-lsmr_iterations = 10  # products per trust-region step, each a matvec + rmatvec
+lsmr_iterations = 10  # lsmr iterations per step, each a matvec + rmatvec
 n_check = 5  # samples in the correctness checks
 crossover_outputs = [4, 64, 1024]  # l for the forward / reverse comparison
 crossover_hidden = [2, 8, 32]  # hidden units (m grows with them)
@@ -67,15 +67,16 @@ print(f"m = {m_wide:,} parameters; J: {rows:,} x {m_wide:,} float64 = "
 
 # %% [markdown]
 # A trust-region or Gauss-Newton step never needs J itself, only products
-# with it: `J @ v` (how the outputs move along a parameter direction v) and
-# `J.T @ u` (the gradient of `u · f`). Each costs about one forward and one
-# backward pass over the batch.
+# with it: the Jacobian-vector product (JVP) `J @ v`, how the outputs move
+# along a parameter direction v, and the vector-Jacobian product (VJP)
+# `J.T @ u`, the gradient of `u · f`. Each costs a pass or two over the
+# batch, forward and backward (the fit below measures a pair).
 #
 # ## Products without J
 #
-# Forward mode pushes a tangent v through the network
-# (`tf.autodiff.ForwardAccumulator`); reverse mode is one `tape.gradient`
-# with `output_gradients=u`:
+# Forward mode pushes a *tangent* - the direction v, carried beside every
+# value - through the network (`tf.autodiff.ForwardAccumulator`); reverse
+# mode is one `tape.gradient` with `output_gradients=u`:
 
 # %%
 ju.notebook.show_source(ju.matrix_free.Products._jvp)
@@ -109,7 +110,9 @@ print("operator", A.shape, "== formed J: matvec, rmatvec, matmat: True")
 #
 # `least_squares_problem(model, x, y, jacobian="operator")` returns the
 # operator from `jac`; SciPy's trust-region method solves each step with
-# `lsmr`, `lsmr_iterations` products at a time. The fit runs in a fresh
+# `lsmr` - an iterative least-squares solver that touches J only through
+# products (notebook 05) - using at most `lsmr_iterations` pairs of
+# products per step. The fit runs in a fresh
 # process (so that its memory is its own), and then Adam runs from the same
 # start for the same wall-clock time (its clock starts after its first,
 # compiling step). This takes about half a minute.
@@ -122,14 +125,20 @@ fit = wide_fit.run_in_fresh_process(
 lsmr, adam = np.array(fit["lsmr"]), np.array(fit["adam"])
 print(f"m = {fit['n_params']:,}: J would need "
       f"{fit['jacobian_bytes_float64'] / 2**30:,.1f} GiB in float64")
-print(f"the fit's peak memory: {fit['fit_peak_bytes'] / 2**20:,.0f} MiB above "
-      f"the level before it; the whole process "
+print(f"the fit's peak memory: {fit['fit_peak_bytes'] / 2**20:,.0f} MiB "
+      f"above the level before it; the whole process "
       f"{fit['process_peak_bytes'] / 2**20:,.0f} MiB")
 print(f"one matvec + rmatvec: {1e3 * fit['pair_seconds']:.0f} ms = "
       f"{fit['pair_seconds'] / fit['forward_seconds']:.1f} forward passes "
       f"({1e3 * fit['forward_seconds']:.0f} ms)")
-print(f"after {lsmr[-1, 0]:.1f} s: least_squares (lsmr) MSE {lsmr[:, 1].min():.2e}, "
-      f"Adam ({len(adam)} steps) MSE {adam[-1, 1]:.2e}")
+print(f"after {lsmr[-1, 0]:.1f} s: least_squares (lsmr) MSE "
+      f"{lsmr[:, 1].min():.2e}, Adam ({len(adam)} steps) MSE "
+      f"{adam[-1, 1]:.2e}")
+best_lsmr, last_adam = lsmr[:, 1].min(), adam[-1, 1]
+lower = "least squares" if best_lsmr < last_adam else "Adam"
+print(f"Finding: in the same {lsmr[-1, 0]:.1f} s, {lower} reached the lower "
+      f"MSE, {max(best_lsmr, last_adam) / min(best_lsmr, last_adam):.1f}x "
+      "lower")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -144,11 +153,11 @@ ax.legend()
 fig.tight_layout()
 
 # %% [markdown]
-# Read the two numbers above: the memory is that of a few forward and
-# backward passes, not of J. Whether the trust-region steps beat Adam in the
-# same time depends on how many products each step may use
-# (`lsmr_iterations`) and on the problem; a network this overparameterized
-# fits its 2,000 samples easily either way. Exercise 1 tries another budget.
+# Read the memory line above: the fit's memory is that of a few forward
+# and backward passes, not of J. The Finding line says which method reached
+# the lower MSE in the same time; that depends on how many products each
+# trust-region step may use (`lsmr_iterations`) and on the problem.
+# Exercise 1 compares the two at equal loss and tries another budget.
 #
 # ## Forward mode for the whole J
 #
@@ -164,7 +173,8 @@ ju.notebook.show_source(ju.forward.ForwardJacobian._columns)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-x_cross = np.random.default_rng(seed).standard_normal((500, 4)).astype("float32")
+x_cross = np.random.default_rng(seed).standard_normal((500, 4))
+x_cross = x_cross.astype("float32")
 timings = {}
 for l_out in crossover_outputs:
     for hidden in crossover_hidden:
@@ -185,7 +195,17 @@ for l_out in crossover_outputs:
 for (l_out, m_cols), row in timings.items():
     best = min(row, key=row.get)
     print(f"l = {l_out:4d}, m = {m_cols:4d}: " + ", ".join(
-        f"{name} {1e3 * s:6.1f} ms" for name, s in row.items()) + f"  -> {best}")
+        f"{name} {1e3 * s:6.1f} ms" for name, s in row.items())
+        + f"  -> {best}")
+wins = [f"l = {l_out}, m = {m_cols}"
+        for (l_out, m_cols), row in timings.items()
+        if min(row, key=row.get) == "forward_jacobian"]
+beats_rules = [f"l = {l_out}, m = {m_cols}"
+               for (l_out, m_cols), row in timings.items()
+               if row["forward_jacobian"] < row["layer rules"]]
+print("Finding: forward mode is fastest at "
+      f"{'; '.join(wins) or 'none of these sizes'}; it beats the layer "
+      f"rules at {'; '.join(beats_rules) or 'none of these sizes'}")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -193,7 +213,8 @@ fig, ax = plt.subplots(figsize=(7, 3.5))
 for l_out in crossover_outputs:
     ms = [m_cols for (ll, m_cols) in timings if ll == l_out]
     ratio = [timings[l_out, m_cols]["forward_jacobian"]
-             / min(t for k, t in timings[l_out, m_cols].items() if k != "forward_jacobian")
+             / min(t for k, t in timings[l_out, m_cols].items()
+                   if k != "forward_jacobian")
              for m_cols in ms]
     ax.plot(ms, ratio, "o-", label=f"l = {l_out}")
 ax.axhline(1, color="black", lw=0.8)
@@ -207,21 +228,24 @@ fig.tight_layout()
 
 # %% [markdown]
 # Each line is one l; points below 1 are where forward mode wins. The
-# reverse-mode paths vectorize over samples and outputs so well that on this
-# CPU forward mode at best breaks even with the compiled per-sample stage,
-# and only at the far left of the widest-output line, where the outputs
-# outnumber the parameters many times over. There it does beat the layer
-# rules (compare the two columns in the table), which `ju.jacobian` would
-# otherwise take, so `ju.jacobian` takes forward mode there
-# (`FORWARD_WHEN_OUTPUTS_PER_PARAMETER` in `jacutil.auto`) and says so. It is
-# the tool for a model with a handful of parameters and long outputs, such as
-# a physical model fitted to a signal.
+# reverse-mode paths vectorize over samples and outputs so well that forward
+# mode can win, if anywhere, only at the far left, where the outputs
+# outnumber the parameters; timings this close also change from run to run.
+# The Finding line above says where it won on this machine, and where it
+# beat the layer rules, which `ju.jacobian` would otherwise take. So
+# `ju.jacobian` takes forward mode only when l is many times m (the
+# threshold, `FORWARD_WHEN_OUTPUTS_PER_PARAMETER` in `jacutil.auto`, is
+# printed below), and says so. It is the tool for a model with a handful of
+# parameters and long outputs, such as a physical model fitted to a signal.
 
 # %%
 narrow = keras.Sequential([
-    keras.Input((4,)), keras.layers.Dense(min(crossover_hidden), activation="tanh"),
+    keras.Input((4,)),
+    keras.layers.Dense(min(crossover_hidden), activation="tanh"),
     keras.layers.Dense(max(crossover_outputs), trainable=False)])
 _, choice = ju.jacobian(narrow, x_cross[:n_check], explain=True)
+print(f"ju.jacobian takes forward mode when l >= "
+      f"{ju.auto.FORWARD_WHEN_OUTPUTS_PER_PARAMETER} m")
 print(f"l = {max(crossover_outputs)}, m = {5 * min(crossover_hidden)}: "
       f"ju.jacobian takes {choice.path}")
 
@@ -232,7 +256,7 @@ print(f"l = {max(crossover_outputs)}, m = {5 * min(crossover_hidden)}: "
 # own gradient, `d loss_i / d theta`: the rows of J weighted by
 # `d loss_i / d f`. On the layer-rules path the backward pass simply starts
 # from that weight instead of the identity, and for a chain of Dense layers
-# the norms need not even the gradients (`|a|² |δ|²` per layer):
+# the norms do not even need the gradients (`|a|² |δ|²` per layer):
 
 # %%
 loss = keras.losses.mean_squared_error  # one loss per sample
@@ -241,48 +265,77 @@ norms = ju.per_sample_gradient_norms(small, loss, x_small, y_small)
 np.testing.assert_allclose(norms, np.linalg.norm(G, axis=1), rtol=1e-10)
 mean_gradient = G.mean(axis=0)
 with ju.tf.GradientTape() as tape:
-    batch_loss = ju.tf.reduce_mean(loss(y_small.astype("float64"), small(x_small)))
+    batch_loss = ju.tf.reduce_mean(
+        loss(y_small.astype("float64"), small(x_small)))
 full = np.concatenate([np.ravel(g) for g in tape.gradient(
     batch_loss, small.trainable_variables)])
 np.testing.assert_allclose(mean_gradient, full, rtol=1e-10)
-print("per-sample gradients", G.shape, "- their mean is the batch gradient: True")
+print("per-sample gradients", G.shape,
+      "- their mean is the batch gradient: True")
 print("norms without the gradients == norms of the gradients: True")
 
 # %% [markdown]
 # ## Exercises
 #
-# **1.** Give each trust-region step more products: run the wide fit with
-# `lsmr_iterations=40, max_nfev=4` (or a smaller network, `width=128`, to
-# keep it quick). Does least squares now beat Adam in the same time?
+# Each exercise ends with a check: put your answer in `answer` and run the
+# check's cell. It says "correct", or gives a hint (never the answer).
+#
+# **1.** Compare the two fits at equal loss instead of equal time: how many
+# seconds did Adam take to reach the lowest MSE that least squares reached?
+# `fit["lsmr"]` (one entry per evaluation) and `fit["adam"]` (one per step)
+# are lists of `(seconds, MSE)` pairs. Put the seconds in `answer`
+# (`np.inf` if Adam never got that low). Then give each trust-region step
+# more products - `lsmr_iterations=40, max_nfev=4`, on a smaller network
+# (`width=128`) to keep it quick - and compare the same way: does least
+# squares now get there first?
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
 # NBVAL_IGNORE_OUTPUT
-# Solution: each step is now closer to the exact Gauss-Newton step; whether
-# that is worth the products depends on the problem: compare the two curves.
+# Solution: the lowest MSE, not the last (a trust-region method also
+# evaluates the trial steps it rejects); then the first Adam step at or
+# below it. More products per step bring each step closer to the exact
+# Gauss-Newton step; whether that pays depends on the problem.
+def adam_seconds_to_catch_up(run):
+    best = min(mse for _, mse in run["lsmr"])
+    return next((t for t, mse in run["adam"] if mse <= best), np.inf)
+
+
+answer = adam_seconds_to_catch_up(fit)
 more = wide_fit.run_in_fresh_process(
     n_samples=min(n_samples, 500), width=min(width, 128), depth=depth,
     max_nfev=4, lsmr_iterations=40, seed=seed)
-print(f"lsmr {min(h[1] for h in more['lsmr']):.2e} against Adam "
-      f"{more['adam'][-1][1]:.2e} after {more['lsmr'][-1][0]:.1f} s")
+for label, run in [(f"lsmr_iterations={lsmr_iterations}", fit),
+                   ("lsmr_iterations=40, width 128", more)]:
+    best = min(mse for _, mse in run["lsmr"])
+    print(f"{label}: least squares reached {best:.2e} in "
+          f"{run['lsmr'][-1][0]:.1f} s; Adam got there after "
+          f"{adam_seconds_to_catch_up(run):.2f} s")
+
+# %%
+check.exercise("09-1", answer, fit=fit)
 
 # %% [markdown]
 # **2.** `jvp` has a second mode, `products(model, mode="double_backward")`:
 # the JVP as the gradient of a VJP with respect to its weights (reverse mode
-# twice). Check that it gives the same `J @ v` as forward mode on `small`,
-# and time both on the wide network's first 500 samples.
+# twice). Compute `J @ v` that way on `small`, `x_small` and the `v` of the
+# proof above (`answer`, shape `(n, l)`), check that forward mode gives the
+# same, and time both on the wide network's first 500 samples.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
 # NBVAL_IGNORE_OUTPUT
 # Solution: the same numbers; forward mode is usually cheaper (one pass
 # carrying tangents against a forward and two backward passes).
-twice = ju.products(small, mode="double_backward")
-np.testing.assert_allclose(twice.jvp(x_small, v), J @ v, rtol=1e-10)
+answer = ju.products(small, mode="double_backward").jvp(x_small, v)
+np.testing.assert_allclose(answer, ju.jvp(small, x_small, v), rtol=1e-10)
 x_wide = ju.regression_data(500, seed=seed)[0]
 v_wide = np.ones(m_wide)
 for mode in ("forward", "double_backward"):
     prods = ju.products(wide, mode=mode)
     seconds = ju.time_call(prods.jvp, x_wide, v_wide, repeats=3).median
     print(f"{mode:<16} {1e3 * seconds:.1f} ms")
+
+# %%
+check.exercise("09-2", answer, model=small, x=x_small, v=v)
 
 # %% [markdown]
 # ## Keypoints

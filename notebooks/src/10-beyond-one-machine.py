@@ -34,7 +34,6 @@
 import json
 import logging
 import os
-import shutil
 import tempfile
 import threading
 import time
@@ -45,6 +44,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import jacutil as ju
+from jacutil import check
 
 # Dask (set up when `distributed` is imported) logs a warning for each chunk
 # it reruns; the cells below print what happened instead
@@ -66,11 +66,13 @@ gn_chunk = 500  # its chunk size
 seed = 0
 
 # %% [markdown]
-# Everything is written into a temporary folder, removed at the end. The
-# question's network, 2,850 parameters and 2 outputs:
+# Everything is written into a temporary folder, removed at the end (and
+# by Python if the notebook stops half-way). The question's network, 2,850
+# parameters and 2 outputs:
 
 # %%
-folder = Path(tempfile.mkdtemp(prefix="jacutil-10-"))
+scratch = tempfile.TemporaryDirectory(prefix="jacutil-10-")
+folder = Path(scratch.name)
 model = ju.question_mlp(seed=seed)
 x, y = ju.regression_data(n_samples, seed=seed)
 m = ju.flat_params(model).size
@@ -97,36 +99,47 @@ ju.notebook.show_source(ju.chunked._resumable)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-path = folder / "J.npy"
-script = f"""
+def start_and_kill(path, at_least):
+    """Start the run into `path` in a new process; SIGKILL it part-way."""
+    script = f"""
 import jacutil as ju
 x, _ = ju.regression_data({resume_samples}, seed={seed})
-ju.chunked_jacobian(ju.question_mlp(seed={seed}), x, chunk_size={resume_chunk},
-                    out={str(path)!r}, method="per_sample", progress=False)
+ju.chunked_jacobian(ju.question_mlp(seed={seed}), x,
+                    chunk_size={resume_chunk}, out={str(path)!r},
+                    method="per_sample", progress=False)
 """
-finished = ju.resume.kill_part_way(script, lambda: ju.resume.finished_chunks(path)[0],
-                                   at_least=3)
+    finished = ju.resume.kill_part_way(
+        script, lambda: ju.resume.finished_chunks(path)[0], at_least=at_least)
+    assert finished < n_chunks, (
+        "the run finished before it was killed: raise resume_samples")
+    return finished
+
+
 n_chunks = -(-resume_samples // resume_chunk)
-assert finished < n_chunks, "the run finished before it was killed: raise resume_samples"
+path = folder / "J.npy"
+finished = start_and_kill(path, at_least=3)
 ledger = json.loads(Path(str(path) + ju.resume.LEDGER_SUFFIX).read_text())
-print(f"killed with {finished} of {n_chunks} chunks finished; the ledger says:")
+print(f"killed with {finished} of {n_chunks} chunks finished; "
+      "the ledger says:")
 print({key: ledger[key] for key in ("chunk_size", "n_chunks", "done")})
 
 # %% [markdown]
-# The same call again, in this process, skips the finished chunks (the
-# progress bar starts part-way) and completes the rest. Then it is compared
-# with a run that was never interrupted, in memory:
+# The ledger's `done` lists the finished chunks as runs `[first, last + 1)`,
+# like Python's `range`. The same call again, in this process, skips them
+# (the progress bar starts part-way) and completes the rest. Then it is
+# compared with a run that was never interrupted, in memory:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 x_resume = x[:resume_samples]
-resumed = ju.chunked_jacobian(model, x_resume, chunk_size=resume_chunk, out=path,
-                              method="per_sample")
+resumed = ju.chunked_jacobian(model, x_resume, chunk_size=resume_chunk,
+                              out=path, method="per_sample")
 
 # %%
 whole = ju.chunked_jacobian(model, x_resume, chunk_size=resume_chunk,
                             method="per_sample", progress=False)
-print("resumed file == uninterrupted run, bit for bit:", np.array_equal(resumed, whole))
+print("resumed file == uninterrupted run, bit for bit:",
+      np.array_equal(resumed, whole))
 
 # %% [markdown]
 # A run may only resume what it started: change one weight (or one sample,
@@ -207,7 +220,8 @@ def timed(run):
 
 one_path, two_path = folder / "one.npy", folder / "two.npy"
 J_one, t_one = timed(lambda: ju.chunked_jacobian(
-    model, x, chunk_size=chunk_size, out=one_path, method="rules", progress=False))
+    model, x, chunk_size=chunk_size, out=one_path, method="rules",
+    progress=False))
 J_two, t_two = timed(lambda: ju.distributed_jacobian(
     model, x, workers, chunk_size=chunk_size, out=two_path, progress=False))
 print(f"one process: {t_one:.1f} s; {n_workers} workers: {t_two:.1f} s "
@@ -219,25 +233,28 @@ same = all(np.array_equal(J_one[i:i + chunk_size], J_two[i:i + chunk_size])
 print(f"{n_workers} workers == one process, bit for bit:", same)
 
 # %% [markdown]
-# Read the ratio above: on this machine the workers share the same cores
-# that the one process already used, so they cannot compute faster; what the
-# ratio shows is the engine's overhead (sending chunks, the scheduler's
-# round trips) and whether writing from two processes at once helps. The cost
-# model below says what to expect on real machines.
+# Read the ratio above. On this machine the workers share the cores that
+# the one process already used, so they cannot compute faster: the ratio
+# shows the engine's overhead (sending chunks, the scheduler's round trips)
+# and how writing from two processes at once compares with writing from
+# one. The cost model below takes the two apart and says what to expect on
+# real machines.
 #
 # ## A worker lost
 #
 # Now kill a worker while it holds a chunk: `kill_busy_worker` waits for a
 # worker process with work assigned and sends it `SIGKILL`. It runs in a
 # thread beside the run, so it strikes as the first chunks are handed out.
-# The worker's nanny starts a new one, and the scheduler gives the lost
-# chunks to a live worker:
+# The worker's *nanny* (the small Dask process that watches each worker)
+# starts a new one, and the scheduler gives the lost chunks to a live
+# worker:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 fault_path = folder / "fault.npy"
 killed = []
-killer = threading.Thread(target=lambda: killed.append(workers.kill_busy_worker()))
+killer = threading.Thread(
+    target=lambda: killed.append(workers.kill_busy_worker()))
 killer.start()
 J_fault = ju.distributed_jacobian(
     model, x_resume, workers, chunk_size=resume_chunk, out=fault_path,
@@ -266,17 +283,22 @@ del J_fault, whole
 # NBVAL_IGNORE_OUTPUT
 x_gn, y_gn = x[:gn_samples], y[:gn_samples]
 one = ju.least_squares_problem(model, x_gn, y_gn, chunk_size=gn_chunk)
-spread = ju.DistributedLeastSquares(model, x_gn, y_gn, workers, chunk_size=gn_chunk)
-(JtJ, Jtr), (JtJ_w, Jtr_w) = (p.normal_equations(one.theta0) for p in (one, spread))
+spread = ju.DistributedLeastSquares(model, x_gn, y_gn, workers,
+                                    chunk_size=gn_chunk)
+(JtJ, Jtr), (JtJ_w, Jtr_w) = (p.normal_equations(one.theta0)
+                              for p in (one, spread))
 difference = max(np.abs(JtJ_w - JtJ).max() / np.abs(JtJ).max(),
                  np.abs(Jtr_w - Jtr).max() / np.abs(Jtr).max())
 assert difference < 1e-12, "the workers' sums differ by more than rounding"
 print(f"JtJ and Jtr from the workers against one process: largest difference "
       f"{difference:.0e} of the largest entry")
-fit = ju.levenberg_marquardt(spread, max_steps=3, damping=1.0)  # started well damped
-assert fit["history"][-1, 1] < fit["history"][0, 1], "no step lowered the loss"
-print(f"{fit['n_steps']} steps on the workers ({fit['n_accepted']} accepted): MSE "
-      f"{fit['history'][0, 1]:.4f} -> {fit['history'][-1, 1]:.4f}")
+# started well damped
+fit = ju.levenberg_marquardt(spread, max_steps=3, damping=1.0)
+assert fit["history"][-1, 1] < fit["history"][0, 1], (
+    "no step lowered the loss")
+print(f"{fit['n_steps']} steps on the workers ({fit['n_accepted']} "
+      f"accepted): MSE {fit['history'][0, 1]:.4f} -> "
+      f"{fit['history'][-1, 1]:.4f}")
 model.set_weights(weights)
 
 # %% [markdown]
@@ -328,10 +350,10 @@ _, t_tasks = timed(lambda: workers.client.gather(no_ops))
 tau = t_tasks / len(no_ops)
 K = -(-n_samples // chunk_size)
 t_out = max(t_one - t_compute, 0.0)
-print(f"T_compute {t_compute:.1f} s, T_out {t_out:.1f} s, tau {1e3 * tau:.1f} ms, "
-      f"K = {K} chunks")
-print(f"{n_workers} workers on this machine: model {t_compute + t_out + K * tau:.1f} s, "
-      f"measured {t_two:.1f} s")
+print(f"T_compute {t_compute:.1f} s, T_out {t_out:.1f} s, "
+      f"tau {1e3 * tau:.1f} ms, K = {K} chunks")
+print(f"{n_workers} workers on this machine: model "
+      f"{t_compute + t_out + K * tau:.1f} s, measured {t_two:.1f} s")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -341,7 +363,8 @@ ax.plot(machines, t_compute / machines + t_out + K * tau, "o-",
         label="model: N machines, one shared disk")
 ax.axhline(t_out, color="gray", ls="--", label="T_out: the floor")
 ax.plot([1], [t_one], "s", label="measured: one process")
-ax.plot([n_workers], [t_two], "^", label=f"measured: {n_workers} workers, one machine")
+ax.plot([n_workers], [t_two], "^",
+        label=f"measured: {n_workers} workers, one machine")
 ax.set_xscale("log", base=2)
 ax.set_xticks(machines, [str(n) for n in machines])
 ax.set_ylim(bottom=0)
@@ -365,26 +388,42 @@ fig.tight_layout()
 # %% [markdown]
 # ## Exercises
 #
-# **1.** Resume the run above with another chunk size: call
-# `ju.chunked_jacobian(model, x_resume, chunk_size=250, out=path)`. What
-# does the error tell you to do? Do it.
+# Each exercise ends with a check: put your answer in `answer` and run the
+# check's cell. It says "correct", or gives a hint (never the answer). The
+# checks compute their own Jacobian in this process; they start no workers.
+#
+# **1.** The cell below starts the drill's run again, into a new file
+# `path_ex`, and kills it part-way. Resume it with another chunk size:
+# call `ju.chunked_jacobian(model, x_resume, chunk_size=resume_chunk // 2,
+# out=path_ex)`. What does the error tell you to do? Do it, and put the
+# finished Jacobian in `answer`.
+
+# %%
+path_ex = folder / "exercise.npy"
+start_and_kill(path_ex, at_least=2)
+print(f"{path_ex.name}: killed part-way; its ledger lists the chunks done")
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
-# Solution: the file was written with chunk_size=500; resuming needs the
-# same chunks (leave chunk_size out to take the file's), or delete both files.
+# Solution: the file was started with chunk_size=resume_chunk; resuming
+# needs the same chunks (leave chunk_size out to take the file's), or
+# delete both files and start afresh.
 try:
-    ju.chunked_jacobian(model, x_resume, chunk_size=resume_chunk // 2, out=path,
-                        method="per_sample", progress=False)
+    ju.chunked_jacobian(model, x_resume, chunk_size=resume_chunk // 2,
+                        out=path_ex, method="per_sample", progress=False)
 except ju.resume.ResumeMismatch as error:
     print(error)
-again = ju.chunked_jacobian(model, x_resume, out=path, method="per_sample",
-                            progress=False)
-print("resumed with the file's own chunk size:", again.shape)
+answer = ju.chunked_jacobian(model, x_resume, out=path_ex,
+                             method="per_sample", progress=False)
+print("resumed with the file's own chunk size:", answer.shape)
+
+# %%
+check.exercise("10-1", answer, model=model, x=x_resume)
 
 # %% [markdown]
 # **2.** Kill *both* workers at once, as the run starts (call
-# `kill_busy_worker` twice in the thread). Is the result still complete and
-# equal? What would happen if the workers kept dying (think of Dask's
+# `kill_busy_worker` twice in the thread), and put the Jacobian the workers
+# return in `answer`: is it still complete and equal? What would happen if
+# the workers kept dying (think of Dask's
 # `distributed.scheduler.allowed-failures`, 3 by default)?
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
@@ -398,22 +437,26 @@ kills = []
 killer = threading.Thread(
     target=lambda: kills.extend(workers.kill_busy_worker() for _ in range(2)))
 killer.start()
-J_twice = ju.distributed_jacobian(model, x_resume, workers, chunk_size=resume_chunk,
-                                  method="per_sample", progress=False)
+answer = ju.distributed_jacobian(model, x_resume, workers,
+                                 chunk_size=resume_chunk,
+                                 method="per_sample", progress=False)
 killer.join()
-print(f"{len(kills)} workers killed; equal:", np.array_equal(
-    J_twice, ju.chunked_jacobian(model, x_resume, chunk_size=resume_chunk,
-                                 method="per_sample", progress=False)))
+print(f"{len(kills)} workers killed; the rows of {len(answer):,} samples")
+
+# %%
+check.exercise("10-2", answer, model=model, x=x_resume)
 
 # %% [markdown]
 # ## Clean-up
 #
-# Stop the workers and the scheduler, and remove the files:
+# Stop the workers and the scheduler, and remove the temporary folder
+# with its files:
 
 # %%
 workers.close()
-del J_one, J_two
-shutil.rmtree(folder)
+del J_one, J_two, answer
+scratch.cleanup()
+print("temporary folder removed:", not folder.exists())
 print("processes left behind:", ju.workers.leftovers(workers.address))
 
 # %% [markdown]
@@ -426,5 +469,5 @@ print("processes left behind:", ju.workers.leftovers(workers.address))
 #   `distributed_jacobian` gives them the chunks and equals one process bit
 #   for bit. On a cluster, pass a `Client` instead.
 # - A worker that dies loses nothing: its chunks are rerun elsewhere.
-# - `T_N ≈ T_compute / s(N) + T_write + K · τ`: machines shrink the
+# - `T_N ≈ T_compute / s(N) + T_out + K · τ`: machines shrink the
 #   computing, not the writing; keep chunks long against `τ`.
