@@ -10,6 +10,7 @@ or a port that is taken, is an error that says which and shows its log.
 """
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -62,9 +63,12 @@ def _stop(process, grace=5.0):
         pass
 
 
-def _stop_all(processes):
+def _stop_all(processes, logs=None):
+    """Stop every process; then remove the folder of their logs, if given."""
     for process in reversed(processes):
         _stop(process)
+    if logs is not None:
+        shutil.rmtree(logs, ignore_errors=True)
 
 
 class LocalWorkers:
@@ -96,27 +100,29 @@ class LocalWorkers:
         self.processes = []
         self.client = None
         self._logs = Path(tempfile.mkdtemp(prefix="jacutil-workers-"))
-        self._finalizer = weakref.finalize(self, _stop_all, self.processes)
+        self._finalizer = weakref.finalize(
+            self, _stop_all, self.processes, self._logs
+        )
         try:
             self._start()
         except BaseException:
-            self.close()
+            self.close()  # the error holds the tail of the log
             raise
 
     def _spawn(self, name, arguments):
-        log = open(self._logs / f"{name}.log", "wb")
         env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
         env["TF_NUM_INTRAOP_THREADS"] = str(self.threads)
         env["TF_NUM_INTEROP_THREADS"] = "1"
         env[MARKER] = self.address  # inherited by the nanny's worker: see leftovers()
         command = [self.python, *arguments]
-        process = subprocess.Popen(
-            command,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,  # its own group: close() stops its children
-        )
+        with open(self._logs / f"{name}.log", "wb") as log:  # the child keeps it
+            process = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,  # its own group: close() stops its children
+            )
         process.name = name
         self.processes.append(process)
         return process
@@ -129,7 +135,8 @@ class LocalWorkers:
     def _fail(self, what, process=None):
         name = process.name if process else "scheduler"
         raise WorkerStartError(
-            f"{what}. The last lines of its log ({self._logs / name}.log):\n"
+            f"{what}. The last lines of its log ({name}.log, removed with "
+            "the processes):\n"
             f"{self._log_tail(name)}"
         )
 
@@ -235,14 +242,15 @@ class LocalWorkers:
         raise TimeoutError(f"no worker held a chunk within {timeout:g} seconds.")
 
     def close(self):
-        """Stop the client, the workers and the scheduler; idempotent."""
+        """Stop the client, the workers and the scheduler, and remove their
+        logs; idempotent."""
         if self.client is not None:
             try:
                 self.client.close(timeout=5)
             except Exception:  # noqa: BLE001 - closing: the processes go anyway
                 pass
             self.client = None
-        _stop_all(self.processes)
+        _stop_all(self.processes, self._logs)
         self.processes.clear()
 
     def __enter__(self):

@@ -57,6 +57,7 @@ def workers():
         yield running
         started.see()
     _assert_all_stopped(started.pids, started.workers.address)
+    assert not running._logs.exists(), "the workers' logs were left in /tmp"
 
 
 def test_every_process_listens_on_loopback_only(workers):
