@@ -13,14 +13,14 @@ export TF_CPP_MIN_LOG_LEVEL := 2
 export JUPYTER_PREFER_ENV_PATH := 1
 export PYDEVD_DISABLE_FILE_VALIDATION := 1
 
-.PHONY: setup run test lint notebooks lab learner lock clean bench bench-peers
+.PHONY: setup run test lint notebooks lab learner site lock clean bench bench-peers
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade "pip>=24"
-	$(BIN)/python -m pip install --quiet -c requirements.lock -e ".[notebooks,test]"
+	$(BIN)/python -m pip install --quiet -c requirements.lock -e ".[notebooks,test,site]"
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 \
 		--display-name "Python 3 (jacutil)" > /dev/null
 	touch $(STAMP)
@@ -56,6 +56,12 @@ lab: setup
 # Learner copies for a workshop: outputs cleared, solutions emptied to stubs.
 learner: setup
 	$(BIN)/python scripts/make_learner.py $(NOTEBOOKS)
+
+# The course website in build/site/ (open build/site/index.html): a page per
+# notebook from its stored outputs (nothing is executed), the README, the
+# instructor notes, the API reference and search; nothing loaded from the web.
+site: setup
+	$(BIN)/python scripts/build_site.py --out build/site
 
 # Refresh requirements.lock from what is installed (after changing pyproject.toml).
 # Benchmark peers (make bench-peers) are not part of the lock.

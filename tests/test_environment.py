@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # The extras that `make setup` installs; others (such as benchmark peers) are
 # optional and installed by their own make targets.
-INSTALLED_EXTRAS = ("notebooks", "test")
+INSTALLED_EXTRAS = ("notebooks", "test", "site")
 
 
 def name_of(requirement):

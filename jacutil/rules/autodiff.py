@@ -25,7 +25,8 @@ def repeat_rows(a, n_outputs):
 
 
 def tiled_vjp(function, a, delta):
-    """The signal at ``a`` from the signal ``delta`` (n, l, *out) at ``function(a)``."""
+    """The signal at ``a`` from the signal ``delta``, shape ``(n, l, *out)``,
+    at ``function(a)``."""
     n_samples, n_outputs = tf.shape(delta)[0], tf.shape(delta)[1]
     a_rows = repeat_rows(a, n_outputs)
     with tf.GradientTape() as tape:

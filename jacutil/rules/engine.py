@@ -144,7 +144,7 @@ def rules_tensor(plan, x, signal=None):
     """(n, l, m) Jacobian of batch ``x`` by the plan's rules.
 
     ``signal(y)``, when given, returns the signal to start from instead of
-    the identity: (n, r, *output shape), giving (n, r, m) - with r = 1 and
+    the identity: ``(n, r, *output_shape)``, giving (n, r, m) - with r = 1 and
     the derivative of a per-sample loss, the per-sample gradients.
     """
     a, saved = x, []
