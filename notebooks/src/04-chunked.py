@@ -37,6 +37,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import jacutil as ju
+from jacutil import check
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -66,7 +67,8 @@ print(f"J of {n_samples:,} samples: {n_samples * row_bytes / 2**20:,.0f} MiB;"
 # Computing the rows of `c` samples at once needs the rows themselves, the
 # per-variable blocks before they are joined, and what TensorFlow keeps in
 # its pool: a multiple of `c · l · m · itemsize`. The multiple was
-# **measured** (not guessed) and is stored in `jacutil.chunked`:
+# **measured** (not guessed) on nine models, rounded up by a margin, and is
+# stored in `jacutil.chunked` (the comment above it there says how):
 
 # %%
 ju.notebook.show_source(ju.chunked.bytes_per_sample)
@@ -77,7 +79,8 @@ print("WORKING_MEMORY_FACTOR =", ju.chunked.WORKING_MEMORY_FACTOR)
 # Measure it again. Each chunk size runs `chunked_jacobian` of `n_sweep`
 # samples into a memory-mapped file, in a fresh process (TensorFlow keeps
 # the memory it grew; see `02-vectorized`), and we fit
-# `peak = b · chunk + c`.
+# `peak = b · chunk + c`: `b` is the working memory per sample, `c` a fixed
+# cost (the pool, the code) that dominates the ratio at the smallest chunk.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -135,10 +138,10 @@ print(f"Finding: a {out.nbytes / 2**20:,.0f} MiB Jacobian written to disk in "
 print("result is the memory-mapped array:", use.result is out)
 
 # %% [markdown]
-# The peak stays near the budget, not near the size of the result: the
-# budget bounds the chunks, whatever n is. It is a model, not a hard limit -
-# a few MiB of fixed cost (the progress bar, the pool) come on top, so leave
-# a margin.
+# Compare the Finding's peak with the budget and with the size of the
+# result: the budget, not n, sets the peak, since it bounds the chunks. It
+# is a model, not a hard limit - a few MiB of fixed cost (the progress bar,
+# the pool) come on top, so leave a margin.
 
 # %% [markdown]
 # ### Proof: the same as the unchunked result
@@ -157,10 +160,17 @@ del on_disk, unchunked
 # %% [markdown]
 # ## Peak memory and time against the chunk size
 #
-# Memory grows linearly with the chunk. Time falls as chunks grow (fewer
-# calls), then flattens. With the batch-wide tape inside each chunk
-# (`method="batch"`), the work *inside* a chunk is quadratic: its best chunk
-# is small.
+# Left: the peak memory of the per-sample chunks, measured above, and the
+# fitted line `b · chunk + c`: memory grows linearly with the chunk (on
+# log-log axes the fixed cost `c` bends the line at small chunks). Right: the
+# time of both methods inside a chunk. The per-sample time falls as chunks
+# grow (fewer calls), then flattens. With the batch-wide tape inside each
+# chunk (`method="batch"`), the work *inside* a chunk is quadratic, so its
+# time falls and then rises again: its best chunk is small. Neither time
+# curve is a power law, so no slope is fitted to them. Only the per-sample
+# memory is measured here; the batch tape's memory, quadratic in the chunk,
+# was measured in `02-vectorized`, and `chunk_size_for(...,
+# method="batch")` sizes its chunks with a `c²` term for it.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -184,19 +194,20 @@ print("temporary folder deleted:", not Path(folder.name).exists())
 # %%
 # NBVAL_IGNORE_OUTPUT
 all_sizes = sorted(set(chunk_sizes) | set(batch_chunk_sizes))
-fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(11, 4))
+fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(12, 4))
 ju.plots.loglog_scaling(
     chunk_sizes,
     {"measured peak": [p / 2**20 for p in peaks],
-     "model b*chunk + c": list(fitted.predict(chunk_sizes) / 2**20)},
-    xlabel="chunk size", ylabel="peak MiB", ax=ax_m)
-ax_m.set_title(f"per-sample chunks, n = {n_sweep:,}")
+     "fit b*chunk + c": list(fitted.predict(chunk_sizes) / 2**20)},
+    xlabel="chunk size", ylabel="peak MiB", ax=ax_m, slopes=False)
+ax_m.set_title(f"memory, per-sample chunks, n = {n_sweep:,}")
 ju.plots.loglog_scaling(
     all_sizes,
     {f'method="{m}"': [times.get((m, c), np.nan) for c in all_sizes]
      for m in ["per_sample", "batch"]},
     xlabel="chunk size", ax=ax_t, slopes=False)  # not power laws: no slopes
-ax_t.set_title(f"time for n = {n_sweep:,}")
+ax_t.set_title(f"time, both methods, n = {n_sweep:,}")
+ax_t.legend(loc="upper left", bbox_to_anchor=(1.02, 1))  # beside the curves
 fig.tight_layout()
 best = min(chunk_sizes, key=lambda c: times["per_sample", c])
 best_batch = min(batch_chunk_sizes, key=lambda c: times["batch", c])
@@ -214,9 +225,15 @@ print(f"Finding: n = {n_sweep:,}: per-sample chunks of {best} take "
 # %% [markdown]
 # ## Exercises
 #
+# Each exercise ends with a check: put your answer in `answer` and run the
+# check's cell. It says "correct", or gives a hint (never the answer).
+#
 # **1.** Your budget is 16 MiB and the model is in float64. What chunk size
 # does `chunk_size_for` give? Run `chunked_jacobian` with that budget on a
-# float64 copy of the model and check it against `per_sample_jacobian`.
+# float64 copy of the model (`ju.question_mlp(seed=seed, dtype="float64")`
+# with `model`'s weights) for the first 300 samples, `x[:300]`, and check it
+# against `per_sample_jacobian`. Put both in `answer = (chunk, J)`: the
+# chunk size (a number) and the float64 Jacobian, shape `(300, l, m)`.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
 # Solution: float64 doubles the bytes per sample, so the chunk halves.
@@ -228,20 +245,27 @@ J64 = ju.chunked_jacobian(model64, x64, memory_budget=16 * 2**20,
                           progress=False)
 np.testing.assert_allclose(J64, ju.per_sample_jacobian(model64, x64),
                            rtol=1e-10, atol=1e-12)
+answer = (c64, J64)
 print("chunk size:", c64, " J:", J64.shape, J64.dtype, " equal: True")
 
+# %%
+check.exercise("04-1", answer, model=model, x=x[:300])
+
 # %% [markdown]
-# **2.** A long job can stop half-way. Fill a memory-mapped file in two
-# calls - the first half of the samples, then the second, each into its
-# slice of the file (`out=mm[:half]`) - and check that the file equals one
-# call over all samples.
+# **2.** A long job can stop half-way. Fill a memory-mapped file with the
+# Jacobian of the first 400 samples, `x[:400]`, in two calls - the first
+# half of the samples, then the second, each into its slice of the file
+# (`out=mm[:half]`) - and close and reopen the file between the two, as
+# after a restart. Check that the file equals one call over all samples,
+# and put its contents in `answer` (`np.load(file)`, shape
+# `(400, l, m)`) before the temporary folder is deleted.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
 # Solution: a slice of a memmap is a memmap; open it again with mode="r+"
-# to resume after a restart.
+# (mode="w+" would start a new, empty file) to resume after a restart.
 with tempfile.TemporaryDirectory() as tmp:
     file = Path(tmp) / "J.npy"
-    n_ex = min(400, len(x))
+    n_ex = len(x[:400])
     half = n_ex // 2
     mm = np.lib.format.open_memmap(file, mode="w+", dtype="float32",
                                    shape=(n_ex, n_outputs, n_params))
@@ -251,11 +275,15 @@ with tempfile.TemporaryDirectory() as tmp:
     mm = np.lib.format.open_memmap(file, mode="r+")
     ju.chunked_jacobian(model, x[half:n_ex], chunk_size=64, out=mm[half:],
                         progress=False)
-    np.testing.assert_allclose(mm, ju.chunked_jacobian(model, x[:n_ex],
+    del mm  # closed: the rows are in the file
+    answer = np.load(file)
+np.testing.assert_allclose(answer, ju.chunked_jacobian(model, x[:n_ex],
                                                        progress=False),
-                               rtol=1e-5, atol=1e-6)
-    del mm
-print("two halves == one call: True")
+                           rtol=1e-5, atol=1e-6)
+print("two halves == one call:", answer.shape)
+
+# %%
+check.exercise("04-2", answer, model=model, x=x[:400])
 
 # %% [markdown]
 # ## Keypoints

@@ -42,7 +42,7 @@ import numpy as np
 from scipy.optimize import least_squares
 
 import jacutil as ju
-from jacutil import keras
+from jacutil import check, keras, tf
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -70,6 +70,8 @@ n, l = y.shape
 m = ju.flat_params(model).size
 print(f"n = {n} samples, l = {l} outputs, m = {m} parameters")
 print(f"residuals n*l = {n * l}, parameters m = {m}")
+print(f"one QR factorisation of the (n*l) x m matrix: 2*n*l*m**2 = "
+      f"{2 * n * l * m**2:.1e} operations")
 
 # %% [markdown]
 # ## What SciPy needs
@@ -94,14 +96,19 @@ ju.notebook.show_source(ju.LeastSquaresProblem)
 
 # %% [markdown]
 # Check `jac` against the per-sample Jacobian of `02`, and `fun` against
-# the model's own outputs:
+# the model's own outputs. `fun` and `jac` run the model itself, so each
+# call first writes its `theta` into the model's variables: after a call at
+# another `theta` the model holds that one, and `set_params(theta0)` puts
+# the start back. A solver's last call need not be at its solution, which is
+# why the fits below end with `set_params(result.x)`.
 
 # %%
 problem = ju.least_squares_problem(model, x, y)
 theta0 = problem.theta0
 r0 = problem.fun(theta0)
 J0 = problem.jac(theta0)
-print("theta0:", theta0.shape, theta0.dtype, " r:", r0.shape, " jac:", J0.shape)
+print("theta0:", theta0.shape, theta0.dtype, " r:", r0.shape,
+      " jac:", J0.shape)
 x_few = x[:5]
 J_few = ju.per_sample_jacobian(model, x_few).reshape(5 * l, m)
 np.testing.assert_allclose(J0[: 5 * l], J_few, rtol=1e-5, atol=1e-6)
@@ -109,7 +116,8 @@ np.testing.assert_allclose(r0, (model(x).numpy() - y).ravel(), atol=1e-6)
 problem.jac(theta0 + 0.01)  # note: writes theta0 + 0.01 into the model
 problem.set_params(theta0)  # ... so put the start back
 print("jac == per_sample_jacobian, reshaped: True")
-print("traces after two calls at different theta:", problem.compiled.trace_count)
+print("traces after two calls at different theta:",
+      problem.compiled.trace_count)
 
 # %% [markdown]
 # ## Three optimizers, one start
@@ -204,9 +212,12 @@ def race(model, methods):
 # %% [markdown]
 # ### The question's network: 10 → 64 → 32 → 2
 #
-# With $m = 2850$ parameters, one MINPACK step factorises a 4000 × 2850
-# matrix: tens of seconds on two cores, against a fraction of a second
-# for the Jacobian itself. So on this network SciPy's `"lm"` stays out of the race.
+# With the $m$ parameters of this network, one MINPACK step factorises the
+# whole $(n·l) \times m$ matrix: the $2 n l m^2$ operations printed at the
+# start, run as plain loops on one core - far more than the Jacobian itself
+# (below, `J.T @ J`, work of the same order done by a fast BLAS, is timed
+# against the Jacobian). So on this network SciPy's `"lm"` stays out of the
+# race.
 #
 # Levenberg–Marquardt itself does not need that factorisation.
 # `levenberg_marquardt` (`"lm-jtj"` below) solves the same damped system
@@ -240,9 +251,10 @@ print("parameters of the narrow network:", problem_small.n_params)
 # %%
 # NBVAL_IGNORE_OUTPUT
 fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-for ax, curves, title in [(axes[0], curves_big, f"question's network, m = {m}"),
-                          (axes[1], curves_small,
-                           f"narrow network, m = {problem_small.n_params}")]:
+for ax, curves, title in [
+        (axes[0], curves_big, f"question's network, m = {m}"),
+        (axes[1], curves_small,
+         f"narrow network, m = {problem_small.n_params}")]:
     for method, log in curves.items():
         best = np.minimum.accumulate(log[:, 1])
         ax.semilogy(log[:, 0], best, "o-", ms=3, label=method,
@@ -270,16 +282,16 @@ for network, rows in [("question", rows_big), ("narrow", rows_small)]:
         for method, _, _, mse, seconds in rows))
 
 # %% [markdown]
-# For Adam, `nfev` counts mini-batch gradient steps; for `lm-jtj`, `nfev`
-# is its trial steps plus the start, and `njev` the times it summed the
-# normal equations. Read the plot as a race to a given loss. The
-# least-squares methods use the Jacobian of all residuals at every step, so
-# each step is costly but goes far; Adam's steps are cheap and many. Which
-# line is lowest at a given time is the answer for this run; the table above
-# gives where each ended. `lm-jtj` forms and solves an $m \times m$ system
-# at every step: few steps, each expensive. The dashed
-# line is the noise in `y` (standard deviation 0.05): a fit below it is
-# learning the noise.
+# For SciPy's methods, `nfev` and `njev` count the calls of `fun` and `jac`.
+# For Adam, `nfev` counts mini-batch gradient steps; for `lm-jtj`, `nfev` is
+# its trial steps plus the start, and `njev` the times it summed the normal
+# equations. Read the plot as a race to a given loss. The least-squares
+# methods use the Jacobian of all residuals at every step, so each step is
+# costly but goes far; Adam's steps are cheap and many. Which line is lowest
+# at a given time is the answer for this run; the table above gives where
+# each ended. `lm-jtj` forms and solves an $m \times m$ system at every
+# step: few steps, each expensive. The dashed line is the noise in `y`
+# (standard deviation 0.05): a fit below it is learning the noise.
 
 # %% [markdown]
 # ## Why LM is costly for wide networks
@@ -323,7 +335,8 @@ M = ju.to_lm_by_n(J3)
 print("SciPy:", J0.shape, "  (n, l, m):", J3.shape, "  question:", M.shape)
 rng = np.random.default_rng(seed)
 i, k, p = rng.integers(n), rng.integers(l), rng.integers(m)
-print(f"M[k*m + p, i] == jac[i*l + k, p]: {M[k * m + p, i] == J0[i * l + k, p]}")
+print("M[k*m + p, i] == jac[i*l + k, p]:",
+      M[k * m + p, i] == J0[i * l + k, p])
 
 # %% [markdown]
 # The gradient of SciPy's cost $\tfrac12\lVert r\rVert^2$ is $J^\top r$ in
@@ -394,7 +407,8 @@ starts = np.cumsum([0] + [int(np.prod(v.shape))
 directions += [np.eye(m)[p] for p in starts]
 step = 1e-6
 for v in directions:
-    fd = (loss_at(theta64 + step * v) - loss_at(theta64 - step * v)) / (2 * step)
+    fd = (loss_at(theta64 + step * v)
+          - loss_at(theta64 - step * v)) / (2 * step)
     np.testing.assert_allclose(grad @ v, fd, rtol=1e-6, atol=1e-8)
 ju.set_flat_params(model64, theta64)
 print(f"chain rule == finite differences along {len(directions)} directions")
@@ -448,14 +462,18 @@ gn.set_params(theta64)
 # %% [markdown]
 # ## Exercises
 #
-# **1.** Levenberg–Marquardt needs at least as many residuals as
-# parameters. Fit the narrow network to only a few samples, so that
-# $n·l < m$, with `method="lm"`. What does SciPy say? Which method still
-# works?
+# Each exercise ends with a check: put your answer in `answer` and run the
+# check's cell. It says "correct", or gives a hint (never the answer).
+#
+# **1.** Fit the narrow network to only a few samples, so that there are
+# fewer residuals than parameters ($n·l < m$), with `method="lm"`. What does
+# SciPy say? Which method of `least_squares` still works? Put its name in
+# `answer` (a string, as you would pass it to `method=`).
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
-# Solution: MINPACK's LM refuses an underdetermined problem; "trf" accepts
-# it (with more parameters than residuals it can fit the data exactly).
+# Solution: MINPACK's LM refuses an underdetermined problem; "trf" (and
+# "dogbox") accept it - with more parameters than residuals they can fit
+# the data exactly.
 tiny = ju.question_mlp(hidden=tuple(small_hidden), seed=seed)
 n_few = ju.flat_params(tiny).size // (2 * l)
 few = ju.least_squares_problem(tiny, x[:n_few], y[:n_few])
@@ -467,42 +485,57 @@ except ValueError as error:
 fit = least_squares(few.fun, few.theta0, jac=few.jac, method="trf",
                     max_nfev=5)
 print("trf runs, status:", fit.status)
+answer = "trf"
+
+# %%
+check.exercise("05-1", answer)
 
 # %% [markdown]
-# **2.** The gradient of the mean squared error used by Adam,
-# $\mathrm{MSE} = \lVert r \rVert^2/(n·l)$, is $2 J^\top r / (n·l)$. Compute
-# it from `normal_equations` for the first 50 samples and check it against
-# `tape.gradient` of the same loss.
+# **2.** Adam minimises the mean squared error,
+# $\mathrm{MSE} = \lVert r \rVert^2/(n·l)$. Write its gradient in terms of
+# $J$ and $r$, compute it from `normal_equations` of the float64 network
+# `model64` on the first 50 samples (`x[:50]`, `y[:50]`), and check it
+# against `tape.gradient` of the same loss. `answer`: the gradient, shape
+# `(m,)`.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
-# Solution: Jtr from the chunks, scaled; the tape differentiates the mean.
-from jacutil import tf
-
-n_ex = min(50, n)
-x_ex, y_ex = x[:n_ex].astype("float64"), y[:n_ex]
+# Solution: d/dtheta |r|^2 = 2 J^T r, and the mean divides by n*l. Jtr from
+# the chunks, scaled; the tape differentiates the mean itself.
+x_ex, y_ex = x[:50].astype("float64"), y[:50]
+n_ex = len(x_ex)
 ex = ju.least_squares_problem(model64, x_ex, y_ex, chunk_size=16)
 _, Jtr_ex = ex.normal_equations(theta64)
-grad_chunks = 2 * Jtr_ex / (n_ex * l)
+answer = 2 * Jtr_ex / (n_ex * l)
 with tf.GradientTape() as tape:
     mse = tf.reduce_mean((model64(x_ex) - y_ex) ** 2)
 grads = tape.gradient(mse, model64.trainable_variables)
 grad_tape = np.concatenate([g.numpy().ravel() for g in grads])
-np.testing.assert_allclose(grad_chunks, grad_tape, rtol=1e-8, atol=1e-12)
+np.testing.assert_allclose(answer, grad_tape, rtol=1e-8, atol=1e-12)
 print("2 J.T r / (n l) == tape.gradient of the MSE: True")
 
+# %%
+check.exercise("05-2", answer, model=model64, x=x[:50], y=y[:50])
+
 # %% [markdown]
-# **3.** Repeat the Gauss–Newton step of above with damping $\lambda$ of
-# $10^{-4}$, $10^{-2}$ and $100$. How does the MSE after the step change, and
-# why is a large $\lambda$ like a small gradient-descent step?
+# **3.** Repeat the Gauss–Newton step of above (its `JtJ` and `Jtr`) with
+# damping $\lambda$ of $10^{-4}$, $10^{-2}$ and $100$. How do the length of
+# the step and the MSE after it change, and why is a large $\lambda$ like a
+# small gradient-descent step? `answer`: the three step lengths
+# $\lVert\delta\rVert$, in that order.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
 # Solution: a large damping shrinks the step towards -Jtr / lambda, a short
 # step downhill; a tiny damping trusts the linear model of r far away.
+answer = []
 for lam in (1e-4, 1e-2, 100.0):
     delta = np.linalg.solve(JtJ + lam * np.eye(m), -Jtr)
-    print(f"lambda {lam:g}: step length {np.linalg.norm(delta):.2f}, "
+    answer.append(np.linalg.norm(delta))
+    print(f"lambda {lam:g}: step length {answer[-1]:.2f}, "
           f"MSE after {np.mean(gn.fun(theta64 + delta) ** 2):.4f}")
 gn.set_params(theta64)
+
+# %%
+check.exercise("05-3", answer, JtJ=JtJ, Jtr=Jtr)
 
 # %% [markdown]
 # ## Keypoints

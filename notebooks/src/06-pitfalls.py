@@ -46,7 +46,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import jacutil as ju
-from jacutil import keras, tf
+from jacutil import check, keras, tf
 
 
 @contextlib.contextmanager
@@ -219,8 +219,8 @@ with fails_with(AttributeError):
 # %% [markdown]
 # **What went wrong.** `theta` is a *copy*: the model reads its own
 # variables, never `theta`, so no path leads from `theta` to the outputs.
-# The derivative with respect to something unused is not zero - the
-# question is wrong.
+# The outputs do not depend on `theta` at all: zero is the true answer to
+# the question asked, and the question is the mistake.
 #
 # `jacutil` refuses the mistake with a message that says what to do. Its
 # guard, called at the end of every stage:
@@ -359,6 +359,9 @@ batch_jac, diagonal, full = input_jacobians(bn_model, x, training=True)
 print("d y[0] / d x[1] is zero:", bool(np.allclose(full[0, :, 1], 0)))
 print("batch_jacobian == the per-sample blocks:",
       np.allclose(batch_jac, diagonal, atol=1e-5))
+influence = full.sum(axis=0).transpose(1, 0, 2)  # [j] = sum_i d y_i / d x_j
+np.testing.assert_allclose(batch_jac, influence, rtol=1e-4, atol=1e-5)
+print("batch_jacobian[j] == sum over i of d y[i] / d x[j]: True")
 
 # %% [markdown]
 # **What went wrong.** With batch statistics there is no per-sample
@@ -578,17 +581,43 @@ print(f"largest difference: {np.abs(J32 - J32_fd).max():.2g}"
 
 # %% [markdown]
 # **What went wrong - not the Jacobian.** A central difference
-# $\frac{f(\theta + h) - f(\theta - h)}{2h}$ makes two errors:
-# rounding, about $\varepsilon |f| / h$, and truncation, about $h^2$.
-# float32 keeps $\varepsilon \approx 1.2 \cdot 10^{-7}$, so with
-# $h = 10^{-6}$ the rounding error alone is about $0.1$. The best step,
-# near $\varepsilon^{1/3}$, still leaves an error of order
-# $\varepsilon^{2/3} \approx 2 \cdot 10^{-5}$ (a forward difference:
-# $\sqrt{\varepsilon} \approx 3 \cdot 10^{-4}$); the constants move it a
-# little, to a few $10^{-6}$ in the plot below. No step makes a float32
-# check tight, and you do not know the best step in advance. Below: the
-# error of a directional derivative $J v$ of the question's network against
-# the step, in float32 and float64.
+# $\frac{f(\theta + h) - f(\theta - h)}{2h}$ makes two errors.
+#
+# - *Rounding*: each $f$ is computed to within about $\varepsilon |f|$, and
+#   the quotient divides the difference of the two by $2h$: an error of
+#   about $R/h$ with $R = \varepsilon |f|$. float32 keeps
+#   $\varepsilon \approx 1.2 \cdot 10^{-7}$, so with $h = 10^{-6}$ the
+#   rounding error alone is about $0.1\,|f|$ - the largest difference
+#   printed above.
+# - *Truncation*: the Taylor terms the quotient leaves out,
+#   $f(\theta \pm h) = f \pm h f' + \tfrac{h^2}{2} f'' \pm
+#   \tfrac{h^3}{6} f''' + \dots$, leave $T h^2$ with $T = |f'''| / 6$.
+#
+# Their sum $R/h + T h^2$ is smallest where its derivative
+# $-R/h^2 + 2 T h$ is zero:
+#
+# $$h^* = \left(\frac{R}{2T}\right)^{1/3}
+#       = \left(\frac{3 \varepsilon |f|}{|f'''|}\right)^{1/3},
+#   \qquad E^* = \frac{R}{h^*} + T {h^*}^2 = \frac{3}{2} \frac{R}{h^*}.$$
+#
+# The rule of thumb "$h^* \approx \varepsilon^{1/3}$, error
+# $\approx \varepsilon^{2/3}$" sets both constants to 1. Where $|f'''|$ is
+# small next to $3|f|$ - as along the direction below - the best step lies
+# to the right of $\varepsilon^{1/3}$ and its error is below
+# $\varepsilon^{2/3}$; exercise 3 measures the constants and predicts both.
+# (A forward difference, $(f(\theta + h) - f(\theta))/h$, has truncation
+# $\propto h$: its best step is near $\sqrt{\varepsilon}$.) Either way no
+# step makes a float32 check tight, and the constants, so the best step,
+# are not known in advance.
+#
+# Below: the error of a directional derivative $J v$ of the question's
+# network against the step, in float32 and float64, with the rule of thumb
+# $\varepsilon^{1/3}$ dotted. Rounding falls as $1/h$ on the left,
+# truncation rises as $h^2$ on the right. At the largest steps both curves
+# jump: there the step crosses a ReLU's kink, where the Taylor expansion
+# stops holding. (At the smallest, float32 cannot represent
+# $\theta \pm h v$ apart from $\theta$: the quotient is zero and the error
+# is $|J v|$ itself.)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -611,26 +640,32 @@ for name, net in (("float32", model), ("float64", model64)):
         ju.set_flat_params(net, theta_net)
         errs.append(np.abs((outputs[0] - outputs[1]) / (2 * h) - exact).max())
     errors[name] = errs
-fig, ax = plt.subplots(figsize=(6, 4))
+fig, ax = plt.subplots(figsize=(8.5, 4))
 for name, errs in errors.items():
     ax.loglog(steps, errs, "o-", label=name)
 for name, dtype in (("float64", np.float64), ("float32", np.float32)):
     ax.axvline(np.finfo(dtype).eps ** (1 / 3), ls=":", color="grey",
-               label="eps ** (1/3), float64 then float32"
+               label="eps ** (1/3), float64\nthen float32: the rule\nof thumb"
                if name == "float64" else None)
 ax.set_xlabel("step h")
 ax.set_ylabel("largest error of the difference quotient")
 ax.set_title("Central differences: rounding (left) against truncation")
 ax.grid(True, which="both", alpha=0.3)
-ax.legend(loc="lower left", fontsize="small")
+ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1))  # beside the curves
+fig.tight_layout()
 for name, errs in errors.items():
     best = int(np.argmin(errs))
+    eps = np.finfo(name).eps
     print(f"Finding: {name} finite differences are at best "
-          f"{errs[best]:.1g} off (step {steps[best]:.0e})")
+          f"{errs[best]:.1g} off (step {steps[best]:.0e}, "
+          f"{steps[best] / eps ** (1 / 3):.0f} x eps^(1/3); "
+          f"eps^(2/3) = {eps ** (2 / 3):.0e})")
 
 # %% [markdown]
 # **The check that settles it.** Copy the network to float64 and compare
-# there: autodiff and finite differences agree to about $10^{-10}$. Then
+# there: at the reference's step $h = 10^{-6}$ the rounding error is about
+# $10^{-10}\,|f|$, and autodiff and finite differences agree within the
+# tolerance asserted below. Then
 # the float32 Jacobian matches the float64 one to float32 precision - so it
 # was right all along.
 
@@ -657,9 +692,9 @@ print("float32 Jacobian == float64 Jacobian to float32 precision: True")
 # question's network at larger n (nothing big is run):
 
 # %%
-for n in (1_000, 10_000):
-    need = ju.memory.predicted_bytes(n, "batch")
-    print(f"n = {n:>6,}: tape.jacobian over the batch needs about "
+for n_big in (1_000, 10_000):
+    need = ju.memory.predicted_bytes(n_big, "batch")
+    print(f"n = {n_big:>6,}: tape.jacobian over the batch needs about "
           f"{need / 2**30:,.1f} GiB")
 
 # %% [markdown]
@@ -671,18 +706,25 @@ for n in (1_000, 10_000):
 # %% [markdown]
 # ## Exercises
 #
+# Each exercise ends with a check: put your answer in `answer` and run the
+# check's cell. It says "correct", or gives a hint (never the answer).
+#
 # **1.** A colleague's TF1 code computes one loss per sample,
 # `losses = tf.reduce_sum((model(x) - y) ** 2, axis=1)`, and calls
 # `tf.gradients(losses, variables)` inside a `tf.function`. Get one
-# gradient row per sample instead, `(n, m)`, and check that the rows sum to
-# what `tf.gradients` returned. (Hint: `ju.per_sample_jacobian` takes any
+# gradient row per sample instead, and check that the rows sum to what
+# `tf.gradients` returned. (Hint: `ju.per_sample_jacobian` takes any
 # callable with `variables=`; it may call it on one sample at a time.)
+# `answer`: the per-sample gradients of `x` and its targets `y_true`
+# (below), shape `(n, m)`, columns in `flat_params(model)` order.
+
+# %%
+_, y_true = ju.regression_data(4, seed=seed)  # the targets of x
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
 # Solution: hand jacutil the per-sample loss as an (n, 1) output. jacutil
 # may call it on one sample at a time, so the targets travel with the
 # inputs: one array [x, y], split inside.
-_, y_true = ju.regression_data(4, seed=seed)
 xy = np.concatenate([x, y_true], axis=1)  # (n, 10 + 2)
 
 
@@ -697,49 +739,78 @@ def summed_gradients(xy):
     return tf.gradients(per_sample_loss(xy), variables)
 
 
-rows = ju.per_sample_jacobian(per_sample_loss, xy, variables=variables)[:, 0]
+answer = ju.per_sample_jacobian(per_sample_loss, xy,
+                                variables=variables)[:, 0]
 summed = np.concatenate([g.numpy().ravel()
                          for g in summed_gradients(tf.constant(xy))])
-np.testing.assert_allclose(rows.sum(axis=0), summed, rtol=1e-5, atol=1e-5)
-print("per-sample gradients:", rows.shape, " they sum to tf.gradients: True")
+np.testing.assert_allclose(answer.sum(axis=0), summed, rtol=1e-5, atol=1e-5)
+print("per-sample gradients:", answer.shape,
+      " they sum to tf.gradients: True")
+
+# %%
+check.exercise("06-1", answer, model=model, x=x, y=y_true)
 
 # %% [markdown]
 # **2.** You want to keep a BatchNormalization layer *and* have a
-# per-sample Jacobian in "training mode". Freeze the layer
-# (`layer.trainable = False`): does `jacutil` still refuse `training=True`?
-# Is sample 0's Jacobian still independent of sample 1? Why?
+# per-sample Jacobian in "training mode". `bn_fresh` below is a new copy of
+# section 4's model. Freeze its BatchNormalization layer
+# (`layer.trainable = False`) and ask `jacutil` for the Jacobian with
+# `training=True`: does it still refuse? Is sample 0's Jacobian still
+# independent of sample 1 (`x_moved`)? Why? `answer`: that Jacobian of `x`,
+# shape `(n, l, columns)`.
+
+# %%
+keras.utils.set_random_seed(seed)
+bn_fresh = keras.Sequential([
+    keras.Input((10,)),
+    keras.layers.Dense(16, activation="tanh"),
+    keras.layers.BatchNormalization(name="batch_norm"),
+    keras.layers.Dense(2),
+])
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
 # Solution: a frozen BatchNormalization uses its moving statistics even in
 # training mode (Keras 3), so it is a fixed affine map: accepted, and each
 # sample depends on itself alone. Its gamma and beta leave the Jacobian's
 # columns, since they are no longer trainable.
-keras.utils.set_random_seed(seed)
-frozen_model = keras.Sequential([
-    keras.Input((10,)),
-    keras.layers.Dense(16, activation="tanh"),
-    keras.layers.BatchNormalization(name="frozen_bn"),
-    keras.layers.Dense(2),
-])
-frozen_model.get_layer("frozen_bn").trainable = False
-J_0 = ju.per_sample_jacobian(frozen_model, x, training=True)
-J_1 = ju.per_sample_jacobian(frozen_model, x_moved, training=True)
-np.testing.assert_allclose(J_0[0], J_1[0], rtol=1e-6)
-print("accepted, columns:", J_0.shape[2], " sample 0 independent: True")
+bn_fresh.get_layer("batch_norm").trainable = False
+answer = ju.per_sample_jacobian(bn_fresh, x, training=True)
+J_moved = ju.per_sample_jacobian(bn_fresh, x_moved, training=True)
+np.testing.assert_allclose(answer[0], J_moved[0], rtol=1e-6)
+print("accepted, columns:", answer.shape[2], " sample 0 independent: True")
+
+# %%
+check.exercise("06-2", answer, model=bn_fresh, x=x)
 
 # %% [markdown]
-# **3.** In the plot of section 6, the float32 error is smallest near
-# $h = \varepsilon^{1/3}$. Predict the best error from
-# $\varepsilon^{2/3}$ for float32 and float64, and compare with the curve.
+# **3.** Predict the best steps of section 6 from the formula there. The
+# curves give the constants: rounding $R = \varepsilon |f|$, with $|f|$ the
+# largest output of the network on `x` (`np.abs(model64(x)).max()`), and
+# truncation $T$ from the float64 curve where it rises as $h^2$: the error
+# divided by $h^2$ at $h = 10^{-3}$ (`errors["float64"][12]`,
+# `steps[12]`). With $\varepsilon$ of each type (`np.finfo(...).eps`),
+# compute $h^*$ for float32 and for float64, and compare them and $E^*$
+# with the Findings. `answer`: `[h* of float32, h* of float64]`.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
 # NBVAL_IGNORE_OUTPUT
-# Solution: the predictions are within a factor of ten or so of the curves'
-# minima; the constants (|f|, its third derivative) set the rest.
-for name, dtype in (("float32", np.float32), ("float64", np.float64)):
-    eps = np.finfo(dtype).eps
-    print(f"{name}: predicted {eps ** (2 / 3):.0e}, "
-          f"measured {min(errors[name]):.0e}")
+# Solution: h* = (R / 2T)^(1/3). Along this direction |f'''| = 6T is small
+# next to 3|f|, so h* lies several times to the right of eps^(1/3); the
+# largest steps cross a ReLU kink, which the formula does not know.
+f_size = np.abs(model64(x64).numpy()).max()
+T = errors["float64"][12] / steps[12] ** 2
+answer = []
+for name in ("float32", "float64"):
+    R = np.finfo(name).eps * f_size
+    h_star = (R / (2 * T)) ** (1 / 3)
+    answer.append(h_star)
+    best = int(np.argmin(errors[name]))
+    print(f"{name}: predicted h* {h_star:.0e}, E* {1.5 * R / h_star:.0e}; "
+          f"measured: best step {steps[best]:.0e}, "
+          f"error {errors[name][best]:.0e}")
+
+# %%
+check.exercise("06-3", answer, model=model64, x=x, direction=direction)
 
 # %% [markdown]
 # ## Keypoints
@@ -750,7 +821,7 @@ for name, dtype in (("float32", np.float32), ("float64", np.float64)):
 #   run the forward pass **inside** the tape, or the Jacobian is `None`.
 # - Differentiate with respect to the variables the model reads, never a
 #   flattened copy: that gives `None`, silent zeros, or a cryptic error.
-#   `jacutil` raises a clear `ValueError`.
+#   `jacutil` refuses it with an error that says what to do.
 # - Use `training=False`. Dropout in training mode gives the Jacobian of a
 #   random function (`jacutil` warns); BatchNorm couples the samples and
 #   rewrites its statistics (`jacutil` refuses).
@@ -759,5 +830,8 @@ for name, dtype in (("float32", np.float32), ("float64", np.float64)):
 #   `RETRACE_LIMIT` traces).
 # - Check Jacobians against finite differences in **float64**; in float32
 #   even a correct Jacobian misses by the float32 "at best" Finding above.
+#   The best step of a central difference is
+#   $(3\varepsilon|f|/|f'''|)^{1/3}$: $\varepsilon^{1/3}$ only when $|f'''|$
+#   is about $3|f|$.
 # - `tape.jacobian` over a whole batch needs $n^2$ memory: see
 #   `02-vectorized` and `04-chunked`.

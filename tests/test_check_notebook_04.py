@@ -1,0 +1,65 @@
+"""04-chunked's exercise checks: typical wrong answers get their hint."""
+
+import numpy as np
+import pytest
+
+import jacutil as ju
+from jacutil import check
+
+MIB16 = 16 * 2**20
+
+
+def hint(key, answer, **context):
+    said = check.verdict(key, answer, **context)
+    assert said.answered and not said.correct
+    return said.message
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = ju.question_mlp(hidden=(4,))
+    return model, ju.regression_data(6)[0]
+
+
+@pytest.fixture(scope="module")
+def float64_answer(tiny):
+    model, x = tiny
+    model64 = ju.question_mlp(hidden=(4,), dtype="float64")
+    model64.set_weights(model.get_weights())
+    m = ju.flat_params(model).size
+    chunk = ju.chunk_size_for(MIB16, 2, m, 8)
+    return chunk, ju.per_sample_jacobian(model64, x.astype("float64")), m
+
+
+def test_04_1_float64_chunks(tiny, float64_answer):
+    model, x = tiny
+    chunk, J64, m = float64_answer
+    assert check.verdict("04-1", (chunk, J64), model=model, x=x).correct
+    assert "(chunk, J)" in hint("04-1", J64, model=model, x=x)
+    float32_chunk = ju.chunk_size_for(MIB16, 2, m, 4)
+    message = hint("04-1", (float32_chunk, J64), model=model, x=x)
+    assert "float32" in message and str(chunk) not in message
+    assert "2**20" in hint("04-1", (ju.chunk_size_for(16e6, 2, m, 8), J64),
+                           model=model, x=x)
+    J32 = ju.per_sample_jacobian(model, x)
+    assert "float64 copy" in hint("04-1", (chunk, J32), model=model, x=x)
+    cast = J32.astype("float64")
+    assert "float32 precision" in hint("04-1", (chunk, cast), model=model, x=x)
+    assert "shape" in hint("04-1", (chunk, J64[:3]), model=model, x=x)
+    assert "weights" in hint("04-1", (chunk, J64 * 1.1), model=model, x=x)
+
+
+def test_04_2_two_halves(tiny):
+    model, x = tiny
+    J = ju.per_sample_jacobian(model, x)
+    assert check.verdict("04-2", J, model=model, x=x).correct
+    assert "one half" in hint("04-2", J[:3], model=model, x=x)
+    first_lost = J.copy()
+    first_lost[:3] = 0
+    assert "mode='r+'" in hint("04-2", first_lost, model=model, x=x)
+    second_lost = J.copy()
+    second_lost[3:] = 0
+    assert "second half is zeros" in hint("04-2", second_lost, model=model, x=x)
+    assert "only zeros" in hint("04-2", np.zeros_like(J), model=model, x=x)
+    swapped = np.concatenate([J[3:], J[:3]])
+    assert "swapped" in hint("04-2", swapped, model=model, x=x)
