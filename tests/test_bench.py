@@ -180,3 +180,40 @@ def test_python_dash_m_runs_the_cli():
         check=True,
     )
     assert "--model" in done.stdout and "cnn" in done.stdout
+
+
+def _results_at_sizes(sizes, skipped_after=None):
+    """Power-law medians for three paths and both floors at ``sizes``."""
+    slopes = {"compiled": 1.0, "dense": 0.5, "loop": 1.0, "floor": 1.0,
+              "floor_new": 1.0}  # fmt: skip
+    results = [
+        {"path": p, "n": n,
+         "median": None if p == "loop" and skipped_after and n > skipped_after
+         else 1e-3 * n**s}
+        for p, s in slopes.items() for n in sizes
+    ]  # fmt: skip
+    labels = {p: p.upper() for p in slopes}
+    labels |= {"floor": "write floor (fill)", "floor_new": "write floor, new array"}
+    return {"sizes": sizes, "results": results, "labels": labels}
+
+
+def test_the_plot_fits_slopes_only_over_three_sizes_or_more():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ax = bench.plot(_results_at_sizes([10, 100, 1000], skipped_after=100))
+    labels = [line.get_label() for line in ax.get_lines()]
+    assert "DENSE (slope 0.50)" in labels and "COMPILED (slope 1.00)" in labels
+    assert "LOOP" in labels  # two sizes: no slope
+    legend = ax.get_legend()
+    assert "3+ sizes" in legend.get_title().get_text()
+    assert min(t.get_fontsize() for t in legend.get_texts()) >= 9
+    lines = [ln for ln in ax.get_lines() if not ln.get_label().startswith("write")]
+    assert len({(ln.get_marker(), str(ln.get_linestyle())) for ln in lines}) == 3
+    plt.close(ax.figure)
+    ax = bench.plot(_results_at_sizes([10, 100]))
+    assert not any("slope" in line.get_label() for line in ax.get_lines())
+    assert "fewer than 3" in ax.get_legend().get_title().get_text()
+    plt.close(ax.figure)

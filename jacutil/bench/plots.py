@@ -8,25 +8,69 @@ from pathlib import Path
 
 from .report import markdown, series
 
+# Lines that overlap stay apart by their marker and dash, not colour alone.
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "h", "*", "p", "d", "8")
+DASHES = ("-", "--", "-.", (0, (1, 1)), (0, (5, 1, 1, 1, 1, 1)))
+SLOPES_FROM = 3  # a slope fitted to two points says nothing about the shape
+FIGSIZE = (11, 5)
 
-def plot(results, ax=None):
-    """Log-log plot of every path's median against n, with fitted slopes."""
+
+def plot(results, ax=None, *, slopes_from=SLOPES_FROM, legend_size=9):
+    """Log-log plot of every path's median against n.
+
+    A series gets its fitted slope in the legend only where it ran at
+    ``slopes_from`` sizes or more (two points always lie on a line). Each
+    line has its own marker and dash, hollow markers let overlapping points
+    show, and the legend (``legend_size`` points) sits outside the axes.
+    """
     import matplotlib.pyplot as plt
 
-    from ..plots import loglog_scaling
+    from ..plots import fitted_slope, loglog_scaling
 
     if ax is None:
-        _, ax = plt.subplots(figsize=(9, 4.5))
+        _, ax = plt.subplots(figsize=FIGSIZE)
     colors = plt.cm.tab20.colors
     ax.set_prop_cycle(color=colors[::2] + colors[1::2])  # 20 distinct colours
-    ax = loglog_scaling(results["sizes"], series(results), ax=ax)
-    for line in ax.get_lines():
+    ax = loglog_scaling(results["sizes"], series(results), ax=ax, slopes=False)
+    sloped = False
+    for i, line in enumerate(ax.get_lines()):
         label = line.get_label()
-        if label.startswith("write floor"):
-            line.set(color="black", linestyle=":" if "new" in label else "--")
+        xs, ys = line.get_data()
+        if len(xs) >= slopes_from:
+            line.set_label(f"{label} (slope {fitted_slope(xs, ys):.2f})")
+            sloped = True
+        line.set(
+            marker=MARKERS[i % len(MARKERS)],
+            linestyle=DASHES[i % len(DASHES)],
+            markersize=7,
+            markerfacecolor="none",
+            markeredgewidth=1.5,
+            linewidth=1.5,
+        )
+        if label.startswith("write floor"):  # black, filled: not a path
+            new = "new" in label
+            line.set(
+                color="black",
+                linestyle=":" if new else "--",
+                marker="s" if new else "o",
+                markerfacecolor="black",
+            )
     label = results.get("model_label", "the question's network")
     ax.set_title(f"Per-sample Jacobian of {label.split(' (')[0]}: median time")
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    ax.set_xticks(results["sizes"], [f"{n:,}" for n in results["sizes"]])
+    ax.minorticks_off()
+    title = (
+        f"slope: fitted where {slopes_from}+ sizes ran"
+        if sloped
+        else f"no slopes: fewer than {slopes_from} sizes"
+    )
+    ax.legend(
+        fontsize=legend_size,
+        title=title,
+        title_fontsize=legend_size,
+        loc="center left",
+        bbox_to_anchor=(1.01, 0.5),
+    )
     ax.figure.tight_layout()
     return ax
 
@@ -48,7 +92,7 @@ def save(results, out):
     suffix = "" if model == "mlp" else f"-{model}"
     (out / f"results{suffix}.json").write_text(json.dumps(results, indent=1))
     (out / f"results{suffix}.md").write_text(markdown(results))
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig, ax = plt.subplots(figsize=FIGSIZE)
     plot(results, ax=ax)
     fig.savefig(out / f"scaling{suffix}.png", dpi=120)
     plt.close(fig)

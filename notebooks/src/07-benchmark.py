@@ -36,7 +36,8 @@ import numpy as np
 from IPython.display import Markdown, display
 
 import jacutil as ju
-from jacutil import bench, keras
+from jacutil import bench, check, keras
+from jacutil.bench.skipping import format_seconds
 from jacutil.dense_jacobian import dense_blocks
 
 # %%
@@ -44,12 +45,13 @@ from jacutil.dense_jacobian import dense_blocks
 print(ju.notebook.device_summary())
 
 # %% tags=["parameters"]
-sizes = [100, 1000]  # numbers of samples the benchmark runs at (the MLP)
+sizes = [100, 1000, 3000]  # numbers of samples the benchmark runs (the MLP)
 repeats = 3  # timed runs after the first, per path and size
 max_seconds = 10  # skip a path at a size if all its runs would take longer
 paths = None  # None: every path; or a list of names from bench.PATHS
 other_sizes = [100]  # numbers of samples for the CNN and the LSTM
-other_paths = ["compiled_batch", "compiled", "chunked", "rules", "jacobian", "jax", "torch"]
+other_paths = ["compiled_batch", "compiled", "rules", "jacobian", "jax",
+               "torch"]
 n_check = 4  # samples in the correctness checks
 seed = 0
 
@@ -170,22 +172,23 @@ for name, rule in jac_rules.plan.layers():
 # ## The benchmark
 #
 # `make bench` runs every path at n = 100, 1,000 and 10,000 in one process;
-# here a small run of the same code. Each path's first call (trace, compile)
-# is timed apart, then `repeats` more give the median; each result is checked
-# against the compiled per-sample stage before it is timed. A path is skipped
-# where its predicted time is too long, or (the quadratic `tape.jacobian`)
-# where its predicted memory does not fit. JAX (`jit(vmap(jacrev))`) and
-# PyTorch (`torch.func.vmap(jacrev)`) join when installed
-# (`make bench-peers`): `jacutil.peers` rebuilds the Keras model from its
-# weights in each library, and the run checks their Jacobians against ours
-# like any other path.
+# here a smaller run of the same code, at the sizes of the parameters cell.
+# Each path's first call (trace, compile) is timed apart, then `repeats`
+# more give the median; each result is checked against the compiled
+# per-sample stage before it is timed. A path is skipped where its predicted
+# time is too long (`max_seconds`), or (the quadratic `tape.jacobian`) where
+# its predicted memory does not fit. JAX (`jit(vmap(jacrev))`) and PyTorch
+# (`torch.func.vmap(jacrev)`) join when installed (`make bench-peers`):
+# `jacutil.peers` rebuilds the Keras model from its weights in each library,
+# and the run checks their Jacobians against ours like any other path.
 #
-# The **floor** is the time to fill a preallocated array of the Jacobian's
-# shape, `out.fill(1.0)`: whatever computes J writes its n · l · m numbers at
-# least once. Beside it, the time to allocate and write a new one,
-# `np.full((n, l, m), 1.0)`, which any function that returns a new Jacobian
-# also pays. Each table gives every path's time over the floor (`x floor`)
-# and over the faster of JAX and PyTorch (`x peer`) when they ran.
+# The **write floor** (the *floor*, `x floor`) is the time to fill a
+# preallocated array of the Jacobian's shape, `out.fill(1.0)`: whatever
+# computes J writes its n · l · m numbers at least once. Beside it, the time
+# to allocate and write a new one, `np.full((n, l, m), 1.0)`, which any
+# function that returns a new Jacobian also pays. Each table gives every
+# path's time over the floor (`x floor`) and over the faster of JAX and
+# PyTorch (`x peer`) when they ran.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -202,23 +205,19 @@ results = bench.run_bench(sizes, repeats=repeats, max_seconds=max_seconds,
 for n in sizes:
     display(Markdown(bench.table_at(results, n)))
 
+# %% [markdown]
+# The plot has one line per path, the two floors in black; paths that were
+# skipped at a size have no point there. Where lines overlap, tell them apart
+# by their markers. Below it, the findings of this run.
+
 # %%
 # NBVAL_IGNORE_OUTPUT
 ax = bench.plot(results)
 largest = max(sizes)
-share = bench.ratios(results, largest)
-fastest = min(share, key=lambda p: share[p][1])
-label = results["labels"][fastest]
-print(f"Finding: at n = {largest:,} the fastest path is {label}, "
-      f"{share[fastest].floor:.1f}x the write floor")
-if "compiled" in share and "dense" in share:
-    gain = share["compiled"][1] / share["dense"][1]
-    print(f"Finding: hand-derived is {gain:.1f}x faster than vectorized_map "
-          f"(tf.function) at n = {largest:,}")
 
 
 def peer_finding(results):
-    """One line per n: jacutil's best path against the faster peer."""
+    """One line per n: jacutil's best path against the floor and the peer."""
     for row in bench.summary(results):
         best = results["labels"][row["best"]]
         line = (f"Finding: n = {row['n']:,}, jacutil's fastest is {best}, "
@@ -229,17 +228,58 @@ def peer_finding(results):
 
 
 peer_finding(results)
+share = bench.ratios(results, largest)
+fastest = min(share, key=lambda p: share[p].fastest)
+print(f"Finding: at n = {largest:,} the fastest of all paths is "
+      f"{results['labels'][fastest]}, {share[fastest].floor:.1f}x the floor")
+if "compiled" in share and "dense" in share:
+    gain = share["compiled"].fastest / share["dense"].fastest
+    print(f"Finding: at n = {largest:,} hand-derived is {gain:.1f}x faster "
+          "than vectorized_map (tf.function)")
+for plain, xla in [("compiled", "compiled_xla"), ("dense", "dense_xla")]:
+    for n in sizes:
+        at = bench.ratios(results, n)
+        if plain in at and xla in at:
+            print(f"Finding: n = {n:,}, {results['labels'][xla]} takes "
+                  f"{at[xla].fastest / at[plain].fastest:.2f}x the time "
+                  "of the same path without XLA")
+
+# %% [markdown]
+# How much of a difference between two rows is real? `jacutil.jacobian`
+# picks its path for this model; when that is the layer rules, its row and
+# the `layer rules` row time the same computation, and their difference is
+# the noise of this run:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+_, choice = ju.jacobian(model, ju.regression_data(largest, seed=seed)[0],
+                        explain=True)
+print(f"jacutil.jacobian takes: {choice.path} ({choice.chunks} chunk(s))")
+for n in sizes:
+    at = bench.ratios(results, n)
+    if choice.path == "layer rules" and "rules" in at and "jacobian" in at:
+        apart = max(at["rules"].fastest, at["jacobian"].fastest) / min(
+            at["rules"].fastest, at["jacobian"].fastest)
+        print(f"Finding: n = {n:,}, the same computation timed twice: "
+              f"{apart:.2f}x apart")
+
+# %% [markdown]
+# Read the ratios with that in mind: rows closer than the noise (the
+# hand-derived path, the layer rules and `jacutil.jacobian` all do the same
+# outer products here) are a tie, whatever their order in this run.
 
 # %% [markdown]
 # ## A CNN and an LSTM
 #
 # The same run on the two models of notebook 08: the small CNN
-# (`small_cnn`: two 3 x 3 convolutions, then Dense) and the LSTM
-# (`sequence_lstm`: LSTM(16), then Dense). The hand-derived Dense path does
-# not apply to them; the layer rules do (patches for the convolutions,
+# (`small_cnn`: two convolutions with 3-by-3 kernels, then Dense) and the
+# LSTM (`sequence_lstm`: LSTM(16), then Dense). The hand-derived Dense path
+# does not apply to them; the layer rules do (patches for the convolutions,
 # back-propagation through time for the LSTM), beside the autodiff paths and
 # the peers when installed. The LSTM is unrolled for `vectorized_map`
-# (notebook 08 says why), and so it is in the peers.
+# (notebook 08 says why), and so it is in the peers. `chunked_jacobian` is
+# left out here: at these sizes it is one chunk of `vectorized_map`, the
+# same row twice.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -255,51 +295,140 @@ for name in ["cnn", "lstm"]:
     peer_finding(others[name])
 
 # %% [markdown]
-# Each finding prints how far the best path is above the floor. The
-# Jacobians of the CNN and the LSTM are no larger than the MLP's; where their
-# best path sits much further above the floor, the arithmetic (convolutions,
-# the recurrence step by step), not writing the result, is the limit. Compare
-# the `layer rules` row with the autodiff rows: the rules do that arithmetic
-# once per sample and output, with no tape over the model.
+# Each finding prints how far the best path is above the floor; each
+# table's first line prints the size of its Jacobian, of the same order as
+# the MLP's. Where the best path sits much further above the floor than on
+# the MLP, the arithmetic (convolutions, the recurrence step by step), not
+# writing the result, is the limit. Compare the `layer rules` row with the
+# autodiff rows: the rules do that arithmetic once per sample and output,
+# with no tape over the model.
 
 # %% [markdown]
 # ## Scaling slopes
 #
-# The slope of log(time) against log(n): 1 is linear, 2 quadratic. Below
-# about n = 1,000 the fast paths are still paying fixed costs (dispatch,
-# small kernels), so their slopes sit below 1 until the work dominates.
+# The slope of log(time) against log(n): 1 is linear, 2 quadratic. It is
+# fitted over every size a path ran at, and printed only where that is
+# three sizes or more: two points always lie on a line, so a slope from two
+# says nothing about its shape. At small n the fast paths still pay fixed
+# costs (dispatch, small kernels) on every call; where those count, a slope
+# comes out below 1. The time per sample shows it: it falls steeply while
+# the fixed costs count, and stops falling once the work dominates.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-for label, slope in bench.slopes(results).items():
+fitted, too_few = {}, []
+for label, values in bench.series(results).items():
+    ran = [(n, t) for n, t in zip(results["sizes"], values, strict=True)
+           if t]
+    if len(ran) >= 3:
+        fitted[label] = ju.plots.fitted_slope([n for n, _ in ran],
+                                              [t for _, t in ran])
+    else:
+        too_few.append(label)
+for label, slope in fitted.items():
     print(f"{label:<45} slope {slope:4.2f}")
+if too_few:
+    print("no slope (ran at fewer than three sizes):", "; ".join(too_few))
+for path in ["dense", "compiled"]:
+    if path in results["labels"]:
+        row = bench.series(results)[results["labels"][path]]
+        each = ", ".join(f"{format_seconds(t / n)} at n = {n:,}"
+                         for n, t in zip(results["sizes"], row, strict=True)
+                         if t)
+        print(f"Finding: {results['labels'][path]}, time per sample: {each}")
 
 # %% [markdown]
 # ## Where the time goes
 #
-# Time the hand-derived path piece by piece at the largest n. Each piece
-# includes the ones above it.
+# Time the hand-derived path piece by piece at the largest n, in this
+# process after the benchmark. Each piece includes the ones above it; the
+# two floors are timed again beside it. Noise on a shared machine only ever
+# adds time, so each piece keeps the fastest of three profiles (each the
+# median of `repeats` calls), and `x floor` is each piece over this
+# profile's own floor.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 x_big = ju.regression_data(largest, seed=seed)[0]
-profile = bench.profile_dense(model, x_big, repeats=repeats)
-display(Markdown(bench.profile_table({"n": largest, "seconds": profile})))
+rounds = [bench.profile_dense(model, x_big, repeats=repeats)
+          for _ in range(3)]
+profile = {piece: min(r[piece] for r in rounds) for piece in rounds[0]}
+floor = profile["floor: fill a preallocated array"]
+rows = [f"**Where the hand-derived path's time goes, n = {largest:,}**", "",
+        "| piece | fastest of 3 | x floor |", "|---|---:|---:|"]
+for piece, seconds in profile.items():
+    rows.append(f"| {piece} | {format_seconds(seconds)} | "
+                f"{seconds / floor:.1f} |")
+display(Markdown("\n".join(rows)))
 
 # %%
 size = largest * 2 * ju.flat_params(model).size * 4
 print(f"the result at n = {largest:,}: {size / 1e6:,.0f} MB of float32")
 
 # %% [markdown]
-# Read the profile's rows: the forward pass and the back-propagated signals
-# are tiny matrices; the outer products that **write the result**, n · l · m
-# numbers (the size printed above), and the join of the blocks take most of
-# the rest - how much, the table says for this run. The outer products write
-# it once, `tf.concat` joins the blocks
-# (a second pass), and `.numpy()` would copy it a third time. `jac(x)` hands
-# back a read-only view of TensorFlow's buffer instead; ask for
-# `jac(x, copy=True)` only when you must write into the array. Past this
-# point the arithmetic is free and only memory bandwidth counts: the floor.
+# The pieces: the forward pass and the back-propagated signals (tiny
+# matrices); the **outer products**, which write the column blocks, n · l · m
+# numbers (the size printed above) in all; `tf.concat`, which joins the
+# blocks into one tensor, writing every number a second time; and the NumPy
+# view that `jac(x)` returns. `.numpy()` or `jac(x, copy=True)` would copy it
+# a third time: `jac(x)` hands back a read-only view of TensorFlow's buffer
+# instead; ask for the copy only when you must write into the array. What
+# the profile says, in this run:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+forward, blocks, joined, view, copy = list(profile.values())[:5]
+print(f"Finding: the forward pass is {forward / view:.0%} of jac(x)'s "
+      f"{format_seconds(view)}; the rest goes into J itself")
+print(f"Finding: in floors (one write of J, {format_seconds(floor)}): "
+      f"the column blocks {blocks / floor:.1f}, joined {joined / floor:.1f},"
+      f" jac(x) {view / floor:.1f}, jac(x, copy=True) {copy / floor:.1f}")
+
+
+def added(seconds):
+    """A piece's extra time in floors, or noise where it is not positive."""
+    return f"{seconds / floor:.1f} floors" if seconds > 0 else "within noise"
+
+
+print(f"Finding: the blocks alone take "
+      f"{'more' if blocks > floor else 'less'} time than one write of J; "
+      f"the join adds {added(joined - blocks)}, the copy "
+      f"{added(copy - view)}")
+
+# %% [markdown]
+# So the time goes into producing J, not into the network: the outer
+# products that write it once, the join that writes it again, and a copy
+# if you ask for one, each compared with one write of J by the findings.
+# Fewer passes over J is what makes a path fast here; past that, the floor
+# is the limit no path can pass.
+#
+# The floor in the profile and the floor in the benchmark's table at the
+# same n are the same operation, timed differently and at different moments
+# of this run:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+at = {r["path"]: r["median"] for r in results["results"] if r["n"] == largest}
+print(f"Finding: at n = {largest:,}, filling a preallocated array took "
+      f"{format_seconds(at['floor'])} in the table (the median of "
+      f"{repeats} right after it was allocated) and {format_seconds(floor)} "
+      "in the profile (the fastest of 3 profiles); a new array (np.full) "
+      f"{format_seconds(at['floor_new'])} and "
+      f"{format_seconds(profile['floor, new array: np.full'])}")
+out = bench.preallocated((largest, 2, ju.flat_params(model).size))
+fills = ju.time_call(bench.fill_floor, out, repeats=10)
+print(f"Finding: the same fill on a new array, once and then 10 times more: "
+      f"{format_seconds(fills.first)}, then "
+      f"{format_seconds(min(fills.times))} to "
+      f"{format_seconds(max(fills.times))}")
+
+# %% [markdown]
+# On a shared machine the same fill varies from call to call, and so does
+# every row of every table: compare each path with the floor of its own
+# table (the `x floor` column does), and trust a difference only where it is
+# larger than the noise. The new array (`np.full`) does the fill's work and
+# must also find its memory: where the allocator has to ask the system for
+# fresh pages, that costs more than the fill.
 
 # %% [markdown]
 # ## Which path, when
@@ -307,63 +436,88 @@ print(f"the result at n = {largest:,}: {size / 1e6:,.0f} MB of float32")
 # | job | use | why |
 # |---|---|---|
 # | any model | `jacutil.jacobian` | picks the rules, the compiled stage or chunks, and says which |
-# | a chain of Dense layers, any n | `compiled_dense_jacobian` | no tape, near the write floor |
+# | a chain of Dense layers, any n | `compiled_dense_jacobian` | no tape; among the fastest paths |
 # | a chain of known layers | `compiled_jacobian(method="rules")` | a rule per layer, no tape over the model |
 # | any other model, fits in memory | `compiled_jacobian` | autodiff `vectorized_map`, linear in n |
-# | any model, larger than memory | `chunked_jacobian(..., out=memmap)` | bounded memory, same speed |
+# | any model, larger than memory | `chunked_jacobian(..., out=memmap)` | bounded memory, the compiled stage chunk by chunk |
 # | one small batch, once | `per_sample_jacobian` | no compile to wait for |
 # | never | `loop_jacobian`, `vectorized_jacobian` for large n | overhead per pass; n² memory |
 #
 # XLA (`jit_compile=True`) pays a compile per new n, and on this small
-# network on a CPU it gains little or nothing over the plain `tf.function`:
-# measure before you switch it on.
+# network on a CPU it is no reliable gain over the plain `tf.function`: the
+# XLA findings above say, size by size, where it won and where it lost in
+# this run. Measure before you switch it on.
 
 # %% [markdown]
 # ## Exercises
 #
-# **1.** The last layer is linear, so its signal is the identity: the last
-# block of columns is just the layer's input, with a one appended, on the
-# diagonal. Compute the last 66 columns of the Jacobian of `x32` with NumPy
-# from the activations of the second hidden layer, and check them against
-# `jac(x32)`. (To get those activations, run the first two layers as a model
-# of their own: `keras.Sequential(model.layers[:2])(x32)` - a `Sequential`
-# of existing layers shares their weights.)
+# Each exercise ends with a check: put your answer in `answer` and run the
+# check's cell. It says "correct", or gives a hint (never the answer).
+#
+# **1.** The last layer is linear, so its signal is the identity: its block
+# of columns is just the layer's input, with a one appended, on the
+# diagonal. Compute the last 66 columns of the Jacobian of `x32` (the last
+# layer's kernel, 32 inputs by 2 outputs, then its 2 biases, in
+# `flat_params` order) with NumPy from the activations of the second hidden
+# layer. To get those activations, run the first two layers as a model of
+# their own: `keras.Sequential(model.layers[:2])(x32)` (a `Sequential` of
+# existing layers shares their weights). Put the array, of shape
+# (n samples, 2 outputs, 66 columns), in `answer`; the check compares it
+# with `loop_jacobian`'s.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
 # Solution: dy_k/dW[p, q] = a[p] if q == k else 0; dy_k/db[q] = 1 if q == k.
 hidden = keras.Sequential(model.layers[:2])(x32).numpy()  # (n, 32)
 a_aug = np.concatenate([hidden, np.ones((len(x32), 1), "float32")], axis=1)
 eye = np.eye(2, dtype="float32")
-last = np.einsum("ip,kq->ikpq", a_aug, eye).reshape(len(x32), 2, -1)
-np.testing.assert_allclose(last, jac(x32)[:, :, -66:], rtol=1e-6)
-print("last 66 columns by hand: True")
+answer = np.einsum("ip,kq->ikpq", a_aug, eye).reshape(len(x32), 2, -1)
+print(answer.shape)
+
+# %%
+check.exercise("07-1", answer, model=model, x=x32)
 
 # %% [markdown]
-# **2.** How much does a writable result cost? Time `jac(x)` and
-# `jac(x, copy=True)` at n = 1,000 with `ju.time_call`, and compare the
-# difference with the floor in the table above.
+# **2.** How much does a writable result cost? `jac(x)` returns a read-only
+# view of TensorFlow's buffer; `jac(x, copy=True)` copies it into a new
+# NumPy array: it reads every number of J once and writes it once. How many
+# bytes does that copy move, read and written together, for the question's
+# network at n = 1,000? Put the number of bytes in `answer`. The cell after
+# the check times both calls and the floor at that size.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
+# Solution: J holds n * l * m float32 numbers (4 bytes each); the copy reads
+# and writes every one.
+answer = 2 * 1000 * 2 * ju.flat_params(model).size * 4
+print(f"{answer:,} bytes")
+
+# %%
+check.exercise("07-2", answer, model=model, n=1000)
+
+# %%
 # NBVAL_IGNORE_OUTPUT
-# Solution: the copy reads and writes every number once more.
 x_1000 = ju.regression_data(1000, seed=seed)[0]
-view = ju.time_call(jac, x_1000, repeats=repeats).median
-copy = ju.time_call(jac, x_1000, copy=True, repeats=repeats).median
-print(f"view {1e3 * view:.1f} ms, copy {1e3 * copy:.1f} ms, "
-      f"the copy adds {1e3 * (copy - view):.1f} ms")
+view = ju.time_call(jac, x_1000, repeats=10).median
+copy = ju.time_call(jac, x_1000, copy=True, repeats=10).median
+fill = ju.time_call(bench.fill_floor, bench.preallocated(jac(x_1000).shape),
+                    repeats=10).median
+print(f"n = 1,000: jac(x) {format_seconds(view)}, jac(x, copy=True) "
+      f"{format_seconds(copy)}: the copy adds {format_seconds(copy - view)}; "
+      f"filling J's shape once (the floor) takes {format_seconds(fill)}")
 
 # %% [markdown]
 # ## Keypoints
 #
 # - Measure every path in one run, after a warm-up, with the first call
-#   apart, and compare ratios, not absolute times on a shared machine.
+#   apart, and compare ratios, not absolute times on a shared machine; a
+#   difference smaller than the noise (the same path timed twice) is a tie.
 # - For Dense networks the per-sample Jacobian can be written down: outer
 #   products of each layer's input and its back-propagated signal. It equals
-#   autodiff and is the fastest path. The same outer products, summed over
-#   positions, give a rule per layer type (`jacutil.rules`): convolutions,
-#   embeddings, normalization, recurrent layers.
+#   autodiff and is among the fastest paths. The same outer products, summed
+#   over positions, give a rule per layer type (`jacutil.rules`):
+#   convolutions, embeddings, normalization, recurrent layers.
 # - Near the limit the cost is writing n · l · m numbers: avoid extra copies
 #   (joins, `.numpy()`) and compare with the write floor.
+# - Fit a slope over three sizes or more; two points always lie on a line.
 # - The nested loop and the batch-wide `tape.jacobian` are never the answer
 #   at scale: one is overhead-bound, the other quadratic in memory.
 # - JAX and PyTorch compute the same Jacobian from the same weights; the
