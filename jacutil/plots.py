@@ -13,8 +13,10 @@ def loglog_scaling(
 ):
     """Plot each ``series[name]`` against ``sizes`` on log-log axes, with slopes.
 
-    ``slopes=False`` for curves that are not power laws (a V-shaped time
-    against chunk size): a slope fitted to them would mislead.
+    A slope is fitted only to a curve measured at three sizes or more (two
+    points always fit a line exactly). ``slopes=False`` for curves that are
+    not power laws (a V-shaped time against chunk size): a slope fitted to
+    them would mislead.
 
     ``series`` maps a label to values at the matching ``sizes`` (``None`` or
     NaN where a size was not run). Returns the matplotlib axes.
@@ -28,7 +30,7 @@ def loglog_scaling(
         pairs = [(s, v) for s, v, ok in zip(sizes, values, ran, strict=True) if ok]
         xs, ys = zip(*pairs, strict=True)
         label = name
-        if slopes and len(xs) >= 2:
+        if slopes and len(xs) >= 3:
             label = f"{name} (slope {fitted_slope(xs, ys):.2f})"
         ax.loglog(xs, ys, "o-", label=label)
     ax.set_xlabel(xlabel)

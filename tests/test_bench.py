@@ -217,3 +217,16 @@ def test_the_plot_fits_slopes_only_over_three_sizes_or_more():
     assert not any("slope" in line.get_label() for line in ax.get_lines())
     assert "fewer than 3" in ax.get_legend().get_title().get_text()
     plt.close(ax.figure)
+
+
+def test_loglog_scaling_fits_slopes_only_over_three_sizes_or_more():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from jacutil.plots import loglog_scaling
+
+    ax = loglog_scaling(
+        [10, 100, 1000], {"three": [1.0, 10.0, 100.0], "two": [1.0, 4.0, None]}
+    )
+    labels = [line.get_label() for line in ax.get_lines()]
+    assert labels == ["three (slope 1.00)", "two"]

@@ -214,12 +214,13 @@ def series(results):
 
 
 def slopes(results):
-    """``{label: fitted slope of log(median) against log(n)}``, two sizes or more."""
+    """``{label: fitted slope of log(median) against log(n)}``, where a path
+    ran at three sizes or more (two points always lie on a line)."""
     from ..plots import fitted_slope
 
     out = {}
     for label, values in series(results).items():
         ran = [(n, v) for n, v in zip(results["sizes"], values, strict=True) if v]
-        if len(ran) >= 2:
+        if len(ran) >= 3:
             out[label] = fitted_slope([n for n, _ in ran], [v for _, v in ran])
     return out
