@@ -27,7 +27,7 @@
 import numpy as np
 
 import jacutil as ju
-from jacutil import tf
+from jacutil import check, tf
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -42,10 +42,13 @@ seed = 0
 # %% [markdown]
 # ## The loop
 #
-# This is the code of the source question, written with `GradientTape`: for
-# every sample `i` and every output `k`, record the forward pass of that one
-# sample on a fresh tape and ask for the gradient of `f(x_i)[k]` with respect to
-# every variable. The gradients, flattened and joined, are row `J[i, k, :]`.
+# This is the code of the source question (*How to compute the Jacobian
+# matrix efficiently in TensorFlow, and speed up my slow code?*, named in
+# `00-welcome`), written with `tf.GradientTape` (a recorder of operations:
+# [TensorFlow words](00-welcome.ipynb#TensorFlow-words)): for every sample
+# `i` and every output `k`, record the forward pass of that one sample on a
+# fresh tape and ask for the gradient of `f(x_i)[k]` with respect to every
+# variable. The gradients, flattened and joined, are row `J[i, k, :]`.
 
 # %%
 ju.notebook.show_source(ju.loop_jacobian)
@@ -55,9 +58,10 @@ ju.notebook.show_source(ju.loop_jacobian)
 #
 # A Jacobian is only useful if it is correct, so we prove it against an
 # independent reference: central finite differences, which share no code with
-# the tape. In float32 the two would differ by rounding (about $10^{-3}$), so
-# the check runs on a float64 copy of the network, where they agree to about
-# $10^{-9}$.
+# the tape. A finite difference divides a tiny change of the outputs by a
+# tiny step, so it loses most of float32's 7 significant digits: the check
+# runs on a float64 copy of the network instead. The Finding below prints
+# how closely the two agree there.
 
 # %%
 model = ju.question_mlp(seed=seed)
@@ -69,6 +73,11 @@ J_loop = ju.loop_jacobian(model64, x_check)
 J_fd = ju.finite_difference_jacobian(model64, x_check)
 np.testing.assert_allclose(J_loop, J_fd, rtol=1e-6, atol=1e-9)
 print("loop:", J_loop.shape, J_loop.dtype, "== finite differences: True")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print("Finding: in float64 the loop and finite differences differ by at "
+      f"most {np.abs(J_loop - J_fd).max():.0e}")
 
 # %% [markdown]
 # ## Counting the passes
@@ -118,7 +127,8 @@ for n in sizes:
 # NBVAL_IGNORE_OUTPUT
 slope = ju.plots.fitted_slope(sizes, [times[n] for n in sizes])
 per_pass = times[max(sizes)] / (max(sizes) * n_outputs)
-ax = ju.plots.loglog_scaling(sizes, {"loop_jacobian": [times[n] for n in sizes]})
+ax = ju.plots.loglog_scaling(sizes,
+                             {"loop_jacobian": [times[n] for n in sizes]})
 ax.set_title("The nested loop: time grows linearly with n")
 print(f"Finding: the loop grows like n^{slope:.2f}; "
       f"{1e3 * per_pass:.1f} ms per forward+backward pass")
@@ -126,8 +136,9 @@ print(f"Finding: at n = 100,000 the loop would take about "
       f"{per_pass * 100_000 * n_outputs / 60:.0f} minutes")
 
 # %% [markdown]
-# The slope is close to 1: time is proportional to n. That sounds fine until you
-# look at the constant: a few milliseconds for each pass over a *single* sample.
+# The slope in the Finding is close to 1: time is proportional to n. That
+# sounds fine until you look at the constant, also in the Finding:
+# milliseconds for each pass over a *single* sample.
 
 # %% [markdown]
 # ## Where the time goes
@@ -146,60 +157,72 @@ def forward_backward(x):
 x_1000 = ju.regression_data(1000, seed=seed)[0]
 one = ju.time_call(forward_backward, x_1000[:1], repeats=20).median
 thousand = ju.time_call(forward_backward, x_1000, repeats=20).median
-print(f"1 sample: {1e3 * one:.2f} ms   1,000 samples: {1e3 * thousand:.2f} ms   "
-      f"ratio {thousand / one:.1f}")
+print(f"1 sample: {1e3 * one:.2f} ms   "
+      f"1,000 samples: {1e3 * thousand:.2f} ms   ratio {thousand / one:.1f}")
 print(f"Finding: one pass over 1,000 samples costs {thousand / one:.1f}x one "
       "sample's pass, not 1,000x")
 
 # %% [markdown]
 # Read the Finding: a pass over 1,000 samples costs nowhere near 1,000 passes
-# over one. The loop's
-# time is **overhead**: Python, the eager dispatch of every operation, a new
-# tape per row. The arithmetic itself is almost free. The next stages keep the
-# work and drop the overhead: they hand TensorFlow the whole batch at once.
+# over one. The loop's time is **overhead**: Python, the dispatch of every
+# operation one at a time (*eager execution*:
+# [TensorFlow words](00-welcome.ipynb#TensorFlow-words)), a new tape per
+# row. The arithmetic itself is almost free. The next stages keep the work
+# and drop the overhead: they hand TensorFlow the whole batch at once.
 
 # %% [markdown]
 # ## Exercises
 #
+# Each exercise ends with a check: put your answer in `answer` and run the
+# check's cell. It says "correct", or gives a hint (never the answer).
+#
 # **1.** A colleague has n = 10,000 samples and a network with l = 10 outputs.
-# Using the cost per pass you measured, predict how long the loop takes.
+# Using the cost per pass you measured (`per_pass`, in seconds), predict how
+# long the loop takes: put the number of **minutes** in `answer`.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
 # NBVAL_IGNORE_OUTPUT
 # Solution: n * l passes at the measured cost per pass (about the same for
 # 10 outputs, since each pass is one sample and overhead-bound).
-predicted_minutes = 10_000 * 10 * per_pass / 60
-print(f"about {predicted_minutes:.0f} minutes" if predicted_minutes >= 1 else
-      "under a minute")
+answer = 10_000 * 10 * per_pass / 60
+print(f"about {answer:.0f} minutes")
+
+# %%
+check.exercise("01-1", answer, per_pass=per_pass)
 
 # %% [markdown]
 # **2.** Halve the work: open one *persistent* tape per sample
 # (`tf.GradientTape(persistent=True)`, which answers more than one `gradient`
-# call: "TensorFlow words" in 00-welcome), run the forward pass once, and take
-# the gradient of each output from it. Check that you get
-# the same Jacobian as `loop_jacobian`.
+# call: [TensorFlow words](00-welcome.ipynb#TensorFlow-words)), run the
+# forward pass once, and take the gradient of each output from it. Put the
+# Jacobian your loop computes for `model` on `x_check` in `answer`: an array
+# of shape (n, l, m), as `loop_jacobian` returns. The check compares it with
+# `loop_jacobian`.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
-# Solution: one forward pass per sample instead of l; the l backward passes stay.
+# Solution: one forward pass per sample instead of l; the l backward
+# passes stay.
 def loop_one_forward(model, x):
     rows = []
     for i in range(len(x)):
         with tf.GradientTape(persistent=True) as tape:
             y = model(x[i : i + 1], training=False)[0]
-            outputs = tf.unstack(y)  # slice on the tape, or it is not recorded
+            outputs = tf.unstack(y)  # slice on the tape, or it is lost
         per_output = []
         for y_k in outputs:
             grads = tape.gradient(y_k, model.trainable_variables)
-            per_output.append(tf.concat([tf.reshape(g, [-1]) for g in grads], 0))
+            flat = [tf.reshape(g, [-1]) for g in grads]
+            per_output.append(tf.concat(flat, 0))
         rows.append(tf.stack(per_output))
         del tape
     return tf.stack(rows).numpy()
 
 
-x_ex = x_check.astype("float32")
-np.testing.assert_allclose(loop_one_forward(model, x_ex),
-                           ju.loop_jacobian(model, x_ex), rtol=1e-6)
-print("same Jacobian: True")
+answer = loop_one_forward(model, x_check.astype("float32"))
+print(answer.shape)
+
+# %%
+check.exercise("01-2", answer, model=model, x=x_check)
 
 # %% [markdown]
 # ## Keypoints

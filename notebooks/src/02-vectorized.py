@@ -32,7 +32,7 @@
 import numpy as np
 
 import jacutil as ju
-from jacutil import tf
+from jacutil import check, tf
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -41,10 +41,10 @@ print(ju.notebook.device_summary())
 # %% tags=["parameters"]
 n_check = 4  # samples in the correctness checks
 batch_sizes = [100, 200, 400, 700, 1000]  # n for vectorized_jacobian
-per_sample_sizes = [100, 1000, 10000]  # n for per_sample_jacobian
+per_sample_sizes = [100, 1000, 10000, 20000, 30000]  # n, per_sample_jacobian
 fit_up_to = 400  # fit the memory model on sizes up to this, predict the rest
 map_sizes = [32, 256]  # n for pfor against a while_loop
-repeats = 2  # timed runs after the first, per size
+repeats = 3  # timed runs after the first, per size
 safety = 0.5  # run a size only if it needs under this share of free memory
 seed = 0
 
@@ -61,8 +61,10 @@ print("n_outputs =", n_outputs, " n_params =", n_params)
 # The usual answer to the loop of `01`: record **one** forward pass of the
 # whole batch and ask the tape for the Jacobian of every output with respect
 # to every variable. `tape.jacobian` vectorizes the backward passes with
-# *pfor* (parallel for): it rewrites "one backward pass per output row" into
-# batched operations, so Python runs once.
+# *pfor* (parallel for:
+# [TensorFlow words](00-welcome.ipynb#TensorFlow-words)): it rewrites "one
+# backward pass per output row" into batched operations, so Python runs
+# once.
 
 # %%
 ju.notebook.show_source(ju.vectorized.batch_tape_jacobian)
@@ -100,8 +102,8 @@ print("per_sample_jacobian:", J_per_sample.shape, "== loop_jacobian: True")
 # batch**. Row `(i, k)` carries a gradient for every sample `j`, although only
 # sample `i` can move it. Ask the tape for the Jacobian with respect to the
 # inputs (an input is not a variable, so the tape must `watch` it: see
-# "TensorFlow words" in 00-welcome) and you see that wasted work: an
-# `(n, l, n, d)` array that is zero except where `j == i`.
+# [TensorFlow words](00-welcome.ipynb#TensorFlow-words)) and you see that
+# wasted work: an `(n, l, n, d)` array that is zero except where `j == i`.
 
 # %%
 x_small = tf.constant(x_all[:6])
@@ -126,9 +128,10 @@ print("non-zero (i, j) blocks:\n", (blocks > 0).astype(int))
 #
 # `tape.jacobian` of a large batch can ask for more memory than the machine
 # has. So before a size runs we **predict** its peak from a measured model,
-# `a·n² + b·n + c`, whose constants are stored in `jacutil.memory` (they were
-# measured on this network), and run only sizes that need less than `safety`
-# of the memory that is free now.
+# `a·n² + b·n + c`, whose constants are stored in `jacutil.memory` (they
+# were measured on this network), and run only sizes that need less than
+# `safety` of the memory that is free now. The per-sample Jacobian has its
+# own model, linear in n.
 
 # %%
 ju.notebook.show_source(ju.memory.predicted_bytes)
@@ -144,6 +147,10 @@ for n in sorted(batch_sizes + [10_000]):
     print(f"n = {n:>6,}: predicted {need / 2**20:>10,.0f} MiB   run: {fits}")
     if fits and n in batch_sizes:
         batch_run.append(n)
+per_sample_run = [
+    n for n in per_sample_sizes
+    if ju.memory.predicted_bytes(n, "per_sample") < free]
+print("per_sample_jacobian runs at n =", per_sample_run)
 big = ju.memory.predicted_bytes(10_000, "batch") / 2**30
 print(f"Finding: tape.jacobian over n = 10,000 samples would need about "
       f"{big:.0f} GiB; not run")
@@ -170,12 +177,12 @@ def measure(method, sizes):  # bytes; at least 1, for the log-log plots
 
 
 batch_peaks = measure("batch", batch_run)
-per_sample_peaks = measure("per_sample", per_sample_sizes)
+per_sample_peaks = measure("per_sample", per_sample_run)
 fit_sizes = [n for n in batch_run if n <= fit_up_to]
 batch_model = ju.memory.MemoryModel.fit(
     fit_sizes, [batch_peaks[n] for n in fit_sizes], quadratic=True)
 per_sample_model = ju.memory.MemoryModel.fit(
-    per_sample_sizes, list(per_sample_peaks.values()), quadratic=False)
+    per_sample_run, list(per_sample_peaks.values()), quadratic=False)
 print("fitted here:", f"batch {batch_model.quadratic:,.0f} bytes x n^2;",
       f"per sample {per_sample_model.linear:,.0f} bytes x n")
 print("stored:     ", f"batch {ju.memory.BATCH_JACOBIAN.quadratic:,.0f}"
@@ -196,72 +203,94 @@ for n in batch_run:
 # %% [markdown]
 # ## Time against n
 #
-# Every size is timed after its first call (the trace that builds the graph,
-# and pfor's conversion: "TensorFlow words" in 00-welcome), which is
-# reported apart.
+# Every size is timed `repeats` times after a first call, which is reported
+# apart: it also pays one-time costs (the memory the process grows into,
+# TensorFlow's first use of an operation at a new shape). The table keeps
+# the fastest of the repeated calls, the one least disturbed by other
+# programs. Both functions pay a **fixed cost on every call** as well: run
+# eagerly, `tape.jacobian` and `tf.vectorized_map` trace the function and
+# convert it with pfor again each time (a *trace*:
+# [TensorFlow words](00-welcome.ipynb#TensorFlow-words); `03-compiled`
+# removes it). The smallest size, whose work is negligible, measures that
+# fixed cost.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-batch_times, per_sample_times, firsts = {}, {}, {}
-for n in batch_run:
-    timing = ju.time_call(ju.vectorized_jacobian, model, x_all[:n],
-                          repeats=repeats)
-    batch_times[n], firsts["batch", n] = timing.median, timing.first
-for n in per_sample_sizes:
-    timing = ju.time_call(ju.per_sample_jacobian, model, x_all[:n],
-                          repeats=repeats)
-    per_sample_times[n], firsts["per_sample", n] = timing.median, timing.first
-print(f"{'n':>6} | {'method':<20} | {'first s':>8} | {'median s':>8} "
+functions = {"vectorized_jacobian": (ju.vectorized_jacobian, batch_run),
+             "per_sample_jacobian": (ju.per_sample_jacobian, per_sample_run)}
+fixed, times, firsts = {}, {}, {}
+for name, (function, run) in functions.items():
+    times[name] = {}
+    for n in run:  # more repeats at the smallest size: the fixed cost
+        count = max(repeats, 4) if n == run[0] else repeats
+        timing = ju.time_call(function, model, x_all[:n], repeats=count)
+        times[name][n], firsts[name, n] = min(timing.times), timing.first
+    fixed[name] = times[name][run[0]]
+batch_times = times["vectorized_jacobian"]
+per_sample_times = times["per_sample_jacobian"]
+peaks = {"vectorized_jacobian": batch_peaks,
+         "per_sample_jacobian": per_sample_peaks}
+print(f"{'n':>6} | {'method':<20} | {'first s':>8} | {'best s':>8} "
       f"| {'peak MiB':>9}")
-for name, times, peaks in [("vectorized_jacobian", batch_times, batch_peaks),
-                           ("per_sample_jacobian", per_sample_times,
-                            per_sample_peaks)]:
-    key = "batch" if name.startswith("vec") else "per_sample"
-    for n in times:
-        print(f"{n:>6} | {name:<20} | {firsts[key, n]:8.3f} | "
-              f"{times[n]:8.3f} | {peaks[n] / 2**20:9.1f}")
+for name in functions:
+    for n in times[name]:
+        print(f"{n:>6} | {name:<20} | {firsts[name, n]:8.3f} | "
+              f"{times[name][n]:8.3f} | {peaks[name][n] / 2**20:9.1f}")
+print("fixed cost per call (the best call at the smallest size): "
+      + ", ".join(f"{name} {t:.3f} s" for name, t in fixed.items()))
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 import matplotlib.pyplot as plt
 
-sizes = sorted(set(batch_run) | set(per_sample_sizes))
+sizes = sorted(set(batch_run) | set(per_sample_run))
 
 
-def on(sizes, values):
+def on(values):
     return [values.get(n, np.nan) for n in sizes]
 
 
-# The time above the fixed cost of eager pfor (the smallest size's time):
-fixed = batch_times[batch_run[0]]
-extra = {n: t - fixed for n, t in batch_times.items() if t > fixed}
-series = {"vectorized_jacobian": on(sizes, batch_times),
-          "per_sample_jacobian": on(sizes, per_sample_times)}
-if len(extra) >= 2:
-    series["vectorized, above its fixed cost"] = on(sizes, extra)
-fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
-ju.plots.loglog_scaling(sizes, series, ax=ax_t)
-ax_t.set_title("time (steady state)")
-ju.plots.loglog_scaling(sizes, {
-    "vectorized_jacobian": on(sizes, {n: p / 2**20
-                                      for n, p in batch_peaks.items()}),
-    "per_sample_jacobian": on(sizes, {n: p / 2**20
-                                      for n, p in per_sample_peaks.items()}),
-}, ylabel="peak MiB", ax=ax_m)
-ax_m.set_title("peak memory (fresh process)")
+def fit(values):
+    """Log-log slope of values (a dict by n), and the range of n it spans."""
+    ns = [n for n in sorted(values) if values[n] > 0]
+    if len(ns) < 3:  # two points always lie on a line
+        return np.nan, "fewer than 3 sizes"
+    slope = ju.plots.fitted_slope(ns, [values[n] for n in ns])
+    return slope, f"n = {ns[0]:,} to {ns[-1]:,}"
+
+
+fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 5.5))
+time_series, memory_series, findings = {}, {}, []
+for name in functions:
+    work = {n: t - fixed[name] for n, t in times[name].items()}
+    largest = {n: work[n] for n in sorted(work)[-3:] if work[n] > 0}
+    slope_t, range_t = fit(largest)
+    slope_m, range_m = fit(peaks[name])
+    time_series[name] = on(times[name])
+    if len(largest) >= 3:
+        time_series[f"{name}, above its fixed cost (slope {slope_t:.2f})"] = (
+            on(largest))
+    memory_series[f"{name} (slope {slope_m:.2f})"] = on(
+        {n: p / 2**20 for n, p in peaks[name].items()})
+    findings.append(
+        f"Finding: {name}: time above its fixed {fixed[name]:.2f} s ~ "
+        f"n^{slope_t:.2f} ({range_t}); memory ~ n^{slope_m:.2f} ({range_m})")
+ju.plots.loglog_scaling(sizes, time_series, ax=ax_t, slopes=False)
+for line, label in zip(ax_t.get_lines(), time_series, strict=True):
+    line.set_color("C0" if label.startswith("vec") else "C1")
+    line.set_linestyle("--" if "above" in label else "-")
+ax_t.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15))
+ax_t.set_title("time (best call); dashed: the work alone,\n"
+               "slopes over each method's 3 largest sizes")
+ju.plots.loglog_scaling(sizes, memory_series, ylabel="peak MiB", ax=ax_m,
+                        slopes=False)
+ax_m.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15))
+ax_m.set_title("peak memory (fresh process), slopes over all sizes")
 fig.tight_layout()
-large = batch_run[-4:]  # the largest sizes: past the fixed cost
-large_extra = [n for n in large if n in extra]
-slope_t = (ju.plots.fitted_slope(large_extra, [extra[n] for n in large_extra])
-           if len(large_extra) >= 2 else np.nan)
-slope_m = ju.plots.fitted_slope(large, [batch_peaks[n] for n in large])
-slope_p = ju.plots.fitted_slope(per_sample_sizes,
-                                [per_sample_peaks[n]
-                                 for n in per_sample_sizes])
-print(f"Finding: vectorized_jacobian (n >= {large[0]}): time above its "
-      f"fixed {fixed:.2f} s ~ n^{slope_t:.2f}, "
-      f"memory ~ n^{slope_m:.2f}; per_sample_jacobian memory ~ "
-      f"n^{slope_p:.2f}")
+print("\n".join(findings))
+copies = per_sample_model.linear / (n_outputs * n_params * 4)
+print(f"Finding: per_sample_jacobian's memory is {copies:.1f} copies of its "
+      "result (n * l * m * 4 bytes)")
 n_top = max(batch_run)
 print(f"Finding: at n = {n_top:,}: vectorized_jacobian "
       f"{batch_times[n_top]:.2f} s and {batch_peaks[n_top] / 2**20:,.0f} MiB"
@@ -270,20 +299,30 @@ print(f"Finding: at n = {n_top:,}: vectorized_jacobian "
          if n_top in per_sample_times else ""))
 
 # %% [markdown]
-# Read the slopes, not the first points. Both functions pay a large fixed
-# cost on every call: eager TensorFlow converts the function with pfor
-# again each time (a few tenths of a second here; `03-compiled` removes it).
-# Up to n = 1,000 that fixed cost hides much of the batch tape's time, so
-# look at the time *above* it (the third line): it grows
-# like n², and so does the memory. The per-sample Jacobian's memory grows
-# like n: a few copies of the result, `n · l · m · 4` bytes.
+# Read the left panel from the right. A solid line is a function's whole
+# time; where it is flat, you see only the fixed cost of each call (printed
+# under the table). The per-sample Jacobian's work per sample is so small
+# that its solid line stays nearly flat until its largest sizes. The dashed
+# lines subtract the fixed cost and leave the work, at each method's three
+# largest sizes, where the work is largest: the Findings fit their slopes
+# there. The batch tape's work grows like n² (a slope near 2). The
+# per-sample Jacobian's grows like n: its slope is near 1, but it scatters
+# more from run to run, because even at its largest size its work is not
+# much larger than the fixed cost it is taken from (timings on a busy
+# machine scatter; rerun the timing cell to see by how much). Memory has no
+# fixed cost to subtract, so its slopes are fitted over all sizes (right
+# panel): near 2 and 1 again. The per-sample Jacobian's memory is a few
+# copies of its result, `n · l · m · 4` bytes (the last Finding but one
+# says how many).
 
 # %% [markdown]
 # ## pfor against a `while_loop`
 #
 # `tf.vectorized_map` turns the per-sample function into batched operations
 # (pfor). `tf.map_fn` runs the same function in a `while_loop`, one sample
-# per iteration. Both inside `tf.function`, so only the strategy differs:
+# per iteration. Both run inside a `tf.function` (traced once into a graph:
+# [TensorFlow words](00-welcome.ipynb#TensorFlow-words)), so that eager
+# mode's fixed cost is gone and only the strategy differs:
 
 # %%
 target = ju.target.resolve_target(model)
@@ -331,42 +370,58 @@ print(f"Finding: at n = {n}, tf.map_fn (while_loop) is {loop / pfor:.0f}x "
 # %% [markdown]
 # ## Exercises
 #
-# **1.** With the model fitted in this notebook (`batch_model`), find the
-# largest batch for which `vectorized_jacobian` fits in 8 GiB, and how much
-# doubling it would need.
+# Each exercise ends with a check: put your answer in `answer` and run the
+# check's cell. It says "correct", or gives a hint (never the answer).
+#
+# **1.** The memory model fitted in this notebook, `batch_model`, predicts
+# `a·n² + b·n + c` bytes (`batch_model.quadratic`, `.linear`, `.constant`;
+# `batch_model.predict(n)`). Find the largest batch n for which
+# `vectorized_jacobian` fits in 8 GiB, and how many GiB a batch of 2n would
+# need. Put both in `answer = (n, gib)`.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
 # NBVAL_IGNORE_OUTPUT
 # Solution: solve a*n^2 + b*n + c = 8 GiB; doubling n multiplies the n^2
 # term by four.
 n_max = batch_model.largest_n(8 * 2**30)
-print(f"largest n in 8 GiB: {n_max:,}; 2n needs "
-      f"{batch_model.predict(2 * n_max) / 2**30:.1f} GiB")
+answer = (n_max, batch_model.predict(2 * n_max) / 2**30)
+print(f"largest n in 8 GiB: {n_max:,}; 2n needs {answer[1]:.1f} GiB")
+
+# %%
+check.exercise("02-1", answer, batch_model=batch_model)
 
 # %% [markdown]
 # **2.** Take the Jacobian with respect to the last layer's variables only
-# (`variables=model.layers[-1].trainable_variables`), with both functions.
-# Check that they agree, and that they equal the last columns of the full
-# `J_per_sample`.
+# (`variables=model.layers[-1].trainable_variables`) on `x_check`, with both
+# functions, and check that they agree. Which columns of the full
+# `J_per_sample` are they? Put the last layer's Jacobian in `answer`: an
+# array of shape (n, l, the last layer's number of parameters).
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
-# Solution: the columns come in flat_params order, so the last layer's kernel
-# and bias are the last 32 * 2 + 2 = 66 columns.
+# Solution: the columns come in flat_params order, so the last layer's
+# kernel and bias are the last 32 * 2 + 2 = 66 columns.
 last = model.layers[-1].trainable_variables
 J_last_batch = ju.vectorized_jacobian(model, x_check, variables=last)
-J_last = ju.per_sample_jacobian(model, x_check, variables=last)
+answer = ju.per_sample_jacobian(model, x_check, variables=last)
 n_last = sum(int(np.prod(v.shape)) for v in last)
-np.testing.assert_allclose(J_last_batch, J_last, rtol=1e-5, atol=1e-6)
-np.testing.assert_allclose(J_last, J_per_sample[:, :, -n_last:], rtol=1e-6)
-print(J_last.shape, "agree: True")
+np.testing.assert_allclose(J_last_batch, answer, rtol=1e-5, atol=1e-6)
+np.testing.assert_allclose(answer, J_per_sample[:, :, -n_last:],
+                           rtol=1e-5, atol=1e-6)
+print(answer.shape, "agree: True")
+
+# %%
+check.exercise("02-2", answer, model=model, x=x_check)
 
 # %% [markdown]
 # ## Keypoints
 #
-# - `tape.jacobian` over the batch (`vectorized_jacobian`) is far faster than
-#   the loop at small n, and equal to it.
+# - `tape.jacobian` over the batch (`vectorized_jacobian`) equals the loop
+#   and removes its Python loop.
 # - It back-propagates every output row through the whole batch: time and
-#   memory grow like n² (n = 10,000 on this small network: over 100 GiB).
+#   memory grow like n² (n = 10,000 on this small network: the Finding's
+#   prediction, more memory than most machines have).
+# - Eager TensorFlow adds a fixed cost to every call (tracing and pfor's
+#   conversion): subtract it, or compile it away, before reading a slope.
 # - `tf.vectorized_map` of a one-sample Jacobian (`per_sample_jacobian`, the
 #   counterpart of `vmap(jacrev)`) differentiates each sample through itself:
 #   linear in n. pfor beats a `while_loop` (`tf.map_fn`).

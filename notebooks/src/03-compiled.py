@@ -33,7 +33,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import jacutil as ju
-from jacutil import tf
+from jacutil import check, tf
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -44,23 +44,26 @@ n_check = 4  # samples in the correctness checks
 trace_sizes = [3, 5, 8, 13, 21]  # n while counting traces
 xla_sizes = [5, 6, 7, 9, 12, 20]  # n while counting XLA compiles
 sizes = [100, 1000, 10000]  # n for the eager / graph / XLA comparison
+batch_sizes = [100, 300, 1000, 10000]  # n for the batch tape in it
 repeats = 3  # timed runs after the first, per size
 safety = 0.5  # run the batch tape only if it needs under this share of free
 seed = 0
 
 # %%
 model = ju.question_mlp(seed=seed)
-x_all = ju.regression_data(max(sizes + trace_sizes + xla_sizes),
-                           seed=seed)[0]
+x_all = ju.regression_data(
+    max(sizes + batch_sizes + trace_sizes + xla_sizes), seed=seed)[0]
 x_check = x_all[:n_check]
-target = ju.target.resolve_target(model)
+target = ju.target.resolve_target(model)  # its forward pass and variables
 
 # %% [markdown]
 # ## The compiled Jacobian
 #
 # `compiled_jacobian(model)` returns a reusable `jac`. Inside, the Jacobian
-# of `02` is wrapped in a `tf.function` whose input signature has the batch
-# dimension `None`: one graph serves every n.
+# of `02` is wrapped in a `tf.function` (a Python function turned into a
+# graph: [TensorFlow words](00-welcome.ipynb#TensorFlow-words)) whose input
+# signature - the shapes and dtypes it accepts - has the batch dimension
+# `None`: one graph serves every n.
 
 # %%
 ju.notebook.show_source(ju.compiled.CompiledJacobian._build)
@@ -86,7 +89,8 @@ print("compiled_jacobian:", J_compiled.shape,
 # records a graph. A plain `tf.function` records the shapes it saw, so a
 # batch of another size traces again - slow, and a memory leak when n
 # changes all the time. Count the traces with a Python side effect (it runs
-# only while tracing):
+# only while tracing). TensorFlow itself warns when a function retraces this
+# often (the WARNING below):
 
 # %%
 traces = []
@@ -133,29 +137,32 @@ print(f"Finding: tf.function makes the per-sample Jacobian at n = 1,000 "
 # %% [markdown]
 # ## XLA compiles once per shape
 #
-# `jit_compile=True` hands the graph to XLA, which fuses operations and
-# compiles machine code **for one concrete shape**. The signature with
-# `None` stops retracing, but not compiling: every new n compiles again.
+# `jit_compile=True` hands the graph to XLA (a compiler:
+# [TensorFlow words](00-welcome.ipynb#TensorFlow-words)), which fuses
+# operations and compiles machine code **for one concrete shape**. The
+# signature with `None` stops retracing (one trace below), but not
+# compiling: every new n compiles again, and its first call is slow.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 spec = tf.TensorSpec([None, *x_all.shape[1:]], tf.float32)
-raw_xla = tf.function(jacobian_of_batch, input_signature=[spec],
-                      jit_compile=True)
+traces.clear()
+raw_xla = tf.function(lambda x: jacobian_of_batch(x),
+                      input_signature=[spec], jit_compile=True)
 for n in xla_sizes:
     timing = ju.time_call(raw_xla, tf.constant(x_all[:n]), repeats=1)
     print(f"n = {n:>3}: first call {timing.first:.2f} s (compile), "
           f"then {1e3 * timing.median:.2f} ms")
+print("traces:", len(traces))
 
 # %% [markdown]
 # The cure is to show XLA few shapes: pad the batch with copies of its last
 # sample to the next power of two, up to `block_size` samples
 # (`compiled_jacobian(..., block_size=1024)` by default; a larger batch runs
 # in blocks of `block_size`, the last one padded to its own power of two),
-# and cut the
-# padded rows off the result. Each sample's rows depend on that sample only,
-# so the padding changes nothing (copies, not zeros: a model that takes a
-# log is not finite at zero):
+# and cut the padded rows off the result. Each sample's rows depend on that
+# sample only, so the padding changes nothing (copies, not zeros: a model
+# that takes a log is not finite at zero):
 
 # %%
 ju.notebook.show_source(ju.compiled.CompiledJacobian.tensor)
@@ -188,7 +195,7 @@ for method in ["per_sample", "batch"]:
              "graph": ju.compiled_jacobian(model, method=method),
              "XLA": ju.compiled_jacobian(model, method=method,
                                          jit_compile=True)}
-    for n in sizes:
+    for n in sizes if method == "per_sample" else batch_sizes:
         if method == "batch" and ju.memory.predicted_bytes(n) > free:
             print(f"batch at n = {n:,}: predicted "
                   f"{ju.memory.predicted_bytes(n) / 2**30:.0f} GiB; not run")
@@ -204,14 +211,15 @@ for method, mode, n, first, median in rows:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
+all_sizes = sorted(set(sizes) | set(batch_sizes))
 fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
 for ax, method in zip(axes, ["per_sample", "batch"], strict=True):
     series = {}
     for mode in ["eager", "graph", "XLA"]:
         times = {n: med for m, mo, n, _, med in rows
                  if m == method and mo == mode}
-        series[mode] = [times.get(n, np.nan) for n in sizes]
-    ju.plots.loglog_scaling(sizes, series, ax=ax)
+        series[mode] = [times.get(n, np.nan) for n in all_sizes]
+    ju.plots.loglog_scaling(all_sizes, series, ax=ax)
     ax.set_title(f'method="{method}" (steady state)')
 fig.tight_layout()
 best = {(m, mo, n): med for m, mo, n, _, med in rows}
@@ -227,42 +235,63 @@ print(f"Finding: batch tape at n = {n_mid:,}: eager "
       f"{best['batch', 'XLA', n_mid]:.3f} s")
 
 # %% [markdown]
-# Compiling removes the fixed cost of eager mode: the per-sample Jacobian
-# becomes fast at every n, and stays linear. The batch tape stays quadratic
-# whatever runs it: no compiler removes work that is computed and thrown
-# away. Whether XLA beats the plain graph depends on the machine: compare the
-# graph and XLA columns of the Findings above - on a small CPU XLA can lose,
-# and for the batch tape it can be slower than eager. Its first call (the
-# compile) costs far more, once per shape.
+# Compiling removes the fixed cost of eager mode (the eager lines stay flat
+# until the work outgrows it, as in `02`). Read the slopes of the graph and
+# XLA lines in the legends: about 1 or below for the per-sample Jacobian,
+# now fast at every n (a compiled call keeps a small fixed cost, which
+# flattens the smallest sizes), and near 2 for the batch tape, whatever
+# runs it: no compiler removes work that is computed and thrown away.
+# Whether XLA beats the plain graph depends on the machine: compare the
+# graph and XLA columns of the Findings above - on a small CPU XLA can
+# lose, and for the batch tape it can be slower than eager. Its first call
+# (the compile) costs far more, once per shape.
 
 # %% [markdown]
 # ## Exercises
 #
-# **1.** With `block_size=64`, which shapes does XLA compile for the batch
-# sizes 1 to 200? Predict the set, then check `compiled_shapes` (use a small
-# network, `ju.question_mlp(hidden=(8,))`, to keep it quick).
+# Each exercise ends with a check: put your answer in `answer` and run the
+# check's cell. It says "correct", or gives a hint (never the answer).
+#
+# **1.** With `block_size=64`, which batch shapes does XLA compile when `jac`
+# is called once with every batch size from 1 to 200? Predict them from the
+# padding rule above, then check with `compiled_shapes` (use a small
+# network, `ju.question_mlp(hidden=(8,))`, to keep it quick). Put the sorted
+# list of shapes in `answer`.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
-# Solution: powers of two up to 64, then blocks of 64 (the last one padded).
+# Solution: powers of two up to 64; a larger batch runs in blocks of 64,
+# and its last, partial block is padded to its own power of two.
 small = ju.question_mlp(hidden=(8,), seed=seed)
 jac_64 = ju.compiled_jacobian(small, jit_compile=True, block_size=64)
+x_200 = ju.regression_data(200, seed=seed)[0]
 for n in range(1, 201):  # every size: 2 and 4 too
-    jac_64(x_all[:n])
-print(sorted(jac_64.compiled_shapes))
+    jac_64(x_200[:n])
+answer = sorted(jac_64.compiled_shapes)
+print(answer)
+
+# %%
+check.exercise("03-1", answer, sizes=range(1, 201), block_size=64)
 
 # %% [markdown]
 # **2.** `tf.function(..., reduce_retracing=True)` is another way to stop
-# retracing without a signature. Count its traces over `trace_sizes`, and
-# explain the number.
+# retracing without a signature. Wrap `jacobian_of_batch` with it, call it
+# on each size of `trace_sizes`, and count its traces (`traces` records
+# them). Put the number of traces in `answer`, and explain it.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
 # Solution: the second new shape makes TensorFlow trace a general graph with
 # a None batch dimension, which then serves every later size: 2 traces.
+# (TensorFlow's WARNING counts the traces of jacobian_of_batch by every
+# tf.function that wraps it: no_signature's five come first.)
 traces.clear()
 relaxed = tf.function(jacobian_of_batch, reduce_retracing=True)
 for n in trace_sizes:
     relaxed(tf.constant(x_all[:n]))
-print(len(traces), "traces; traced batch sizes:", traces)
+answer = len(traces)
+print(answer, "traces; traced batch sizes:", traces)
+
+# %%
+check.exercise("03-2", answer, sizes=trace_sizes)
 
 # %% [markdown]
 # ## Keypoints
@@ -270,7 +299,7 @@ print(len(traces), "traces; traced batch sizes:", traces)
 # - `tf.function` traces once and removes eager mode's per-call cost; prove
 #   the compiled Jacobian equal to the eager one.
 # - Give it an input signature with a `None` batch dimension, or every new n
-#   retraces (`jac.trace_count` stays 1).
+#   retraces (with one, `jac.trace_count` stays 1).
 # - Report the first call (trace, compile) apart from the steady state.
 # - XLA compiles once per concrete shape: pad the batch to a few sizes
 #   (`jac.compiled_shapes`).
