@@ -316,15 +316,8 @@ for name in ["cnn", "lstm"]:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-fitted, too_few = {}, []
-for label, values in bench.series(results).items():
-    ran = [(n, t) for n, t in zip(results["sizes"], values, strict=True)
-           if t]
-    if len(ran) >= 3:
-        fitted[label] = ju.plots.fitted_slope([n for n, _ in ran],
-                                              [t for _, t in ran])
-    else:
-        too_few.append(label)
+fitted = bench.slopes(results)  # only where a path ran at 3+ sizes
+too_few = [label for label in bench.series(results) if label not in fitted]
 for label, slope in fitted.items():
     print(f"{label:<45} slope {slope:4.2f}")
 if too_few:
