@@ -5,12 +5,7 @@ import pytest
 
 import jacutil as ju
 from jacutil import check
-
-
-def hint(key, answer, **context):
-    said = check.verdict(key, answer, **context)
-    assert said.answered and not said.correct
-    return said.message
+from tests.check_hints import hint
 
 
 def test_01_1_minutes_for_a_colleague():

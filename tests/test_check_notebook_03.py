@@ -3,14 +3,9 @@
 import jacutil as ju
 from jacutil import check
 from jacutil.check.notebook_03 import xla_shapes
+from tests.check_hints import hint
 
 SIZES = range(1, 201)
-
-
-def hint(key, answer, **context):
-    said = check.verdict(key, answer, **context)
-    assert said.answered and not said.correct
-    return said.message
 
 
 def test_03_1_the_rule_is_compiled_jacobians():

@@ -5,14 +5,9 @@ import pytest
 
 import jacutil as ju
 from jacutil import check
+from tests.check_hints import hint
 
 MIB16 = 16 * 2**20
-
-
-def hint(key, answer, **context):
-    said = check.verdict(key, answer, **context)
-    assert said.answered and not said.correct
-    return said.message
 
 
 @pytest.fixture(scope="module")

@@ -6,12 +6,7 @@ from scipy.optimize import least_squares
 
 import jacutil as ju
 from jacutil import check
-
-
-def hint(key, answer, **context):
-    said = check.verdict(key, answer, **context)
-    assert said.answered and not said.correct
-    return said.message
+from tests.check_hints import hint
 
 
 def test_05_1_method_for_few_residuals():

@@ -5,13 +5,7 @@ import pytest
 
 import jacutil as ju
 from jacutil import check
-
-
-def hint(key, answer, **context):
-    said = check.verdict(key, answer, **context)
-    assert said.answered and not said.correct
-    return said.message
-
+from tests.check_hints import hint
 
 # A fit as wide_fit.run records it: (seconds, MSE) per evaluation or step.
 # Least squares' last evaluation is a rejected trial step (its MSE rose).
