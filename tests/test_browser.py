@@ -26,19 +26,10 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from tests.chromium import CHROMIUM, CHROMIUM_FLAGS
+
 ROOT = Path(__file__).resolve().parent.parent
 BOOKS = sorted((ROOT / "notebooks").glob("[0-9]*.ipynb"))
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 TOKEN = "jacutil-browser-test"
 # Run here with the small parameters of tests/small_parameters/: notebook 10
 # starts worker processes and writes gigabytes at its defaults (1-1.5 min);

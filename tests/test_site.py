@@ -39,20 +39,11 @@ from urllib.parse import unquote, urldefrag, urljoin, urlsplit
 import nbformat
 import pytest
 
+from tests.chromium import CHROMIUM, CHROMIUM_FLAGS
+
 ROOT = Path(__file__).resolve().parent.parent
 BOOKS = sorted((ROOT / "notebooks").glob("[0-9]*.ipynb"))
 SCREENSHOTS = ROOT / "build" / "screenshots" / "site"
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 # Attributes that make a browser fetch something (a link <a href> does not).
 LOADS = {
     "script": ["src"],
