@@ -10,6 +10,7 @@ Each function's docstring names the notebook that introduces it.
 
 from . import (
     batch,
+    cache,
     distributed,
     formulation,
     guards,
@@ -62,6 +63,7 @@ __all__ = [
     "LocalWorkers",
     "Timing",
     "batch",
+    "cache",
     "chunk_size_for",
     "chunked_jacobian",
     "compiled_dense_jacobian",

@@ -21,14 +21,8 @@ the same model traces nothing. ``explain=True`` returns the choice and why.
 from dataclasses import dataclass, field
 
 from .batch import as_batch, n_samples
-from .chunked import (
-    _activations,
-    _compiled_for,
-    bytes_per_sample,
-    chunk_size_for,
-    chunked_jacobian,
-)
-from .forward import COLUMNS_PER_PASS, ForwardJacobian
+from .cache import compiled_for, forward_for
+from .chunked import bytes_per_sample, chunk_size_for, chunked_jacobian
 from .outputs import output_layout
 from .target import variable_list
 
@@ -109,14 +103,15 @@ def jacobian(
     path, why, each layer's rule and the chunks. Introduced in ``00-welcome``.
     """
     variables = None if variables is None else variable_list(variables)
-    jac = _compiled_for(model, variables, training, False, "rules", x)
-    traces = jac.trace_count + getattr(getattr(jac, "forward", None), "trace_count", 0)
+    jac = compiled_for(model, variables, training, False, "rules", x)
+    traces = jac.trace_count
     target = jac.target
     batch = as_batch(x, target)
     n_outputs = output_layout(target, batch).n_outputs
     rows = int(n_samples(batch))
+    activations = jac.activation_elements(batch)
     per_sample = bytes_per_sample(
-        n_outputs, target.n_params, target.dtype.itemsize, _activations(jac, batch)
+        n_outputs, target.n_params, target.dtype.itemsize, activations
     )
     working = per_sample * rows
     if memory_budget is not None:
@@ -136,9 +131,9 @@ def jacobian(
         and n_outputs >= FORWARD_WHEN_OUTPUTS_PER_PARAMETER * target.n_params
     )
     if forward:
-        if getattr(jac, "forward", None) is None:
-            jac.forward = ForwardJacobian(model, variables, training, COLUMNS_PER_PASS)
-        J = jac.forward(batch)
+        ran = forward_for(model, variables, training)
+        traces = ran.trace_count
+        J = ran(batch)
     elif out is not None or working > budget:
         chunk_size = min(
             rows,
@@ -147,7 +142,7 @@ def jacobian(
                 n_outputs,
                 target.n_params,
                 target.dtype.itemsize,
-                activations=_activations(jac, batch),
+                activations=activations,
             ),
         )
         J = chunked_jacobian(
@@ -182,8 +177,6 @@ def jacobian(
         chunk_size=chunk_size,
         working_bytes=working,
         budget_bytes=budget,
-        traced=jac.trace_count
-        + getattr(getattr(jac, "forward", None), "trace_count", 0)
-        > traces,
+        traced=(ran if forward else jac).trace_count > traces,
     )
     return J, choice

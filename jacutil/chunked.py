@@ -1,16 +1,15 @@
 """Stage 4: slices of the batch through the compiled Jacobian (notebook 04-chunked)."""
 
 import os
-import weakref
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from .batch import as_batch, n_samples, signature_key, take
-from .compiled import CompiledJacobian, bucket_size
+from .batch import as_batch, n_samples, take
+from .cache import compiled_for
+from .compiled import bucket_size
 from .outputs import output_layout
 from .resume import fingerprint, open_rows, write_rows
-from .target import resolve_target
 
 # Working memory of a chunk of c samples, in bytes (itemsize bytes a number;
 # l outputs, m parameters; A: the activations of one sample's forward pass, as
@@ -37,46 +36,6 @@ ACTIVATION_FACTOR = 1.1
 # it (a wide CNN, batch method); the budget assumes the worst.
 XLA_FACTOR = 1.75
 DEFAULT_MEMORY_BUDGET = 256 * 2**20  # bytes, when neither size nor budget is given
-
-_compiled_cache = weakref.WeakKeyDictionary()  # model -> {key: CompiledJacobian}
-CACHED_PER_MODEL = 8  # compiled Jacobians kept per model (the newest)
-
-
-def _cache_owner(model):
-    """What the cache is keyed on: the model, or a bound method's object."""
-    if hasattr(model, "__self__") and hasattr(model, "__func__"):
-        return model.__self__, (model.__func__,)
-    return model, ()
-
-
-def _compiled_for(model, variables, training, jit_compile, method, x=None):
-    """One compiled Jacobian per model, variables and options: no retracing.
-
-    The key holds the variables themselves (their ids), so after
-    ``layer.trainable = False`` the model gets a compiled Jacobian of its new
-    columns, and the cache is weak: it does not keep a model alive.
-    """
-    owner, extra = _cache_owner(model)
-    if variables is None and getattr(model, "built", False):
-        # the second call on a model: no checks to repeat, the key is at hand
-        quick = (training, jit_compile, method, *map(id, model.trainable_variables))
-        found = _compiled_cache.get(owner, {}).get((*quick, *extra))
-        if found is not None:
-            return found
-    target = resolve_target(model, variables, training, x)
-    key = (training, jit_compile, method, *map(id, target.variables), *extra)
-    try:
-        per_model = _compiled_cache.setdefault(owner, {})
-    except TypeError:  # not weak-referenceable: compile afresh
-        per_model = {}
-    if key not in per_model:
-        while len(per_model) >= CACHED_PER_MODEL:
-            del per_model[next(iter(per_model))]
-        per_model[key] = CompiledJacobian(
-            target, method, jit_compile, 1024, model=model
-        )
-    return per_model[key]
-
 
 def bytes_per_sample(n_outputs, n_params, itemsize, activations=0):
     """Estimated peak bytes that one sample costs while its rows are computed.
@@ -109,18 +68,6 @@ def chunk_size_for(
     a = itemsize * n_outputs * ACTIVATION_FACTOR * activations
     b = itemsize * n_outputs * WORKING_MEMORY_FACTOR * n_params
     return max(1, int((-b + np.sqrt(b * b + 4 * a * memory_budget)) / (2 * a)))
-
-
-def _activations(jac, x):
-    """Activation elements of one sample, counted once per input shape."""
-    from .memory import count_activations
-
-    key = signature_key(x)
-    if key not in jac.activations:
-        jac.activations[key] = count_activations(
-            jac.target, x, unroll=jac.method == "per_sample"
-        )
-    return jac.activations[key]
 
 
 def _check_chunk_size(chunk_size):
@@ -186,7 +133,7 @@ def chunked_jacobian(
     Returns ``out`` (created when not given), shape (n_samples, n_outputs,
     n_params). Introduced in ``04-chunked``.
     """
-    jac = _compiled_for(model, variables, training, jit_compile, method, x)
+    jac = compiled_for(model, variables, training, jit_compile, method, x)
     target = jac.target
     if memory_budget is not None and memory_budget <= 0:
         raise ValueError(
@@ -206,7 +153,7 @@ def chunked_jacobian(
             n_outputs,
             target.n_params,
             target.dtype.itemsize,
-            activations=_activations(jac, x),
+            activations=jac.activation_elements(x),
             method=method,
         )
     chunk_size = min(chunk_size, n_rows)

@@ -56,6 +56,18 @@ class CompiledJacobian:
                 model, target.variables, target.training
             )
 
+    def activation_elements(self, x):
+        """Elements of one sample's forward pass (for the memory model of
+        ``jacutil.chunked``), counted once per input shape."""
+        from .memory import count_activations
+
+        key = signature_key(x)
+        if key not in self.activations:
+            self.activations[key] = count_activations(
+                self.target, x, unroll=self.method == "per_sample"
+            )
+        return self.activations[key]
+
     def _build(self, x):
         """A ``tf.function`` for batches like ``x``: any n, the same features."""
 

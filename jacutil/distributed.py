@@ -19,7 +19,8 @@ from tqdm.auto import tqdm
 
 from ._tf import keras, tf
 from .batch import as_batch, n_samples, take
-from .chunked import _check_out, _compiled_for, chunked_jacobian, run_record
+from .cache import compiled_for
+from .chunked import _check_out, chunked_jacobian, run_record
 from .outputs import output_layout
 from .resume import fingerprint, open_rows, write_rows
 from .scipy_bridge import LeastSquaresProblem
@@ -183,7 +184,7 @@ def distributed_jacobian(
     """
     client = client_of(workers)
     _check_sendable(model)
-    jac = _compiled_for(model, None, training, jit_compile, method, x)
+    jac = compiled_for(model, None, training, jit_compile, method, x)
     x = as_batch(x, jac.target)
     n_rows = int(n_samples(x))
     shape = (n_rows, output_layout(jac.target, x).n_outputs, jac.target.n_params)

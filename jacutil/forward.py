@@ -23,10 +23,9 @@ COLUMNS_PER_PASS = 64  # parameter columns vectorized together
 class ForwardJacobian:
     """A reusable forward-mode ``jac(x)``; see :func:`forward_jacobian`."""
 
-    def __init__(self, model, variables, training, columns_per_pass):
-        variables = None if variables is None else variable_list(variables)
-        self.target = resolve_target(model, variables, training)
-        self._model = model
+    def __init__(self, target, columns_per_pass, owner=None):
+        self.target = target
+        self._owner = owner  # keeps the model alive as long as jac (None: cached)
         self.columns = int(columns_per_pass)
         if self.columns <= 0:
             raise ValueError(
@@ -89,5 +88,7 @@ def forward_jacobian(
     reverse-mode stages when m <= l (see notebook 09). Introduced in
     ``09-matrix-free``.
     """
-    jac = ForwardJacobian(model, variables, training, columns_per_pass)
+    variables = None if variables is None else variable_list(variables)
+    target = resolve_target(model, variables, training, x)
+    jac = ForwardJacobian(target, columns_per_pass, owner=model)
     return jac if x is None else jac(x)

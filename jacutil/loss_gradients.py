@@ -18,7 +18,7 @@ import numpy as np
 
 from ._tf import tf
 from .batch import as_batch, n_samples, pad_with_last
-from .chunked import _compiled_for
+from .cache import compiled_for
 from .formulation import quiet_function, recurrent_layers, unrolled
 from .guards import JacobianError
 from .rules.dense import DenseRule
@@ -123,7 +123,7 @@ class _Gradients:
     """Everything both functions share: the compiled stage, x and y checked."""
 
     def __init__(self, model, x, y, variables, training):
-        self.jac = _compiled_for(model, variables, training, False, "rules", x)
+        self.jac = compiled_for(model, variables, training, False, "rules", x)
         self.target = self.jac.target
         self.x = as_batch(x, self.target)
         self.rows = int(n_samples(self.x))

@@ -16,10 +16,9 @@ n*l*m numbers. Each product is compiled once per model and input shape;
 parameters are in ``flat_params`` order.
 """
 
-import weakref
-
 import numpy as np
 
+from . import cache
 from ._tf import tf
 from .batch import as_batch, n_samples, signature, signature_key, take
 from .formulation import quiet_function, recurrent_layers, unrolled
@@ -38,17 +37,14 @@ class Products:
     ``trace_count`` counts traces (one per product and input shape).
     """
 
-    def __init__(
-        self, model, variables=None, training=False, chunk_size=None, mode="forward"
-    ):
+    def __init__(self, target, chunk_size=None, mode="forward", owner=None):
         if mode not in ("forward", "double_backward"):
             raise ValueError(
                 f'mode must be "forward" or "double_backward"; got {mode!r}.'
             )
         self.mode = mode
-        variables = None if variables is None else variable_list(variables)
-        self.target = resolve_target(model, variables, training)
-        self._model = model  # the products hold the model, as a compiled stage does
+        self.target = target
+        self._owner = owner  # holds the model, as a compiled stage does (or None)
         self.variables = self.target.variables
         self.n_params = self.target.n_params
         self.shapes = [tuple(v.shape) for v in self.variables]
@@ -195,29 +191,14 @@ def products(model, *, variables=None, training=False, chunk_size=None, mode="fo
     ``"forward"`` (``ForwardAccumulator``) or ``"double_backward"`` (the JVP
     as the gradient of a VJP) for ``jvp``. Introduced in ``09-matrix-free``.
     """
-    return Products(model, variables, training, chunk_size, mode)
-
-
-_cache = weakref.WeakKeyDictionary()  # model -> {options and variables: Products}
+    variables = None if variables is None else variable_list(variables)
+    target = resolve_target(model, variables, training)
+    return Products(target, chunk_size, mode, owner=model)
 
 
 def _cached(model, options):
     """The same compiled products for repeated ``jvp``/``vjp`` calls on a model."""
-    if options.get("variables") is not None or not hasattr(
-        model, "trainable_variables"
-    ):
-        return products(model, **options)
-    key = (tuple(sorted(options.items())), *map(id, model.trainable_variables))
-    try:
-        per_model = _cache.setdefault(model, {})
-    except TypeError:  # not weak-referenceable
-        return products(model, **options)
-    if key not in per_model:
-        found = products(model, **options)
-        found._model = None  # the cache must not keep the model alive
-        per_model.clear()  # the newest only: variables or options changed
-        per_model[key] = found
-    return per_model[key]
+    return cache.products_for(model, options)
 
 
 def jvp(model, x, v, **options):

@@ -10,13 +10,8 @@ import numpy as np
 
 from ._tf import tf
 from .batch import as_batch, n_samples, take
-from .chunked import (
-    DEFAULT_MEMORY_BUDGET,
-    _activations,
-    _compiled_for,
-    chunk_size_for,
-    chunked_jacobian,
-)
+from .cache import compiled_for
+from .chunked import DEFAULT_MEMORY_BUDGET, chunk_size_for, chunked_jacobian
 from .layout import flat_params, set_flat_params
 from .matrix_free import jacobian_operator, products
 from .outputs import output_layout
@@ -56,10 +51,10 @@ class LeastSquaresProblem:
             "training": training,
             "progress": False,
         }
-        self.compiled = _compiled_for(
+        self.compiled = compiled_for(
             model, self._variables, training, False, "per_sample"
         )
-        activations = _activations(self.compiled, self.x)
+        activations = self.compiled.activation_elements(self.x)
         if chunk_size is None and jacobian == "operator":
             # a chunk holds its forward pass and its backward signals, not J
             per_sample = self._target.dtype.itemsize * (4 * activations + 2 * n_outputs)

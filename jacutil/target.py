@@ -189,6 +189,7 @@ def _keras_call(model, training):
 
 
 def _plain_call(model):
+    """``x -> model(x)`` that does not keep ``model`` alive, where it can."""
     if hasattr(model, "__self__") and hasattr(model, "__func__"):
         method = weakref.WeakMethod(model)  # a bound method: keep only its object
 
@@ -196,7 +197,15 @@ def _plain_call(model):
             return method()(x)
 
         return call
-    return model
+    try:
+        reference = weakref.ref(model)
+    except TypeError:  # a builtin: it lives as long as its module anyway
+        return model
+
+    def call(x):
+        return reference()(x)
+
+    return call
 
 
 def resolve_target(model, variables=None, training=False, x=None):

@@ -149,14 +149,14 @@ def test_the_budget_holds_where_activations_dominate(kind, method, n, budget):
 def test_the_default_budget_of_the_batch_method_fits_its_own_model():
     """Sized like the per-sample method, it asked for ~10 GiB (notebook 02's model)."""
     model = ju.question_mlp()
-    jac = ju.chunked._compiled_for(model, None, False, False, "batch")
+    jac = ju.cache.compiled_for(model, None, False, False, "batch")
     x = ju.batch.as_batch(ju.regression_data(3)[0], jac.target)
     chunk = ju.chunk_size_for(
         ju.chunked.DEFAULT_MEMORY_BUDGET,
         2,
         2850,
         4,
-        activations=ju.chunked._activations(jac, x),
+        activations=jac.activation_elements(x),
         method="batch",
     )
     predicted = ju.memory.predicted_bytes(chunk, "batch")

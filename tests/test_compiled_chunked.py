@@ -3,7 +3,7 @@
 import numpy as np
 
 import jacutil as ju
-from jacutil.chunked import _compiled_for
+from jacutil.cache import compiled_for
 
 
 def test_new_batch_size_does_not_retrace():
@@ -43,7 +43,7 @@ def test_chunked_reuses_one_compiled_function():
         ju.chunked_jacobian(
             model, np.ones((n_samples, 3)), chunk_size=3, progress=False
         )
-    jac = _compiled_for(model, None, False, False, "per_sample")
+    jac = compiled_for(model, None, False, False, "per_sample")
     assert jac.trace_count == 1
 
 
@@ -55,7 +55,7 @@ def test_chunked_xla_pads_the_last_chunk():
         J, ju.per_sample_jacobian(model, x), rtol=1e-5, atol=1e-6
     )
     # chunks of 4, 4 and 2: the short last chunk is padded to 2, not to 4
-    jac = _compiled_for(model, None, False, True, "per_sample")
+    jac = compiled_for(model, None, False, True, "per_sample")
     assert jac.compiled_shapes == {2, 4}
 
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import jacutil as ju
-from jacutil import matrix_free
+from jacutil import cache, matrix_free
 from tests.architectures import ARCHITECTURES, build
 
 
@@ -116,7 +116,7 @@ def test_repeated_calls_reuse_one_compiled_product_and_shape_changes_are_caught(
     m = ju.flat_params(model).size
     for _ in range(3):
         matrix_free.jvp(model, x, np.ones(m))
-    assert matrix_free._cached(model, {}).trace_count == 1
+    assert cache.products_for(model, {}).trace_count == 1
     prods = matrix_free.products(model)
     prods.vjp(x, np.ones((6, 2)))
     prods.shapes[0] = (1, 1)  # as if the variables had changed shape
