@@ -112,11 +112,15 @@ def test_item02_per_sample_gradients_do_not_depend_on_call_order():
 
 
 def test_item03_other_variables_are_another_run(tmp_path):
-    model = ju.question_mlp(seed=1, hidden=(8,))
-    x, _ = ju.regression_data(20, seed=2)
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential(
+        [keras.Input((4,)), layers.Dense(4, activation="tanh"),
+         layers.Dense(4, activation="tanh"), layers.Dense(4)]
+    )  # fmt: skip
+    x = np.random.default_rng(2).standard_normal((20, 4)).astype("float32")
     path = tmp_path / "J.npy"
     first = model.layers[0].trainable_variables
-    second = model.layers[1].trainable_variables
+    second = model.layers[1].trainable_variables  # the same shapes
     ju.chunked_jacobian(model, x, out=path, chunk_size=5, variables=first,
                         progress=False)  # fmt: skip
     with pytest.raises(ResumeMismatch):
@@ -353,11 +357,10 @@ def test_item11_frozen_dense_with_a_lambda_activation(kind):
         else functools.partial(tf.nn.leaky_relu, alpha=0.3)
     )
     keras.utils.set_random_seed(11)
-    frozen = layers.Dense(6, activation=activation)
+    frozen = layers.Dense(2, activation=activation)  # on top: no wanted variable
     model = keras.Sequential(
-        [keras.Input((4,)), layers.Dense(6, activation="tanh"), frozen,
-         layers.Dense(2)]
-    )  # fmt: skip
+        [keras.Input((4,)), layers.Dense(6, activation="tanh"), frozen]
+    )
     frozen.trainable = False
     x = np.random.default_rng(0).standard_normal((6, 4)).astype("float32")
     expected = tape_rows(model, x, model.trainable_variables)
