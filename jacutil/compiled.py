@@ -7,7 +7,7 @@ from .batch import as_batch, n_samples, pad_with_last, signature, signature_key,
 from .formulation import batch_tensor, per_sample_tensor, quiet_function
 from .guards import note_trace
 from .outputs import output_layout
-from .rules import disagreement, plan_for, rules_tensor
+from .rules import plan_for
 from .target import resolve_target
 
 METHODS = ("per_sample", "batch", "rules")
@@ -88,7 +88,7 @@ class CompiledJacobian:
     def _jacobian(self, x):
         if self.plan is not None:
             self.formulation = self.plan.describe()
-            return rules_tensor(self.plan, x)
+            return self.plan.tensor(x)
         method = batch_tensor if self.method == "batch" else per_sample_tensor
         J, self.formulation = method(self.target, x, self.jit_compile)
         return J
@@ -101,10 +101,11 @@ class CompiledJacobian:
         """
         key = signature_key(x)
         if key not in self._functions:
-            if self.plan is not None:
-                self._check_rules(x)
+            self.checked_plan(x)
             self._functions[key] = self._build(x)
         n_rows = n_samples(x)
+        if n_rows == 1:  # pfor fails on some graphs with one sample (TF 2.21)
+            pad_to = max(pad_to or 0, 2)
         padded = pad_to is not None and pad_to > n_rows
         if padded:
             x = pad_with_last(x, pad_to)
@@ -113,12 +114,20 @@ class CompiledJacobian:
         J = self._run(key, x)
         return J[:n_rows] if padded else J
 
-    def _check_rules(self, x):
-        """Once per input shape: the rules against autodiff on one sample."""
-        reason = disagreement(self.plan, self.target, x)
+    def checked_plan(self, x):
+        """The layer rules' plan, proved on batches like ``x`` - or None, and
+        ``fallback`` says why (the check failed: the per-sample stage runs).
+
+        The proof (:meth:`jacutil.rules.Plan.check`) runs once per input
+        shape; every consumer of the rules takes the plan from here.
+        """
+        if self.plan is None or signature_key(x) in self.plan.checked:
+            return self.plan
+        reason = self.plan.check(self.target, x)
         if reason is not None:
             self.plan, self.fallback = None, reason
             self._functions.clear()
+        return self.plan
 
     def _run(self, key, x):
         try:

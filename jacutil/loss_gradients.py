@@ -22,7 +22,8 @@ from .cache import compiled_for
 from .formulation import quiet_function, recurrent_layers, unrolled
 from .guards import JacobianError
 from .rules.dense import DenseRule
-from .rules.engine import rules_tensor
+from .rules.engine import LogitsNotOnRules
+from .rules.registry import LogitsSignal
 from .target import watched
 
 
@@ -43,14 +44,46 @@ def _losses(loss_fn, y, prediction, n):
     return losses
 
 
+LOGIT_OPS = ("Softmax", "Sigmoid")
+
+
+def _logits_of(prediction):
+    """The logits a Keras loss reads instead of ``prediction``, or None.
+
+    Keras 3 computes cross-entropy from the logits of a softmax or sigmoid
+    output, for accuracy: from ``prediction._keras_logits``, or in a graph
+    from the input of the ``Softmax``/``Sigmoid`` op that made it.
+    """
+    logits = getattr(prediction, "_keras_logits", None)
+    if logits is None and not tf.executing_eagerly():
+        if getattr(prediction, "op", None) is not None:
+            if prediction.op.type in LOGIT_OPS:
+                logits = prediction.op.inputs[0]
+    return logits
+
+
 def _signal(loss_fn, y):
-    """``prediction -> dL_i / d prediction_i``, shaped (n, 1, *output)."""
+    """``prediction -> dL_i / d prediction_i``, shaped (n, 1, *output); or,
+    when the loss reads the logits, ``dL_i / d logits_i`` as a LogitsSignal."""
 
     def signal(prediction):
+        logits = _logits_of(prediction)
         with tf.GradientTape() as tape:
             tape.watch(prediction)
+            if logits is not None:
+                tape.watch(logits)
             losses = _losses(loss_fn, y, prediction, None)
-        return tape.gradient(losses, prediction)[:, None]
+        at_output, at_logits = tape.gradient(
+            losses, [prediction, prediction if logits is None else logits]
+        )
+        if at_output is not None:
+            return at_output[:, None]
+        if logits is not None and at_logits is not None:
+            return LogitsSignal(at_logits[:, None])
+        raise JacobianError(
+            "loss_fn does not depend on the model's output: check that it is "
+            "called as loss_fn(y_true, y_pred)."
+        )
 
     return signal
 
@@ -86,6 +119,8 @@ def _dense_norms(plan, x, signal):
         a, kept = step.forward(a)
         saved.append(kept)
     delta, total = signal(a), 0.0
+    if isinstance(delta, LogitsSignal) and not plan.steps[-1].takes_logits_signal:
+        raise LogitsNotOnRules(plan.steps[-1].describe())
     for j in reversed(range(plan.lowest, len(plan.steps))):
         step, wanted = plan.steps[j], plan.wanted[j]
         if not isinstance(step, DenseRule):
@@ -134,8 +169,29 @@ class _Gradients:
                 f"({self.rows} rows, like x)."
             )
 
+        self.plan = self.jac.checked_plan(self.x)  # the rules, proved on x
+
     def run(self, function):
         return quiet_function(function, autograph=False)(self.x, self.y).numpy()
+
+    def on_rules(self, function):
+        """``run(function)``, or None when the top rule cannot start from the
+        logits that the loss reads (then autodiff gives the gradients)."""
+        try:
+            return self.run(function)
+        except LogitsNotOnRules:
+            return None
+
+    def by_autodiff(self, loss_fn):
+        """One gradient per sample; pfor fails on some graphs with one sample
+        (TF 2.21), so a batch of one runs as two copies of it."""
+        x, y = self.x, self.y
+        if self.rows == 1:
+            x, y = pad_with_last(x, 2), tf.concat([y, y], 0)
+        function = quiet_function(
+            lambda x, y: _autodiff_gradients(self.target, x, y, loss_fn)
+        )
+        return function(x, y).numpy()[: self.rows]
 
 
 def per_sample_gradients(model, loss_fn, x, y, *, variables=None, training=False):
@@ -143,19 +199,17 @@ def per_sample_gradients(model, loss_fn, x, y, *, variables=None, training=False
 
     ``loss_fn(y, prediction)`` must return one loss per sample (shape (n,)),
     e.g. ``keras.losses.mean_squared_error``. On the layer-rules path the
-    backward pass starts from ``dL_i/df``; otherwise one gradient per sample
-    in ``tf.vectorized_map``. Introduced in ``09-matrix-free``.
+    backward pass starts from ``dL_i/df`` (from the logits, where a Keras
+    cross-entropy reads them); otherwise one gradient per sample in
+    ``tf.vectorized_map``. Introduced in ``09-matrix-free``.
     """
     job = _Gradients(model, x, y, variables, training)
-    plan = job.jac.plan
+    plan = job.plan
     if plan is not None:
-        return job.run(lambda x, y: rules_tensor(plan, x, _signal(loss_fn, y))[:, 0])
-    if job.rows == 1 and recurrent_layers(job.target):  # pfor needs two samples
-        padded = pad_with_last(job.x, 2), tf.concat([job.y, job.y], 0)
-        return quiet_function(
-            lambda x, y: _autodiff_gradients(job.target, x, y, loss_fn)
-        )(*padded).numpy()[:1]
-    return job.run(lambda x, y: _autodiff_gradients(job.target, x, y, loss_fn))
+        G = job.on_rules(lambda x, y: plan.tensor(x, _signal(loss_fn, y))[:, 0])
+        if G is not None:
+            return G
+    return job.by_autodiff(loss_fn)
 
 
 def per_sample_gradient_norms(model, loss_fn, x, y, *, variables=None, training=False):
@@ -166,10 +220,12 @@ def per_sample_gradient_norms(model, loss_fn, x, y, *, variables=None, training=
     of :func:`per_sample_gradients`. Introduced in ``09-matrix-free``.
     """
     job = _Gradients(model, x, y, variables, training)
-    plan = job.jac.plan
+    plan = job.plan
     flat = not isinstance(job.x, (list, tuple, dict)) and job.x.shape.rank == 2
     if plan is not None and flat and _dense_only(plan):
-        return job.run(lambda x, y: _dense_norms(plan, x, _signal(loss_fn, y)))
+        norms = job.on_rules(lambda x, y: _dense_norms(plan, x, _signal(loss_fn, y)))
+        if norms is not None:
+            return norms
     G = per_sample_gradients(
         model, loss_fn, x, y, variables=variables, training=training
     )

@@ -293,3 +293,97 @@ def test_entry_takes_forward_mode_when_outputs_outnumber_parameters():
     )
     _, again = ju.jacobian(model, x, explain=True)
     assert not again.traced
+
+
+class ClipLayer(layers.Layer):
+    def call(self, x, limit=1.0):
+        return keras.ops.clip(x, -limit, limit)
+
+
+def _clipped_model():
+    keras.utils.set_random_seed(21)
+    inputs = keras.Input((4,))
+    h = ClipLayer()(layers.Dense(8, activation="tanh")(inputs), limit=0.3)
+    return keras.Model(inputs, layers.Dense(2)(h))
+
+
+def _quiet_sample_zero():
+    x = np.random.default_rng(0).standard_normal((12, 4)).astype("float32") * 3
+    x[0] *= 1e-3  # inside the clip: sample 0 alone cannot tell a wrong rule
+    return x
+
+
+def test_the_plan_replays_each_call_with_its_arguments():
+    model = _clipped_model()
+    nodes = rules.chain_nodes(model)
+    assert [n.extra_arguments() for n in nodes] == ["", "limit=0.3", ""]
+    jac = ju.compiled_jacobian(model, method="rules")
+    x = _quiet_sample_zero()
+    np.testing.assert_allclose(jac(x), ju.loop_jacobian(model, x), rtol=1e-4,
+                               atol=1e-6)  # fmt: skip
+    assert jac.plan is not None  # proved: the rules replay limit=0.3
+    assert "autodiff (no rule for ClipLayer)" in jac.plan.describe()
+
+
+def test_a_rule_that_ignores_call_arguments_falls_back_and_says_so():
+    @rules.register(ClipLayer)
+    class ClipAsIdentity(rules.Rule):
+        def forward(self, a):
+            return a, None
+
+        def backward(self, saved, delta, wanted, need_signal):
+            return {}, delta
+
+    try:
+        model = _clipped_model()
+        jac = ju.compiled_jacobian(model, method="rules")
+        jac(_quiet_sample_zero())
+    finally:
+        del rules.RULES[ClipLayer]
+    assert jac.plan is not None and "called with limit=0.3" in jac.plan.describe()
+
+
+class ClipAt03(layers.Layer):
+    def call(self, x):
+        return keras.ops.clip(x, -0.3, 0.3)
+
+
+def test_the_check_looks_past_sample_zero():
+    """A rule that takes the clip for the identity is right on sample 0 (its
+    units stay inside the clip) and wrong on the others: caught."""
+
+    @rules.register(ClipAt03)
+    class ClipAsIdentity(rules.Rule):
+        def forward(self, a):
+            return a, None
+
+        def backward(self, saved, delta, wanted, need_signal):
+            return {}, delta
+
+    model = keras.Sequential(
+        [keras.Input((4,)), layers.Dense(8, activation="tanh"), ClipAt03(),
+         layers.Dense(2)]
+    )  # fmt: skip
+    x = _quiet_sample_zero()
+    try:
+        jac = ju.compiled_jacobian(model, method="rules")
+        J = jac(x)
+    finally:
+        del rules.RULES[ClipAt03]
+    assert jac.plan is None and "differ from autodiff" in jac.fallback
+    assert "on sample 0" not in jac.fallback
+    np.testing.assert_allclose(J, ju.loop_jacobian(model, x), rtol=1e-4, atol=1e-6)
+
+
+def test_a_plan_is_used_only_where_it_was_checked():
+    model = ju.question_mlp(seed=0, hidden=(4,))
+    x, _ = ju.regression_data(5, seed=1)
+    target = ju.target.resolve_target(model)
+    plan, _ = rules.plan_for(model, target.variables)
+    with pytest.raises(rules.engine.UncheckedPlan):
+        plan.tensor(ju.batch.as_batch(x, target))
+    assert plan.check(target, ju.batch.as_batch(x, target)) is None
+    np.testing.assert_allclose(
+        plan.tensor(ju.batch.as_batch(x, target)), ju.loop_jacobian(model, x),
+        rtol=1e-5, atol=1e-6,
+    )  # fmt: skip

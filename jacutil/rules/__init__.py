@@ -15,8 +15,10 @@ it when it applies. Introduced in ``07-benchmark``.
 from . import conv, dense, embedding, normalization, recurrent, shape  # noqa: F401
 from .autodiff import AutodiffRule, tiled_vjp
 from .engine import (
+    Node,
     Plan,
     chain_layers,
+    chain_nodes,
     disagreement,
     is_exact_keras,
     plan_for,
@@ -28,9 +30,11 @@ __all__ = [
     "RULES",
     "AutodiffRule",
     "NoRule",
+    "Node",
     "Plan",
     "Rule",
     "chain_layers",
+    "chain_nodes",
     "disagreement",
     "is_exact_keras",
     "plan_for",

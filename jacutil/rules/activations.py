@@ -11,6 +11,7 @@ signal passes by autodiff row by row (:func:`jacutil.rules.autodiff.tiled_vjp`).
 
 from .._tf import keras, tf
 from .autodiff import tiled_vjp
+from .registry import LogitsSignal
 
 # act'(z), written with z and y = act(z)
 FORMULAS = {
@@ -80,8 +81,22 @@ class Activation:
             return y, FORMULAS[self.kind](z, y)
         return y, (z, y)
 
+    @property
+    def runs_user_code(self):
+        return self.kind == "unknown"
+
+    @property
+    def makes_logits(self):
+        """Whether a Keras loss reads ``z`` instead of ``y`` (then the signal
+        may come as a :class:`LogitsSignal`)."""
+        return self.kind in ("softmax", "sigmoid")
+
     def backward(self, saved, delta):
         """The signal at z from the signal at y: (n, l, *shape) both."""
+        if isinstance(delta, LogitsSignal):
+            if not self.makes_logits:
+                raise TypeError(f"a signal at logits for {self.describe()}")
+            return delta.delta
         if self.kind == "linear":
             return delta
         if self.kind in FORMULAS or self.kind == "elementwise":

@@ -39,25 +39,40 @@ def tiled_vjp(function, a, delta):
 
 
 class AutodiffRule(Rule):
-    """Any layer: its signal and, when wanted, its own blocks by autodiff."""
+    """Any call: its signal and, when wanted, its own blocks by autodiff.
+
+    ``call`` replays the layer's call in the model - a layer called with
+    arguments of its own (``Clip()(h, limit=0.3)``), or an operation between
+    layers (``keras.ops.tanh(h)``, ``h * 2``) - as a ``jacutil.rules.engine.Node``
+    does; by default, the layer on its input alone.
+    """
 
     name = "autodiff"
+    runs_user_code = True
 
-    def __init__(self, layer, why=""):
+    def __init__(self, call, why=""):
+        layer = getattr(call, "operation", call)
         super().__init__(layer)
-        self.variables = list(layer.weights)
+        self.call = call if call is not layer else self._alone
+        self.variables = list(getattr(layer, "weights", []))
         self.why = why
+
+    def _alone(self, a):
+        return self.layer(a, training=False)
 
     def describe(self):
         return f"autodiff ({self.why})" if self.why else "autodiff"
 
+    def forward(self, a):
+        return self.call(a), a
+
     def backward(self, a, delta, wanted, need_signal):
-        layer = self.layer
+        layer = self.call
         ours = [v for v in self.variables if id(v) in wanted]
         if not ours:
             below = None
             if need_signal:
-                below = tiled_vjp(lambda t: layer(t, training=False), a, delta)
+                below = tiled_vjp(layer, a, delta)
             return {}, below
         n_samples, n_outputs = tf.shape(delta)[0], tf.shape(delta)[1]
         floating = a.dtype.is_floating
@@ -69,7 +84,7 @@ class AutodiffRule(Rule):
                 if floating:
                     tape.watch(a_row)
                 tape.watch(tracked)
-                y = layer(a_row[None], training=False)
+                y = layer(a_row[None])
             sources = ([a_row] if floating else []) + tracked
             grads = tape.gradient(y, sources, output_gradients=d_row[None])
             return [

@@ -17,6 +17,11 @@ class DenseRule(Rule):
         if getattr(layer, "lora_enabled", False) or layer.quantization_mode:
             raise NoRule("a LoRA or quantized Dense")
         self.activation = Activation(layer.activation)
+        # an element-wise slope or a softmax broadcasts a shared signal;
+        # autodiff of an unknown function needs one row per sample
+        self.runs_user_code = self.activation.runs_user_code
+        self.shared_signal = not self.runs_user_code
+        self.takes_logits_signal = self.activation.makes_logits
         self.bias = layer.bias if layer.use_bias else None
         self.variables = [layer.kernel] + ([self.bias] if self.bias is not None else [])
 

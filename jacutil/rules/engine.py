@@ -7,16 +7,15 @@ lowest layer that holds a wanted variable. No tape over the whole model and
 no pfor, except inside a layer that has no rule and holds wanted variables.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from .._tf import keras, tf
-from ..batch import take
+from ..batch import n_samples, signature_key, take
 from ..target import watched
 from .autodiff import AutodiffRule
-from .dense import DenseRule
-from .registry import rule_for
+from .registry import LogitsSignal, rule_for
 
 # Left to the compiled per-sample stage: pfor unrolls their time loop
 # (jacutil.formulation), and attention's products need XLA in TF 2.21.
@@ -35,53 +34,126 @@ def is_exact_keras(model):
     return kind.__name__ == "Functional" and kind.__module__.startswith("keras.")
 
 
-def chain_layers(model):
-    """The model's layers from input to output, or None if it is not a chain.
+_INPUT = keras.layers.InputLayer
+
+
+class Node:
+    """One call in a chain: an operation (a Keras layer, or a ``keras.ops``
+    call such as ``h * 2``) and the arguments it was called with.
+
+    Calling the node replays that call on a tensor, in inference mode: the
+    symbolic input is replaced by the tensor, every other argument is kept.
+    """
+
+    def __init__(self, operation, args=None, kwargs=None):
+        self.operation = operation
+        self.args = args  # None: called with the tensor alone
+        self.kwargs = dict(kwargs or {})
+        self.kwargs.pop("training", None)  # the model's call sets it (below)
+
+    @property
+    def name(self):
+        return self.operation.name
+
+    def extra_arguments(self):
+        """The arguments besides the input tensor, in words ("" if none)."""
+        others = [repr(a) for a in self.args or () if not _symbolic(a)]
+        others += [f"{key}={value!r}" for key, value in self.kwargs.items()]
+        return ", ".join(others)
+
+    def __call__(self, a):
+        args = (a,) if self.args is None else _filled(self.args, a)
+        kwargs = _filled(self.kwargs, a)
+        if getattr(self.operation, "_call_has_training_arg", False):
+            kwargs["training"] = False
+        return self.operation(*args, **kwargs)
+
+
+def _symbolic(value):
+    return isinstance(value, keras.KerasTensor)
+
+
+def _filled(arguments, a):
+    """``arguments`` with every symbolic tensor replaced by ``a``."""
+    if _symbolic(arguments):
+        return a
+    if isinstance(arguments, dict):
+        return {key: _filled(value, a) for key, value in arguments.items()}
+    if isinstance(arguments, (list, tuple)):
+        return type(arguments)(_filled(value, a) for value in arguments)
+    return arguments
+
+
+def chain_nodes(model):
+    """The model's calls from input to output as :class:`Node`s, or None if
+    it is not a chain.
 
     An exact ``Sequential`` (nested ones are opened), or a functional model
-    with one input and one output whose every layer is used once and takes
-    one tensor.
+    with one input and one output in which every operation is used once,
+    takes one tensor and gives one.
     """
     if type(model) is keras.Sequential:
-        layers = []
+        nodes = []
         for layer in model.layers:
-            inner = chain_layers(layer) if is_exact_keras(layer) else [layer]
+            inner = chain_nodes(layer) if is_exact_keras(layer) else [Node(layer)]
             if inner is None:
                 return None
-            layers += [x for x in inner if not isinstance(x, keras.layers.InputLayer)]
-        return layers
+            nodes += [n for n in inner if not isinstance(n.operation, _INPUT)]
+        return nodes
     if not is_exact_keras(model) or len(model.inputs) != 1 or len(model.outputs) != 1:
         return None
     chain = []
     tensor = model.outputs[0]
     while True:
-        layer = tensor._keras_history.operation
-        if isinstance(layer, keras.layers.InputLayer):
+        operation, node_index, tensor_index = tensor._keras_history
+        if isinstance(operation, _INPUT):
             break
-        nodes = layer._inbound_nodes
+        nodes = operation._inbound_nodes
         if len(nodes) != 1 or len(nodes[0].input_tensors) != 1:
             return None  # shared layers or several inputs
-        chain.append(layer)
+        if tensor_index != 0 or len(nodes[0].outputs) != 1:
+            return None  # one output of several
+        arguments = nodes[0].arguments
+        chain.append(Node(operation, arguments.args, arguments.kwargs))
         tensor = nodes[0].input_tensors[0]
     return chain[::-1]
 
 
+def chain_layers(model):
+    """The model's layers from input to output, or None unless it is a chain
+    of layers each called with its input alone (see :func:`chain_nodes`)."""
+    nodes = chain_nodes(model)
+    if nodes is None or any(
+        not isinstance(n.operation, keras.Layer) or n.extra_arguments() for n in nodes
+    ):
+        return None
+    return [n.operation for n in nodes]
+
+
+class UncheckedPlan(RuntimeError):
+    """A plan was used for inputs it was not checked on (a bug in jacutil)."""
+
+
 @dataclass
 class Plan:
-    """The rule of each layer, and which of its variables are columns."""
+    """The rule of each layer, and which of its variables are columns.
 
-    steps: list  # a Rule per layer, input to output
+    A plan is used only on inputs it has been checked on: :meth:`check`
+    compares its Jacobian with autodiff, sample by sample, once per input
+    shape, and :meth:`tensor` refuses any other. No consumer can take the
+    rules' numbers without that proof.
+    """
+
+    steps: list  # a Rule per node, input to output
     wanted: list  # per step: {id(variable): column position}
     variables: list  # the Jacobian's columns
     lowest: int  # the lowest step holding a wanted variable
+    checked: set = field(default_factory=set)  # input signatures proved
 
     @property
     def user_code(self):
         """Whether code that is not ours runs (then autograph may matter)."""
-        return any(
-            isinstance(step, AutodiffRule) or "signal by autodiff" in step.describe()
-            for step in self.steps
-        )
+        return any(step.runs_user_code for step in self.steps)
 
     def layers(self):
         """``[(layer name, rule)]``, e.g. ``("conv2d", "conv2d+relu")``."""
@@ -90,9 +162,29 @@ class Plan:
     def describe(self):
         return "layer rules: " + ", ".join(rule for _, rule in self.layers())
 
+    def check(self, target, x):
+        """None when the rules agree with autodiff on ``x``'s samples, else
+        why not. Agreement is recorded for ``x``'s input shape."""
+        reason = disagreement(self, target, x)
+        if reason is None:
+            self.checked.add(signature_key(x))
+        return reason
+
+    def tensor(self, x, signal=None):
+        """:func:`rules_tensor` of a batch like one the plan was checked on."""
+        if signature_key(x) not in self.checked:
+            raise UncheckedPlan(
+                "the layer rules were not checked on inputs of this shape: "
+                "call plan.check(target, x) first"
+            )
+        return rules_tensor(self, x, signal)
+
 
 def plan_for(model, variables, training=False):
-    """``(Plan, None)`` when the rules apply to ``model``, else ``(None, reason)``."""
+    """``(Plan, None)`` when the rules apply to ``model``, else ``(None, reason)``.
+
+    The plan is not yet checked: :meth:`Plan.check` it on the inputs first.
+    """
     if not isinstance(model, keras.Model):
         return None, "not a Keras model"
     if training:
@@ -103,27 +195,21 @@ def plan_for(model, variables, training=False):
             f"{type(model).__name__} is a subclass: its call() may differ from "
             "its layers",
         )
-    layers = chain_layers(model)
-    if not layers:
+    nodes = chain_nodes(model)
+    if not nodes:
         return (
             None,
             "not a single chain of layers (branches, several inputs or outputs)",
         )
-    if len({id(layer) for layer in layers}) != len(layers):
+    if len({id(node.operation) for node in nodes}) != len(nodes):
         return None, "a layer is used more than once"
     dtype = variables[0].dtype if variables else None
     steps = []
-    for layer in layers:
-        if layer.weights and layer.compute_dtype != dtype:
-            return None, f"layer {layer.name!r} computes in {layer.compute_dtype}"
-        if getattr(layer, "mask_zero", False) or isinstance(
-            layer, keras.layers.Masking
-        ):
-            return None, f"layer {layer.name!r} makes a mask (the rules ignore masks)"
-        rule, why = rule_for(layer)
-        if rule is None and isinstance(layer, NOT_IN_A_CHAIN):
-            return None, f"layer {layer.name!r} is a {type(layer).__name__} ({why})"
-        steps.append(rule if rule is not None else AutodiffRule(layer, why))
+    for node in nodes:
+        step, why = _step_for(node, dtype)
+        if step is None:
+            return None, why
+        steps.append(step)
     position = {id(v): i for i, v in enumerate(variables)}
     wanted, owner = [], {}
     for j, step in enumerate(steps):
@@ -140,20 +226,47 @@ def plan_for(model, variables, training=False):
     return Plan(steps, wanted, list(variables), min(owner.values())), None
 
 
+def _step_for(node, dtype):
+    """The rule of one node, or ``(None, reason)`` when the plan cannot take it."""
+    layer = node.operation
+    if not isinstance(layer, keras.Layer):  # keras.ops between layers
+        kind = type(layer).__name__
+        return AutodiffRule(node, f"{kind}, an operation between layers"), None
+    if layer.weights and layer.compute_dtype != dtype:
+        return None, f"layer {layer.name!r} computes in {layer.compute_dtype}"
+    if getattr(layer, "mask_zero", False) or isinstance(layer, keras.layers.Masking):
+        return None, f"layer {layer.name!r} makes a mask (the rules ignore masks)"
+    rule, why = rule_for(layer)
+    extra = node.extra_arguments()
+    if rule is not None and extra:
+        rule, why = None, f"called with {extra}, which its rule does not read"
+    if rule is None and isinstance(layer, NOT_IN_A_CHAIN):
+        return None, f"layer {layer.name!r} is a {type(layer).__name__} ({why})"
+    return (rule if rule is not None else AutodiffRule(node, why)), None
+
+
 def rules_tensor(plan, x, signal=None):
-    """(n, l, m) Jacobian of batch ``x`` by the plan's rules.
+    """(n, l, m) Jacobian of batch ``x`` by the plan's rules (use
+    :meth:`Plan.tensor`, which refuses inputs the plan was not checked on).
 
     ``signal(y)``, when given, returns the signal to start from instead of
     the identity: ``(n, r, *output_shape)``, giving (n, r, m) - with r = 1 and
-    the derivative of a per-sample loss, the per-sample gradients.
+    the derivative of a per-sample loss, the per-sample gradients. It may be
+    a :class:`LogitsSignal` (the derivative at the top layer's logits).
     """
     a, saved = x, []
     for step in plan.steps:
         a, kept = step.forward(a)
         saved.append(kept)
     n_samples = tf.shape(a)[0]
+    at_logits = False
     if signal is not None:
         delta = signal(a)
+        at_logits = isinstance(delta, LogitsSignal)
+        if at_logits:
+            delta = delta.delta
+            if not plan.steps[-1].takes_logits_signal:
+                raise LogitsNotOnRules(plan.steps[-1].describe())
         n_outputs = tf.shape(delta)[1]
     else:
         out_shape = a.shape[1:]
@@ -162,13 +275,14 @@ def rules_tensor(plan, x, signal=None):
         delta = tf.reshape(tf.eye(n_outputs, dtype=a.dtype), [1, n_outputs, *out_shape])
     blocks = {}
     for j in reversed(range(plan.lowest, len(plan.steps))):
-        if plan.wanted[j] or not isinstance(plan.steps[j], DenseRule):
+        step = plan.steps[j]
+        if plan.wanted[j] or not step.shared_signal:
             delta = tf.broadcast_to(
                 delta, tf.concat([[n_samples], tf.shape(delta)[1:]], 0)
             )
-        found, delta = plan.steps[j].backward(
-            saved[j], delta, plan.wanted[j], j > plan.lowest
-        )
+        if at_logits:
+            delta, at_logits = LogitsSignal(delta), False
+        found, delta = step.backward(saved[j], delta, plan.wanted[j], j > plan.lowest)
         blocks.update(found)
     parts = []
     for i, v in enumerate(plan.variables):
@@ -180,37 +294,53 @@ def rules_tensor(plan, x, signal=None):
     return parts[0] if len(parts) == 1 else tf.concat(parts, axis=2)
 
 
-def disagreement(plan, target, x, seed=0):
-    """None if the rules agree with autodiff on one sample, else the reason.
+class LogitsNotOnRules(Exception):
+    """The loss reads logits that the top rule cannot start from."""
 
-    Compares one vector-Jacobian product, ``J.T @ w`` for random weights w
-    of the outputs, with the gradient of ``w . f(x)`` by autodiff: any
-    difference between the two Jacobians shows (almost surely) in it.
+
+SAMPLES_CHECKED = 8  # samples on which the rules are proved, spread over the batch
+
+
+def disagreement(plan, target, x, seed=0):
+    """None if the rules agree with autodiff on several samples, else the reason.
+
+    Up to ``SAMPLES_CHECKED`` samples, spread evenly over the batch, each
+    compared alone: one vector-Jacobian product ``J_i.T @ w_i`` for random
+    weights ``w_i`` of its outputs, by the rules and by a tape of its own.
+    Any difference between the two Jacobians shows (almost surely) in it.
     """
-    one = take(x, 0, 1)
-    J = rules_tensor(plan, one)[0]  # (l, m)
-    w = tf.random.stateless_normal([J.shape[0]], [seed, 1], dtype=J.dtype)
-    with tf.GradientTape() as tape:
-        target.watch(tape)
-        y = target.forward(one)[0]
-        score = tf.reduce_sum(w * y)
+    rows = int(n_samples(x))
+    picked = np.unique(np.linspace(0, rows - 1, min(rows, SAMPLES_CHECKED)).round())
+    picked = [int(i) for i in picked]
+    chosen = tf.nest.map_structure(lambda t: tf.gather(t, picked), x)
+    J = rules_tensor(plan, chosen)  # (k, l, m)
+    w = tf.random.stateless_normal(J.shape[:2], [seed, 1], dtype=J.dtype)
+    hand = tf.einsum("ikm,ik->im", J, w).numpy()
+    tolerance = (1e-4 if J.dtype == tf.float32 else 1e-9) * np.sqrt(J.shape[1])
     sources = [watched(v) for v in target.variables]
-    grads = tape.gradient(score, sources)
-    auto = np.concatenate(
-        [
-            np.zeros(int(np.prod(v.shape)))
-            if g is None
-            else np.ravel(tf.convert_to_tensor(g))
-            for g, v in zip(grads, target.variables, strict=True)
-        ]
-    )
-    hand = tf.linalg.matvec(J, w, transpose_a=True).numpy()
-    scale = max(1.0, float(np.abs(auto).max(initial=0)))
-    tolerance = (1e-4 if J.dtype == tf.float32 else 1e-9) * scale * np.sqrt(J.shape[0])
-    error = float(np.abs(hand - auto).max()) if hand.shape == auto.shape else np.inf
-    if error <= tolerance:
-        return None
-    return (
-        f"the layer rules differ from autodiff by {error:.3g} on one sample: the "
-        "model computes something its layers do not say"
-    )
+    for row, i in enumerate(picked):
+        with tf.GradientTape() as tape:
+            target.watch(tape)
+            y = target.forward(take(x, i, i + 1))[0]
+            score = tf.reduce_sum(w[row] * y)
+        grads = tape.gradient(score, sources)
+        auto = np.concatenate(
+            [
+                np.zeros(int(np.prod(v.shape)))
+                if g is None
+                else np.ravel(tf.convert_to_tensor(g))
+                for g, v in zip(grads, target.variables, strict=True)
+            ]
+        )
+        scale = max(1.0, float(np.abs(auto).max(initial=0)))
+        error = (
+            float(np.abs(hand[row] - auto).max())
+            if hand[row].shape == auto.shape
+            else np.inf
+        )
+        if not error <= tolerance * scale:
+            return (
+                f"the layer rules differ from autodiff by {error:.3g} on sample "
+                f"{i}: the model computes something its layers do not say"
+            )
+    return None

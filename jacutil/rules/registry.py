@@ -29,16 +29,33 @@ def register(*layer_types):
     return add
 
 
+class LogitsSignal:
+    """A signal at the logits ``z`` of a softmax or sigmoid, not at its
+    output ``y``: what a Keras loss gives when it reads ``y``'s logits
+    (``y._keras_logits``, or the input of a ``Softmax``/``Sigmoid`` op)."""
+
+    def __init__(self, delta):
+        self.delta = delta
+
+
 class Rule:
     """Base of every rule: one layer, its variables, forward and backward.
 
     ``forward(a)`` returns ``(y, saved)``; ``backward(saved, delta, wanted,
     need_signal)`` returns ``(blocks, delta_below)``, where ``blocks`` maps
-    the id of each wanted variable to its (n, l, size) block of columns and
+    the column position of each wanted variable (``wanted``: id of the
+    variable -> position) to its (n, l, size) block of columns and
     ``delta_below`` is the signal at the layer's input (None when not needed).
+
+    The signal ``delta`` is (n, l, *output shape), one row per sample, unless
+    the rule says it takes a signal shared by every sample
+    (``shared_signal``): then it may be (1, l, *output shape).
     """
 
     name = "rule"
+    shared_signal = False  # backward() takes delta of shape (1, l, ...)
+    runs_user_code = False  # calls code that is not ours (autograph matters)
+    takes_logits_signal = False  # backward() takes a LogitsSignal
 
     def __init__(self, layer):
         self.layer = layer

@@ -54,6 +54,8 @@ class ActivationRule(Rule):
     def __init__(self, layer):
         super().__init__(layer)
         self.activation = Activation(layer.activation)
+        self.runs_user_code = self.activation.runs_user_code
+        self.takes_logits_signal = self.activation.makes_logits
 
     def describe(self):
         return self.activation.describe().lstrip("+") or "linear"
@@ -75,6 +77,7 @@ class ElementwiseLayerRule(ActivationRule):
         Rule.__init__(self, layer)
         self.activation = Activation(lambda t: layer(t, training=False))
         self.activation.kind = "elementwise"
+        self.runs_user_code = self.takes_logits_signal = False
 
     def describe(self):
         return f"{type(self.layer).__name__} (slope by autodiff)"
