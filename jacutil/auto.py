@@ -86,6 +86,7 @@ def jacobian(
     explain=False,
     copy=False,
     progress=False,
+    key=None,
 ):
     """The per-sample Jacobian of ``model`` at ``x`` by the fastest correct path.
 
@@ -97,7 +98,9 @@ def jacobian(
     Jacobian on a small network): pass ``copy=True`` for an array you may
     write to. With ``out`` (an array or ``np.lib.format.open_memmap``), or
     when the working memory would pass ``memory_budget`` bytes, the batch
-    runs in chunks written into ``out``.
+    runs in chunks written into ``out``. ``out`` may be a ``.npy`` path: a
+    resumable run, as in :func:`jacutil.chunked_jacobian`, where a callable
+    needs ``key=`` (a name for what it computes).
 
     ``explain=True`` returns ``(J, choice)``: a :class:`Choice` that says the
     path, why, each layer's rule and the chunks. Introduced in ``00-welcome``.
@@ -147,7 +150,7 @@ def jacobian(
         )
         J = chunked_jacobian(
             model, x, chunk_size=chunk_size, out=out, progress=progress,
-            variables=variables, training=training, method="rules",
+            variables=variables, training=training, method="rules", key=key,
         )  # fmt: skip
     else:
         J = jac.of_batch(batch, copy=copy)

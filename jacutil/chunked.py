@@ -5,11 +5,12 @@ import os
 import numpy as np
 from tqdm.auto import tqdm
 
+from ._tf import keras
 from .batch import as_batch, n_samples, take
 from .cache import compiled_for
 from .compiled import bucket_size
 from .outputs import output_layout
-from .resume import fingerprint, open_rows, write_rows
+from .resume import fingerprint, open_rows, write_rows, writer_lock
 
 # Working memory of a chunk of c samples, in bytes (itemsize bytes a number;
 # l outputs, m parameters; A: the activations of one sample's forward pass, as
@@ -36,6 +37,7 @@ ACTIVATION_FACTOR = 1.1
 # it (a wide CNN, batch method); the budget assumes the worst.
 XLA_FACTOR = 1.75
 DEFAULT_MEMORY_BUDGET = 256 * 2**20  # bytes, when neither size nor budget is given
+
 
 def bytes_per_sample(n_outputs, n_params, itemsize, activations=0):
     """Estimated peak bytes that one sample costs while its rows are computed.
@@ -81,10 +83,12 @@ def _check_chunk_size(chunk_size):
     return int(chunk_size)
 
 
-def _check_out(out, shape, dtype):
+def check_out(out, shape, dtype):
+    """``out`` as given, if it is an array that can hold this Jacobian."""
     if not isinstance(out, np.ndarray):
         raise TypeError(
-            f"out must be a NumPy array or np.memmap; got {type(out).__name__}."
+            "out must be a NumPy array, an np.memmap or the path of a .npy "
+            f"file; got {type(out).__name__}."
         )
     if out.shape != shape or out.dtype != dtype:
         raise ValueError(
@@ -108,6 +112,7 @@ def chunked_jacobian(
     training=False,
     jit_compile=False,
     method="per_sample",
+    key=None,
 ):
     """Per-sample Jacobian computed chunk by chunk into a preallocated array.
 
@@ -124,7 +129,11 @@ def chunked_jacobian(
     file and a ledger beside it records each finished chunk, so a run that is
     interrupted and called again with the same arguments skips what is done;
     with other weights or ``x`` it is refused (``jacutil.resume``, notebook
-    ``10-beyond-one-machine``). Returns the file opened read-only.
+    ``10-beyond-one-machine``). Without ``chunk_size`` a new file takes the
+    one from ``memory_budget``, a resumed file its own. A plain function
+    (not a Keras model) needs ``key=``: a name you choose for what it
+    computes, kept in the ledger, since no fingerprint can see inside a
+    function. Returns the file opened read-only.
 
     ``x`` is an array, or a list or dict of arrays for a model with several
     inputs. When the first chunk is the whole batch and no ``out`` is given,
@@ -163,14 +172,22 @@ def chunked_jacobian(
 
     shape = (n_rows, n_outputs, target.n_params)
     if isinstance(out, (str, os.PathLike)):
-        return _resumable(jac, model, x, out, shape, chunk_size, explicit, progress)
+        record = run_record(jac, model, x, key)
+        asked = chunk_size if explicit else None
+        return _resumable(jac, x, out, shape, record, asked, chunk_size, progress)
+    if key is not None:
+        raise ValueError(
+            "key= names a resumable run, so it goes with out=path (a .npy "
+            f"file); out is {type(out).__name__}. Leave key out, or pass "
+            "out='J.npy'."
+        )
     first = chunk(0)
     if out is None and chunk_size == n_rows:
         return first.numpy()  # one chunk: one copy out of TensorFlow
     if out is None:
         out = np.empty(shape, target.dtype)
     else:
-        out = _check_out(out, shape, target.dtype)
+        out = check_out(out, shape, target.dtype)
     # np.asarray: a view of TensorFlow's result, so each chunk is copied once
     out[:chunk_size] = np.asarray(first)
     del first
@@ -190,30 +207,44 @@ def chunk_rows(jac, x, chunk_size, start):
     return jac.tensor(take(x, start, stop), pad_to)
 
 
-def run_record(jac, model, x):
-    """What identifies a resumable run: see :func:`jacutil.resume.fingerprint`."""
+def run_record(jac, model, x, key=None):
+    """What identifies a resumable run: the fingerprint of the model, the
+    variables differentiated, ``x`` and the options
+    (:func:`jacutil.resume.fingerprint`), and ``key``, which a plain function
+    must give: a name for what it computes, which no fingerprint can see."""
+    if key is None and not isinstance(model, keras.Layer):
+        raise TypeError(
+            "a resumable run (out=path) of a plain function needs key=: a name "
+            "you choose for what the function computes, such as key='tanh-v1'. "
+            "jacutil fingerprints a Keras model's layers and weights, but "
+            "cannot see inside a function, so without key= a file started by "
+            "another function of the same variables would be resumed as this "
+            "one's. Give each function its own key (a new one when you change "
+            "it), or pass a Keras model."
+        )
+    if key is not None and not isinstance(key, str):
+        raise TypeError(f"key= must be a string; got {type(key).__name__}.")
     options = {"method": jac.method, "jit_compile": jac.jit_compile}
     options["training"] = jac.target.training
-    return {"fingerprint": fingerprint(model, jac.target.variables, x, **options)}
+    digest = fingerprint(model, jac.target.variables, x, **options)
+    return {"fingerprint": digest, "key": key}
 
 
-def _resumable(jac, model, x, path, shape, chunk_size, explicit, progress):
+def _resumable(jac, x, path, shape, record, chunk_size, default, progress):
     """Chunks into the ``.npy`` at ``path``, skipping those an earlier run finished."""
-    ledger, chunk_size = open_rows(
-        path,
-        shape,
-        jac.target.dtype,
-        run_record(jac, model, x),
-        chunk_size if explicit else None,
-        lambda c: -(-shape[0] // c),
-    )
-    done = sum(min(chunk_size, shape[0] - k * chunk_size) for k in ledger.done)
-    with tqdm(total=shape[0], initial=done, disable=not progress, unit="sample") as bar:
-        for k in ledger.todo():
-            start = k * chunk_size
-            rows = np.asarray(chunk_rows(jac, x, chunk_size, start))
-            write_rows(path, start, rows)  # on disk before the ledger says so
-            ledger.done.add(k)
-            ledger.save(chunk_size)
-            bar.update(len(rows))
-    return np.load(path, mmap_mode="r")
+    with writer_lock(path):  # one writer at a time, for the whole run
+        ledger, chunk_size = open_rows(
+            path, shape, jac.target.dtype, record, chunk_size, default
+        )
+        done = sum(min(chunk_size, shape[0] - k * chunk_size) for k in ledger.done)
+        bar = tqdm(total=shape[0], initial=done, disable=not progress, unit="sample")
+        with bar:
+            for k in ledger.todo():
+                start = k * chunk_size
+                rows = np.asarray(chunk_rows(jac, x, chunk_size, start))
+                write_rows(path, start, rows)  # on disk before the ledger says so
+                ledger.done.add(k)
+                ledger.save(chunk_size)
+                bar.update(len(rows))
+        ledger.check_file()  # not changed or cut short while the run wrote
+        return np.load(path, mmap_mode="r")

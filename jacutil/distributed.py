@@ -11,8 +11,13 @@ ledger as :func:`jacutil.chunked_jacobian` (``jacutil.resume``).
 :class:`LocalWorkers` starts a scheduler and worker processes on this machine,
 listening on 127.0.0.1 only; on a cluster, pass a ``dask.distributed.Client``
 connected to its scheduler instead (``dask worker tcp://HOST:PORT`` on each
-machine, with jacutil installed there).
+machine, with jacutil installed there). With ``out=path`` each worker writes
+its rows into that file itself, so it must be on a file system that every
+worker sees at the same path; a worker that sees another file there fails
+(``jacutil.resume.RunFileError``).
 """
+
+import os
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -20,9 +25,9 @@ from tqdm.auto import tqdm
 from ._tf import keras, tf
 from .batch import as_batch, n_samples, take
 from .cache import compiled_for
-from .chunked import _check_out, chunked_jacobian, run_record
+from .chunked import check_out, chunked_jacobian, run_record
 from .outputs import output_layout
-from .resume import fingerprint, open_rows, write_rows
+from .resume import check_run_file, fingerprint, open_rows, write_rows, writer_lock
 from .scipy_bridge import LeastSquaresProblem
 from .workers import LocalWorkers, WorkerStartError, client_of
 
@@ -126,10 +131,13 @@ def _model_from(spec):
     return model
 
 
-def _rows_task(spec, x, options, path=None, start=0):
+def _rows_task(spec, x, options, path=None, start=0, token=None):
     """On a worker: the rows of one chunk, exactly as chunked_jacobian makes
     them; returned, or written into the ``.npy`` at ``path`` (a file that
-    every worker sees) and flushed, when the driver keeps a ledger."""
+    every worker sees) and flushed, when the driver keeps a ledger. Before
+    anything, the file must be the run's: its ledger carries ``token``."""
+    if path is not None:
+        check_run_file(path, token)
     model = _model_from(spec)
     rows = chunked_jacobian(
         model, x, chunk_size=int(n_samples(x)), progress=False, **options
@@ -170,12 +178,15 @@ def distributed_jacobian(
     """Per-sample Jacobian with its chunks computed on Dask workers.
 
     ``workers``: a :class:`LocalWorkers` or a ``dask.distributed.Client``.
-    Chunks of ``chunk_size`` samples (default: n / (4 x workers)) are rows of
-    the same compiled Jacobian as :func:`jacutil.chunked_jacobian`, so the
-    result equals it bit for bit. ``out``: None (an array in memory), a NumPy
-    array, or a ``.npy`` path that is resumable as in ``chunked_jacobian`` -
-    the same ledger, so a run started in one process can be finished on
-    workers. A worker that dies mid-chunk has its chunk rerun elsewhere.
+    Chunks of ``chunk_size`` samples (default: n / (4 x workers); a resumed
+    file's own) are rows of the same compiled Jacobian as
+    :func:`jacutil.chunked_jacobian`, so the result equals it bit for bit.
+    ``out``: None (an array in memory), a NumPy array, or a ``.npy`` path that
+    is resumable as in ``chunked_jacobian`` - the same ledger, so a run
+    started in one process can be finished on workers. The workers write into
+    that file themselves: it must be on a file system that every worker sees
+    at the same path. A worker that dies mid-chunk has its chunk rerun
+    elsewhere.
     ``timeout`` (seconds) bounds the wait for any one chunk; ``on_chunk(k)``
     is called after chunk ``k`` is written (and recorded).
 
@@ -188,37 +199,42 @@ def distributed_jacobian(
     x = as_batch(x, jac.target)
     n_rows = int(n_samples(x))
     shape = (n_rows, output_layout(jac.target, x).n_outputs, jac.target.n_params)
-    explicit = chunk_size is not None
-    if not explicit:
+    dtype = jac.target.dtype
+    asked = chunk_size
+    if chunk_size is None:
         n_workers = max(1, len(client.scheduler_info()["workers"]))
         chunk_size = -(-n_rows // (CHUNKS_PER_WORKER * n_workers))
-    ledger = None
-    if out is None:
-        out = np.empty(shape, jac.target.dtype)
-    elif isinstance(out, np.ndarray):
-        out = _check_out(out, shape, jac.target.dtype)
-    else:
-        ledger, chunk_size = open_rows(
-            out,
-            shape,
-            jac.target.dtype,
-            run_record(jac, model, x),
-            chunk_size if explicit else None,
-            lambda c: -(-n_rows // c),
-        )
-    todo = ledger.todo() if ledger else range(-(-n_rows // chunk_size))
-    path = None if ledger is None else ledger.data_path
     options = {"training": training, "jit_compile": jit_compile, "method": method}
+    wait = (n_rows, progress, timeout, on_chunk)
+    if isinstance(out, (str, os.PathLike)):
+        record = run_record(jac, model, x)
+        with writer_lock(out):  # one writer at a time, for the whole run
+            ledger, chunk_size = open_rows(out, shape, dtype, record, asked, chunk_size)
+            where = (str(ledger.data_path.resolve()), ledger.token)
+            todo = ledger.todo()
+            futures = _submit(client, model, x, todo, chunk_size, options, where)
+            _collect(futures, None, ledger, chunk_size, *wait)
+            ledger.check_file()  # not changed or cut short while the run wrote
+            return np.load(out, mmap_mode="r")
+    out = np.empty(shape, dtype) if out is None else check_out(out, shape, dtype)
+    todo = range(-(-n_rows // chunk_size))
+    futures = _submit(client, model, x, todo, chunk_size, options)
+    _collect(futures, out, None, chunk_size, *wait)
+    return out
+
+
+def _submit(client, model, x, todo, chunk_size, options, where=None):
+    """A task for each chunk in ``todo``: its rows returned, or, with ``where``
+    (the file's path and the run's token), written by the worker."""
     spec = _send(client, model_spec(model, x))
     futures = {}
     for k in todo:
         start = k * chunk_size
         x_chunk = _as_numpy(take(x, start, start + chunk_size))
-        where = () if path is None else (str(path.resolve()), start)
-        task = client.submit(_rows_task, spec, x_chunk, options, *where, pure=False)
+        into = () if where is None else (where[0], start, where[1])
+        task = client.submit(_rows_task, spec, x_chunk, options, *into, pure=False)
         futures[task] = k
-    _collect(futures, out, ledger, chunk_size, n_rows, progress, timeout, on_chunk)
-    return out if ledger is None else np.load(path, mmap_mode="r")
+    return futures
 
 
 def _collect(futures, out, ledger, chunk_size, n_rows, progress, timeout, on_chunk):

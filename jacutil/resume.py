@@ -10,15 +10,25 @@ every chunk it lists is complete. Run again with the same arguments, the
 finished chunks are skipped; with other weights or data, the fingerprint
 differs and the run is refused, never mixed.
 
+Nothing on disk is trusted unchecked: before a run resumes (and before it
+returns the finished file) the ``.npy`` header, shape, dtype and size must
+match the ledger. One run writes a file at a time (:func:`writer_lock`), and
+each run stamps a random token in its ledger, which a worker checks before it
+writes, so a worker that sees another file at the same path fails loudly.
+
 A running sum (the normal equations ``JtJ``, ``Jtr``) is kept the same way in
 one ``.npz`` checkpoint: the partial sums and the next chunk, added in the same
 order after a resume, so the total is the same to the last bit.
 """
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
+import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -30,10 +40,23 @@ import numpy as np
 from ._tf import tf
 
 LEDGER_SUFFIX = ".progress.json"
+LOCK_SUFFIX = ".lock"
+# what every ledger holds ("key" too, None for a Keras model)
+LEDGER_KEYS = ("fingerprint", "shape", "dtype", "chunk_size", "n_chunks")
+LEDGER_KEYS += ("done", "token")
 
 
 class ResumeMismatch(ValueError):
-    """The file on disk was started by a different computation."""
+    """The file on disk was started by a different computation, or was
+    changed outside the run."""
+
+
+class FileBusy(RuntimeError):
+    """Another run is writing the same file."""
+
+
+class RunFileError(RuntimeError):
+    """A worker sees another file at ``out`` than the run's."""
 
 
 def _architecture(layer):
@@ -58,6 +81,11 @@ def fingerprint(model, variables, x, **options):
     It covers the model's layer types and settings, every weight (trainable
     or not: BatchNorm statistics change the outputs too), the variables
     differentiated, every input array, and ``options`` (chunk size, method...).
+    A variable differentiated is named by its position in ``model.weights``
+    (Keras numbers variable names per session, positions stay), one that is
+    not the model's by its shape and value. A plain function has no layers
+    to describe: what it computes is not covered (``key=`` of
+    ``chunked_jacobian`` names it).
     """
     digest = hashlib.blake2b(digest_size=16)
 
@@ -67,35 +95,149 @@ def fingerprint(model, variables, x, **options):
         digest.update(memoryview(array).cast("B"))
 
     digest.update(_architecture(model).encode())
-    for weight in getattr(model, "weights", None) or variables:
+    weights = list(getattr(model, "weights", None) or [])
+    for weight in weights:
         add(np.asarray(weight))
-    digest.update(str([tuple(v.shape) for v in variables]).encode())
+    position = {id(w): i for i, w in enumerate(weights)}
+    for v in variables:
+        if id(v) in position:
+            digest.update(f"weight {position[id(v)]};".encode())
+        else:  # not the model's own
+            digest.update(b"variable;")
+            add(np.asarray(v))
     for leaf in tf.nest.flatten(x):
         add(np.asarray(leaf))
     digest.update(json.dumps(options, sort_keys=True, default=str).encode())
     return digest.hexdigest()
 
 
+def _temporary(path):
+    """A temporary name beside ``path`` that no other process or call uses."""
+    return path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+
+
 def _write_atomically(path, write):
     """``write(file)`` into a temporary file, then swap it in: all or nothing."""
     path = Path(path)
-    temporary = path.with_name(path.name + ".tmp")
-    with open(temporary, "wb") as file:
-        write(file)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, path)
+    temporary = _temporary(path)
+    try:
+        with open(temporary, "wb") as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+@contextlib.contextmanager
+def writer_lock(path):
+    """Hold ``<path>.lock`` while this run writes the ``.npy`` at ``path``: a
+    second writer - another process, or another thread of this one - is
+    refused, never mixed in. The lock is the operating system's (``flock``),
+    so it dies with its process: a killed run can be resumed at once.
+    ``chunked_jacobian`` and ``distributed_jacobian`` hold it for a whole run
+    into a path (notebook ``10-beyond-one-machine``).
+    """
+    lock = Path(str(path) + LOCK_SUFFIX)
+    while True:
+        descriptor = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(descriptor)
+            name = Path(path).name
+            raise FileBusy(
+                f"another run is writing {name} right now (it holds {lock.name}); "
+                "two writers would mix their chunks. Wait for that run to end "
+                "(then call again: this one resumes where it stopped), stop it, "
+                "or write to another path."
+            ) from None
+        try:  # still the file at that path? A run that ended may have removed it
+            same = os.stat(lock).st_ino == os.fstat(descriptor).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(descriptor)
+    try:
+        yield
+    finally:
+        # removed while held: a run that opened it meanwhile sees (above) that
+        # it is gone, and locks the file now at that path instead
+        lock.unlink(missing_ok=True)
+        os.close(descriptor)
+
+
+def _npy_header(path):
+    """``(shape, fortran_order, dtype, offset of the data)`` of a ``.npy`` file."""
+    with open(path, "rb") as file:
+        major, _ = np.lib.format.read_magic(file)
+        read_header = (
+            np.lib.format.read_array_header_1_0
+            if major == 1
+            else np.lib.format.read_array_header_2_0
+        )
+        shape, fortran_order, dtype = read_header(file)
+        return shape, fortran_order, dtype, file.tell()
+
+
+def file_problem(path, shape, dtype):
+    """What is wrong with the ``.npy`` at ``path`` as rows of ``shape`` and
+    ``dtype`` (its header, and its exact size in bytes), or None."""
+    shape, dtype = tuple(shape), np.dtype(dtype)
+    try:
+        found_shape, fortran_order, found_dtype, offset = _npy_header(path)
+    except FileNotFoundError:
+        return "the file does not exist"
+    except (ValueError, OSError) as error:
+        return f"its .npy header cannot be read ({error})"
+    if found_shape != shape or found_dtype != dtype or fortran_order:
+        order = " in Fortran order" if fortran_order else ""
+        return (
+            f"its header says shape {found_shape} and dtype {found_dtype}{order}; "
+            f"the run writes shape {shape} and dtype {dtype}"
+        )
+    expected = offset + int(np.prod(shape)) * dtype.itemsize
+    found = os.path.getsize(path)
+    if found != expected:
+        return f"it has {found:,} bytes where its header needs {expected:,} bytes"
+    return None
+
+
+def _read_ledger(path):
+    """The ledger at ``path`` as a dict, or ResumeMismatch that says what to do."""
+    ledger = Path(path)
+    data = Path(str(path).removesuffix(LEDGER_SUFFIX)).name
+    try:
+        state = json.loads(ledger.read_text())
+        missing = [key for key in LEDGER_KEYS if key not in state]
+        if missing:
+            raise KeyError(", ".join(missing))
+        state["done"] = _runs_to_chunks(state["done"])
+        state["chunk_size"] = int(state["chunk_size"])
+    except (ValueError, KeyError, TypeError) as error:
+        what = f"no {error}" if isinstance(error, KeyError) else str(error)
+        raise ResumeMismatch(
+            f"{ledger.name} is not a readable ledger ({what}): it was changed "
+            "or cut short outside the run, or written by an older jacutil, so "
+            f"which rows of {data} are done cannot be told. To start afresh, "
+            f"delete {data} and {ledger.name}, or write to another path."
+        ) from None
+    return state
 
 
 class Ledger:
     """Which chunks of ``path`` are complete; see the module docstring."""
 
-    def __init__(self, path, n_chunks, record):
+    def __init__(self, path, record):
         self.data_path = Path(path)  # the .npy whose chunks it records
         self.path = Path(str(path) + LEDGER_SUFFIX)
-        self.n_chunks = n_chunks
         self.record = record  # what the file holds: fingerprint, shape, ...
+        self.n_chunks = None
         self.done = set()
+        self.token = None  # this run's, kept by a resumed run
 
     @property
     def complete(self):
@@ -105,14 +247,12 @@ class Ledger:
         return [k for k in range(self.n_chunks) if k not in self.done]
 
     def load(self, chunk_size):
-        """The finished chunks of an earlier run of the same computation.
-
-        ``chunk_size``: the one asked for, or None to take the earlier one.
-        Returns the chunk size to use.
-        """
+        """The finished chunks and token of an earlier run of the same
+        computation. ``chunk_size``: the one asked for, or None to take the
+        earlier one. Returns the earlier chunk size (None: no earlier run)."""
         if not self.path.exists():
-            return chunk_size
-        earlier = json.loads(self.path.read_text())
+            return None
+        earlier = _read_ledger(self.path)
         name = self.data_path.name
         for key, value in self.record.items():
             if earlier.get(key) != value:
@@ -134,14 +274,31 @@ class Ledger:
                 f"{earlier['chunk_size']} (or leave it out) to resume it, "
                 "or delete both files to start afresh."
             )
-        self.done = set(_runs_to_chunks(earlier["done"]))
+        self.done = set(earlier["done"])
+        self.token = earlier["token"]
         return earlier["chunk_size"]
 
     def save(self, chunk_size):
         """Record the finished chunks: call after their rows are flushed."""
         state = {**self.record, "chunk_size": chunk_size, "n_chunks": self.n_chunks}
+        state["token"] = self.token
         state["done"] = _chunks_to_runs(self.done)
         _write_atomically(self.path, lambda f: f.write(json.dumps(state).encode()))
+
+    def check_file(self):
+        """The ``.npy`` is the one this ledger describes, or ResumeMismatch."""
+        problem = file_problem(
+            self.data_path, self.record["shape"], self.record["dtype"]
+        )
+        if problem is not None:
+            name = self.data_path.name
+            raise ResumeMismatch(
+                f"{name} does not match its ledger {self.path.name}: {problem}. "
+                "The file was changed or truncated outside the run (a copy cut "
+                "short, a full disk, another program), so its rows cannot be "
+                f"trusted. To start afresh, delete {name} and {self.path.name}, "
+                "or write to another path."
+            )
 
 
 def finished_chunks(path):
@@ -150,9 +307,9 @@ def finished_chunks(path):
     ledger = Path(str(path) + LEDGER_SUFFIX)
     try:
         state = json.loads(ledger.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        return len(_runs_to_chunks(state["done"])), state["n_chunks"]
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
         return 0, None
-    return len(_runs_to_chunks(state["done"])), state["n_chunks"]
 
 
 def _chunks_to_runs(chunks):
@@ -170,43 +327,69 @@ def _runs_to_chunks(runs):
     return [k for start, stop in runs for k in range(start, stop)]
 
 
-def open_rows(path, shape, dtype, record, chunk_size, n_rows_of):
-    """The ledger of the ``.npy`` at ``path``, resumed if the file exists;
-    otherwise a new file of ``shape`` and ``dtype`` (its rows not yet written).
+def open_rows(path, shape, dtype, record, chunk_size, default_chunk_size):
+    """The ledger of the ``.npy`` at ``path``, resumed if the file exists and
+    matches it; otherwise a new file of ``shape`` and ``dtype`` (its rows not
+    yet written) with a new token. Call it holding :func:`writer_lock`.
 
-    ``n_rows_of(chunk_size)`` gives the number of chunks. Returns
-    ``(ledger, chunk_size)``.
+    ``chunk_size``: the one asked for, or None: the earlier run's, or
+    ``default_chunk_size`` for a new file. Returns ``(ledger, chunk_size)``.
     """
     path = Path(path)
-    ledger = Ledger(path, None, {**record, "shape": list(shape), "dtype": str(dtype)})
+    record = {**record, "shape": list(shape), "dtype": str(np.dtype(dtype))}
+    ledger = Ledger(path, record)
     if path.exists() and not ledger.path.exists():
         raise ResumeMismatch(
             f"{path} exists but has no {ledger.path.name}: it was not written by "
             "a resumable run. Delete it or choose another path."
         )
-    chunk_size = ledger.load(chunk_size)
-    ledger.n_chunks = n_rows_of(chunk_size)
-    if not (ledger.done and path.exists()):  # nothing finished: a new file
+    earlier = ledger.load(chunk_size)
+    chunk_size = earlier or chunk_size or default_chunk_size
+    ledger.n_chunks = -(-shape[0] // chunk_size)
+    if ledger.done and path.exists():
+        ledger.check_file()  # before any of its rows is trusted
+    else:  # nothing finished: a new file
         ledger.done = set()
+        ledger.token = secrets.token_hex(8)
         ledger.save(chunk_size)
         new = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
         del new  # the header is written; the rows stay a sparse file until then
     return ledger, chunk_size
 
 
+def check_run_file(path, token):
+    """On a worker, before it writes: the ``.npy`` at ``path`` is the run's -
+    the ledger beside it carries the run's ``token`` and the file matches it -
+    or RunFileError."""
+    ledger = Path(str(path) + LEDGER_SUFFIX)
+    try:
+        state = _read_ledger(ledger)
+    except FileNotFoundError:
+        problem = f"there is no {ledger.name} beside it"
+    except ResumeMismatch:
+        problem = f"its ledger {ledger.name} cannot be read"
+    else:
+        problem = (
+            "its ledger is another run's (another token)"
+            if state["token"] != token
+            else file_problem(path, state["shape"], state["dtype"])
+        )
+    if problem is not None:
+        raise RunFileError(
+            f"the worker on {socket.gethostname()} sees another file at {path} "
+            f"than the run's: {problem}. Workers write their rows into the one "
+            "file the driver created, so out= must be on a shared file system "
+            "that every worker sees at the same path (not a node-local scratch "
+            "directory). Use such a path, or out=None to send the rows back to "
+            "this process."
+        )
+
+
 def write_rows(path, start, rows):
     """Write ``rows`` as rows ``start..`` of the ``.npy`` at ``path`` and flush
     them to disk, through a mapping of those rows only (by the process that
     computed them: this one, or a worker that sees the same file)."""
-    with open(path, "rb") as file:
-        major, _ = np.lib.format.read_magic(file)
-        read_header = (
-            np.lib.format.read_array_header_1_0
-            if major == 1
-            else np.lib.format.read_array_header_2_0
-        )
-        shape, _, dtype = read_header(file)
-        offset = file.tell()
+    shape, _, dtype, offset = _npy_header(path)
     if rows.shape[1:] != shape[1:] or rows.dtype != dtype:
         raise ValueError(
             f"rows of shape {rows.shape[1:]} and dtype {rows.dtype} do not fit "
