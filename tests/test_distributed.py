@@ -17,7 +17,7 @@ from jacutil.distributed import (
     WorkerStartError,
     distributed_jacobian,
 )
-from jacutil.resume import LEDGER_SUFFIX
+from jacutil.resume import LEDGER_SUFFIX, RunFileError
 from jacutil.workers import leftovers
 from tests.architectures import ARCHITECTURES, build
 
@@ -101,6 +101,38 @@ def test_a_run_started_in_one_process_is_finished_on_workers(workers, tmp_path):
     finished = distributed_jacobian(model, x, workers, out=path, progress=False)
     one = ju.chunked_jacobian(model, x, chunk_size=50, method="rules", progress=False)
     assert np.array_equal(finished, one)
+
+
+def test_a_path_without_chunk_size(workers, tmp_path):
+    """A new file takes n / (4 x workers) samples a chunk (a resumed one its
+    own: above)."""
+    model, (x, _) = ju.question_mlp(seed=2), ju.regression_data(100, seed=4)
+    path = tmp_path / "J.npy"
+    J = distributed_jacobian(model, x, workers, out=path, progress=False)
+    one = ju.chunked_jacobian(model, x, chunk_size=13, method="rules", progress=False)
+    assert np.array_equal(J, one)
+    state = json.loads((tmp_path / ("J.npy" + LEDGER_SUFFIX)).read_text())
+    assert state["chunk_size"] == 13 and state["done"] == [[0, 8]]  # 100 / (4 x 2)
+
+
+def test_workers_refuse_a_file_that_is_not_the_runs(workers, tmp_path, monkeypatch):
+    """The token the workers are given must be the one in the ledger they see."""
+    from jacutil import distributed
+
+    real = distributed.open_rows
+
+    def other_token(*args):
+        ledger, chunk_size = real(*args)
+        ledger.token = "not-the-runs"
+        return ledger, chunk_size
+
+    monkeypatch.setattr(distributed, "open_rows", other_token)
+    model, (x, _) = ju.question_mlp(seed=2), ju.regression_data(40, seed=4)
+    with pytest.raises(RunFileError, match="shared file system"):
+        distributed_jacobian(
+            model, x, workers, chunk_size=10, out=tmp_path / "J.npy", progress=False
+        )
+    assert not np.load(tmp_path / "J.npy").any()  # no worker wrote a row
 
 
 REFUSED = {"custom_layer", "subclassed", "sequential_subclass", "shared_layer"}

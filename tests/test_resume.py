@@ -1,11 +1,24 @@
 """Resumable out-of-core runs: killed part-way, resumed, equal bit for bit."""
 
+import json
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 import jacutil as ju
 import jacutil.chunked
-from jacutil.resume import ResumeMismatch, finished_chunks, kill_part_way
+from jacutil import resume, tf
+from jacutil.resume import (
+    LEDGER_SUFFIX,
+    LOCK_SUFFIX,
+    FileBusy,
+    ResumeMismatch,
+    finished_chunks,
+    kill_part_way,
+)
 
 N, CHUNK = 4000, 20  # 200 chunks: long enough to be killed part-way
 
@@ -106,3 +119,113 @@ def test_killed_normal_equations_resume_to_the_same_sums(tmp_path):
     assert np.array_equal(JtJ, whole_JtJ) and np.array_equal(Jtr, whole_Jtr)
     with pytest.raises(ResumeMismatch, match="different computation"):
         problem.normal_equations(problem.theta0 * 1.01, checkpoint=path)
+
+
+# --- files you can trust: the lock, the checks, the token ---------------------
+
+HOLD_LOCK = """
+import sys, time
+from jacutil.resume import writer_lock
+with writer_lock({path!r}):
+    print("locked", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_lock_held_by_another_process_is_refused_and_dies_with_it(tmp_path):
+    model, (x, _) = ju.question_mlp(seed=1), ju.regression_data(40, seed=3)
+    path = tmp_path / "J.npy"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK.format(path=str(path))],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(FileBusy, match="another run is writing J.npy"):
+            ju.chunked_jacobian(model, x, chunk_size=10, out=path, progress=False)
+        assert not path.exists()  # refused before anything was written
+    finally:
+        holder.kill()  # SIGKILL: no clean-up, the lock file stays
+        holder.wait()
+    assert (tmp_path / ("J.npy" + LOCK_SUFFIX)).exists()
+    J = ju.chunked_jacobian(model, x, chunk_size=10, out=path, progress=False)
+    assert np.array_equal(J, ju.chunked_jacobian(model, x, progress=False))
+    assert not (tmp_path / ("J.npy" + LOCK_SUFFIX)).exists()  # removed after
+
+
+def test_temporary_files_are_per_process_and_per_call(tmp_path):
+    path = tmp_path / "J.npy.progress.json"
+    first, second = resume._temporary(path), resume._temporary(path)
+    assert first != second and str(os.getpid()) in first.name
+    assert first.parent == path.parent
+    model, (x, _) = ju.question_mlp(seed=1), ju.regression_data(40, seed=3)
+    ju.chunked_jacobian(model, x, chunk_size=10, out=tmp_path / "J.npy", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "J.npy",
+        "J.npy.progress.json",
+    ]
+
+
+@pytest.mark.parametrize("change", ["grown", "cut", "other shape"])
+def test_a_finished_file_changed_outside_the_run_is_refused(tmp_path, change):
+    model, (x, _) = ju.question_mlp(seed=1), ju.regression_data(40, seed=3)
+    path = tmp_path / "J.npy"
+    J = ju.chunked_jacobian(model, x, chunk_size=10, out=path, progress=False)
+    size, shape = path.stat().st_size, J.shape
+    del J
+    if change == "grown":
+        with open(path, "ab") as file:
+            file.write(b"\0" * 8)
+    elif change == "cut":
+        os.truncate(path, size - 4)
+    else:  # another array of the same number of bytes
+        np.save(path, np.zeros((shape[0] * shape[1], shape[2]), "float32"))
+    expected = "header says shape" if change == "other shape" else "bytes"
+    with pytest.raises(ResumeMismatch, match=expected) as error:
+        ju.chunked_jacobian(model, x, chunk_size=10, out=path, progress=False)
+    assert "changed or truncated outside the run" in str(error.value)
+    assert "delete J.npy and J.npy.progress.json" in str(error.value)
+
+
+def test_a_ledger_with_missing_keys_says_what_to_do(tmp_path):
+    model, (x, _) = ju.question_mlp(seed=1), ju.regression_data(40, seed=3)
+    path = tmp_path / "J.npy"
+    ju.chunked_jacobian(model, x, chunk_size=10, out=path, progress=False)
+    ledger = tmp_path / ("J.npy" + LEDGER_SUFFIX)
+    state = json.loads(ledger.read_text())
+    del state["done"]
+    ledger.write_text(json.dumps(state))
+    with pytest.raises(ResumeMismatch, match="no 'done'(.|\n)*delete J.npy"):
+        ju.chunked_jacobian(model, x, chunk_size=10, out=path, progress=False)
+
+
+def test_a_resumed_run_keeps_its_token_a_new_one_gets_another(tmp_path):
+    model, (x, _) = ju.question_mlp(seed=1), ju.regression_data(40, seed=3)
+    path, ledger = tmp_path / "J.npy", tmp_path / ("J.npy" + LEDGER_SUFFIX)
+    ju.chunked_jacobian(model, x, chunk_size=10, out=path, progress=False)
+    state = json.loads(ledger.read_text())
+    state["done"] = [[0, 2]]
+    ledger.write_text(json.dumps(state))
+    ju.chunked_jacobian(model, x, out=path, progress=False)  # resumed
+    assert json.loads(ledger.read_text())["token"] == state["token"]
+    path.unlink()  # a new file: a new run
+    ju.chunked_jacobian(model, x, chunk_size=10, out=path, progress=False)
+    assert json.loads(ledger.read_text())["token"] != state["token"]
+
+
+def test_a_variable_of_no_model_is_known_by_its_value(tmp_path):
+    """Not among the model's weights: no position, so its shape and value."""
+    w = tf.Variable(np.ones((3, 2)))
+    x = np.random.default_rng(1).standard_normal((10, 3))
+    path = tmp_path / "J.npy"
+
+    def f(t):
+        return tf.tanh(t @ w)
+
+    ju.chunked_jacobian(f, x, out=path, variables=[w], key="f", progress=False)
+    w.assign(w * 2)
+    with pytest.raises(ResumeMismatch, match="other model weights"):
+        ju.chunked_jacobian(f, x, out=path, variables=[w], key="f", progress=False)
+    with pytest.raises(ValueError, match="key= names a resumable run"):
+        ju.chunked_jacobian(f, x, variables=[w], key="f", progress=False)
