@@ -135,19 +135,18 @@ with writer_lock({path!r}):
 def test_a_lock_held_by_another_process_is_refused_and_dies_with_it(tmp_path):
     model, (x, _) = ju.question_mlp(seed=1), ju.regression_data(40, seed=3)
     path = tmp_path / "J.npy"
-    holder = subprocess.Popen(
+    with subprocess.Popen(
         [sys.executable, "-c", HOLD_LOCK.format(path=str(path))],
         stdout=subprocess.PIPE,
         text=True,
-    )
-    try:
-        assert holder.stdout.readline().strip() == "locked"
-        with pytest.raises(FileBusy, match="another run is writing J.npy"):
-            ju.chunked_jacobian(model, x, chunk_size=10, out=path, progress=False)
-        assert not path.exists()  # refused before anything was written
-    finally:
-        holder.kill()  # SIGKILL: no clean-up, the lock file stays
-        holder.wait()
+    ) as holder:
+        try:
+            assert holder.stdout.readline().strip() == "locked"
+            with pytest.raises(FileBusy, match="another run is writing J.npy"):
+                ju.chunked_jacobian(model, x, chunk_size=10, out=path, progress=False)
+            assert not path.exists()  # refused before anything was written
+        finally:
+            holder.kill()  # SIGKILL: no clean-up, the lock file stays
     assert (tmp_path / ("J.npy" + LOCK_SUFFIX)).exists()
     J = ju.chunked_jacobian(model, x, chunk_size=10, out=path, progress=False)
     assert np.array_equal(J, ju.chunked_jacobian(model, x, progress=False))
