@@ -18,12 +18,14 @@ The compiled functions are cached per model (weakly), so the second call on
 the same model traces nothing. ``explain=True`` returns the choice and why.
 """
 
+import os
 from dataclasses import dataclass, field
 
 from .batch import as_batch, n_samples
 from .cache import compiled_for, forward_for
 from .chunked import bytes_per_sample, chunk_size_for, chunked_jacobian
 from .outputs import output_layout
+from .resume import recorded_chunk_size
 from .target import variable_list
 
 
@@ -105,6 +107,11 @@ def jacobian(
     ``explain=True`` returns ``(J, choice)``: a :class:`Choice` that says the
     path, why, each layer's rule and the chunks. Introduced in ``00-welcome``.
     """
+    if key is not None and not isinstance(out, (str, os.PathLike)):
+        raise ValueError(
+            "key= names a resumable run: it goes with out= a .npy path. "
+            "Leave it out, or pass out='J.npy'."
+        )
     variables = None if variables is None else variable_list(variables)
     jac = compiled_for(model, variables, training, False, "rules", x)
     traces = jac.trace_count
@@ -137,6 +144,12 @@ def jacobian(
         ran = forward_for(model, variables, training)
         traces = ran.trace_count
         J = ran(batch)
+    elif isinstance(out, (str, os.PathLike)):  # resumable: the file's chunk size
+        J = chunked_jacobian(
+            model, x, memory_budget=budget, out=out, progress=progress,
+            variables=variables, training=training, method="rules", key=key,
+        )  # fmt: skip
+        chunk_size = recorded_chunk_size(out)
     elif out is not None or working > budget:
         chunk_size = min(
             rows,

@@ -14,8 +14,9 @@ METHODS = ("per_sample", "batch", "rules")
 
 
 def bucket_size(n_samples, block_size):
-    """Padded batch size for XLA: the next power of two, capped at block_size."""
-    return min(block_size, 1 << max(0, int(n_samples - 1).bit_length()))
+    """Padded batch size for XLA: the next power of two, capped at block_size,
+    and at least 2 (pfor fails on some graphs with one sample, TF 2.21)."""
+    return max(2, min(block_size, 1 << max(0, int(n_samples - 1).bit_length())))
 
 
 class CompiledJacobian:
@@ -105,7 +106,7 @@ class CompiledJacobian:
             self._functions[key] = self._build(x)
         n_rows = n_samples(x)
         if n_rows == 1:  # pfor fails on some graphs with one sample (TF 2.21)
-            pad_to = max(pad_to or 0, 2)
+            pad_to = 2
         padded = pad_to is not None and pad_to > n_rows
         if padded:
             x = pad_with_last(x, pad_to)

@@ -312,6 +312,11 @@ def finished_chunks(path):
         return 0, None
 
 
+def recorded_chunk_size(path):
+    """The chunk size in the ledger of the resumable ``.npy`` at ``path``."""
+    return _read_ledger(Path(str(path) + LEDGER_SUFFIX))["chunk_size"]
+
+
 def _chunks_to_runs(chunks):
     """{0, 1, 2, 5} -> [[0, 3], [5, 6]]: chunks finish mostly in order."""
     runs = []

@@ -33,8 +33,9 @@ def chunked_resumable(model, x, **kw):
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "J.npy"
         run = partial(
-            ju.chunked_jacobian, model, x, chunk_size=2, out=path, progress=False, **kw
-        )
+            ju.chunked_jacobian, model, x, chunk_size=2, out=path, progress=False,
+            key="zoo", **kw,
+        )  # fmt: skip
         run()
         lost = np.lib.format.open_memmap(path, mode="r+")
         lost[2:4] = np.nan

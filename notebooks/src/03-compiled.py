@@ -157,7 +157,8 @@ print("traces:", len(traces))
 
 # %% [markdown]
 # The cure is to show XLA few shapes: pad the batch with copies of its last
-# sample to the next power of two, up to `block_size` samples
+# sample to the next power of two (at least two: `tf.vectorized_map` fails
+# on some models when it is given a single sample), up to `block_size` samples
 # (`compiled_jacobian(..., block_size=1024)` by default; a larger batch runs
 # in blocks of `block_size`, the last one padded to its own power of two),
 # and cut the padded rows off the result. Each sample's rows depend on that
@@ -259,8 +260,9 @@ print(f"Finding: batch tape at n = {n_mid:,}: eager "
 # list of shapes in `answer`.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
-# Solution: powers of two up to 64; a larger batch runs in blocks of 64,
-# and its last, partial block is padded to its own power of two.
+# Solution: powers of two from 2 up to 64 (one sample runs as two); a
+# larger batch runs in blocks of 64, and its last, partial block is padded
+# to its own power of two.
 small = ju.question_mlp(hidden=(8,), seed=seed)
 jac_64 = ju.compiled_jacobian(small, jit_compile=True, block_size=64)
 x_200 = ju.regression_data(200, seed=seed)[0]
