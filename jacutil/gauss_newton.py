@@ -5,16 +5,17 @@ Each step solves the damped Gauss-Newton system ``(JtJ + damping * D) step =
 
 * ``solver="cholesky"`` forms JtJ (m x m) chunk by chunk from J and factors
   it: exact, for m up to a few thousand (notebook 05);
-* ``solver="cg"`` never forms J or JtJ: conjugate gradients on the products
-  ``J.T @ (J @ v)`` of a matrix-free problem (``jacobian="operator"``,
-  notebook 09), for large m.
+* ``solver="cg"`` never forms JtJ: conjugate gradients on the products
+  ``J.T @ (J @ v)``; of a matrix-free problem (``jacobian="operator"``,
+  notebook 09) it never forms J either, for large m. On a formed problem it
+  takes products with the formed J.
 """
 
 import time
 
 import numpy as np
 import scipy.linalg
-from scipy.sparse.linalg import LinearOperator, cg
+from scipy.sparse.linalg import LinearOperator, aslinearoperator, cg
 
 
 class NormalEquations:
@@ -31,10 +32,16 @@ class NormalEquations:
 
 
 class GaussNewtonProducts:
-    """The same system as products with J: conjugate gradients, no JtJ."""
+    """The same system as products with J: conjugate gradients, no JtJ.
+
+    ``problem.jac(theta)`` is J at theta: a formed array, or an operator
+    that stays J at theta when ``problem.fun`` moves the model to a trial
+    (``LeastSquaresProblem.jac``), so ``step`` may be called after a
+    rejected trial.
+    """
 
     def __init__(self, problem, theta, iterations):
-        self.J = problem.jac(theta)  # a LinearOperator
+        self.J = aslinearoperator(problem.jac(theta))  # an array as well
         self.Jtr = self.J.rmatvec(problem.fun(theta))
         self.iterations = iterations
 
@@ -66,10 +73,10 @@ def levenberg_marquardt(
     do not make it singular) or ``D = I`` (``scaling="identity"``).
     ``solver="cholesky"`` factors JtJ, summed one chunk of J at a time
     (memory m x m); ``solver="cg"`` runs ``cg_iterations`` of conjugate
-    gradients on products with J (``jacobian="operator"`` problems; memory
-    a few vectors of length m; ``D = I``). A step that lowers the loss is
-    accepted and ``damping /= factor``; otherwise it is rejected and
-    ``damping *= factor``, re-using the system.
+    gradients on products with J (``D = I``; on a ``jacobian="operator"``
+    problem memory is a few vectors of length m, on a formed one J). A step
+    that lowers the loss is accepted and ``damping /= factor``; otherwise it
+    is rejected and ``damping *= factor``, re-using the system.
 
     ``max_steps`` counts trial steps (accepted or not). Returns a dict:
     ``theta``, ``history`` (rows of seconds since the start and MSE, one
