@@ -2,7 +2,7 @@
 08-your-own-model).
 
 ``per_sample_tape_jacobian`` maps a one-sample Jacobian over the batch with
-pfor (``tf.vectorized_map``). Three kinds of model need more:
+pfor (``tf.vectorized_map``). Four kinds of model need more:
 
 * **Recurrent layers** (``LSTM``, ``GRU``, ``SimpleRNN``, ``Bidirectional``):
   a Keras RNN runs a ``tf.while_loop``, and pfor cannot vectorize the gradient
@@ -14,6 +14,12 @@ pfor (``tf.vectorized_map``). Three kinds of model need more:
   inside pfor every sample would share one random mask. ``tf.map_fn`` runs
   the samples one after another, so each draws its own mask - the same
   semantics as ``model(x, training=True)`` and the other stages.
+* **Grouped convolutions** (``Conv2D(groups=2)``): Keras runs them in a
+  nested ``tf.function(jit_compile=True)`` that reads the kernel inside;
+  pfor mis-converts their filter gradient, and in a graph forward mode
+  carries no tangent into a nested function's variable reads. While
+  jacutil traces, each runs as one ordinary convolution per group
+  (:func:`convolutions_by_group`): the same numbers.
 * **Anything else pfor cannot convert**: ``tf.map_fn`` too, with a
   :class:`SlowPathWarning`.
 
@@ -26,11 +32,14 @@ of these applied, with what pfor itself noted while tracing.
 import contextlib
 import functools
 import logging
+import threading
 import warnings
 
+from . import gradients  # noqa: F401 (registers gradients TF lacks)
 from ._tf import keras, tf
 from .batch import n_samples, pad_with_last
 from .guards import JacobianError, random_layers
+from .outputs import output_layout
 from .target import stack_columns
 from .vectorized import batch_tape_jacobian, per_sample_tape_jacobian
 
@@ -93,11 +102,12 @@ class _PforLog(logging.Filter):
 def pfor_log():
     """Capture pfor's own log lines inside the block (see :class:`_PforLog`).
 
-    Yields the list of notes (warnings) it collects; errors are dropped.
-    Introduced in ``08-your-own-model``.
+    Yields the list of notes (warnings) it collects; errors are dropped. In
+    nested blocks the innermost takes the notes. Introduced in
+    ``08-your-own-model``.
     """
     logger, capture = tf.get_logger(), _PforLog()
-    logger.addFilter(capture)
+    logger.filters.insert(0, capture)  # before any outer block's filter
     try:
         yield capture.notes
     finally:
@@ -127,10 +137,105 @@ def quiet_function(python_function, **options):
     Jacobian is built per model: by design, not the retracing that
     TensorFlow's "N out of the last N calls triggered tf.function retracing"
     warns about (jacutil's own RetracingWarning watches for the real trap).
+    Each trace runs inside :func:`pfor_log`: what pfor says while vectorizing
+    our own code (``Conv2DBackpropFilter uses a while_loop``) is ours to hear.
     """
-    function = tf.function(python_function, **options)
+
+    def traced(*args, **kwargs):
+        with pfor_log():
+            return python_function(*args, **kwargs)
+
+    function = tf.function(functools.wraps(python_function)(traced), **options)
     function._omit_frequent_tracing_warning = True  # noqa: SLF001 (TF 2.21)
     return function
+
+
+# Keras runs a grouped convolution (the input has more channels than the
+# kernel) in a nested tf.function(jit_compile=True) that reads the kernel
+# variable inside. In TF 2.21 pfor's converter of its filter gradient fails
+# (InvalidArgumentError), and in a graph ForwardAccumulator carries no tangent
+# into a variable read inside a nested function (silent zeros). One ordinary
+# convolution per group, its kernel read outside, has neither problem.
+_KERAS_NN = keras.src.backend.tensorflow.nn  # where keras.ops.conv finds conv
+_BY_GROUP = {"depth": 0, "conv": None}
+_BY_GROUP_LOCK = threading.Lock()
+
+
+def _conv_by_group(conv):
+    """Keras's backend ``conv``, a grouped one run as one conv per group."""
+
+    def by_group(inputs, kernel, strides=1, padding="valid", data_format=None,
+                 dilation_rate=1):  # fmt: skip
+        options = (strides, padding, data_format, dilation_rate)
+        kernel = tf.convert_to_tensor(kernel)  # read here, not in a nested function
+        data_format = data_format or keras.config.image_data_format()
+        axis = 1 if data_format == "channels_first" else -1
+        channels, per_group = inputs.shape[axis], kernel.shape[-2]
+        if channels is None or per_group is None or channels == per_group:
+            return conv(inputs, kernel, *options)
+        groups = channels // per_group
+        pairs = zip(tf.split(inputs, groups, axis), tf.split(kernel, groups, -1),
+                    strict=True)  # fmt: skip
+        return tf.concat([conv(a, k, *options) for a, k in pairs], axis)
+
+    return by_group
+
+
+@contextlib.contextmanager
+def convolutions_by_group():
+    """Inside the block, Keras runs grouped convolutions one group at a time.
+
+    The same numbers, in a form whose gradients pfor vectorizes and whose
+    tangents forward mode carries (see above). Thread-safe and reentrant:
+    the first block in installs it, the last one out restores Keras's own.
+    """
+    with _BY_GROUP_LOCK:
+        if _BY_GROUP["depth"] == 0:
+            _BY_GROUP["conv"] = _KERAS_NN.conv
+            _KERAS_NN.conv = _conv_by_group(_KERAS_NN.conv)
+        _BY_GROUP["depth"] += 1
+    try:
+        yield
+    finally:
+        with _BY_GROUP_LOCK:
+            _BY_GROUP["depth"] -= 1
+            if _BY_GROUP["depth"] == 0:
+                _KERAS_NN.conv = _BY_GROUP["conv"]
+
+
+def quiet_layout(target, x):
+    """``output_layout(target, x)``, with grouped convolutions one group at a
+    time: it runs the model eagerly, where Keras's own form traces a new
+    function on every call (and TensorFlow warns of retracing)."""
+    with convolutions_by_group():
+        return output_layout(target, x)
+
+
+def refuse_hidden_reads(ops, variables):
+    """Raise :class:`JacobianError` when one of ``ops`` (traced in forward
+    mode) calls a nested ``tf.function`` that reads one of ``variables``.
+
+    ``tf.autodiff.ForwardAccumulator`` in a graph carries no tangent into
+    such a read (TF 2.21): the columns of that variable would be zeros.
+    """
+    graph = tf.compat.v1.get_default_graph()
+    handles = {id(v.handle) for v in variables}
+    inside = {inner.name for outer, inner in graph.captures if id(outer) in handles}
+    hidden = [  # a call that reads a variable is stateful (the accumulator's
+        op.get_attr("f").name  # own JVP helpers take handles, and are not)
+        for op in ops
+        if op.type == "StatefulPartitionedCall"
+        and any(t.name in inside for t in op.inputs)
+    ]
+    if hidden:
+        raise JacobianError(
+            f"forward mode cannot differentiate this model: {hidden[0]} is a "
+            "nested tf.function that reads a differentiated variable inside, and "
+            "TensorFlow 2.21's ForwardAccumulator carries no tangent into it (the "
+            "columns would be silently zero). Use reverse mode: jacutil.jacobian "
+            'or compiled_jacobian for J, products(mode="double_backward") for '
+            "J @ v - or pass the variable to the nested function as an argument."
+        )
 
 
 def onednn_hazards(ops):
@@ -139,7 +244,7 @@ def onednn_hazards(ops):
 
 
 @contextlib.contextmanager
-def _new_ops():
+def new_ops():
     """The operations added to the graph being traced inside the block."""
     graph = tf.compat.v1.get_default_graph()
     start = len(graph.get_operations())
@@ -154,7 +259,7 @@ def vectorize(jacobian, target, x, xla=False):
     Call it inside a ``tf.function`` trace. Returns ``(tensor, notes)``:
     what pfor said about the graph, and whether it runs under XLA.
     """
-    with pfor_log() as notes, _new_ops() as created:
+    with pfor_log() as notes, new_ops() as created:
         J = jacobian(target, x)
     if xla or not onednn_hazards(created):
         return J, notes
@@ -194,9 +299,10 @@ def _padded_per_sample(target, x):
     return per_sample_tape_jacobian(target, pad_with_last(x, rows + 1))[:rows]
 
 
-def _first_line(error):
+def first_line(error):
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    message = next((line for line in lines if "Error" in line), lines[-1:] or [""])
+    last = lines[-1] if lines else ""
+    message = next((line for line in lines if "Error" in line), last)
     return str(message)[:200]
 
 
@@ -206,11 +312,13 @@ def _in_a_graph(method):
 
     def run(target, x, xla=False):
         if not tf.executing_eagerly():
-            return method(target, x, xla)
+            with convolutions_by_group():
+                return method(target, x, xla)
         said = {}
 
         def traced(x):
-            J, said["formulation"] = method(target, x, xla)
+            with convolutions_by_group():
+                J, said["formulation"] = method(target, x, xla)
             return J
 
         return quiet_function(traced)(x), said["formulation"]
@@ -246,7 +354,7 @@ def per_sample_tensor(target, x, xla=False):
     except PFOR_ERRORS as error:
         if isinstance(error, JacobianError):
             raise
-        reason = _first_line(error)
+        reason = first_line(error)
     warnings.warn(
         f"tf.vectorized_map could not vectorize this model ({reason}), so its "
         "samples run one at a time in tf.map_fn: correct, and much slower. "

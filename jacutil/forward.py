@@ -13,8 +13,15 @@ import numpy as np
 
 from ._tf import tf
 from .batch import as_batch, n_samples, signature, signature_key
-from .formulation import quiet_function, recurrent_layers, unrolled
-from .outputs import output_layout
+from .formulation import (
+    convolutions_by_group,
+    new_ops,
+    quiet_function,
+    quiet_layout,
+    recurrent_layers,
+    refuse_hidden_reads,
+    unrolled,
+)
 from .target import resolve_target, variable_list, watched
 
 COLUMNS_PER_PASS = 64  # parameter columns vectorized together
@@ -46,18 +53,20 @@ class ForwardJacobian:
             shaped = [
                 tf.reshape(p, v.shape) for p, v in zip(parts, variables, strict=True)
             ]
-            with tf.autodiff.ForwardAccumulator(tracked, shaped) as accumulator:
-                y = self.target.forward(x)
+            with new_ops() as created:
+                with tf.autodiff.ForwardAccumulator(tracked, shaped) as accumulator:
+                    y = self.target.forward(x)
+            refuse_hidden_reads(created, tracked)
             column = accumulator.jvp(y)
             return tf.zeros_like(y) if column is None else column
 
-        with unrolled(recurrent_layers(self.target)):
+        with unrolled(recurrent_layers(self.target)), convolutions_by_group():
             columns = tf.vectorized_map(along, tangents)  # (c, n, l)
         return tf.transpose(columns, [1, 2, 0])
 
     def __call__(self, x):
         x = as_batch(x, self.target)
-        n_outputs = output_layout(self.target, x).n_outputs
+        n_outputs = quiet_layout(self.target, x).n_outputs
         m = self.target.n_params
         columns = min(self.columns, m)  # no JVPs along padding when m is small
         key = signature_key(x)

@@ -16,13 +16,22 @@ n*l*m numbers. Each product is compiled once per model and input shape;
 parameters are in ``flat_params`` order.
 """
 
+import contextlib
+
 import numpy as np
 
 from . import cache
 from ._tf import tf
 from .batch import as_batch, n_samples, signature, signature_key, take
-from .formulation import quiet_function, recurrent_layers, unrolled
-from .outputs import output_layout
+from .formulation import (
+    convolutions_by_group,
+    new_ops,
+    quiet_function,
+    quiet_layout,
+    recurrent_layers,
+    refuse_hidden_reads,
+    unrolled,
+)
 from .target import resolve_target, variable_list, watched
 
 
@@ -79,14 +88,22 @@ class Products:
         parts = tf.split(v, _sizes(self.variables))
         return [tf.reshape(p, s) for p, s in zip(parts, self.shapes, strict=True)]
 
+    @contextlib.contextmanager
+    def _traced(self):
+        """What every product is traced in: recurrent layers unrolled (forward
+        mode cannot carry tangents through a while_loop's variable reads, TF
+        2.21) and grouped convolutions one group at a time
+        (``jacutil.formulation``)."""
+        with unrolled(recurrent_layers(self.target)), convolutions_by_group():
+            yield
+
     def _jvp(self, x, v):
         self.trace_count += 1
         tracked = [watched(w) for w in self.variables]
-        # forward mode cannot carry tangents through a while_loop's variable
-        # reads (TF 2.21): recurrent layers are unrolled while traced
-        with unrolled(recurrent_layers(self.target)):
+        with self._traced(), new_ops() as created:
             with tf.autodiff.ForwardAccumulator(tracked, self._split(v)) as accumulator:
                 y = self.target.forward(x)
+        refuse_hidden_reads(created, tracked)
         tangent = accumulator.jvp(y)
         return tf.zeros_like(y) if tangent is None else tangent
 
@@ -94,7 +111,7 @@ class Products:
         """``J @ v`` by reverse mode twice: ``d/du (J.T u) . v`` at any u."""
         self.trace_count += 1
         tracked = [watched(w) for w in self.variables]
-        with tf.GradientTape() as outer:
+        with self._traced(), tf.GradientTape() as outer:
             u = tf.zeros_like(self.target.forward(x))  # J.T u is linear in u
             outer.watch(u)
             with tf.GradientTape() as inner:
@@ -113,7 +130,7 @@ class Products:
     def _vjp(self, x, u):
         self.trace_count += 1
         tracked = [watched(w) for w in self.variables]
-        with tf.GradientTape() as tape:
+        with self._traced(), tf.GradientTape() as tape:
             tape.watch(tracked)
             y = self.target.forward(x)
         grads = tape.gradient(y, tracked, output_gradients=u)
@@ -150,7 +167,7 @@ class Products:
         """``J @ v`` as (n, l): v is a flat parameter direction of length m."""
         self._check_shapes()
         x = as_batch(x, self.target)
-        output_layout(self.target, x)
+        quiet_layout(self.target, x)
         v = tf.constant(self._vector(v, self.n_params, "v", "one number per parameter"))
         kind = "jvp" if self.mode == "forward" else "jvp_double_backward"
         parts = [
@@ -163,7 +180,7 @@ class Products:
         """``J.T @ u`` as (m,): u holds one weight per sample and output, (n, l)."""
         self._check_shapes()
         x = as_batch(x, self.target)
-        layout = output_layout(self.target, x)
+        layout = quiet_layout(self.target, x)
         rows = int(n_samples(x))
         u = np.asarray(u)
         if u.shape not in ((rows, layout.n_outputs), (rows * layout.n_outputs,)):
@@ -233,7 +250,7 @@ def jacobian_operator(model, x, **options):
     prods = options.pop("products", None) or products(model, **options)
     batch = as_batch(x, prods.target)
     rows = int(n_samples(batch))
-    n_outputs = output_layout(prods.target, batch).n_outputs
+    n_outputs = quiet_layout(prods.target, batch).n_outputs
 
     def matvec(v):
         return prods.jvp(batch, np.ravel(v)).reshape(-1).astype(np.float64)

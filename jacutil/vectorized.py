@@ -11,7 +11,6 @@ Two ways to vectorize, with very different costs:
 
 from ._tf import tf
 from .batch import as_batch, n_samples
-from .outputs import output_layout
 from .target import resolve_target, stack_columns
 
 
@@ -47,11 +46,11 @@ def vectorized_jacobian(model, x, *, variables=None, training=False):
 
     Returns (n_samples, n_outputs, n_params). Introduced in ``02-vectorized``.
     """
-    from .formulation import batch_tensor
+    from .formulation import batch_tensor, quiet_layout
 
     target = resolve_target(model, variables, training, x)
     x = as_batch(x, target)
-    output_layout(target, x)  # checks the outputs first, with a clear message
+    quiet_layout(target, x)  # checks the outputs first, with a clear message
     return batch_tensor(target, x)[0].numpy()
 
 
@@ -65,9 +64,9 @@ def per_sample_jacobian(model, x, *, variables=None, training=False):
 
     Returns (n_samples, n_outputs, n_params). Introduced in ``02-vectorized``.
     """
-    from .formulation import per_sample_tensor
+    from .formulation import per_sample_tensor, quiet_layout
 
     target = resolve_target(model, variables, training, x)
     x = as_batch(x, target)
-    output_layout(target, x)
+    quiet_layout(target, x)
     return per_sample_tensor(target, x)[0].numpy()

@@ -6,6 +6,11 @@ strides, padding and dilation) the kernel's block is the outer-product rule
 of ``jacutil.rules.blocks`` summed over positions, for every sample at once.
 Conv1D runs as a Conv2D of height 1. The signal below is the transposed
 convolution of the signal, by autodiff of the (linear) convolution.
+
+A grouped convolution (``groups=g``) is g convolutions side by side, each
+from its slice of the input channels to its slice of the output channels:
+the same patches and product per group, its columns interleaved in the
+kernel's (kh, kw, c_in / g, c_out) order.
 """
 
 from .._tf import keras, tf
@@ -24,10 +29,9 @@ class ConvRule(Rule):
         super().__init__(layer)
         if layer.data_format != "channels_last":
             raise NoRule("a channels_first convolution")
-        if layer.groups != 1:
-            raise NoRule("a grouped convolution")
         if getattr(layer, "lora_enabled", False):
             raise NoRule("a LoRA convolution")
+        self.groups = layer.groups
         self.flat = layer.rank == 1  # Conv1D: height 1
         self.causal = layer.padding == "causal"
         self.left = layer.dilation_rate[0] * (layer.kernel_size[0] - 1)  # causal
@@ -35,8 +39,6 @@ class ConvRule(Rule):
         self.strides = [1, *([1] if self.flat else []), *layer.strides, 1]
         self.rates = [1, *([1] if self.flat else []), *layer.dilation_rate, 1]
         self.activation = Activation(layer.activation)
-        self.runs_user_code = self.activation.runs_user_code
-        self.takes_logits_signal = self.activation.makes_logits
         self.bias = layer.bias if layer.use_bias else None
         self.variables = [layer.kernel] + ([self.bias] if self.bias is not None else [])
 
@@ -56,8 +58,21 @@ class ConvRule(Rule):
         return a
 
     def _convolve(self, image):
-        return tf.nn.conv2d(
-            image, self._kernel(), self.strides, self.padding, dilations=self.rates
+        """One convolution per group (TF has no grouped-convolution gradient
+        on CPU); ``tf.nn.convolution``, as Keras, whose input gradient also
+        runs with a dilation on CPU (``tf.nn.conv2d``'s does not)."""
+        pairs = zip(
+            tf.split(image, self.groups, -1),
+            tf.split(self._kernel(), self.groups, -1),
+            strict=True,
+        )
+        strides, rates = self.strides[1:3], self.rates[1:3]
+        return tf.concat(
+            [
+                tf.nn.convolution(a, k, strides, self.padding, dilations=rates)
+                for a, k in pairs
+            ],
+            -1,
         )
 
     def forward(self, a):
@@ -74,11 +89,21 @@ class ConvRule(Rule):
             delta = delta[:, :, None]
         delta = self.activation.backward(slope, delta)
         kernel = self.layer.kernel
-        kh, kw, c_in = self._kernel().shape[:3]
-        patches = tf.image.extract_patches(
-            image, [1, kh, kw, 1], self.strides, self.rates, self.padding
-        )  # (n, h', w', kh * kw * c_in), in the kernel's (kh, kw, c_in) order
-        blocks = kernel_and_bias(patches, delta, kernel, self.bias, wanted)
+        kh, kw = self._kernel().shape[:2]
+        pairs = zip(
+            tf.split(image, self.groups, -1),
+            tf.split(delta, self.groups, -1),
+            strict=True,
+        )
+        per_group = []
+        for group, signal in pairs:
+            patches = tf.image.extract_patches(
+                group, [1, kh, kw, 1], self.strides, self.rates, self.padding
+            )  # (n, h', w', kh * kw * c_in / g), in the kernel's (kh, kw, c) order
+            blocks = kernel_and_bias(patches, signal, kernel, self.bias, wanted)
+            per_group.append(blocks)
+        width = self.layer.filters // self.groups
+        blocks = {at: _interleave([b[at] for b in per_group], width) for at in blocks}
         if not need_signal:
             return blocks, None
         n_samples, n_outputs = tf.shape(delta)[0], tf.shape(delta)[1]
@@ -91,3 +116,13 @@ class ConvRule(Rule):
         if self.causal:
             below = below[:, :, :, self.left :]
         return blocks, (below[:, :, 0] if self.flat else below)
+
+
+def _interleave(blocks, width):
+    """One block from each group's (n, l, rows * width), the output channels
+    of group j at columns j * width.. of each row (the kernel's order)."""
+    if blocks[0] is None or len(blocks) == 1:
+        return blocks[0]
+    n_samples, n_outputs = tf.shape(blocks[0])[0], tf.shape(blocks[0])[1]
+    parts = [tf.reshape(b, [n_samples, n_outputs, -1, width]) for b in blocks]
+    return tf.reshape(tf.stack(parts, 3), [n_samples, n_outputs, -1])
