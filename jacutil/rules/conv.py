@@ -39,6 +39,8 @@ class ConvRule(Rule):
         self.strides = [1, *([1] if self.flat else []), *layer.strides, 1]
         self.rates = [1, *([1] if self.flat else []), *layer.dilation_rate, 1]
         self.activation = Activation(layer.activation)
+        self.runs_user_code = self.activation.runs_user_code
+        self.takes_logits_signal = self.activation.makes_logits
         self.bias = layer.bias if layer.use_bias else None
         self.variables = [layer.kernel] + ([self.bias] if self.bias is not None else [])
 
