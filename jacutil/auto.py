@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from .batch import as_batch, n_samples
 from .cache import compiled_for, forward_for
 from .chunked import bytes_per_sample, chunk_size_for, chunked_jacobian
+from .formulation import ForwardModeBlindSpot
 from .outputs import output_layout
 from .resume import recorded_chunk_size
 from .target import variable_list
@@ -140,10 +141,16 @@ def jacobian(
         and working <= budget
         and n_outputs >= FORWARD_WHEN_OUTPUTS_PER_PARAMETER * target.n_params
     )
+    ran, J = jac, None
     if forward:
         ran = forward_for(model, variables, training)
         traces = ran.trace_count
-        J = ran(batch)
+        try:
+            J = ran(batch)
+        except ForwardModeBlindSpot:  # forward mode cannot see it: reverse mode
+            forward, ran, traces = False, jac, jac.trace_count
+    if forward:
+        pass  # J came from forward mode, above
     elif isinstance(out, (str, os.PathLike)):  # resumable: the file's chunk size
         J = chunked_jacobian(
             model, x, memory_budget=budget, out=out, progress=progress,
@@ -193,6 +200,6 @@ def jacobian(
         chunk_size=chunk_size,
         working_bytes=working,
         budget_bytes=budget,
-        traced=(ran if forward else jac).trace_count > traces,
+        traced=ran.trace_count > traces,
     )
     return J, choice

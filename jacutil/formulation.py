@@ -18,8 +18,8 @@ pfor (``tf.vectorized_map``). Four kinds of model need more:
   nested ``tf.function(jit_compile=True)`` that reads the kernel inside;
   pfor mis-converts their filter gradient, and in a graph forward mode
   carries no tangent into a nested function's variable reads. While
-  jacutil traces, each runs as one ordinary convolution per group
-  (:func:`convolutions_by_group`): the same numbers.
+  jacutil calls the model, each runs as one ordinary convolution per group
+  (:func:`jacutil.grouped.convolutions_by_group`): the same numbers.
 * **Anything else pfor cannot convert**: ``tf.map_fn`` too, with a
   :class:`SlowPathWarning`.
 
@@ -32,14 +32,12 @@ of these applied, with what pfor itself noted while tracing.
 import contextlib
 import functools
 import logging
-import threading
 import warnings
 
 from . import gradients  # noqa: F401 (registers gradients TF lacks)
 from ._tf import keras, tf
 from .batch import n_samples, pad_with_last
 from .guards import JacobianError, random_layers
-from .outputs import output_layout
 from .target import stack_columns
 from .vectorized import batch_tape_jacobian, per_sample_tape_jacobian
 
@@ -150,70 +148,38 @@ def quiet_function(python_function, **options):
     return function
 
 
-# Keras runs a grouped convolution (the input has more channels than the
-# kernel) in a nested tf.function(jit_compile=True) that reads the kernel
-# variable inside. In TF 2.21 pfor's converter of its filter gradient fails
-# (InvalidArgumentError), and in a graph ForwardAccumulator carries no tangent
-# into a variable read inside a nested function (silent zeros). One ordinary
-# convolution per group, its kernel read outside, has neither problem.
-_KERAS_NN = keras.src.backend.tensorflow.nn  # where keras.ops.conv finds conv
-_BY_GROUP = {"depth": 0, "conv": None}
-_BY_GROUP_LOCK = threading.Lock()
+class ForwardModeBlindSpot(JacobianError):
+    """A second-order derivative that TensorFlow 2.21 gets wrong in a graph:
+    forward mode (and the double-backward JVP) would return zeros."""
 
 
-def _conv_by_group(conv):
-    """Keras's backend ``conv``, a grouped one run as one conv per group."""
-
-    def by_group(inputs, kernel, strides=1, padding="valid", data_format=None,
-                 dilation_rate=1):  # fmt: skip
-        options = (strides, padding, data_format, dilation_rate)
-        kernel = tf.convert_to_tensor(kernel)  # read here, not in a nested function
-        data_format = data_format or keras.config.image_data_format()
-        axis = 1 if data_format == "channels_first" else -1
-        channels, per_group = inputs.shape[axis], kernel.shape[-2]
-        if channels is None or per_group is None or channels == per_group:
-            return conv(inputs, kernel, *options)
-        groups = channels // per_group
-        pairs = zip(tf.split(inputs, groups, axis), tf.split(kernel, groups, -1),
-                    strict=True)  # fmt: skip
-        return tf.concat([conv(a, k, *options) for a, k in pairs], axis)
-
-    return by_group
+MAX_POOLS = ("MaxPool", "MaxPoolV2", "MaxPool3D")
 
 
-@contextlib.contextmanager
-def convolutions_by_group():
-    """Inside the block, Keras runs grouped convolutions one group at a time.
-
-    The same numbers, in a form whose gradients pfor vectorizes and whose
-    tangents forward mode carries (see above). Thread-safe and reentrant:
-    the first block in installs it, the last one out restores Keras's own.
-    """
-    with _BY_GROUP_LOCK:
-        if _BY_GROUP["depth"] == 0:
-            _BY_GROUP["conv"] = _KERAS_NN.conv
-            _KERAS_NN.conv = _conv_by_group(_KERAS_NN.conv)
-        _BY_GROUP["depth"] += 1
-    try:
-        yield
-    finally:
-        with _BY_GROUP_LOCK:
-            _BY_GROUP["depth"] -= 1
-            if _BY_GROUP["depth"] == 0:
-                _KERAS_NN.conv = _BY_GROUP["conv"]
-
-
-def quiet_layout(target, x):
-    """``output_layout(target, x)``, with grouped convolutions one group at a
-    time: it runs the model eagerly, where Keras's own form traces a new
-    function on every call (and TensorFlow warns of retracing)."""
-    with convolutions_by_group():
-        return output_layout(target, x)
+def refuse_shape_preserving_max_pools(ops):
+    """Raise :class:`ForwardModeBlindSpot` when one of ``ops`` is a max pool
+    whose output has its input's shape (``padding="same"`` with stride 1, or
+    a 1-wide window): in a graph, TF 2.21's JVP of such a pool is zero
+    (eager is right; valid padding or stride 2 are right too)."""
+    for op in ops:
+        if op.type in MAX_POOLS:
+            before, after = op.inputs[0].shape, op.outputs[0].shape
+            if before.rank and before[1:].as_list() == after[1:].as_list():
+                raise ForwardModeBlindSpot(
+                    "forward mode cannot differentiate this model: it has a max "
+                    "pooling layer whose output keeps its input's shape "
+                    '(padding="same" with strides=1), whose second derivative '
+                    "TensorFlow 2.21 computes as zero in a graph (the columns "
+                    "would be silently zero). Use reverse mode (jacutil.jacobian, "
+                    "compiled_jacobian) for J, and for J @ v multiply J; or pool "
+                    'with padding="valid" or a stride of 2.'
+                )
 
 
 def refuse_hidden_reads(ops, variables):
-    """Raise :class:`JacobianError` when one of ``ops`` (traced in forward
-    mode) calls a nested ``tf.function`` that reads one of ``variables``.
+    """Raise :class:`ForwardModeBlindSpot` when one of ``ops`` (traced in
+    forward mode) calls a nested ``tf.function`` that reads one of
+    ``variables``; and for the max pools above.
 
     ``tf.autodiff.ForwardAccumulator`` in a graph carries no tangent into
     such a read (TF 2.21): the columns of that variable would be zeros.
@@ -227,8 +193,9 @@ def refuse_hidden_reads(ops, variables):
         if op.type == "StatefulPartitionedCall"
         and any(t.name in inside for t in op.inputs)
     ]
+    refuse_shape_preserving_max_pools(ops)
     if hidden:
-        raise JacobianError(
+        raise ForwardModeBlindSpot(
             f"forward mode cannot differentiate this model: {hidden[0]} is a "
             "nested tf.function that reads a differentiated variable inside, and "
             "TensorFlow 2.21's ForwardAccumulator carries no tangent into it (the "
@@ -312,13 +279,11 @@ def _in_a_graph(method):
 
     def run(target, x, xla=False):
         if not tf.executing_eagerly():
-            with convolutions_by_group():
-                return method(target, x, xla)
+            return method(target, x, xla)
         said = {}
 
         def traced(x):
-            with convolutions_by_group():
-                J, said["formulation"] = method(target, x, xla)
+            J, said["formulation"] = method(target, x, xla)
             return J
 
         return quiet_function(traced)(x), said["formulation"]

@@ -14,14 +14,13 @@ import numpy as np
 from ._tf import tf
 from .batch import as_batch, n_samples, signature, signature_key
 from .formulation import (
-    convolutions_by_group,
     new_ops,
     quiet_function,
-    quiet_layout,
     recurrent_layers,
     refuse_hidden_reads,
     unrolled,
 )
+from .outputs import output_layout
 from .target import resolve_target, variable_list, watched
 
 COLUMNS_PER_PASS = 64  # parameter columns vectorized together
@@ -60,13 +59,13 @@ class ForwardJacobian:
             column = accumulator.jvp(y)
             return tf.zeros_like(y) if column is None else column
 
-        with unrolled(recurrent_layers(self.target)), convolutions_by_group():
+        with unrolled(recurrent_layers(self.target)):
             columns = tf.vectorized_map(along, tangents)  # (c, n, l)
         return tf.transpose(columns, [1, 2, 0])
 
     def __call__(self, x):
         x = as_batch(x, self.target)
-        n_outputs = quiet_layout(self.target, x).n_outputs
+        n_outputs = output_layout(self.target, x).n_outputs
         m = self.target.n_params
         columns = min(self.columns, m)  # no JVPs along padding when m is small
         key = signature_key(x)

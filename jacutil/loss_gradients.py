@@ -14,12 +14,21 @@ kernel's per-sample gradient is the outer product ``a delta^T``, whose norm is
 ``(|a_i|^2 + 1) |delta_i|^2`` (the 1 for the bias).
 """
 
+import warnings
+
 import numpy as np
 
 from ._tf import tf
 from .batch import as_batch, n_samples, pad_with_last
 from .cache import compiled_for
-from .formulation import quiet_function, recurrent_layers, unrolled
+from .formulation import (
+    PFOR_ERRORS,
+    SlowPathWarning,
+    first_line,
+    quiet_function,
+    recurrent_layers,
+    unrolled,
+)
 from .guards import JacobianError
 from .rules.dense import DenseRule
 from .rules.engine import LogitsNotOnRules
@@ -109,7 +118,21 @@ def _autodiff_gradients(target, x, y, loss_fn):
         )
 
     with unrolled(recurrent_layers(target)):
-        return tf.vectorized_map(one, (x, y))
+        try:
+            return tf.vectorized_map(one, (x, y))
+        except PFOR_ERRORS as error:
+            if isinstance(error, JacobianError):
+                raise
+            reason = first_line(error)
+    warnings.warn(
+        f"tf.vectorized_map could not vectorize this model's loss gradients "
+        f"({reason}), so its samples run one at a time in tf.map_fn: correct, "
+        "and much slower. Please report the model if it is a standard Keras one.",
+        SlowPathWarning,
+        stacklevel=2,
+    )
+    signature = tf.TensorSpec([sum(sizes)], target.dtype)
+    return tf.map_fn(one, (x, y), fn_output_signature=signature)
 
 
 def _dense_norms(plan, x, signal):
@@ -188,10 +211,11 @@ class _Gradients:
         x, y = self.x, self.y
         if self.rows == 1:
             x, y = pad_with_last(x, 2), tf.concat([y, y], 0)
-        function = quiet_function(
-            lambda x, y: _autodiff_gradients(self.target, x, y, loss_fn)
-        )
-        return function(x, y).numpy()[: self.rows]
+
+        def gradients(x, y):
+            return _autodiff_gradients(self.target, x, y, loss_fn)
+
+        return quiet_function(gradients, autograph=False)(x, y).numpy()[: self.rows]
 
 
 def per_sample_gradients(model, loss_fn, x, y, *, variables=None, training=False):

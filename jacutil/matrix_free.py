@@ -24,14 +24,14 @@ from . import cache
 from ._tf import tf
 from .batch import as_batch, n_samples, signature, signature_key, take
 from .formulation import (
-    convolutions_by_group,
     new_ops,
     quiet_function,
-    quiet_layout,
     recurrent_layers,
     refuse_hidden_reads,
+    refuse_shape_preserving_max_pools,
     unrolled,
 )
+from .outputs import output_layout
 from .target import resolve_target, variable_list, watched
 
 
@@ -92,9 +92,8 @@ class Products:
     def _traced(self):
         """What every product is traced in: recurrent layers unrolled (forward
         mode cannot carry tangents through a while_loop's variable reads, TF
-        2.21) and grouped convolutions one group at a time
-        (``jacutil.formulation``)."""
-        with unrolled(recurrent_layers(self.target)), convolutions_by_group():
+        2.21; ``jacutil.formulation``)."""
+        with unrolled(recurrent_layers(self.target)):
             yield
 
     def _jvp(self, x, v):
@@ -111,7 +110,7 @@ class Products:
         """``J @ v`` by reverse mode twice: ``d/du (J.T u) . v`` at any u."""
         self.trace_count += 1
         tracked = [watched(w) for w in self.variables]
-        with self._traced(), tf.GradientTape() as outer:
+        with self._traced(), new_ops() as created, tf.GradientTape() as outer:
             u = tf.zeros_like(self.target.forward(x))  # J.T u is linear in u
             outer.watch(u)
             with tf.GradientTape() as inner:
@@ -124,6 +123,7 @@ class Products:
                 if g is not None
             ]
             score = tf.add_n(terms) if terms else tf.zeros([], y.dtype)
+        refuse_shape_preserving_max_pools(created)
         tangent = outer.gradient(score, u)
         return tf.zeros_like(y) if tangent is None else tangent
 
@@ -167,7 +167,7 @@ class Products:
         """``J @ v`` as (n, l): v is a flat parameter direction of length m."""
         self._check_shapes()
         x = as_batch(x, self.target)
-        quiet_layout(self.target, x)
+        output_layout(self.target, x)
         v = tf.constant(self._vector(v, self.n_params, "v", "one number per parameter"))
         kind = "jvp" if self.mode == "forward" else "jvp_double_backward"
         parts = [
@@ -180,7 +180,7 @@ class Products:
         """``J.T @ u`` as (m,): u holds one weight per sample and output, (n, l)."""
         self._check_shapes()
         x = as_batch(x, self.target)
-        layout = quiet_layout(self.target, x)
+        layout = output_layout(self.target, x)
         rows = int(n_samples(x))
         u = np.asarray(u)
         if u.shape not in ((rows, layout.n_outputs), (rows * layout.n_outputs,)):
@@ -250,7 +250,7 @@ def jacobian_operator(model, x, **options):
     prods = options.pop("products", None) or products(model, **options)
     batch = as_batch(x, prods.target)
     rows = int(n_samples(batch))
-    n_outputs = quiet_layout(prods.target, batch).n_outputs
+    n_outputs = output_layout(prods.target, batch).n_outputs
 
     def matvec(v):
         return prods.jvp(batch, np.ravel(v)).reshape(-1).astype(np.float64)

@@ -17,6 +17,7 @@ import numpy as np
 
 from ._tf import keras, tf
 from .batch import n_samples, take
+from .grouped import convolutions_by_group
 from .guards import check_training_mode, require_connected
 from .outputs import as_rows
 
@@ -183,7 +184,8 @@ def _keras_call(model, training):
     reference = weakref.ref(model)
 
     def call(x):
-        return reference()(x, training=training)
+        with convolutions_by_group():  # see jacutil.grouped
+            return reference()(x, training=training)
 
     return call
 

@@ -11,6 +11,7 @@ Two ways to vectorize, with very different costs:
 
 from ._tf import tf
 from .batch import as_batch, n_samples
+from .outputs import output_layout
 from .target import resolve_target, stack_columns
 
 
@@ -46,11 +47,11 @@ def vectorized_jacobian(model, x, *, variables=None, training=False):
 
     Returns (n_samples, n_outputs, n_params). Introduced in ``02-vectorized``.
     """
-    from .formulation import batch_tensor, quiet_layout
+    from .formulation import batch_tensor
 
     target = resolve_target(model, variables, training, x)
     x = as_batch(x, target)
-    quiet_layout(target, x)  # checks the outputs first, with a clear message
+    output_layout(target, x)  # checks the outputs first, with a clear message
     return batch_tensor(target, x)[0].numpy()
 
 
@@ -64,9 +65,9 @@ def per_sample_jacobian(model, x, *, variables=None, training=False):
 
     Returns (n_samples, n_outputs, n_params). Introduced in ``02-vectorized``.
     """
-    from .formulation import per_sample_tensor, quiet_layout
+    from .formulation import per_sample_tensor
 
     target = resolve_target(model, variables, training, x)
     x = as_batch(x, target)
-    quiet_layout(target, x)
+    output_layout(target, x)
     return per_sample_tensor(target, x)[0].numpy()

@@ -11,6 +11,7 @@ hand-derived rule.
 """
 
 from .._tf import tf
+from ..grouped import convolutions_by_group
 from ..target import watched
 from .registry import Rule, per_output, rows
 
@@ -58,7 +59,8 @@ class AutodiffRule(Rule):
         self.why = why
 
     def _alone(self, a):
-        return self.layer(a, training=False)
+        with convolutions_by_group():  # see jacutil.grouped
+            return self.layer(a, training=False)
 
     def describe(self):
         return f"autodiff ({self.why})" if self.why else "autodiff"

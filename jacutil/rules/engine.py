@@ -13,6 +13,8 @@ import numpy as np
 
 from .._tf import keras, tf
 from ..batch import n_samples, signature_key, take
+from ..formulation import pfor_log
+from ..grouped import convolutions_by_group
 from ..target import watched
 from .autodiff import AutodiffRule
 from .registry import LogitsSignal, rule_for
@@ -66,7 +68,8 @@ class Node:
         kwargs = _filled(self.kwargs, a)
         if getattr(self.operation, "_call_has_training_arg", False):
             kwargs["training"] = False
-        return self.operation(*args, **kwargs)
+        with convolutions_by_group():  # see jacutil.grouped
+            return self.operation(*args, **kwargs)
 
 
 def _symbolic(value):
@@ -165,7 +168,8 @@ class Plan:
     def check(self, target, x):
         """None when the rules agree with autodiff on ``x``'s samples, else
         why not. Agreement is recorded for ``x``'s input shape."""
-        reason = disagreement(self, target, x)
+        with pfor_log():  # pfor's notes on our own autodiff rules: not the user's
+            reason = disagreement(self, target, x)
         if reason is None:
             self.checked.add(signature_key(x))
         return reason

@@ -158,6 +158,25 @@ model.set_weights(weights)
 del resumed, whole
 
 # %% [markdown]
+# The file itself is checked too. Before a run resumes, and before it
+# returns a finished file, the `.npy`'s header, shape, dtype and size must
+# match the ledger: a copy cut short or a full disk is refused, never read
+# as rows of zeros. While a run writes, it holds a lock (`J.npy.lock`) that
+# dies with its process: a second run on the same file is refused at once,
+# and a killed run can be resumed straight away. Here a finished file is
+# cut to a quarter behind the run's back:
+
+# %%
+cut = folder / "cut.npy"
+ju.chunked_jacobian(model, x[:2_000], chunk_size=resume_chunk, out=cut,
+                    method="per_sample", progress=False)
+os.truncate(cut, os.path.getsize(cut) // 4)
+try:
+    ju.chunked_jacobian(model, x[:2_000], out=cut, method="per_sample")
+except ju.resume.ResumeMismatch as error:
+    print("ResumeMismatch:", error)
+
+# %% [markdown]
 # The normal equations of notebook 05 resume the same way:
 # `problem.normal_equations(theta, checkpoint="sums.npz")` saves the partial
 # sums after each chunk and, called again, adds the remaining chunks in the
@@ -185,7 +204,10 @@ del resumed, whole
 # listening on 127.0.0.1 only, and stops them all when the `with` block or
 # `close()` ends. A Keras model does not pickle well between processes, so
 # each worker rebuilds it from `model.to_json()` and the weights, and checks
-# on one sample that it computes what yours does:
+# on one sample that it computes what yours does. Writing into a file, a
+# worker first checks the run's random token in the ledger beside the file
+# it sees: a worker that sees another file at that path (a disk of its own
+# instead of the shared one) fails, rather than write rows nobody reads:
 
 # %%
 ju.notebook.show_source(ju.distributed._rows_task)
