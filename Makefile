@@ -13,7 +13,7 @@ export TF_CPP_MIN_LOG_LEVEL := 2
 export JUPYTER_PREFER_ENV_PATH := 1
 export PYDEVD_DISABLE_FILE_VALIDATION := 1
 
-.PHONY: setup run test lint notebooks lab learner site lock clean bench bench-peers
+.PHONY: setup run test lint notebooks lab learner site lock clean bench bench-peers fuzz
 
 setup: $(STAMP)
 
@@ -39,6 +39,23 @@ test: setup lint
 		-n 2 --dist loadfile
 	$(BIN)/python -c "from jacutil.workers import leftovers as l; \
 		assert not l(), f'processes left behind by LocalWorkers: {l()}'"
+
+# The generated-model test (tests/test_generated_models.py) for longer, with a
+# random seed: FUZZ_EXAMPLES examples per test (5 tests; a model example costs
+# about 2-5 CPU seconds, so the default runs about an hour on 2 cores), and
+# shrinking on, so that a failure prints as a small program that builds the
+# model. Repeat a run with make fuzz FUZZ_SEED=<the seed it printed>.
+FUZZ_EXAMPLES ?= 500
+ifndef FUZZ_SEED
+FUZZ_SEED := $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
+endif
+fuzz: setup
+	@echo "make fuzz: seed $(FUZZ_SEED), $(FUZZ_EXAMPLES) examples per test" \
+		"(repeat it: make fuzz FUZZ_SEED=$(FUZZ_SEED) FUZZ_EXAMPLES=$(FUZZ_EXAMPLES))"
+	JACUTIL_FUZZ=1 JACUTIL_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest \
+		tests/test_generated_models.py -n 2 --dist load -p no:cacheprovider \
+		--hypothesis-seed=$(FUZZ_SEED) --hypothesis-show-statistics; \
+		status=$$?; echo "make fuzz: seed $(FUZZ_SEED)"; exit $$status
 
 lint: setup
 	$(BIN)/ruff check .

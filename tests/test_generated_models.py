@@ -1,0 +1,357 @@
+"""Generated models against one tape per sample: every public entry (issue 21).
+
+Hypothesis draws Keras models from the layers and options jacutil's rules
+claim, and functional graphs (``tests/generated.py``), in float32 and
+float64, and checks each public entry against ``tape_jacobian`` /
+``tape_loss_gradients`` (one ``tf.GradientTape`` per sample):
+
+* ``jacobian`` (as is, and with ``out=``), ``chunked_jacobian`` with
+  ``method="per_sample"`` and ``"rules"`` and a chunk size that often leaves
+  a short last chunk (one sample, half the time);
+* ``forward_jacobian`` (all columns in one pass, or several), ``jvp``
+  (forward or double-backward mode, whole or in chunks), ``vjp`` and
+  ``jacobian_operator`` (``matvec``, ``rmatvec``, ``matmat``);
+* ``per_sample_gradients`` and ``per_sample_gradient_norms`` with mean
+  squared error, (sparse) categorical and binary cross-entropy under a
+  matching last activation, and cross-entropy from logits.
+
+An entry may refuse a model, with a clear error that names the feature
+(:func:`clear_refusal`); anything else is a failure, named after the entry
+and the kind (``jacobian_wrong``, ``vjp_crash``, ...) so that Hypothesis
+reports distinct failures apart. A failing example prints as the program
+that builds the model: paste it after ``from tests.generated import *``.
+
+Profiles (this module's tests only, not other Hypothesis tests):
+
+* ``ci`` (default): ``derandomize=True`` (a fixed seed), a budget of about
+  two minutes for this file with ``-n 2`` on a 2-core machine, and no
+  shrinking (a failure prints as drawn, at once; ``JACUTIL_SHRINK=1``
+  shrinks it, for a small reproduction);
+* ``fuzz`` (``JACUTIL_FUZZ=1``, what ``make fuzz`` sets): a random seed
+  (``--hypothesis-seed`` to repeat one), ``JACUTIL_FUZZ_EXAMPLES`` examples
+  per test (default 500), and shrinking, so a failure prints minimal.
+
+Nothing is written into the repository (``database=None``). Each distinct
+failure found so far is a named test in ``tests/test_generated_regressions.py``.
+"""
+
+import os
+import re
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, Phase, assume, given, note, reject, settings
+from hypothesis import strategies as st
+
+import jacutil as ju
+from jacutil.guards import JacobianError
+from tests.generated import (
+    chain_cases,
+    clear_refusal,
+    graph_cases,
+    loss_cases,
+    stems,
+    tape_jacobian,
+    tape_loss_gradients,
+    wide_cases,
+)
+
+FUZZ = os.environ.get("JACUTIL_FUZZ", "") not in ("", "0")
+# examples per test in the ci profile: this file in about two minutes with
+# -n 2 on the 2-core machine, shared (measured 2026-12-01: 4-8 s an example,
+# load 4; see tests/README-generated.md)
+CI_EXAMPLES = {"reverse": 12, "forward": 12, "losses": 15}
+
+_common = {
+    "deadline": None,
+    "database": None,
+    "print_blob": True,
+    "suppress_health_check": list(HealthCheck),
+}
+SHRINK = os.environ.get("JACUTIL_SHRINK", "") not in ("", "0")
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    phases=list(Phase) if SHRINK else [Phase.explicit, Phase.reuse, Phase.generate],
+    **_common,
+)
+settings.register_profile(
+    "fuzz",
+    max_examples=int(os.environ.get("JACUTIL_FUZZ_EXAMPLES", "500")),
+    **_common,
+)
+PROFILE = settings.get_profile("fuzz" if FUZZ else "ci")
+
+
+def budget(family):
+    """This module's settings for a test of ``family`` (not loaded globally:
+    other Hypothesis tests keep their own)."""
+    if FUZZ:
+        return settings(PROFILE)
+    return settings(PROFILE, max_examples=CI_EXAMPLES[family])
+
+
+TOLERANCE = {"float32": 1e-4, "float64": 1e-8}  # times max(1, the scale)
+
+
+# --- failures, by entry and kind ----------------------------------------------
+
+_FAILURES = {}
+
+
+def failure(entry, kind):
+    """An AssertionError subclass per (entry, kind): Hypothesis tells failures
+    apart by their type and where they were raised, so each shows separately."""
+    key = (entry.split("(")[0], kind)  # jvp(mode=...) is jvp
+    if key not in _FAILURES:
+        name = re.sub(r"\W+", "_", "_".join(key)).strip("_")
+        _FAILURES[key] = type(name, (AssertionError,), {"__module__": __name__})
+    return _FAILURES[key]
+
+
+def features(case, model, variables):
+    """What a refusal of this case may name: the program's words, the
+    layers' names and types, the variables' names."""
+    found = set(case.features)
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        found |= {layer.name} | stems(type(layer).__name__)
+    found |= {v.name for v in variables} | {v.path for v in variables}
+    return found
+
+
+def run(entry, call, known):
+    """``call()``, or None when it refuses clearly; a crash is a failure."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return call()
+    except Exception as error:  # noqa: BLE001 - sorted into refusal or crash
+        if clear_refusal(error, known):
+            note(f"{entry} refused: {type(error).__name__}: {error}")
+            return None
+        raise failure(entry, "crash")(
+            f"{entry} raised {type(error).__name__}: {error}"
+        ) from error
+
+
+def _owner(index, variables):
+    sizes = np.cumsum([int(np.prod(v.shape)) for v in variables])
+    j = int(np.searchsorted(sizes, index, side="right"))
+    return variables[j].path if j < len(variables) else "?"
+
+
+def assert_close(entry, got, expected, dtype, scale, variables=None):
+    """``got`` equals ``expected`` within TOLERANCE[dtype] * max(1, scale)."""
+    got = np.asarray(got)
+    if got.shape != expected.shape:
+        raise failure(entry, "shape")(
+            f"{entry}: shape {got.shape}, the tape's is {expected.shape}"
+        )
+    allowed = TOLERANCE[dtype] * max(1.0, float(scale))
+    error = np.abs(got.astype(np.float64) - expected)
+    if np.all(error <= allowed):  # NaN fails
+        return
+    where = np.unravel_index(np.nanargmax(np.where(np.isnan(error), np.inf, error)),
+                             error.shape)  # fmt: skip
+    column = ""
+    if variables is not None and got.ndim >= 2:
+        column = f" (column of {_owner(where[-1], variables)})"
+    raise failure(entry, "wrong")(
+        f"{entry}: off by {np.nanmax(error):.3g} (allowed {allowed:.3g}) at "
+        f"{tuple(int(i) for i in where)}{column}: got {got[where]!r}, the tape "
+        f"gives {expected[where]!r}; {int(np.sum(~(error <= allowed)))} of "
+        f"{error.size} entries differ"
+    )
+
+
+# --- building a case ----------------------------------------------------------
+
+
+def build(case):
+    """The case's namespace, its reference Jacobian and the entries' options."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ns = case.build()
+    model, variables = ns["model"], ns["variables"]
+    note(f"n_params = {sum(int(np.prod(v.shape)) for v in variables)}")
+    explicit = "model.weights[" in case.source
+    ns["options"] = {"variables": variables} if explicit else {}
+    ns["known"] = features(case, model, variables)
+    return ns
+
+
+def reference(case, ns, compute=None):
+    """The tape's answer; an example Keras itself cannot run (a Softmax layer
+    under an Embedding's mask, say) or that overflows is drawn again."""
+    compute = compute or (lambda: tape_jacobian(ns["model"], ns["x"], ns["variables"]))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            answer = compute()
+    except Exception as error:  # noqa: BLE001 - the model, not jacutil
+        note(f"the model itself fails: {type(error).__name__}: {error}")
+        reject()
+    assume(np.all(np.isfinite(answer)))
+    return answer
+
+
+# --- the tests ----------------------------------------------------------------
+
+
+def check_reverse(case):
+    ns = build(case)
+    J = reference(case, ns)
+    model, x, options, known = ns["model"], ns["x"], ns["options"], ns["known"]
+    scale = np.abs(J).max(initial=0)
+    chunk = ns["chunk_size"]
+    entries = {
+        "jacobian": lambda: ju.jacobian(model, x, **options),
+        "jacobian(out=, explain=True)": lambda: ju.jacobian(
+            model, x, out=np.empty(J.shape, case.dtype), explain=True, **options
+        )[0],
+    }
+    for method in ("per_sample", "rules"):
+        entries[f"chunked_jacobian({method}, chunk_size={chunk})"] = (
+            lambda method=method: ju.chunked_jacobian(
+                model, x, chunk_size=chunk, method=method, progress=False, **options
+            )
+        )
+    for entry, call in entries.items():
+        got = run(entry, call, known)
+        if got is not None:
+            assert_close(entry, got, J, case.dtype, scale, ns["variables"])
+
+
+@budget("reverse")
+@given(case=st.one_of(chain_cases(), wide_cases()))
+def test_reverse_entries_on_chains(case):
+    check_reverse(case)
+
+
+@budget("reverse")
+@given(case=graph_cases())
+def test_reverse_entries_on_graphs(case):
+    check_reverse(case)
+
+
+def check_forward(case, data):
+    ns = build(case)
+    J = reference(case, ns)
+    model, x, options, known = ns["model"], ns["x"], ns["options"], ns["known"]
+    variables = ns["variables"]
+    n, n_outputs, m = J.shape
+    columns = data.draw(st.sampled_from([64, 3]), label="columns_per_pass")
+    mode = data.draw(st.sampled_from(["forward", "double_backward"]), label="mode")
+    chunk = data.draw(st.sampled_from([None, ns["chunk_size"]]), label="chunk_size")
+    rng = np.random.default_rng(n * 1000 + m)
+    v = rng.standard_normal(m).astype(case.dtype)
+    u = rng.standard_normal((n, n_outputs)).astype(case.dtype)
+    V = rng.standard_normal((m, 2)).astype(case.dtype)
+    absJ = np.abs(J)
+
+    entry = f"forward_jacobian(columns_per_pass={columns})"
+    got = run(entry, lambda: ju.forward_jacobian(
+        model, x, columns_per_pass=columns, **options), known)  # fmt: skip
+    if got is not None:
+        assert_close(entry, got, J, case.dtype, absJ.max(initial=0), variables)
+
+    products = {"mode": mode, "chunk_size": chunk, **options}
+    entry = f"jvp(mode={mode!r}, chunk_size={chunk})"
+    got = run(entry, lambda: ju.jvp(model, x, v, **products), known)
+    if got is not None:
+        scale = (absJ @ np.abs(v)).max(initial=0)
+        assert_close(entry, got, J @ v, case.dtype, scale)
+
+    entry = f"vjp(chunk_size={chunk})"
+    got = run(entry, lambda: ju.vjp(model, x, u, **{**products, "mode": "forward"}),
+              known)  # fmt: skip
+    expected = np.einsum("nlm,nl->m", J, u)
+    scale = np.einsum("nlm,nl->m", absJ, np.abs(u)).max(initial=0)
+    if got is not None:
+        assert_close(entry, got, expected, case.dtype, scale)
+
+    entry = "jacobian_operator"
+    operator = run(entry, lambda: ju.jacobian_operator(model, x, **options), known)
+    if operator is None:
+        return
+    rows = J.reshape(n * n_outputs, m)
+    for name, call, want, bound in [
+        ("matvec", lambda: operator.matvec(v), rows @ v, np.abs(rows) @ np.abs(v)),
+        ("rmatvec", lambda: operator.rmatvec(u.reshape(-1)), expected,
+         np.abs(rows).T @ np.abs(u.reshape(-1))),
+        ("matmat", lambda: operator.matmat(V), rows @ V, np.abs(rows) @ np.abs(V)),
+    ]:  # fmt: skip
+        got = run(f"{entry}.{name}", call, known)
+        if got is not None:
+            assert_close(f"{entry}.{name}", got, want, case.dtype,
+                         bound.max(initial=0))  # fmt: skip
+
+
+@budget("forward")
+@given(case=chain_cases(), data=st.data())
+def test_forward_entries_on_chains(case, data):
+    check_forward(case, data)
+
+
+@budget("forward")
+@given(case=graph_cases(), data=st.data())
+def test_forward_entries_on_graphs(case, data):
+    check_forward(case, data)
+
+
+@budget("losses")
+@given(case=loss_cases())
+def test_per_sample_gradients_with_keras_losses(case):
+    ns = build(case)
+    model, x, y, loss = ns["model"], ns["x"], ns["y"], ns["loss"]
+    options, known, variables = ns["options"], ns["known"], ns["variables"]
+    G = reference(case, ns, lambda: tape_loss_gradients(model, loss, x, y, variables))
+    scale = np.abs(G).max(initial=0)
+    entry = "per_sample_gradients"
+    got = run(entry, lambda: ju.per_sample_gradients(model, loss, x, y, **options),
+              known)  # fmt: skip
+    if got is not None:
+        assert_close(entry, got, G, case.dtype, scale, variables)
+    entry = "per_sample_gradient_norms"
+    got = run(entry, lambda: ju.per_sample_gradient_norms(
+        model, loss, x, y, **options), known)  # fmt: skip
+    if got is not None:
+        norms = np.linalg.norm(G, axis=1)
+        assert_close(entry, got, norms, case.dtype, norms.max(initial=0))
+
+
+# --- the instrument itself ----------------------------------------------------
+
+
+def test_clear_refusal_tells_refusals_from_crashes():
+    named = {"Conv2D", "groups", "group"}
+    assert clear_refusal(JacobianError("a grouped convolution (groups=2)"), named)
+    assert not clear_refusal(JacobianError("something went wrong"), named)
+    with pytest.raises(ValueError) as raised:  # jacutil's own check
+        ju.chunked_jacobian(lambda t: t, np.zeros((2, 2)), variables=[], chunk_size=1)
+    assert clear_refusal(raised.value, {"variables"})
+    assert not clear_refusal(KeyError("groups"), named)
+    op_error = ju.tf.errors.InvalidArgumentError(None, None, "groups")
+    assert not clear_refusal(op_error, named)
+    with pytest.raises(Exception) as raised:  # noqa: B017 - raised inside TensorFlow
+        ju.tf.reshape(ju.tf.zeros([3]), [2])
+    assert not clear_refusal(raised.value, {"reshape", "Reshape"})
+
+
+@pytest.mark.parametrize(
+    "strategy", [chain_cases, graph_cases, loss_cases, wide_cases]
+)
+def test_generated_programs_run_as_printed(strategy):
+    """A case's printed program is a standalone reproduction."""
+
+    @settings(PROFILE, max_examples=3, derandomize=True)
+    @given(case=strategy())
+    def runs(case):
+        from tests import generated
+
+        ns = {k: v for k, v in vars(generated).items() if k != "dtype"}
+        exec(case.source, ns)  # noqa: S102
+        ns["model"](ns["x"])
+
+    runs()
