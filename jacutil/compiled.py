@@ -4,7 +4,15 @@ import numpy as np
 
 from ._tf import tf
 from .batch import as_batch, n_samples, pad_with_last, signature, signature_key, take
-from .formulation import batch_tensor, per_sample_tensor, quiet_function
+from .formulation import (
+    batch_tensor,
+    first_line,
+    map_fn_jacobian,
+    per_sample_tensor,
+    pfor_failed_when_run,
+    quiet_function,
+    warn_sample_by_sample,
+)
 from .guards import note_trace
 from .outputs import output_layout
 from .rules import plan_for
@@ -51,6 +59,7 @@ class CompiledJacobian:
         self._owner = owner  # keeps the model alive as long as jac
         self._functions = {}  # input signature -> tf.function
         self.plan, self.fallback = None, None
+        self.pfor_failed = None  # why pfor failed when run, if it did
         if method == "rules":
             model = owner if model is None else model
             self.plan, self.fallback = plan_for(
@@ -87,6 +96,11 @@ class CompiledJacobian:
         )
 
     def _jacobian(self, x):
+        if self.pfor_failed:
+            self.formulation = (
+                f"tf.map_fn over samples: pfor failed ({self.pfor_failed})"
+            )
+            return map_fn_jacobian(self.target, x)
         if self.plan is not None:
             self.formulation = self.plan.describe()
             return self.plan.tensor(x)
@@ -134,6 +148,9 @@ class CompiledJacobian:
         try:
             return self._functions[key](x)
         except tf.errors.InvalidArgumentError as error:
+            retry = self.plan is None and not self.pfor_failed
+            if retry and pfor_failed_when_run(error):
+                return self._sample_by_sample(key, x, error)
             if not (self.jit_compile and "XLA" in str(error)):
                 raise
         # XLA cannot compile this formulation (tf.map_fn's TensorList): use
@@ -145,6 +162,16 @@ class CompiledJacobian:
         result = self._functions[key](x)
         self.formulation += ", without XLA (XLA cannot compile it)"
         return result
+
+    def _sample_by_sample(self, key, x, error):
+        """pfor converted the graph but its result fails when run (TF 2.21,
+        e.g. a recurrent loop kept under a mask): run the samples one at a
+        time in ``tf.map_fn`` from now on - correct, and much slower."""
+        self.pfor_failed = first_line(error)
+        if not (self.formulation or "").startswith("tf.map_fn"):  # said once
+            warn_sample_by_sample(self.pfor_failed, stacklevel=5)
+        self._functions = {key: self._build(x)}
+        return self._functions[key](x)
 
     def __call__(self, x, *, copy=True):
         """Return the (n_samples, n_outputs, n_params) Jacobian of ``x``.

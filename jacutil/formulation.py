@@ -50,8 +50,45 @@ class SlowPathWarning(UserWarning):
 
 
 def recurrent_layers(target):
-    """The model's Keras RNN layers (nested ones and Bidirectional's included)."""
-    return [layer for layer in target.layers if isinstance(layer, keras.layers.RNN)]
+    """The model's Keras RNN layers that may be unrolled while traced (nested
+    ones and Bidirectional's included).
+
+    Not a Bidirectional's layers in a model that makes a mask: Keras 3.15
+    computes another function when those are unrolled (up to 0.06 apart on
+    a masked sequence), so they keep their loop - and the stage that cannot
+    vectorize it falls back (``tf.map_fn``) or refuses (forward mode).
+    """
+    masked = any(
+        getattr(layer, "mask_zero", False) or isinstance(layer, keras.layers.Masking)
+        for layer in target.layers
+    )
+    kept = set()
+    if masked:
+        for layer in target.layers:
+            if isinstance(layer, keras.layers.Bidirectional):
+                kept |= {id(layer.forward_layer), id(layer.backward_layer)}
+    return [
+        layer
+        for layer in target.layers
+        if isinstance(layer, keras.layers.RNN) and id(layer) not in kept
+    ]
+
+
+def refuse_kept_loops(target):
+    """Raise :class:`ForwardModeBlindSpot` when a recurrent layer keeps its
+    loop (see :func:`recurrent_layers`): forward mode carries no tangent
+    through a ``while_loop``'s variable reads (TF 2.21)."""
+    unrolled_ids = {id(layer) for layer in recurrent_layers(target)}
+    for layer in target.layers:
+        if isinstance(layer, keras.layers.RNN) and id(layer) not in unrolled_ids:
+            raise ForwardModeBlindSpot(
+                f"forward mode cannot differentiate this model: its recurrent "
+                f"layer {layer.name!r} is part of a Bidirectional over a masked "
+                "sequence, which keeps its loop (Keras computes another function "
+                "when it is unrolled), and TensorFlow 2.21's forward mode carries "
+                "no tangent through a loop. Use reverse mode: jacutil.jacobian "
+                'for J, products(mode="double_backward") for J @ v.'
+            )
 
 
 @contextlib.contextmanager
@@ -266,11 +303,33 @@ def _padded_per_sample(target, x):
     return per_sample_tape_jacobian(target, pad_with_last(x, rows + 1))[:rows]
 
 
+NOT_THE_MESSAGE = ("File ", "[[", "Detected at node", "Graph execution error")
+
+
 def first_line(error):
+    """The line of ``error`` that says what went wrong (not where)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    last = lines[-1] if lines else ""
+    lines = [line for line in lines if not line.startswith(NOT_THE_MESSAGE)]
+    last = lines[-1] if lines else type(error).__name__
     message = next((line for line in lines if "Error" in line), last)
     return str(message)[:200]
+
+
+def pfor_failed_when_run(error):
+    """Whether ``error`` is pfor's converted graph failing when it runs."""
+    return isinstance(error, tf.errors.InvalidArgumentError) and "/pfor/" in str(
+        error
+    )
+
+
+def warn_sample_by_sample(reason, stacklevel=4):
+    warnings.warn(
+        f"tf.vectorized_map could not vectorize this model ({reason}), so its "
+        "samples run one at a time in tf.map_fn: correct, and much slower. "
+        "Please report the model if it is a standard Keras one.",
+        SlowPathWarning,
+        stacklevel=stacklevel,
+    )
 
 
 def _in_a_graph(method):
@@ -286,7 +345,16 @@ def _in_a_graph(method):
             J, said["formulation"] = method(target, x, xla)
             return J
 
-        return quiet_function(traced)(x), said["formulation"]
+        try:
+            return quiet_function(traced)(x), said["formulation"]
+        except tf.errors.InvalidArgumentError as error:
+            if not pfor_failed_when_run(error):
+                raise
+            reason = first_line(error)
+        if not said["formulation"].startswith("tf.map_fn"):  # not said yet
+            warn_sample_by_sample(reason)
+        J = quiet_function(lambda x: map_fn_jacobian(target, x))(x)
+        return J, f"tf.map_fn over samples: pfor failed when run ({reason})"
 
     return functools.wraps(method)(run)
 
@@ -320,13 +388,7 @@ def per_sample_tensor(target, x, xla=False):
         if isinstance(error, JacobianError):
             raise
         reason = first_line(error)
-    warnings.warn(
-        f"tf.vectorized_map could not vectorize this model ({reason}), so its "
-        "samples run one at a time in tf.map_fn: correct, and much slower. "
-        "Please report the model if it is a standard Keras one.",
-        SlowPathWarning,
-        stacklevel=4,
-    )
+    warn_sample_by_sample(reason)
     return map_fn_jacobian(target, x), f"tf.map_fn over samples: pfor failed ({reason})"
 
 

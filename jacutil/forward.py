@@ -18,6 +18,7 @@ from .formulation import (
     quiet_function,
     recurrent_layers,
     refuse_hidden_reads,
+    refuse_kept_loops,
     unrolled,
 )
 from .outputs import output_layout
@@ -64,6 +65,7 @@ class ForwardJacobian:
         return tf.transpose(columns, [1, 2, 0])
 
     def __call__(self, x):
+        refuse_kept_loops(self.target)
         x = as_batch(x, self.target)
         n_outputs = output_layout(self.target, x).n_outputs
         m = self.target.n_params

@@ -14,8 +14,6 @@ kernel's per-sample gradient is the outer product ``a delta^T``, whose norm is
 ``(|a_i|^2 + 1) |delta_i|^2`` (the 1 for the bias).
 """
 
-import warnings
-
 import numpy as np
 
 from ._tf import tf
@@ -23,11 +21,14 @@ from .batch import as_batch, n_samples, pad_with_last
 from .cache import compiled_for
 from .formulation import (
     PFOR_ERRORS,
-    SlowPathWarning,
     first_line,
+    new_ops,
+    onednn_hazards,
+    pfor_failed_when_run,
     quiet_function,
     recurrent_layers,
     unrolled,
+    warn_sample_by_sample,
 )
 from .guards import JacobianError
 from .rules.dense import DenseRule
@@ -97,8 +98,9 @@ def _signal(loss_fn, y):
     return signal
 
 
-def _autodiff_gradients(target, x, y, loss_fn):
-    """(n, m) by one gradient per sample, vectorized over samples."""
+def _autodiff_gradients(target, x, y, loss_fn, vectorize=True, xla=False):
+    """(n, m) by one gradient per sample, vectorized over samples (or, with
+    ``vectorize=False``, one after another in ``tf.map_fn``)."""
     tracked = [watched(v) for v in target.variables]
     sizes = [int(np.prod(v.shape, dtype=np.int64)) for v in target.variables]
 
@@ -117,22 +119,28 @@ def _autodiff_gradients(target, x, y, loss_fn):
             0,
         )
 
-    with unrolled(recurrent_layers(target)):
+    if not vectorize:
+        signature = tf.TensorSpec([sum(sizes)], target.dtype)
+        return tf.map_fn(one, (x, y), fn_output_signature=signature)
+    with unrolled(recurrent_layers(target)), new_ops() as created:
         try:
-            return tf.vectorized_map(one, (x, y))
+            G = tf.vectorized_map(one, (x, y))
         except PFOR_ERRORS as error:
             if isinstance(error, JacobianError):
                 raise
-            reason = first_line(error)
-    warnings.warn(
-        f"tf.vectorized_map could not vectorize this model's loss gradients "
-        f"({reason}), so its samples run one at a time in tf.map_fn: correct, "
-        "and much slower. Please report the model if it is a standard Keras one.",
-        SlowPathWarning,
-        stacklevel=2,
-    )
-    signature = tf.TensorSpec([sum(sizes)], target.dtype)
-    return tf.map_fn(one, (x, y), fn_output_signature=signature)
+            raise _PforFailed(first_line(error)) from None
+    if onednn_hazards(created) and not xla:
+        raise _NeedsXla()
+    return G
+
+
+class _PforFailed(Exception):
+    """pfor could not vectorize the trace: trace again, sample by sample."""
+
+
+class _NeedsXla(Exception):
+    """The trace holds a batch matmul that oneDNN mishandles
+    (``jacutil.formulation.onednn_hazards``): trace again under XLA."""
 
 
 def _dense_norms(plan, x, signal):
@@ -206,16 +214,31 @@ class _Gradients:
             return None
 
     def by_autodiff(self, loss_fn):
-        """One gradient per sample; pfor fails on some graphs with one sample
-        (TF 2.21), so a batch of one runs as two copies of it."""
+        """One gradient per sample, vectorized by pfor - under XLA where the
+        trace holds a batch matmul that oneDNN mishandles, one sample at a
+        time (``tf.map_fn``) where pfor fails. pfor fails on some graphs with
+        one sample (TF 2.21), so a batch of one runs as two copies of it."""
         x, y = self.x, self.y
         if self.rows == 1:
             x, y = pad_with_last(x, 2), tf.concat([y, y], 0)
 
-        def gradients(x, y):
-            return _autodiff_gradients(self.target, x, y, loss_fn)
+        def gradients(vectorize, xla=False):
+            def traced(x, y):
+                return _autodiff_gradients(self.target, x, y, loss_fn, vectorize, xla)
 
-        return quiet_function(gradients, autograph=False)(x, y).numpy()[: self.rows]
+            return quiet_function(traced, autograph=False, jit_compile=xla)
+
+        try:
+            try:
+                G = gradients(vectorize=True)(x, y)
+            except _NeedsXla:
+                G = gradients(vectorize=True, xla=True)(x, y)
+        except (_PforFailed, tf.errors.InvalidArgumentError) as error:
+            if not isinstance(error, _PforFailed) and not pfor_failed_when_run(error):
+                raise
+            warn_sample_by_sample(first_line(error), stacklevel=3)
+            G = gradients(vectorize=False)(x, y)
+        return G.numpy()[: self.rows]
 
 
 def per_sample_gradients(model, loss_fn, x, y, *, variables=None, training=False):

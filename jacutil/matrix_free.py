@@ -28,6 +28,7 @@ from .formulation import (
     quiet_function,
     recurrent_layers,
     refuse_hidden_reads,
+    refuse_kept_loops,
     refuse_shape_preserving_max_pools,
     unrolled,
 )
@@ -165,6 +166,8 @@ class Products:
 
     def jvp(self, x, v):
         """``J @ v`` as (n, l): v is a flat parameter direction of length m."""
+        if self.mode == "forward":
+            refuse_kept_loops(self.target)
         self._check_shapes()
         x = as_batch(x, self.target)
         output_layout(self.target, x)
