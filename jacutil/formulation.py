@@ -74,21 +74,30 @@ def recurrent_layers(target):
     ]
 
 
+def kept_loops(target):
+    """The recurrent layers that keep their loop (see :func:`recurrent_layers`)."""
+    unrolled_ids = {id(layer) for layer in recurrent_layers(target)}
+    return [
+        layer
+        for layer in target.layers
+        if isinstance(layer, keras.layers.RNN) and id(layer) not in unrolled_ids
+    ]
+
+
 def refuse_kept_loops(target):
     """Raise :class:`ForwardModeBlindSpot` when a recurrent layer keeps its
-    loop (see :func:`recurrent_layers`): forward mode carries no tangent
-    through a ``while_loop``'s variable reads (TF 2.21)."""
-    unrolled_ids = {id(layer) for layer in recurrent_layers(target)}
-    for layer in target.layers:
-        if isinstance(layer, keras.layers.RNN) and id(layer) not in unrolled_ids:
-            raise ForwardModeBlindSpot(
-                f"forward mode cannot differentiate this model: its recurrent "
-                f"layer {layer.name!r} is part of a Bidirectional over a masked "
-                "sequence, which keeps its loop (Keras computes another function "
-                "when it is unrolled), and TensorFlow 2.21's forward mode carries "
-                "no tangent through a loop. Use reverse mode: jacutil.jacobian "
-                'for J, products(mode="double_backward") for J @ v.'
-            )
+    loop: forward mode carries no tangent through a ``while_loop``'s variable
+    reads (TF 2.21)."""
+    kept = kept_loops(target)
+    if kept:
+        raise ForwardModeBlindSpot(
+            f"forward mode cannot differentiate this model: its recurrent "
+            f"layer {kept[0].name!r} is part of a Bidirectional over a masked "
+            "sequence, which keeps its loop (Keras computes another function "
+            "when it is unrolled), and TensorFlow 2.21's forward mode carries "
+            "no tangent through a loop. Use reverse mode: jacutil.jacobian "
+            'for J, products(mode="double_backward") for J @ v.'
+        )
 
 
 @contextlib.contextmanager
@@ -373,6 +382,12 @@ def per_sample_tensor(target, x, xla=False):
         return map_fn_jacobian(target, x), (
             "tf.map_fn over samples: random layers in training mode "
             f"({', '.join(random)}) draw one mask per sample"
+        )
+    kept = kept_loops(target)
+    if kept:  # pfor cannot vectorize a while_loop's gradient
+        return map_fn_jacobian(target, x), (
+            "tf.map_fn over samples: recurrent layers that keep their loop "
+            f"({', '.join(layer.name for layer in kept)})"
         )
     rnns = recurrent_layers(target)
     formulation = ["tf.vectorized_map over samples"]

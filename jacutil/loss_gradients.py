@@ -22,6 +22,7 @@ from .cache import compiled_for
 from .formulation import (
     PFOR_ERRORS,
     first_line,
+    kept_loops,
     new_ops,
     onednn_hazards,
     pfor_failed_when_run,
@@ -228,6 +229,8 @@ class _Gradients:
 
             return quiet_function(traced, autograph=False, jit_compile=xla)
 
+        if kept_loops(self.target):  # pfor cannot vectorize a while_loop
+            return gradients(vectorize=False)(x, y).numpy()[: self.rows]
         try:
             try:
                 G = gradients(vectorize=True)(x, y)

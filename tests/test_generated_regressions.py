@@ -287,7 +287,8 @@ def test_residual_dense_of_one_unit_per_sample_gradients():
     check_jacobians(model, x)
 
 
-@pytest.mark.parametrize("rnn", ["LSTM", "GRU", "SimpleRNN"])
+# one kind is enough: which layers keep their loop does not depend on it
+@pytest.mark.parametrize("rnn", ["LSTM"])
 def test_bidirectional_sequences_under_a_mask(rnn):
     """Wrong on 715c8dc to fc86099 (2026-12-01), in float64 too:
     jacobian 0.2 to 0.65 off, per_sample_gradients 0.04 to 0.07 off, for an

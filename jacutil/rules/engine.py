@@ -88,7 +88,7 @@ def _filled(arguments, a):
 
 
 def chain_nodes(model):
-    """The model's calls from input to output as :class:`Node`s, or None if
+    """The model's calls from input to output as :class:`Node` objects, or None if
     it is not a chain.
 
     An exact ``Sequential`` (nested ones are opened), or a functional model

@@ -47,9 +47,9 @@ class Rule:
     variable -> position) to its (n, l, size) block of columns and
     ``delta_below`` is the signal at the layer's input (None when not needed).
 
-    The signal ``delta`` is (n, l, *output shape), one row per sample, unless
+    The signal ``delta`` is ``(n, l, *output_shape)``, one row per sample, unless
     the rule says it takes a signal shared by every sample
-    (``shared_signal``): then it may be (1, l, *output shape).
+    (``shared_signal``): then it may be ``(1, l, *output_shape)``.
     """
 
     name = "rule"
