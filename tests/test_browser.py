@@ -1,11 +1,13 @@
-"""Every notebook run in JupyterLab, in headless Chromium, as a learner runs it.
+"""Every notebook's learner copy run in JupyterLab, in headless Chromium, as a
+workshop participant runs it.
 
-Starts `jupyter lab` on a free loopback port with a token, over a temporary copy
-of the notebooks (so nothing in the repository is saved over), opens each
-notebook in Chromium driven by Playwright, clears the stored outputs, runs all
-cells from the Run menu, waits until every cell has run, and checks what
-a person would see: no error output (but in cells tagged `raises-exception`),
-no red stderr box, every figure rendered as an image, the progress bars drawn.
+Starts `jupyter lab` on a free loopback port with a token, over learner copies of
+the notebooks (solutions emptied to stubs, small parameters injected; nothing in
+the repository is saved over), opens each in Chromium driven by Playwright,
+clears the outputs, runs all cells from the Run menu, waits until every cell has
+run, and checks what a person would see: no error output (but in cells tagged
+`raises-exception`), no red stderr box, every figure rendered as an image, the
+progress bars drawn, and each exercise's check saying "no answer yet".
 A screenshot of each notebook lands in build/screenshots/.
 
 Needs Debian's Chromium (`apt-get install -y chromium`) and the `playwright`
@@ -15,7 +17,6 @@ package; `.ci/run` installs both. Elsewhere the test is skipped.
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -28,19 +29,20 @@ import pytest
 
 from tests.chromium import CHROMIUM, CHROMIUM_FLAGS
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from make_learner import learner_copy  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 BOOKS = sorted((ROOT / "notebooks").glob("[0-9]*.ipynb"))
 TOKEN = "jacutil-browser-test"
-# Run here with the small parameters of tests/small_parameters/: the notebooks
-# whose defaults take a minute or more in JupyterLab (10 also starts worker
-# processes and writes gigabytes). nbval runs every notebook at its defaults,
-# papermill and the learner copy at its small ones; what the browser adds -
-# the page as a learner sees it, no error or stderr box - does not depend on
-# the sizes. make test stays near 20 minutes with the generated-model test.
-SMALL_HERE = {
-    "02-vectorized", "04-chunked", "05-scipy-least-squares", "07-benchmark",
-    "09-matrix-free", "10-beyond-one-machine",
-}  # fmt: skip
+# What runs here is each notebook's learner copy (scripts/make_learner.py:
+# solutions emptied to stubs), with its small parameters (tests/small_parameters/)
+# injected: what a workshop participant opens. nbval runs every full notebook at
+# its defaults and papermill at its small parameters; what the browser adds -
+# the page as a learner sees it, no error or stderr box, the checks saying "no
+# answer yet" - does not depend on the sizes. (At the defaults these were the
+# slowest tests of make test; notebook 10 also starts workers and writes
+# gigabytes.)
 SMALL = ROOT / "tests" / "small_parameters"
 SCREENSHOTS = ROOT / "build" / "screenshots"
 RUN_TIMEOUT_S = 240
@@ -77,10 +79,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def with_small_parameters(book, target):
-    """A copy of ``book`` with its small parameters in a cell after its
-    parameters cell, as papermill injects them."""
-    nb = nbformat.read(book, as_version=4)
+def learner_copy_with_small_parameters(book, target):
+    """The learner copy of ``book`` with its small parameters in a cell after
+    its parameters cell, as papermill injects them."""
+    nb, _ = learner_copy(nbformat.read(book, as_version=4))
     values = json.loads((SMALL / f"{book.stem}.json").read_text())
     at = next(
         i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", [])
@@ -98,10 +100,7 @@ def lab(tmp_path_factory):
     """A running JupyterLab over a copy of notebooks/; yields its base URL."""
     work = tmp_path_factory.mktemp("lab")
     for book in BOOKS:
-        if book.stem in SMALL_HERE:
-            with_small_parameters(book, work / book.name)
-        else:
-            shutil.copy(book, work / book.name)
+        learner_copy_with_small_parameters(book, work / book.name)
     settings = work / ".settings"
     for name, values in SETTINGS.items():
         path = settings / name
@@ -159,9 +158,15 @@ def browser():
 
 
 def expected(book):
-    """What the stored run of a notebook shows: figures, progress bars, errors."""
+    """What the stored run of a notebook shows outside its solutions (which
+    the learner copy empties): figures, progress bars, errors, checks."""
     nb = nbformat.read(book, as_version=4)
-    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    kept = [
+        c
+        for c in nb.cells
+        if c.cell_type == "code" and "solution" not in c.metadata.get("tags", [])
+    ]
+    outputs = [o for c in kept for o in c.outputs]
     raising = [
         c
         for c in nb.cells
@@ -175,6 +180,7 @@ def expected(book):
             for o in outputs
         ),
         "raising": len(raising),
+        "checks": sum("check.exercise(" in c.source for c in kept),
     }
 
 
@@ -250,6 +256,12 @@ def test_notebook_runs_cleanly_in_jupyterlab(lab, browser, book):
         progress = panel.locator(".jp-OutputArea-output .widget-hprogress")
         assert progress.count() >= min(want["widgets"], 1)
         assert not panel.get_by_text("Error displaying widget").count()
+        checks = panel.locator(".jp-CodeCell").filter(has_text="check.exercise(")
+        said = [
+            cell.locator(".jp-OutputArea").inner_text() for cell in checks.all()
+        ]
+        assert len(said) == want["checks"] > 0, said
+        assert all("no answer yet" in text for text in said), said
     finally:
         page.close()
         shut_down_kernels(lab)
