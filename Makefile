@@ -37,7 +37,7 @@ test: setup lint
 	$(BIN)/python -m pytest notebooks --nbval --nbval-current-env \
 		--nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout 600 \
 		-n 2 --dist loadfile
-	$(BIN)/python -c "from jacutil.workers import leftovers as l; \
+	$(BIN)/python -c "from jacutil.scale.workers import leftovers as l; \
 		assert not l(), f'processes left behind by LocalWorkers: {l()}'"
 
 # The generated-model test (tests/test_generated_models.py) for longer, with a

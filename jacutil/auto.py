@@ -3,13 +3,13 @@
 The staged functions (notebooks 01 to 07) are the lessons; this is the one
 call to use. It takes, for this model and this size:
 
-1. **forward mode** (``jacutil.forward``) when the outputs outnumber the
+1. **forward mode** (``jacutil.matrix_free.forward``) when the outputs outnumber the
    parameters many times over (notebook 09): one JVP per parameter;
 2. **the layer rules** (``jacutil.rules``) when the model is a Keras chain
    they can read, in inference mode: each layer writes its own blocks, no
    pfor over the model;
 3. otherwise **the compiled per-sample stage** (``tf.vectorized_map`` in a
-   ``tf.function``, recurrent layers unrolled; see ``jacutil.formulation``);
+   ``tf.function``, recurrent layers unrolled; see ``jacutil.core.formulation``);
 4. the rules or the compiled stage **in chunks** written into ``out`` when
    the working memory would pass ``memory_budget`` (default: half the
    memory free now), or when ``out`` is given (an array or a memmap).
@@ -21,13 +21,13 @@ the same model traces nothing. ``explain=True`` returns the choice and why.
 import os
 from dataclasses import dataclass, field
 
-from .batch import as_batch, n_samples
-from .cache import compiled_for, forward_for
-from .chunked import bytes_per_sample, chunk_size_for, chunked_jacobian
-from .formulation import ForwardModeBlindSpot
-from .outputs import output_layout
-from .resume import recorded_chunk_size
-from .target import variable_list
+from .core.batch import as_batch, n_samples
+from .core.cache import compiled_for, forward_for
+from .core.formulation import ForwardModeBlindSpot
+from .core.outputs import output_layout
+from .core.target import variable_list
+from .scale.resume import recorded_chunk_size
+from .stages.chunked import bytes_per_sample, chunk_size_for, chunked_jacobian
 
 
 @dataclass

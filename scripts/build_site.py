@@ -144,7 +144,7 @@ def api_page():
     """The API reference (api.rst: autodoc speaks reStructuredText) and the
     names that prose may link to it: functions and classes, and a module's
     members as `memory.predicted_bytes` (not a bare module name: `batch` is
-    more often a word than jacutil.batch)."""
+    more often a word than jacutil.core.batch)."""
     import jacutil
 
     own = [n for n in jacutil.__all__ if _is_jacutil(getattr(jacutil, n))]

@@ -1,6 +1,6 @@
 """The one helper of tests/test_check_notebook_NN.py."""
 
-from jacutil import check
+from jacutil.teaching import check
 
 
 def hint(key, answer, **context):

@@ -44,7 +44,7 @@ from hypothesis import strategies as st
 
 import jacutil
 from jacutil import keras, tf
-from jacutil.guards import JacobianError
+from jacutil.core.guards import JacobianError
 
 layers = keras.layers
 ops = keras.ops
@@ -213,7 +213,7 @@ def clear_refusal(error, features):
 
     A clear refusal is
 
-    * a ``jacutil.guards.JacobianError``, wherever it was raised (it passes
+    * a ``jacutil.core.guards.JacobianError``, wherever it was raised (it passes
       through ``tf.function`` traces unchanged), or a ``ValueError``,
       ``TypeError`` or ``NotImplementedError`` raised by jacutil's own code
       (the innermost frame of its traceback is in the jacutil package),

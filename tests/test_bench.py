@@ -223,7 +223,7 @@ def test_loglog_scaling_fits_slopes_only_over_three_sizes_or_more():
     import matplotlib
 
     matplotlib.use("Agg")
-    from jacutil.plots import loglog_scaling
+    from jacutil.teaching.plots import loglog_scaling
 
     ax = loglog_scaling(
         [10, 100, 1000], {"three": [1.0, 10.0, 100.0], "two": [1.0, 4.0, None]}

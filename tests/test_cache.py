@@ -1,4 +1,4 @@
-"""The cache of compiled functions (jacutil.cache): reused, and weakly owned."""
+"""The cache of compiled functions (jacutil.core.cache): reused, and weakly owned."""
 
 import gc
 import weakref
@@ -6,7 +6,8 @@ import weakref
 import numpy as np
 
 import jacutil as ju
-from jacutil import cache, keras, tf
+from jacutil import keras, tf
+from jacutil.core import cache
 
 
 def _wide_outputs_model():

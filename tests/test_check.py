@@ -8,7 +8,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from jacutil import check
+from jacutil.teaching import check
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 BOOKS = sorted(NOTEBOOKS.glob("[0-9]*.ipynb"))
@@ -42,7 +42,7 @@ def test_every_exercise_ends_with_its_check(book):
             f'check.exercise("{key}", answer, ...)'
         )
         assert "answer =" in solution.source, f"{key}: the solution sets `answer`"
-        assert key in check.keys(), f"{key} has no check in jacutil.check"
+        assert key in check.keys(), f"{key} has no check in jacutil.teaching.check"
 
 
 def test_every_check_belongs_to_an_exercise():

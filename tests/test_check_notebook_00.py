@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import jacutil as ju
-from jacutil import check
+from jacutil.teaching import check
 from tests.check_hints import hint
 
 

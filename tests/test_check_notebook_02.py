@@ -4,12 +4,12 @@ import numpy as np
 import pytest
 
 import jacutil as ju
-from jacutil import check
+from jacutil.teaching import check
 from tests.check_hints import hint
 
 
 def test_02_1_doubling_the_batch():
-    model = ju.memory.MemoryModel(quadratic=2000.0, linear=3000.0, constant=4.5e6)
+    model = ju.core.memory.MemoryModel(quadratic=2000.0, linear=3000.0, constant=4.5e6)
     n = model.largest_n(8 * 2**30)
     gib = model.predict(2 * n) / 2**30  # about 4 x 8 GiB
     assert check.verdict("02-1", (n, gib), batch_model=model).correct

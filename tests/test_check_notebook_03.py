@@ -1,8 +1,8 @@
 """03-compiled's exercise checks: typical wrong answers get their hint."""
 
 import jacutil as ju
-from jacutil import check
-from jacutil.check.notebook_03 import xla_shapes
+from jacutil.teaching import check
+from jacutil.teaching.check.notebook_03 import xla_shapes
 from tests.check_hints import hint
 
 SIZES = range(1, 201)

@@ -5,7 +5,7 @@ import pytest
 from scipy.optimize import least_squares
 
 import jacutil as ju
-from jacutil import check
+from jacutil.teaching import check
 from tests.check_hints import hint
 
 

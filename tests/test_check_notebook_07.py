@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 import jacutil as ju
-from jacutil import check, keras
+from jacutil import keras
+from jacutil.teaching import check
 from tests.check_hints import hint
 
 

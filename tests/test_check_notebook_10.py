@@ -7,7 +7,7 @@ is imitated by zeroing the rows of its unfinished chunks).
 import pytest
 
 import jacutil as ju
-from jacutil import check
+from jacutil.teaching import check
 from tests.check_hints import hint
 
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import jacutil as ju
-from jacutil.memory import peak_memory
+from jacutil.core.memory import peak_memory
 
 
 def counting_mlp():
@@ -57,8 +57,8 @@ def test_one_chunk_into_a_given_out_fills_it():
 
 
 def test_chunk_size_fits_the_measured_working_memory():
-    per_sample = ju.chunked.bytes_per_sample(2, 2850, 4)
-    assert per_sample == ju.chunked.WORKING_MEMORY_FACTOR * 2 * 2850 * 4
+    per_sample = ju.stages.chunked.bytes_per_sample(2, 2850, 4)
+    assert per_sample == ju.stages.chunked.WORKING_MEMORY_FACTOR * 2 * 2850 * 4
     chunk = ju.chunk_size_for(2**26, 2, 2850, 4)
     assert chunk * per_sample <= 2**26 < (chunk + 1) * per_sample
 
@@ -90,7 +90,7 @@ import json, sys, tempfile
 import numpy as np
 import jacutil as ju
 from jacutil import keras
-from jacutil.memory import peak_memory
+from jacutil.core.memory import peak_memory
 
 kind, method, n, budget = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 keras.utils.set_random_seed(0)
@@ -149,15 +149,15 @@ def test_the_budget_holds_where_activations_dominate(kind, method, n, budget):
 def test_the_default_budget_of_the_batch_method_fits_its_own_model():
     """Sized like the per-sample method, it asked for ~10 GiB (notebook 02's model)."""
     model = ju.question_mlp()
-    jac = ju.cache.compiled_for(model, None, False, False, "batch")
-    x = ju.batch.as_batch(ju.regression_data(3)[0], jac.target)
+    jac = ju.core.cache.compiled_for(model, None, False, False, "batch")
+    x = ju.core.batch.as_batch(ju.regression_data(3)[0], jac.target)
     chunk = ju.chunk_size_for(
-        ju.chunked.DEFAULT_MEMORY_BUDGET,
+        ju.stages.chunked.DEFAULT_MEMORY_BUDGET,
         2,
         2850,
         4,
         activations=jac.activation_elements(x),
         method="batch",
     )
-    predicted = ju.memory.predicted_bytes(chunk, "batch")
-    assert 100 < chunk and predicted < ju.chunked.DEFAULT_MEMORY_BUDGET
+    predicted = ju.core.memory.predicted_bytes(chunk, "batch")
+    assert 100 < chunk and predicted < ju.stages.chunked.DEFAULT_MEMORY_BUDGET

@@ -6,7 +6,7 @@ import pytest
 
 import jacutil as ju
 from jacutil import keras
-from jacutil.dense_jacobian import (
+from jacutil.rules.dense_jacobian import (
     compiled_dense_jacobian,
     dense_chain,
     dense_jacobian,

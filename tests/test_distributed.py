@@ -11,14 +11,14 @@ import psutil
 import pytest
 
 import jacutil as ju
-from jacutil.distributed import (
+from jacutil.scale.distributed import (
     DistributedLeastSquares,
     LocalWorkers,
     WorkerStartError,
     distributed_jacobian,
 )
-from jacutil.resume import LEDGER_SUFFIX, RunFileError
-from jacutil.workers import leftovers
+from jacutil.scale.resume import LEDGER_SUFFIX, RunFileError
+from jacutil.scale.workers import leftovers
 from tests.architectures import ARCHITECTURES, build
 
 
@@ -117,7 +117,7 @@ def test_a_path_without_chunk_size(workers, tmp_path):
 
 def test_workers_refuse_a_file_that_is_not_the_runs(workers, tmp_path, monkeypatch):
     """The token the workers are given must be the one in the ledger they see."""
-    from jacutil import distributed
+    from jacutil.scale import distributed
 
     real = distributed.open_rows
 
@@ -175,7 +175,7 @@ def _zoo_rows(name, compute):
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
 def test_zoo_rebuilt_from_what_workers_receive(name):
     """The worker's task, run here: rebuilt from to_json + weights, checked."""
-    from jacutil import distributed
+    from jacutil.scale import distributed
 
     def rows(model, x):
         distributed._check_sendable(model)
@@ -235,7 +235,7 @@ def test_killed_workers_lose_nothing(tmp_path, at_once):
         def kill():
             for _ in range(at_once):
                 address, pid, held = running.kill_busy_worker(timeout=30)
-                killed.append((pid, held, ju.resume.finished_chunks(path)))
+                killed.append((pid, held, ju.scale.resume.finished_chunks(path)))
 
         killer = threading.Thread(target=kill)
         killer.start()

@@ -45,7 +45,7 @@ from hypothesis import HealthCheck, Phase, assume, given, note, reject, settings
 from hypothesis import strategies as st
 
 import jacutil as ju
-from jacutil.guards import JacobianError
+from jacutil.core.guards import JacobianError
 from tests.generated import (
     chain_cases,
     clear_refusal,

@@ -343,7 +343,7 @@ def test_attention_per_sample_gradients_float32(heads):
     per_sample_gradients of a float32 self-attention model over 6 samples
     gave numbers 0.29 off, or killed the process (SIGSEGV, or SIGABRT with
     "double free or corruption"), from run to run. TensorFlow 2.21's oneDNN batch matmul
-    (jacutil.formulation runs the Jacobian under XLA for it; the gradients'
+    (jacutil.core.formulation runs the Jacobian under XLA for it; the gradients'
     vectorized_map does not). jacobian() of the same model is right. Run in
     a subprocess: the failure may abort the interpreter."""
     import subprocess

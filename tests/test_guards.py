@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import jacutil as ju
-from jacutil import guards, keras, tf
+from jacutil import keras, tf
+from jacutil.core import guards
 
 
 def compiled(model, x, **kw):

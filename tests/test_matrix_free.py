@@ -1,11 +1,12 @@
-"""Products with J without forming it (jacutil.matrix_free): proved on the zoo
+"""Products with J without forming it (jacutil.matrix_free.products): proved on the zoo
 against the formed Jacobian, and the operator's transpose and matmat."""
 
 import numpy as np
 import pytest
 
 import jacutil as ju
-from jacutil import cache, matrix_free
+from jacutil.core import cache
+from jacutil.matrix_free import products as matrix_free
 from tests.architectures import ARCHITECTURES, build
 
 

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from jacutil.memory import peak_memory
+from jacutil.core.memory import peak_memory
 
 
 def test_peak_memory_sees_a_large_allocation():

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from jacutil import memory
-from jacutil.memory import MemoryModel, peak_memory
+from jacutil.core import memory
+from jacutil.core.memory import MemoryModel, peak_memory
 
 
 def test_fit_recovers_a_quadratic():

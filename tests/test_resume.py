@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 import jacutil as ju
-import jacutil.chunked
-from jacutil import resume, tf
-from jacutil.resume import (
+import jacutil.stages.chunked
+from jacutil import tf
+from jacutil.scale import resume
+from jacutil.scale.resume import (
     LEDGER_SUFFIX,
     LOCK_SUFFIX,
     FileBusy,
@@ -48,9 +49,9 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch):
     n_chunks = N // CHUNK
     assert 3 <= done < n_chunks, "the run was not killed part-way"
     computed = []
-    real = jacutil.chunked.chunk_rows
+    real = jacutil.stages.chunked.chunk_rows
     monkeypatch.setattr(
-        jacutil.chunked,
+        jacutil.stages.chunked,
         "chunk_rows",
         lambda jac, x, c, start: computed.append(start) or real(jac, x, c, start),
     )
@@ -125,7 +126,7 @@ def test_killed_normal_equations_resume_to_the_same_sums(tmp_path):
 
 HOLD_LOCK = """
 import sys, time
-from jacutil.resume import writer_lock
+from jacutil.scale.resume import writer_lock
 with writer_lock({path!r}):
     print("locked", flush=True)
     time.sleep(600)

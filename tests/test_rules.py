@@ -378,12 +378,12 @@ def test_the_check_looks_past_sample_zero():
 def test_a_plan_is_used_only_where_it_was_checked():
     model = ju.question_mlp(seed=0, hidden=(4,))
     x, _ = ju.regression_data(5, seed=1)
-    target = ju.target.resolve_target(model)
+    target = ju.core.target.resolve_target(model)
     plan, _ = rules.plan_for(model, target.variables)
     with pytest.raises(rules.engine.UncheckedPlan):
-        plan.tensor(ju.batch.as_batch(x, target))
-    assert plan.check(target, ju.batch.as_batch(x, target)) is None
+        plan.tensor(ju.core.batch.as_batch(x, target))
+    assert plan.check(target, ju.core.batch.as_batch(x, target)) is None
     np.testing.assert_allclose(
-        plan.tensor(ju.batch.as_batch(x, target)), ju.loop_jacobian(model, x),
+        plan.tensor(ju.core.batch.as_batch(x, target)), ju.loop_jacobian(model, x),
         rtol=1e-5, atol=1e-6,
     )  # fmt: skip

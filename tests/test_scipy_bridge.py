@@ -88,9 +88,9 @@ def test_chunked_normal_equations_equal_the_full_ones(chunk_size):
 
 def test_chunk_size_from_memory_budget():
     model, x, _, _ = small_problem()
-    activations = ju.memory.activation_elements(model, x[:1])
+    activations = ju.core.memory.activation_elements(model, x[:1])
     assert activations > 0
-    budget = 5 * ju.chunked.bytes_per_sample(3, 83, 8, activations)
+    budget = 5 * ju.stages.chunked.bytes_per_sample(3, 83, 8, activations)
     _, _, _, problem = small_problem(n_samples=20, memory_budget=budget)
     assert problem.n_params == 83
     assert problem.chunk_size == 5

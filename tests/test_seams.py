@@ -15,7 +15,7 @@ import pytest
 
 import jacutil as ju
 from jacutil import keras, tf
-from jacutil.resume import ResumeMismatch
+from jacutil.scale.resume import ResumeMismatch
 
 layers = keras.layers
 
@@ -157,7 +157,7 @@ def test_item04_cg_after_a_rejected_step_uses_j_at_theta():
     x, y = ju.regression_data(200, seed=5)
     problem = ju.least_squares_problem(model, x, y, jacobian="operator")
     theta = problem.theta0
-    system = ju.gauss_newton.GaussNewtonProducts(problem, theta, 200)
+    system = ju.fitting.gauss_newton.GaussNewtonProducts(problem, theta, 200)
     before = system.step(1.0)
     problem.fun(theta + 0.5)  # a rejected trial writes its theta into the model
     after = system.step(1.0)
@@ -209,7 +209,7 @@ def test_item05_a_corrupted_ledger_says_what_to_do(tmp_path):
 def test_item05_a_second_writer_is_refused(tmp_path):
     model, x = _mlp_run(40)
     path = tmp_path / "J.npy"
-    from jacutil.resume import writer_lock
+    from jacutil.scale.resume import writer_lock
 
     with writer_lock(path):
         errors = []
@@ -231,8 +231,8 @@ def test_item05_a_second_writer_is_refused(tmp_path):
 
 def test_item06_a_worker_that_sees_another_file_fails(tmp_path):
     """A worker's own copy of ``out`` (node-local scratch) is not the run's."""
-    from jacutil.distributed import _rows_task, model_spec
-    from jacutil.resume import RunFileError
+    from jacutil.scale.distributed import _rows_task, model_spec
+    from jacutil.scale.resume import RunFileError
 
     model, x = _mlp_run(40)
     path = tmp_path / "J.npy"

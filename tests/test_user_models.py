@@ -341,7 +341,7 @@ def test_mixed_precision_warns():
         model = ju.question_mlp(n_inputs=3, hidden=(4,), dtype=None)
     finally:
         keras.mixed_precision.set_global_policy("float32")
-    with pytest.warns(ju.target.PrecisionWarning, match="computes in float16"):
+    with pytest.warns(ju.core.target.PrecisionWarning, match="computes in float16"):
         J = ju.per_sample_jacobian(model, np.ones((2, 3)))
     assert J.dtype == np.float32
 
@@ -385,7 +385,7 @@ def test_dropout_in_training_mode_one_mask_per_sample(stage):
     """Every stage: each sample its own mask, shared by all of its outputs."""
     model = _dropout_model()
     x = np.ones((6, 3), "float32")  # identical samples: only the masks differ
-    with pytest.warns(ju.guards.TrainingModeWarning):
+    with pytest.warns(ju.core.guards.TrainingModeWarning):
         J = ALL_STAGES[stage](model, x, training=True)
     # Columns of the last kernel: hidden unit q feeds output k through W[q, k];
     # the derivative is the unit's (masked, rescaled) activation: 0 where dropped.

@@ -7,7 +7,7 @@ import time
 import numpy as np
 
 from .. import peers
-from .._tf import tf
+from ..core._tf import tf
 from .paths import PEERS
 
 

@@ -12,11 +12,12 @@ import numpy as np
 
 from .. import peers
 from ..auto import jacobian
-from ..chunked import chunked_jacobian
-from ..compiled import compiled_jacobian
-from ..dense_jacobian import compiled_dense_jacobian, dense_chain
-from ..loop import loop_jacobian
-from ..models import (
+from ..rules.dense_jacobian import compiled_dense_jacobian, dense_chain
+from ..stages.chunked import chunked_jacobian
+from ..stages.compiled import compiled_jacobian
+from ..stages.loop import loop_jacobian
+from ..stages.vectorized import per_sample_jacobian, vectorized_jacobian
+from ..teaching.models import (
     image_data,
     question_mlp,
     regression_data,
@@ -24,7 +25,6 @@ from ..models import (
     sequence_lstm,
     small_cnn,
 )
-from ..vectorized import per_sample_jacobian, vectorized_jacobian
 
 SIZES = (100, 1000, 10_000)  # the question's network; other models name theirs
 REFERENCE = "compiled"  # every path is checked against this one, at every n

@@ -25,7 +25,7 @@ def plot(results, ax=None, *, slopes_from=SLOPES_FROM, legend_size=9):
     """
     import matplotlib.pyplot as plt
 
-    from ..plots import fitted_slope, loglog_scaling
+    from ..teaching.plots import fitted_slope, loglog_scaling
 
     if ax is None:
         _, ax = plt.subplots(figsize=FIGSIZE)

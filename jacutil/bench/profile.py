@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from .._tf import tf
-from ..dense_jacobian import compiled_dense_jacobian, dense_blocks
+from ..core._tf import tf
+from ..rules.dense_jacobian import compiled_dense_jacobian, dense_blocks
 from .floor import fill_floor, preallocated, write_floor
 from .runner import _times
 

@@ -216,7 +216,7 @@ def series(results):
 def slopes(results):
     """``{label: fitted slope of log(median) against log(n)}``, where a path
     ran at three sizes or more (two points always lie on a line)."""
-    from ..plots import fitted_slope
+    from ..teaching.plots import fitted_slope
 
     out = {}
     for label, values in series(results).items():

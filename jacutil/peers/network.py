@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .._tf import keras
+from ..core._tf import keras
 from ..rules import chain_layers
 
 ACTIVATIONS = ("linear", "relu", "tanh", "sigmoid")

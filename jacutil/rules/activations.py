@@ -9,7 +9,7 @@ has its own rule; a function we do not know is not assumed element-wise: its
 signal passes by autodiff row by row (:func:`jacutil.rules.autodiff.tiled_vjp`).
 """
 
-from .._tf import keras, tf
+from ..core._tf import keras, tf
 from .autodiff import tiled_vjp
 from .registry import LogitsSignal
 

@@ -10,9 +10,9 @@ product over the rows (:class:`AutodiffRule`). Every other layer keeps its
 hand-derived rule.
 """
 
-from .._tf import tf
-from ..grouped import convolutions_by_group
-from ..target import watched
+from ..core._grouped import convolutions_by_group
+from ..core._tf import tf
+from ..core.target import watched
 from .registry import Rule, per_output, rows
 
 
@@ -59,7 +59,7 @@ class AutodiffRule(Rule):
         self.why = why
 
     def _alone(self, a):
-        with convolutions_by_group():  # see jacutil.grouped
+        with convolutions_by_group():  # see jacutil.core._grouped
             return self.layer(a, training=False)
 
     def describe(self):

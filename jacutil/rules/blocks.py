@@ -12,7 +12,7 @@ followed by its bias in the columns is one product: ``a`` with a column of
 ones appended gives the kernel's rows and then the bias's.
 """
 
-from .._tf import tf
+from ..core._tf import tf
 
 
 def outer_blocks(a, delta):

@@ -13,7 +13,7 @@ the same patches and product per group, its columns interleaved in the
 kernel's (kh, kw, c_in / g, c_out) order.
 """
 
-from .._tf import keras, tf
+from ..core._tf import keras, tf
 from .activations import Activation
 from .blocks import kernel_and_bias
 from .registry import NoRule, Rule, per_output, register, rows

@@ -1,6 +1,6 @@
 """Dense with any activation: outer products (see ``jacutil.rules.blocks``)."""
 
-from .._tf import keras, tf
+from ..core._tf import keras, tf
 from .activations import Activation
 from .blocks import kernel_and_bias
 from .registry import NoRule, Rule, register

@@ -5,7 +5,7 @@ delta[i, k, t, :]``: the outer-product rule with the one-hot ids as input.
 The ids are integers, so no signal goes further down.
 """
 
-from .._tf import keras, tf
+from ..core._tf import keras, tf
 from .blocks import outer_blocks
 from .registry import NoRule, Rule, register
 

@@ -11,16 +11,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .._tf import keras, tf
-from ..batch import n_samples, signature_key, take
-from ..formulation import pfor_log
-from ..grouped import convolutions_by_group
-from ..target import watched
+from ..core._grouped import convolutions_by_group
+from ..core._tf import keras, tf
+from ..core.batch import n_samples, signature_key, take
+from ..core.formulation import pfor_log
+from ..core.target import watched
 from .autodiff import AutodiffRule
 from .registry import LogitsSignal, rule_for
 
 # Left to the compiled per-sample stage: pfor unrolls their time loop
-# (jacutil.formulation), and attention's products need XLA in TF 2.21.
+# (jacutil.core.formulation), and attention's products need XLA in TF 2.21.
 NOT_IN_A_CHAIN = (
     keras.layers.RNN, keras.layers.LSTM, keras.layers.GRU,
     keras.layers.SimpleRNN, keras.layers.Bidirectional,
@@ -68,7 +68,7 @@ class Node:
         kwargs = _filled(self.kwargs, a)
         if getattr(self.operation, "_call_has_training_arg", False):
             kwargs["training"] = False
-        with convolutions_by_group():  # see jacutil.grouped
+        with convolutions_by_group():  # see jacutil.core._grouped
             return self.operation(*args, **kwargs)
 
 

@@ -8,7 +8,7 @@ so its signal below is ``delta * gamma / sqrt(var + eps)``; LayerNorm's
 normalization backward, per sample and output.
 """
 
-from .._tf import keras, tf
+from ..core._tf import keras, tf
 from .blocks import sum_positions
 from .registry import NoRule, Rule, register
 

@@ -20,7 +20,7 @@ Keras's steps, with ``s = recurrent_activation`` and ``a = activation``:
     SimpleRNN  h' = a(x K + h R + b)
 """
 
-from .._tf import keras, tf
+from ..core._tf import keras, tf
 from .activations import Activation
 from .blocks import kernel_and_bias
 from .registry import NoRule, Rule, register

@@ -9,7 +9,7 @@ exact type: a subclass may compute something else, so it goes through
 autodiff (``jacutil.rules.autodiff``) unless it registers a rule itself.
 """
 
-from .._tf import tf
+from ..core._tf import tf
 
 RULES = {}  # layer type -> rule class
 

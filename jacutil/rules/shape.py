@@ -7,7 +7,7 @@ Pooling and any other weightless layer need no rule of their own: autodiff
 passes their signal (``jacutil.rules.autodiff``).
 """
 
-from .._tf import keras, tf
+from ..core._tf import keras, tf
 from .activations import Activation
 from .registry import Rule, register
 

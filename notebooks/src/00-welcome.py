@@ -33,11 +33,12 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import jacutil as ju
-from jacutil import check, tf
+from jacutil import tf
+from jacutil.teaching import check
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-print(ju.notebook.device_summary())
+print(ju.teaching.notebook.device_summary())
 
 # %% tags=["parameters"]
 n_samples = 4  # samples in the batch

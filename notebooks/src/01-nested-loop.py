@@ -27,11 +27,12 @@
 import numpy as np
 
 import jacutil as ju
-from jacutil import check, tf
+from jacutil import tf
+from jacutil.teaching import check
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-print(ju.notebook.device_summary())
+print(ju.teaching.notebook.device_summary())
 
 # %% tags=["parameters"]
 sizes = [10, 30, 100, 300, 1000]  # numbers of samples to time the loop at
@@ -51,7 +52,7 @@ seed = 0
 # variable. The gradients, flattened and joined, are row `J[i, k, :]`.
 
 # %%
-ju.notebook.show_source(ju.loop_jacobian)
+ju.teaching.notebook.show_source(ju.loop_jacobian)
 
 # %% [markdown]
 # ## Is it right?
@@ -125,9 +126,9 @@ for n in sizes:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-slope = ju.plots.fitted_slope(sizes, [times[n] for n in sizes])
+slope = ju.teaching.plots.fitted_slope(sizes, [times[n] for n in sizes])
 per_pass = times[max(sizes)] / (max(sizes) * n_outputs)
-ax = ju.plots.loglog_scaling(sizes,
+ax = ju.teaching.plots.loglog_scaling(sizes,
                              {"loop_jacobian": [times[n] for n in sizes]})
 ax.set_title("The nested loop: time grows linearly with n")
 print(f"Finding: the loop grows like n^{slope:.2f}; "

@@ -32,11 +32,12 @@
 import numpy as np
 
 import jacutil as ju
-from jacutil import check, tf
+from jacutil import tf
+from jacutil.teaching import check
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-print(ju.notebook.device_summary())
+print(ju.teaching.notebook.device_summary())
 
 # %% tags=["parameters"]
 n_check = 4  # samples in the correctness checks
@@ -67,7 +68,7 @@ print("n_outputs =", n_outputs, " n_params =", n_params)
 # once.
 
 # %%
-ju.notebook.show_source(ju.vectorized.batch_tape_jacobian)
+ju.teaching.notebook.show_source(ju.stages.vectorized.batch_tape_jacobian)
 
 # %% [markdown]
 # `vectorized_jacobian(model, x)` checks its input and calls that function.
@@ -87,7 +88,7 @@ print("vectorized_jacobian:", J_batch.shape, "== loop_jacobian: True")
 # TensorFlow's counterpart of JAX's `vmap(jacrev(f))`.
 
 # %%
-ju.notebook.show_source(ju.vectorized.per_sample_tape_jacobian)
+ju.teaching.notebook.show_source(ju.stages.vectorized.per_sample_tape_jacobian)
 
 # %%
 J_per_sample = ju.per_sample_jacobian(model, x_check)
@@ -128,30 +129,30 @@ print("non-zero (i, j) blocks:\n", (blocks > 0).astype(int))
 #
 # `tape.jacobian` of a large batch can ask for more memory than the machine
 # has. So before a size runs we **predict** its peak from a measured model,
-# `a·n² + b·n + c`, whose constants are stored in `jacutil.memory` (they
+# `a·n² + b·n + c`, whose constants are stored in `jacutil.core.memory` (they
 # were measured on this network), and run only sizes that need less than
 # `safety` of the memory that is free now. The per-sample Jacobian has its
 # own model, linear in n.
 
 # %%
-ju.notebook.show_source(ju.memory.predicted_bytes)
+ju.teaching.notebook.show_source(ju.core.memory.predicted_bytes)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-free = ju.memory.available_bytes(safety)
+free = ju.core.memory.available_bytes(safety)
 print(f"may use {free / 2**30:.1f} GiB ({safety:.0%} of the free memory)")
 batch_run = []
 for n in sorted(batch_sizes + [10_000]):
-    need = ju.memory.predicted_bytes(n, "batch")
+    need = ju.core.memory.predicted_bytes(n, "batch")
     fits = need < free
     print(f"n = {n:>6,}: predicted {need / 2**20:>10,.0f} MiB   run: {fits}")
     if fits and n in batch_sizes:
         batch_run.append(n)
 per_sample_run = [
     n for n in per_sample_sizes
-    if ju.memory.predicted_bytes(n, "per_sample") < free]
+    if ju.core.memory.predicted_bytes(n, "per_sample") < free]
 print("per_sample_jacobian runs at n =", per_sample_run)
-big = ju.memory.predicted_bytes(10_000, "batch") / 2**30
+big = ju.core.memory.predicted_bytes(10_000, "batch") / 2**30
 print(f"Finding: tape.jacobian over n = 10,000 samples would need about "
       f"{big:.0f} GiB; not run")
 
@@ -167,27 +168,27 @@ print(f"Finding: tape.jacobian over n = 10,000 samples would need about "
 # far the process had to grow.
 
 # %%
-ju.notebook.show_source(ju.memory.measure_in_fresh_process)
+ju.teaching.notebook.show_source(ju.core.memory.measure_in_fresh_process)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 def measure(method, sizes):  # bytes; at least 1, for the log-log plots
-    peaks = ju.memory.measure_in_fresh_process(method, sizes)
+    peaks = ju.core.memory.measure_in_fresh_process(method, sizes)
     return {n: max(peak, 1) for n, peak in zip(sizes, peaks, strict=True)}
 
 
 batch_peaks = measure("batch", batch_run)
 per_sample_peaks = measure("per_sample", per_sample_run)
 fit_sizes = [n for n in batch_run if n <= fit_up_to]
-batch_model = ju.memory.MemoryModel.fit(
+batch_model = ju.core.memory.MemoryModel.fit(
     fit_sizes, [batch_peaks[n] for n in fit_sizes], quadratic=True)
-per_sample_model = ju.memory.MemoryModel.fit(
+per_sample_model = ju.core.memory.MemoryModel.fit(
     per_sample_run, list(per_sample_peaks.values()), quadratic=False)
 print("fitted here:", f"batch {batch_model.quadratic:,.0f} bytes x n^2;",
       f"per sample {per_sample_model.linear:,.0f} bytes x n")
-print("stored:     ", f"batch {ju.memory.BATCH_JACOBIAN.quadratic:,.0f}"
+print("stored:     ", f"batch {ju.core.memory.BATCH_JACOBIAN.quadratic:,.0f}"
       " bytes x n^2;",
-      f"per sample {ju.memory.PER_SAMPLE_JACOBIAN.linear:,.0f} bytes x n")
+      f"per sample {ju.core.memory.PER_SAMPLE_JACOBIAN.linear:,.0f} bytes x n")
 for n in batch_run:
     off = batch_model.predict(n) / batch_peaks[n] - 1
     print(f"n = {n:>5}: measured {batch_peaks[n] / 2**20:7.1f} MiB, "
@@ -255,7 +256,7 @@ def fit(values):
     ns = [n for n in sorted(values) if values[n] > 0]
     if len(ns) < 3:  # two points always lie on a line
         return np.nan, "fewer than 3 sizes"
-    slope = ju.plots.fitted_slope(ns, [values[n] for n in ns])
+    slope = ju.teaching.plots.fitted_slope(ns, [values[n] for n in ns])
     return slope, f"n = {ns[0]:,} to {ns[-1]:,}"
 
 
@@ -275,14 +276,14 @@ for name in functions:
     findings.append(
         f"Finding: {name}: time above its fixed {fixed[name]:.2f} s ~ "
         f"n^{slope_t:.2f} ({range_t}); memory ~ n^{slope_m:.2f} ({range_m})")
-ju.plots.loglog_scaling(sizes, time_series, ax=ax_t, slopes=False)
+ju.teaching.plots.loglog_scaling(sizes, time_series, ax=ax_t, slopes=False)
 for line, label in zip(ax_t.get_lines(), time_series, strict=True):
     line.set_color("C0" if label.startswith("vec") else "C1")
     line.set_linestyle("--" if "above" in label else "-")
 ax_t.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15))
 ax_t.set_title("time (best call); dashed: the work alone,\n"
                "slopes over each method's 3 largest sizes")
-ju.plots.loglog_scaling(sizes, memory_series, ylabel="peak MiB", ax=ax_m,
+ju.teaching.plots.loglog_scaling(sizes, memory_series, ylabel="peak MiB", ax=ax_m,
                         slopes=False)
 ax_m.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15))
 ax_m.set_title("peak memory (fresh process), slopes over all sizes")
@@ -325,12 +326,12 @@ print(f"Finding: at n = {n_top:,}: vectorized_jacobian "
 # mode's fixed cost is gone and only the strategy differs:
 
 # %%
-target = ju.target.resolve_target(model)
+target = ju.core.target.resolve_target(model)
 
 
 @tf.function
 def with_pfor(x):
-    return ju.vectorized.per_sample_tape_jacobian(target, x)
+    return ju.stages.vectorized.per_sample_tape_jacobian(target, x)
 
 
 @tf.function
@@ -339,7 +340,7 @@ def with_while_loop(x):
         with tf.GradientTape() as tape:
             y = target.forward(xi[None])
         jacobians = tape.jacobian(y, target.variables)
-        return ju.target.stack_columns(jacobians, target.variables, 1)[0]
+        return ju.core.target.stack_columns(jacobians, target.variables, 1)[0]
 
     return tf.map_fn(one_sample, x)
 

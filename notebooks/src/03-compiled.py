@@ -33,11 +33,12 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import jacutil as ju
-from jacutil import check, tf
+from jacutil import tf
+from jacutil.teaching import check
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-print(ju.notebook.device_summary())
+print(ju.teaching.notebook.device_summary())
 
 # %% tags=["parameters"]
 n_check = 4  # samples in the correctness checks
@@ -54,7 +55,7 @@ model = ju.question_mlp(seed=seed)
 x_all = ju.regression_data(
     max(sizes + batch_sizes + trace_sizes + xla_sizes), seed=seed)[0]
 x_check = x_all[:n_check]
-target = ju.target.resolve_target(model)  # its forward pass and variables
+target = ju.core.target.resolve_target(model)  # its forward pass and variables
 
 # %% [markdown]
 # ## The compiled Jacobian
@@ -66,7 +67,7 @@ target = ju.target.resolve_target(model)  # its forward pass and variables
 # `None`: one graph serves every n.
 
 # %%
-ju.notebook.show_source(ju.compiled.CompiledJacobian._build)
+ju.teaching.notebook.show_source(ju.stages.compiled.CompiledJacobian._build)
 
 # %%
 jac = ju.compiled_jacobian(model)
@@ -98,7 +99,7 @@ traces = []
 
 def jacobian_of_batch(x):
     traces.append(x.shape[0])  # runs once per trace
-    return ju.vectorized.per_sample_tape_jacobian(target, x)
+    return ju.stages.vectorized.per_sample_tape_jacobian(target, x)
 
 
 no_signature = tf.function(jacobian_of_batch)
@@ -166,7 +167,7 @@ print("traces:", len(traces))
 # that takes a log is not finite at zero):
 
 # %%
-ju.notebook.show_source(ju.compiled.CompiledJacobian.tensor)
+ju.teaching.notebook.show_source(ju.stages.compiled.CompiledJacobian.tensor)
 
 # %%
 jac_xla = ju.compiled_jacobian(model, jit_compile=True)
@@ -190,16 +191,16 @@ print(len(xla_sizes), "sizes ->", len(jac_xla.compiled_shapes),
 eager_of = {"per_sample": ju.per_sample_jacobian,
             "batch": ju.vectorized_jacobian}
 rows = []
-free = ju.memory.available_bytes(safety)
+free = ju.core.memory.available_bytes(safety)
 for method in ["per_sample", "batch"]:
     modes = {"eager": lambda x, m=method: eager_of[m](model, x),
              "graph": ju.compiled_jacobian(model, method=method),
              "XLA": ju.compiled_jacobian(model, method=method,
                                          jit_compile=True)}
     for n in sizes if method == "per_sample" else batch_sizes:
-        if method == "batch" and ju.memory.predicted_bytes(n) > free:
+        if method == "batch" and ju.core.memory.predicted_bytes(n) > free:
             print(f"batch at n = {n:,}: predicted "
-                  f"{ju.memory.predicted_bytes(n) / 2**30:.0f} GiB; not run")
+                  f"{ju.core.memory.predicted_bytes(n) / 2**30:.0f} GiB; not run")
             continue
         for mode, fn in modes.items():
             timing = ju.time_call(fn, x_all[:n], repeats=repeats)
@@ -220,7 +221,7 @@ for ax, method in zip(axes, ["per_sample", "batch"], strict=True):
         times = {n: med for m, mo, n, _, med in rows
                  if m == method and mo == mode}
         series[mode] = [times.get(n, np.nan) for n in all_sizes]
-    ju.plots.loglog_scaling(all_sizes, series, ax=ax)
+    ju.teaching.plots.loglog_scaling(all_sizes, series, ax=ax)
     ax.set_title(f'method="{method}" (steady state)')
 fig.tight_layout()
 best = {(m, mo, n): med for m, mo, n, _, med in rows}

@@ -37,11 +37,11 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import jacutil as ju
-from jacutil import check
+from jacutil.teaching import check
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-print(ju.notebook.device_summary())
+print(ju.teaching.notebook.device_summary())
 
 # %% tags=["parameters"]
 n_samples = 12000  # samples in the Jacobian written to disk
@@ -68,12 +68,12 @@ print(f"J of {n_samples:,} samples: {n_samples * row_bytes / 2**20:,.0f} MiB;"
 # per-variable blocks before they are joined, and what TensorFlow keeps in
 # its pool: a multiple of `c · l · m · itemsize`. The multiple was
 # **measured** (not guessed) on nine models, rounded up by a margin, and is
-# stored in `jacutil.chunked` (the comment above it there says how):
+# stored in `jacutil.stages.chunked` (the comment above it there says how):
 
 # %%
-ju.notebook.show_source(ju.chunked.bytes_per_sample)
-ju.notebook.show_source(ju.chunk_size_for)
-print("WORKING_MEMORY_FACTOR =", ju.chunked.WORKING_MEMORY_FACTOR)
+ju.teaching.notebook.show_source(ju.stages.chunked.bytes_per_sample)
+ju.teaching.notebook.show_source(ju.chunk_size_for)
+print("WORKING_MEMORY_FACTOR =", ju.stages.chunked.WORKING_MEMORY_FACTOR)
 
 # %% [markdown]
 # Measure it again. Each chunk size runs `chunked_jacobian` of `n_sweep`
@@ -84,16 +84,16 @@ print("WORKING_MEMORY_FACTOR =", ju.chunked.WORKING_MEMORY_FACTOR)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-peaks = ju.memory.measure_in_fresh_process("chunked", chunk_sizes,
+peaks = ju.core.memory.measure_in_fresh_process("chunked", chunk_sizes,
                                            n_samples=n_sweep)
-fitted = ju.memory.MemoryModel.fit(chunk_sizes, peaks, quadratic=False)
+fitted = ju.core.memory.MemoryModel.fit(chunk_sizes, peaks, quadratic=False)
 for c, peak in zip(chunk_sizes, peaks, strict=True):
     print(f"chunk {c:>5}: peak {peak / 2**20:7.1f} MiB "
           f"= {peak / (c * row_bytes):4.1f} x the chunk's rows")
 factor = fitted.linear / row_bytes
 print(f"Finding: working memory per sample = {factor:.1f} x its rows "
       f"({fitted.linear / 1e3:.0f} kB); stored factor "
-      f"{ju.chunked.WORKING_MEMORY_FACTOR}")
+      f"{ju.stages.chunked.WORKING_MEMORY_FACTOR}")
 
 # %% [markdown]
 # ## A chunk size from a budget
@@ -116,7 +116,7 @@ print(f"budget {budget_mib} MiB -> chunks of {chunk} samples, "
 # notebook 10.)
 
 # %%
-ju.notebook.show_source(ju.chunked_jacobian)
+ju.teaching.notebook.show_source(ju.chunked_jacobian)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -125,7 +125,7 @@ folder = tempfile.TemporaryDirectory()
 path = Path(folder.name) / "jacobian.npy"
 out = np.lib.format.open_memmap(path, mode="w+", dtype="float32",
                                 shape=(n_samples, n_outputs, n_params))
-use = ju.memory.peak_memory(ju.chunked_jacobian, model, x[:n_samples],
+use = ju.core.memory.peak_memory(ju.chunked_jacobian, model, x[:n_samples],
                             memory_budget=budget, out=out)
 out.flush()
 print(f"wrote {path.stat().st_size / 2**20:,.0f} MiB in {use.seconds:.2f} s;"
@@ -195,13 +195,13 @@ print("temporary folder deleted:", not Path(folder.name).exists())
 # NBVAL_IGNORE_OUTPUT
 all_sizes = sorted(set(chunk_sizes) | set(batch_chunk_sizes))
 fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(12, 4))
-ju.plots.loglog_scaling(
+ju.teaching.plots.loglog_scaling(
     chunk_sizes,
     {"measured peak": [p / 2**20 for p in peaks],
      "fit b*chunk + c": list(fitted.predict(chunk_sizes) / 2**20)},
     xlabel="chunk size", ylabel="peak MiB", ax=ax_m, slopes=False)
 ax_m.set_title(f"memory, per-sample chunks, n = {n_sweep:,}")
-ju.plots.loglog_scaling(
+ju.teaching.plots.loglog_scaling(
     all_sizes,
     {f'method="{m}"': [times.get((m, c), np.nan) for c in all_sizes]
      for m in ["per_sample", "batch"]},

@@ -42,11 +42,12 @@ import numpy as np
 from scipy.optimize import least_squares
 
 import jacutil as ju
-from jacutil import check, keras, tf
+from jacutil import keras, tf
+from jacutil.teaching import check
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-print(ju.notebook.device_summary())
+print(ju.teaching.notebook.device_summary())
 
 # %% tags=["parameters"]
 n_samples = 2000  # samples to fit: n*l = 4000 residuals
@@ -92,7 +93,7 @@ print(f"one QR factorisation of the (n*l) x m matrix: 2*n*l*m**2 = "
 # every call, so nothing is retraced.
 
 # %%
-ju.notebook.show_source(ju.LeastSquaresProblem)
+ju.teaching.notebook.show_source(ju.LeastSquaresProblem)
 
 # %% [markdown]
 # Check `jac` against the per-sample Jacobian of `02`, and `fun` against
@@ -229,7 +230,7 @@ def race(model, methods):
 # damping is Marquardt's: $\lambda\,\mathrm{diag}(J^\top J)$.
 
 # %%
-ju.notebook.show_source(ju.levenberg_marquardt)
+ju.teaching.notebook.show_source(ju.levenberg_marquardt)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -433,7 +434,7 @@ print(f"chain rule == finite differences along {len(directions)} directions")
 # gives J at $n$ = 100,000, where the sums save almost everything.
 
 # %%
-ju.notebook.show_source(ju.LeastSquaresProblem.normal_equations)
+ju.teaching.notebook.show_source(ju.LeastSquaresProblem.normal_equations)
 
 # %%
 damping = 1.0

@@ -46,7 +46,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import jacutil as ju
-from jacutil import check, keras, tf
+from jacutil import keras, tf
+from jacutil.teaching import check
 
 
 @contextlib.contextmanager
@@ -70,7 +71,7 @@ def fails_with(error_type):
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-print(ju.notebook.device_summary())
+print(ju.teaching.notebook.device_summary())
 print("Keras", keras.__version__)
 print(f"Finding: every pitfall below shown on TensorFlow {tf.__version__}, "
       f"Keras {keras.__version__}")
@@ -226,7 +227,7 @@ with fails_with(AttributeError):
 # guard, called at the end of every stage:
 
 # %%
-ju.notebook.show_source(ju.guards.require_connected)
+ju.teaching.notebook.show_source(ju.core.guards.require_connected)
 
 # %%
 with fails_with(ValueError):
@@ -380,7 +381,7 @@ with fails_with(ValueError):
 # layers inside custom layers included):
 
 # %%
-ju.notebook.show_source(ju.guards.check_training_mode)
+ju.teaching.notebook.show_source(ju.core.guards.check_training_mode)
 
 # %% [markdown]
 # **The fix.** `training=False`: the layer uses its moving statistics, a
@@ -506,7 +507,7 @@ print(f"sizes 1..{xla_sizes}: XLA compiled for batch sizes",
 # **(d) A compiled Jacobian built inside the loop.** Each
 # `ju.compiled_jacobian(model)` is a new function, so each traces once -
 # the signature cannot help. `jacutil` counts traces per model and warns
-# past `ju.guards.RETRACE_LIMIT`:
+# past `ju.core.guards.RETRACE_LIMIT`:
 
 # %%
 batches = [ju.regression_data(8, seed=seed + b)[0] for b in range(n_batches)]
@@ -518,7 +519,7 @@ with warnings.catch_warnings(record=True) as caught:
     in_loop = time.perf_counter() - start
 for warning in caught:
     print(f"{warning.category.__name__}: {warning.message}")
-print("warnings:", len(caught), " limit:", ju.guards.RETRACE_LIMIT)
+print("warnings:", len(caught), " limit:", ju.core.guards.RETRACE_LIMIT)
 
 # %% [markdown]
 # **The fix.** Build it once, outside the loop:
@@ -693,7 +694,7 @@ print("float32 Jacobian == float64 Jacobian to float32 precision: True")
 
 # %%
 for n_big in (1_000, 10_000):
-    need = ju.memory.predicted_bytes(n_big, "batch")
+    need = ju.core.memory.predicted_bytes(n_big, "batch")
     print(f"n = {n_big:>6,}: tape.jacobian over the batch needs about "
           f"{need / 2**30:,.1f} GiB")
 

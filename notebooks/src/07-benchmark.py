@@ -36,13 +36,14 @@ import numpy as np
 from IPython.display import Markdown, display
 
 import jacutil as ju
-from jacutil import bench, check, keras
+from jacutil import bench, keras
 from jacutil.bench.skipping import format_seconds
-from jacutil.dense_jacobian import dense_blocks
+from jacutil.rules.dense_jacobian import dense_blocks
+from jacutil.teaching import check
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-print(ju.notebook.device_summary())
+print(ju.teaching.notebook.device_summary())
 
 # %% tags=["parameters"]
 sizes = [100, 1000, 3000]  # numbers of samples the benchmark runs (the MLP)
@@ -74,7 +75,7 @@ seed = 0
 # the kernel's columns followed by the bias's, in `flat_params` order.
 
 # %%
-ju.notebook.show_source(dense_blocks)
+ju.teaching.notebook.show_source(dense_blocks)
 
 # %% [markdown]
 # `compiled_dense_jacobian(model)` wraps this in a `tf.function` with a `None`
@@ -141,7 +142,7 @@ print("fallback:", jac_conv.fallback)
 # through by autodiff. Here is the convolution's backward step:
 
 # %%
-ju.notebook.show_source(ju.rules.conv.ConvRule.backward)
+ju.teaching.notebook.show_source(ju.rules.conv.ConvRule.backward)
 
 # %% [markdown]
 # `compiled_jacobian(model, method="rules")` runs them, and says which rule

@@ -37,11 +37,12 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import jacutil as ju
-from jacutil import check, keras, tf
+from jacutil import keras, tf
+from jacutil.teaching import check
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-print(ju.notebook.device_summary())
+print(ju.teaching.notebook.device_summary())
 
 # %% tags=["parameters"]
 n_check = 4  # samples in the proofs against the loop
@@ -57,7 +58,7 @@ seed = 0
 # ## Three models a user brings
 #
 # A small CNN on grey images, an LSTM on sequences of `steps` steps (both from
-# `jacutil.models`, seeded), and a functional model with **two inputs** - a
+# `jacutil.teaching.models`, seeded), and a functional model with **two inputs** - a
 # vector and a small matrix - and **two heads** of different widths.
 
 # %%
@@ -105,7 +106,7 @@ for name, model in models.items():
 # the rule, in the code every stage runs:
 
 # %%
-ju.notebook.show_source(ju.outputs.as_rows)
+ju.teaching.notebook.show_source(ju.core.outputs.as_rows)
 
 # %% [markdown]
 # Prove it: rows 0-1 of `J` must be the Jacobian of the `score` head alone,
@@ -135,7 +136,7 @@ print("rows 0-1 = the score head, rows 2-4 = the probs head: True")
 # output with its per-sample shape and then the parameters:
 
 # %%
-ju.notebook.show_source(ju.split_outputs)
+ju.teaching.notebook.show_source(ju.split_outputs)
 
 # %%
 parts = ju.split_outputs(J_two, two_heads, x_two)
@@ -198,11 +199,11 @@ for name, model in models.items():
 # another pfor (the Jacobian's own, over the outputs). Tried directly:
 
 # %%
-target = ju.target.resolve_target(lstm)
+target = ju.core.target.resolve_target(lstm)
 x_lstm = tf.constant(first(inputs["lstm"], n_check))
-with ju.formulation.pfor_log():  # pfor logs each op it fails on; keep it
+with ju.core.formulation.pfor_log():  # pfor logs each op it fails on; keep it
     try:
-        tf.function(lambda x: ju.vectorized.per_sample_tape_jacobian(
+        tf.function(lambda x: ju.stages.vectorized.per_sample_tape_jacobian(
             target, x))(x_lstm)
     except ValueError as error:
         last = str(error).strip().splitlines()[-1].strip()
@@ -216,7 +217,7 @@ with ju.formulation.pfor_log():  # pfor logs each op it fails on; keep it
 # back afterwards:
 
 # %%
-ju.notebook.show_source(ju.formulation.unrolled)
+ju.teaching.notebook.show_source(ju.core.formulation.unrolled)
 
 # %% [markdown]
 # `per_sample_tensor` picks the formulation for each model and says which
@@ -224,7 +225,7 @@ ju.notebook.show_source(ju.formulation.unrolled)
 # `jac.formulation` keeps its answer:
 
 # %%
-ju.notebook.show_source(ju.formulation.per_sample_tensor)
+ju.teaching.notebook.show_source(ju.core.formulation.per_sample_tensor)
 
 # %%
 for name, jac in jacs.items():
@@ -246,7 +247,7 @@ for name, jac in jacs.items():
 # %%
 # NBVAL_IGNORE_OUTPUT
 x_time = inputs["lstm"]
-map_fn = tf.function(lambda x: ju.formulation.map_fn_jacobian(target, x))
+map_fn = tf.function(lambda x: ju.core.formulation.map_fn_jacobian(target, x))
 ways = {
     "vectorized_map, unrolled (tf.function)": (ju.compiled_jacobian(lstm),
                                                n_time),
@@ -312,12 +313,12 @@ fig.tight_layout()
 # chunk with both terms:
 
 # %%
-ju.notebook.show_source(ju.chunked.bytes_per_sample)
+ju.teaching.notebook.show_source(ju.stages.chunked.bytes_per_sample)
 
 # %%
 x_cnn = inputs["cnn"]
 n_outputs, n_params = 4, cnn.count_params()
-activations = ju.memory.activation_elements(cnn, x_cnn[:1])
+activations = ju.core.memory.activation_elements(cnn, x_cnn[:1])
 budget = budget_mib * 2**20
 rows_only = ju.chunk_size_for(budget, n_outputs, n_params, 4)
 with_activations = ju.chunk_size_for(budget, n_outputs, n_params, 4,
@@ -333,7 +334,7 @@ print(f"chunk for {budget_mib} MiB: {rows_only} counting the rows only, "
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-peaks = ju.memory.measure_in_fresh_process(
+peaks = ju.core.memory.measure_in_fresh_process(
     "chunked", [with_activations, rows_only], n_samples=n_memory,
     model="small_cnn")
 for label, chunk, peak in zip(["with activations", "rows only"],

@@ -34,11 +34,13 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import jacutil as ju
-from jacutil import check, keras, wide_fit
+from jacutil import keras
+from jacutil.fitting import wide_fit
+from jacutil.teaching import check
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-print(ju.notebook.device_summary())
+print(ju.teaching.notebook.device_summary())
 
 # %% tags=["parameters"]
 n_samples = 2000  # samples in the wide fit
@@ -79,8 +81,8 @@ print(f"m = {m_wide:,} parameters; J: {rows:,} x {m_wide:,} float64 = "
 # mode is one `tape.gradient` with `output_gradients=u`:
 
 # %%
-ju.notebook.show_source(ju.matrix_free.Products._jvp)
-ju.notebook.show_source(ju.matrix_free.Products._vjp)
+ju.teaching.notebook.show_source(ju.matrix_free.products.Products._jvp)
+ju.teaching.notebook.show_source(ju.matrix_free.products.Products._vjp)
 
 # %% [markdown]
 # Proved on a small network against the formed J, in float64; then the same
@@ -169,7 +171,7 @@ fig.tight_layout()
 # l outputs:
 
 # %%
-ju.notebook.show_source(ju.forward.ForwardJacobian._columns)
+ju.teaching.notebook.show_source(ju.products.forward.ForwardJacobian._columns)
 
 # %%
 # NBVAL_IGNORE_OUTPUT

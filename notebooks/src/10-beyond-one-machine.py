@@ -44,7 +44,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import jacutil as ju
-from jacutil import check
+from jacutil.teaching import check
 
 # Dask (set up when `distributed` is imported) logs a warning for each chunk
 # it reruns; the cells below print what happened instead
@@ -53,7 +53,7 @@ print("Dask", distributed.__version__)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-print(ju.notebook.device_summary())
+print(ju.teaching.notebook.device_summary())
 
 # %% tags=["parameters"]
 n_samples = 100_000  # samples of the one- against two-worker measurement
@@ -90,7 +90,7 @@ print(f"J for {n_samples:,} samples: {n_samples:,} x 2 x {m:,} float32 = "
 # whatever instant the run dies at, every chunk the ledger lists is complete:
 
 # %%
-ju.notebook.show_source(ju.chunked._resumable)
+ju.teaching.notebook.show_source(ju.stages.chunked._resumable)
 
 # %% [markdown]
 # Now the drill. A fresh Python process starts the run, and is killed with
@@ -108,8 +108,8 @@ ju.chunked_jacobian(ju.question_mlp(seed={seed}), x,
                     chunk_size={resume_chunk}, out={str(path)!r},
                     method="per_sample", progress=False)
 """
-    finished = ju.resume.kill_part_way(
-        script, lambda: ju.resume.finished_chunks(path)[0], at_least=at_least)
+    finished = ju.scale.resume.kill_part_way(
+        script, lambda: ju.scale.resume.finished_chunks(path)[0], at_least=at_least)
     assert finished < n_chunks, (
         "the run finished before it was killed: raise resume_samples")
     return finished
@@ -118,7 +118,7 @@ ju.chunked_jacobian(ju.question_mlp(seed={seed}), x,
 n_chunks = -(-resume_samples // resume_chunk)
 path = folder / "J.npy"
 finished = start_and_kill(path, at_least=3)
-ledger = json.loads(Path(str(path) + ju.resume.LEDGER_SUFFIX).read_text())
+ledger = json.loads(Path(str(path) + ju.scale.resume.LEDGER_SUFFIX).read_text())
 print(f"killed with {finished} of {n_chunks} chunks finished; "
       "the ledger says:")
 print({key: ledger[key] for key in ("chunk_size", "n_chunks", "done")})
@@ -152,7 +152,7 @@ model.layers[0].kernel.assign(model.layers[0].kernel * 1.001)
 try:
     ju.chunked_jacobian(model, x_resume, chunk_size=resume_chunk, out=path,
                         method="per_sample")
-except ju.resume.ResumeMismatch as error:
+except ju.scale.resume.ResumeMismatch as error:
     print("ResumeMismatch:", error)
 model.set_weights(weights)
 del resumed, whole
@@ -173,7 +173,7 @@ ju.chunked_jacobian(model, x[:2_000], chunk_size=resume_chunk, out=cut,
 os.truncate(cut, os.path.getsize(cut) // 4)
 try:
     ju.chunked_jacobian(model, x[:2_000], out=cut, method="per_sample")
-except ju.resume.ResumeMismatch as error:
+except ju.scale.resume.ResumeMismatch as error:
     print("ResumeMismatch:", error)
 
 # %% [markdown]
@@ -210,7 +210,7 @@ except ju.resume.ResumeMismatch as error:
 # instead of the shared one) fails, rather than write rows nobody reads:
 
 # %%
-ju.notebook.show_source(ju.distributed._rows_task)
+ju.teaching.notebook.show_source(ju.scale.distributed._rows_task)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -432,7 +432,7 @@ print(f"{path_ex.name}: killed part-way; its ledger lists the chunks done")
 try:
     ju.chunked_jacobian(model, x_resume, chunk_size=resume_chunk // 2,
                         out=path_ex, method="per_sample", progress=False)
-except ju.resume.ResumeMismatch as error:
+except ju.scale.resume.ResumeMismatch as error:
     print(error)
 answer = ju.chunked_jacobian(model, x_resume, out=path_ex,
                              method="per_sample", progress=False)
@@ -479,7 +479,7 @@ workers.close()
 del J_one, J_two, answer
 scratch.cleanup()
 print("temporary folder removed:", not folder.exists())
-print("processes left behind:", ju.workers.leftovers(workers.address))
+print("processes left behind:", ju.scale.workers.leftovers(workers.address))
 
 # %% [markdown]
 # ## Keypoints

@@ -1,0 +1,30 @@
+"""What every path shares.
+
+- ``target``       what is differentiated: a model or callable, its variables
+- ``batch``        the input: checked, cast, split, keyed by shape
+- ``outputs``      the layout of the outputs (several, nested)
+- ``layout``       flat parameters, (n, l, m) <-> (l * m, n)
+- ``memory``       peak-memory measurement and the memory model
+- ``cache``        one compiled Jacobian per model, owned weakly
+- ``guards``       the checks that turn the classic mistakes into errors
+- ``formulation``  which formulation traces: pfor, map_fn, XLA, and their logs
+
+Internal: ``_tf`` (the TensorFlow import), ``_grouped`` and ``_gradients``
+(fixes for TensorFlow gaps), ``_shared`` (small helpers used everywhere).
+"""
+
+from ._shared import lazy_modules
+
+__getattr__ = lazy_modules(
+    __name__,
+    {
+        "batch",
+        "cache",
+        "formulation",
+        "guards",
+        "layout",
+        "memory",
+        "outputs",
+        "target",
+    },
+)

@@ -1,0 +1,121 @@
+"""The compiled functions of each model, kept as long as the model lives.
+
+Every cache of compiled functions lives here, and nowhere else: the compiled
+Jacobian (``CompiledJacobian``), its forward-mode twin (``ForwardJacobian``)
+and the products with J (``Products``). Ownership is explicit and weak:
+
+* the **owner** of an entry is the model - a Keras model, a plain callable
+  (a function or lambda), or the object of a bound method - held by a
+  ``weakref.WeakKeyDictionary``, so the cache never keeps it alive;
+* an entry never holds its owner: its target calls the model through a weak
+  reference (``jacutil.core.target``), and nothing else in it points back. When
+  the last reference to the model goes, its entries go with it, and so do
+  the arrays a lambda captured.
+
+An owner that cannot be weakly referenced (a builtin, say) is not cached: each
+call compiles afresh. ``clear()`` empties every cache (tests, notebooks that
+rebuild models in a loop). Introduced in ``03-compiled``.
+"""
+
+import weakref
+
+from ..stages.compiled import CompiledJacobian
+from .target import resolve_target
+
+CACHED_PER_MODEL = 8  # compiled Jacobians kept per model (the newest)
+
+_compiled = weakref.WeakKeyDictionary()  # owner -> {key: CompiledJacobian}
+_forward = weakref.WeakKeyDictionary()  # owner -> {key: ForwardJacobian}
+_products = weakref.WeakKeyDictionary()  # owner -> {key: Products}
+
+
+def owner_of(model):
+    """What an entry is keyed on: the model, or a bound method's object (and
+    the method's function, as part of the key)."""
+    if hasattr(model, "__self__") and hasattr(model, "__func__"):
+        return model.__self__, (model.__func__,)
+    return model, ()
+
+
+def _entries(cache, owner):
+    """The owner's entries (a new dict, not kept, when it cannot be a weak key)."""
+    try:
+        return cache.setdefault(owner, {})
+    except TypeError:
+        return {}
+
+
+def _keep(entries, key, make):
+    if key not in entries:
+        while len(entries) >= CACHED_PER_MODEL:
+            del entries[next(iter(entries))]
+        entries[key] = make()
+    return entries[key]
+
+
+def compiled_for(model, variables, training, jit_compile, method, x=None):
+    """One compiled Jacobian per model, variables and options: no retracing.
+
+    The key holds the variables themselves (their ids), so after
+    ``layer.trainable = False`` the model gets a compiled Jacobian of its new
+    columns.
+    """
+    owner, extra = owner_of(model)
+    if variables is None and getattr(model, "built", False):
+        # the second call on a model: no checks to repeat, the key is at hand
+        quick = (training, jit_compile, method, *map(id, model.trainable_variables))
+        try:
+            found = _compiled.get(owner, {}).get((*quick, *extra))
+        except TypeError:
+            found = None
+        if found is not None:
+            return found
+    target = resolve_target(model, variables, training, x)
+    key = (training, jit_compile, method, *map(id, target.variables), *extra)
+    return _keep(
+        _entries(_compiled, owner),
+        key,
+        lambda: CompiledJacobian(target, method, jit_compile, 1024, model=model),
+    )
+
+
+def forward_for(model, variables, training):
+    """The forward-mode Jacobian of ``model``, compiled once per input shape."""
+    from ..matrix_free.forward import COLUMNS_PER_PASS, ForwardJacobian
+
+    owner, extra = owner_of(model)
+    target = resolve_target(model, variables, training)
+    key = (training, *map(id, target.variables), *extra)
+    return _keep(
+        _entries(_forward, owner),
+        key,
+        lambda: ForwardJacobian(target, COLUMNS_PER_PASS),
+    )
+
+
+def products_for(model, options):
+    """The compiled ``jvp`` and ``vjp`` of ``model`` with these options."""
+    from ..matrix_free.products import Products
+
+    owner, extra = owner_of(model)
+    options = dict(options)
+    variables = options.pop("variables", None)
+    training = options.pop("training", False)
+    target = resolve_target(model, variables, training)
+    key = (
+        tuple(sorted(options.items())),
+        training,
+        *map(id, target.variables),
+        *extra,
+    )
+    return _keep(
+        _entries(_products, owner),
+        key,
+        lambda: Products(target, **options),
+    )
+
+
+def clear():
+    """Forget every compiled function of every model."""
+    for cache in (_compiled, _forward, _products):
+        cache.clear()

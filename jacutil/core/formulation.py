@@ -1,0 +1,414 @@
+"""How the per-sample Jacobian is vectorized for a given model (notebook
+08-your-own-model).
+
+``per_sample_tape_jacobian`` maps a one-sample Jacobian over the batch with
+pfor (``tf.vectorized_map``). Four kinds of model need more:
+
+* **Recurrent layers** (``LSTM``, ``GRU``, ``SimpleRNN``, ``Bidirectional``):
+  a Keras RNN runs a ``tf.while_loop``, and pfor cannot vectorize the gradient
+  of a ``while_loop`` inside another pfor. While the Jacobian is traced, each
+  RNN layer is *unrolled* (its ``unroll`` flag set, the same layer and
+  weights): the loop becomes one step per time step, which pfor vectorizes.
+  Tracing then takes longer for long sequences.
+* **Random layers in training mode** (``Dropout`` with ``training=True``):
+  inside pfor every sample would share one random mask. ``tf.map_fn`` runs
+  the samples one after another, so each draws its own mask - the same
+  semantics as ``model(x, training=True)`` and the other stages.
+* **Grouped convolutions** (``Conv2D(groups=2)``): Keras runs them in a
+  nested ``tf.function(jit_compile=True)`` that reads the kernel inside;
+  pfor mis-converts their filter gradient, and in a graph forward mode
+  carries no tangent into a nested function's variable reads. While
+  jacutil calls the model, each runs as one ordinary convolution per group
+  (:func:`jacutil.core._grouped.convolutions_by_group`): the same numbers.
+* **Anything else pfor cannot convert**: ``tf.map_fn`` too, with a
+  :class:`SlowPathWarning`.
+
+And one TensorFlow 2.21 bug: for attention layers pfor writes broadcasting
+batch matmuls on which oneDNN corrupts memory and crashes the process; a
+Jacobian whose graph holds one runs under XLA. ``jac.formulation`` says which
+of these applied, with what pfor itself noted while tracing.
+"""
+
+import contextlib
+import functools
+import logging
+import warnings
+
+from .. import gradients  # noqa: F401 (registers gradients TF lacks)
+from ..stages.vectorized import batch_tape_jacobian, per_sample_tape_jacobian
+from ._tf import keras, tf
+from .batch import n_samples, pad_with_last
+from .guards import JacobianError, random_layers
+from .target import stack_columns
+
+# Errors with which pfor refuses a graph it cannot vectorize.
+PFOR_ERRORS = (ValueError, TypeError, NotImplementedError, tf.errors.OpError)
+
+
+class SlowPathWarning(UserWarning):
+    """pfor could not vectorize the model, so samples run one at a time."""
+
+
+def recurrent_layers(target):
+    """The model's Keras RNN layers that may be unrolled while traced (nested
+    ones and Bidirectional's included).
+
+    Not a Bidirectional's layers in a model that makes a mask: Keras 3.15
+    computes another function when those are unrolled (up to 0.06 apart on
+    a masked sequence), so they keep their loop - and the stage that cannot
+    vectorize it falls back (``tf.map_fn``) or refuses (forward mode).
+    """
+    masked = any(
+        getattr(layer, "mask_zero", False) or isinstance(layer, keras.layers.Masking)
+        for layer in target.layers
+    )
+    kept = set()
+    if masked:
+        for layer in target.layers:
+            if isinstance(layer, keras.layers.Bidirectional):
+                kept |= {id(layer.forward_layer), id(layer.backward_layer)}
+    return [
+        layer
+        for layer in target.layers
+        if isinstance(layer, keras.layers.RNN) and id(layer) not in kept
+    ]
+
+
+def kept_loops(target):
+    """The recurrent layers that keep their loop (see :func:`recurrent_layers`)."""
+    unrolled_ids = {id(layer) for layer in recurrent_layers(target)}
+    return [
+        layer
+        for layer in target.layers
+        if isinstance(layer, keras.layers.RNN) and id(layer) not in unrolled_ids
+    ]
+
+
+def refuse_kept_loops(target):
+    """Raise :class:`ForwardModeBlindSpot` when a recurrent layer keeps its
+    loop: forward mode carries no tangent through a ``while_loop``'s variable
+    reads (TF 2.21)."""
+    kept = kept_loops(target)
+    if kept:
+        raise ForwardModeBlindSpot(
+            f"forward mode cannot differentiate this model: its recurrent "
+            f"layer {kept[0].name!r} is part of a Bidirectional over a masked "
+            "sequence, which keeps its loop (Keras computes another function "
+            "when it is unrolled), and TensorFlow 2.21's forward mode carries "
+            "no tangent through a loop. Use reverse mode: jacutil.jacobian "
+            'for J, products(mode="double_backward") for J @ v.'
+        )
+
+
+@contextlib.contextmanager
+def unrolled(layers):
+    """Trace ``layers`` (Keras RNNs) unrolled: the same layers and weights."""
+    saved = [layer.unroll for layer in layers]
+    for layer in layers:
+        layer.unroll = True
+    try:
+        yield
+    finally:
+        for layer, unroll in zip(layers, saved, strict=True):
+            layer.unroll = unroll
+
+
+class _PforLog(logging.Filter):
+    """Keep pfor's messages out of the user's log while we trace; note them.
+
+    pfor logs every op it fails to convert at ERROR level (we catch the
+    failure and fall back), and warns when it runs an op in a ``while_loop``
+    (``Conv2DBackpropFilter uses a while_loop``) or densifies an Embedding's
+    gradient: those go into the formulation, where ``jac.formulation`` shows
+    them, instead of a red box under the cell.
+    """
+
+    SOURCES = ("parallel_for/pfor.py", "parallel_for/control_flow_ops.py")
+
+    def __init__(self):
+        super().__init__()
+        self.notes = []
+
+    def filter(self, record):
+        path = record.pathname.replace("\\", "/")
+        if not path.endswith(self.SOURCES):
+            return True
+        if record.levelno < logging.ERROR:
+            note = record.getMessage().split(". ")[0].split("(")[0].strip()
+            if note.startswith("Converting IndexedSlices"):
+                note = "an Embedding's sparse gradient made dense (IndexedSlices)"
+            if note not in self.notes:
+                self.notes.append(note)
+        return False
+
+
+@contextlib.contextmanager
+def pfor_log():
+    """Capture pfor's own log lines inside the block (see :class:`_PforLog`).
+
+    Yields the list of notes (warnings) it collects; errors are dropped. In
+    nested blocks the innermost takes the notes. Introduced in
+    ``08-your-own-model``.
+    """
+    logger, capture = tf.get_logger(), _PforLog()
+    logger.filters.insert(0, capture)  # before any outer block's filter
+    try:
+        yield capture.notes
+    finally:
+        logger.removeFilter(capture)
+
+
+# oneDNN's batch matmul corrupts the heap (malloc errors, segfaults) on some
+# broadcasting operands in TensorFlow 2.21 (tensorflow/tensorflow#117700 and
+# #123109). pfor writes such operands for attention (EinsumDense) gradients.
+# Where the traced Jacobian holds one, it runs under XLA instead.
+BATCH_MATMULS = ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3")
+
+
+def _broadcasts(op):
+    """Whether a batch matmul broadcasts its batch dimensions (ranks or sizes)."""
+    a, b = (t.shape for t in op.inputs[:2])
+    if a.rank is None or b.rank is None or a.rank != b.rank:
+        return True
+    pairs = zip(a.as_list()[:-2], b.as_list()[:-2], strict=True)
+    return any((d == 1) != (e == 1) for d, e in pairs)
+
+
+def quiet_function(python_function, **options):
+    """``tf.function`` for jacutil's own traces, which TensorFlow does not count.
+
+    An eager stage traces a new function on every call, and one compiled
+    Jacobian is built per model: by design, not the retracing that
+    TensorFlow's "N out of the last N calls triggered tf.function retracing"
+    warns about (jacutil's own RetracingWarning watches for the real trap).
+    Each trace runs inside :func:`pfor_log`: what pfor says while vectorizing
+    our own code (``Conv2DBackpropFilter uses a while_loop``) is ours to hear.
+    """
+
+    def traced(*args, **kwargs):
+        with pfor_log():
+            return python_function(*args, **kwargs)
+
+    function = tf.function(functools.wraps(python_function)(traced), **options)
+    function._omit_frequent_tracing_warning = True  # noqa: SLF001 (TF 2.21)
+    return function
+
+
+class ForwardModeBlindSpot(JacobianError):
+    """A second-order derivative that TensorFlow 2.21 gets wrong in a graph:
+    forward mode (and the double-backward JVP) would return zeros."""
+
+
+MAX_POOLS = ("MaxPool", "MaxPoolV2", "MaxPool3D")
+
+
+def refuse_shape_preserving_max_pools(ops):
+    """Raise :class:`ForwardModeBlindSpot` when one of ``ops`` is a max pool
+    whose output has its input's shape (``padding="same"`` with stride 1, or
+    a 1-wide window): in a graph, TF 2.21's JVP of such a pool is zero
+    (eager is right; valid padding or stride 2 are right too)."""
+    for op in ops:
+        if op.type in MAX_POOLS:
+            before, after = op.inputs[0].shape, op.outputs[0].shape
+            if before.rank and before[1:].as_list() == after[1:].as_list():
+                raise ForwardModeBlindSpot(
+                    "forward mode cannot differentiate this model: it has a max "
+                    "pooling layer whose output keeps its input's shape "
+                    '(padding="same" with strides=1), whose second derivative '
+                    "TensorFlow 2.21 computes as zero in a graph (the columns "
+                    "would be silently zero). Use reverse mode (jacutil.jacobian, "
+                    "compiled_jacobian) for J, and for J @ v multiply J; or pool "
+                    'with padding="valid" or a stride of 2.'
+                )
+
+
+def refuse_hidden_reads(ops, variables):
+    """Raise :class:`ForwardModeBlindSpot` when one of ``ops`` (traced in
+    forward mode) calls a nested ``tf.function`` that reads one of
+    ``variables``; and for the max pools above.
+
+    ``tf.autodiff.ForwardAccumulator`` in a graph carries no tangent into
+    such a read (TF 2.21): the columns of that variable would be zeros.
+    """
+    graph = tf.compat.v1.get_default_graph()
+    handles = {id(v.handle) for v in variables}
+    inside = {inner.name for outer, inner in graph.captures if id(outer) in handles}
+    hidden = [  # a call that reads a variable is stateful (the accumulator's
+        op.get_attr("f").name  # own JVP helpers take handles, and are not)
+        for op in ops
+        if op.type == "StatefulPartitionedCall"
+        and any(t.name in inside for t in op.inputs)
+    ]
+    refuse_shape_preserving_max_pools(ops)
+    if hidden:
+        raise ForwardModeBlindSpot(
+            f"forward mode cannot differentiate this model: {hidden[0]} is a "
+            "nested tf.function that reads a differentiated variable inside, and "
+            "TensorFlow 2.21's ForwardAccumulator carries no tangent into it (the "
+            "columns would be silently zero). Use reverse mode: jacutil.jacobian "
+            'or compiled_jacobian for J, products(mode="double_backward") for '
+            "J @ v - or pass the variable to the nested function as an argument."
+        )
+
+
+def onednn_hazards(ops):
+    """The batch matmuls among ``ops`` that broadcast (see above)."""
+    return [op for op in ops if op.type in BATCH_MATMULS and _broadcasts(op)]
+
+
+@contextlib.contextmanager
+def new_ops():
+    """The operations added to the graph being traced inside the block."""
+    graph = tf.compat.v1.get_default_graph()
+    start = len(graph.get_operations())
+    created = []
+    yield created
+    created.extend(graph.get_operations()[start:])
+
+
+def vectorize(jacobian, target, x, xla=False):
+    """``jacobian(target, x)`` traced, and moved under XLA if it needs to be.
+
+    Call it inside a ``tf.function`` trace. Returns ``(tensor, notes)``:
+    what pfor said about the graph, and whether it runs under XLA.
+    """
+    with pfor_log() as notes, new_ops() as created:
+        J = jacobian(target, x)
+    if xla or not onednn_hazards(created):
+        return J, notes
+    compiled = quiet_function(lambda x: jacobian(target, x), jit_compile=True)
+    with pfor_log():
+        J = compiled(x)
+    return J, [
+        *notes,
+        "run under XLA: oneDNN's broadcasting batch matmul "
+        "corrupts memory in TensorFlow 2.21 (tensorflow#117700)",
+    ]
+
+
+def map_fn_jacobian(target, x):
+    """(n, l, m) tensor: the one-sample Jacobian in a ``tf.map_fn`` loop.
+
+    The l output rows are not vectorized either (``experimental_use_pfor=
+    False``), so nothing here meets pfor's limits: the slow, safe path.
+    """
+
+    def one_sample(xi):
+        xi = tf.nest.map_structure(lambda t: t[None], xi)
+        with tf.GradientTape() as tape:
+            target.watch(tape)
+            y = target.forward(xi)
+        jacobians = tape.jacobian(y, target.variables, experimental_use_pfor=False)
+        return stack_columns(jacobians, target.variables, 1)[0]
+
+    signature = tf.TensorSpec(None, target.dtype)
+    return tf.map_fn(one_sample, x, fn_output_signature=signature)
+
+
+def _padded_per_sample(target, x):
+    """pfor's unrolled recurrent gradient fails at run time on a batch of one
+    sample (TF 2.21): run one copy of the last sample more, and drop it."""
+    rows = n_samples(x)
+    return per_sample_tape_jacobian(target, pad_with_last(x, rows + 1))[:rows]
+
+
+NOT_THE_MESSAGE = ("File ", "[[", "Detected at node", "Graph execution error")
+
+
+def first_line(error):
+    """The line of ``error`` that says what went wrong (not where)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    lines = [line for line in lines if not line.startswith(NOT_THE_MESSAGE)]
+    last = lines[-1] if lines else type(error).__name__
+    message = next((line for line in lines if "Error" in line), last)
+    return str(message)[:200]
+
+
+def pfor_failed_when_run(error):
+    """Whether ``error`` is pfor's converted graph failing when it runs."""
+    return isinstance(error, tf.errors.InvalidArgumentError) and "/pfor/" in str(
+        error
+    )
+
+
+def warn_sample_by_sample(reason, stacklevel=4):
+    warnings.warn(
+        f"tf.vectorized_map could not vectorize this model ({reason}), so its "
+        "samples run one at a time in tf.map_fn: correct, and much slower. "
+        "Please report the model if it is a standard Keras one.",
+        SlowPathWarning,
+        stacklevel=stacklevel,
+    )
+
+
+def _in_a_graph(method):
+    """Eagerly, trace ``method(target, x, xla)`` in a new tf.function first:
+    the graph is what tells the formulation (pfor's limits, oneDNN hazards)."""
+
+    def run(target, x, xla=False):
+        if not tf.executing_eagerly():
+            return method(target, x, xla)
+        said = {}
+
+        def traced(x):
+            J, said["formulation"] = method(target, x, xla)
+            return J
+
+        try:
+            return quiet_function(traced)(x), said["formulation"]
+        except tf.errors.InvalidArgumentError as error:
+            if not pfor_failed_when_run(error):
+                raise
+            reason = first_line(error)
+        if not said["formulation"].startswith("tf.map_fn"):  # not said yet
+            warn_sample_by_sample(reason)
+        J = quiet_function(lambda x: map_fn_jacobian(target, x))(x)
+        return J, f"tf.map_fn over samples: pfor failed when run ({reason})"
+
+    return functools.wraps(method)(run)
+
+
+@_in_a_graph
+def per_sample_tensor(target, x, xla=False):
+    """The per-sample Jacobian of ``x`` and the formulation that computed it.
+
+    Returns ``(tensor, formulation)``: ``tf.vectorized_map`` (recurrent
+    layers unrolled) when pfor can vectorize the model, ``tf.map_fn``
+    otherwise; ``xla`` says the caller compiles with XLA already.
+    Introduced in ``08-your-own-model``.
+    """
+    random = random_layers(target.layers) if target.training else []
+    if random:
+        return map_fn_jacobian(target, x), (
+            "tf.map_fn over samples: random layers in training mode "
+            f"({', '.join(random)}) draw one mask per sample"
+        )
+    kept = kept_loops(target)
+    if kept:  # pfor cannot vectorize a while_loop's gradient
+        return map_fn_jacobian(target, x), (
+            "tf.map_fn over samples: recurrent layers that keep their loop "
+            f"({', '.join(layer.name for layer in kept)})"
+        )
+    rnns = recurrent_layers(target)
+    formulation = ["tf.vectorized_map over samples"]
+    if rnns:
+        names = ", ".join(layer.name for layer in rnns)
+        formulation.append(f"recurrent layers unrolled while traced ({names})")
+    jacobian = _padded_per_sample if rnns else per_sample_tape_jacobian
+    try:
+        with unrolled(rnns):
+            J, notes = vectorize(jacobian, target, x, xla)
+        return J, "; ".join(formulation + notes)
+    except PFOR_ERRORS as error:
+        if isinstance(error, JacobianError):
+            raise
+        reason = first_line(error)
+    warn_sample_by_sample(reason)
+    return map_fn_jacobian(target, x), f"tf.map_fn over samples: pfor failed ({reason})"
+
+
+@_in_a_graph
+def batch_tensor(target, x, xla=False):
+    """``tape.jacobian`` over the batch, and its formulation (see above)."""
+    J, notes = vectorize(batch_tape_jacobian, target, x, xla)
+    return J, "; ".join(["tape.jacobian over the batch", *notes])

@@ -1,0 +1,279 @@
+"""Peak memory of a call, and a measured model of it (notebooks 02, 04).
+
+TensorFlow allocates outside Python's allocator, so ``tracemalloc`` does not see
+its tensors. We sample the process's *anonymous* resident memory (RSS minus the
+pages of mapped files) from a background thread while the call runs and report
+the peak above a baseline. Pages of a memory-mapped ``.npy`` are the kernel's
+file cache, written back and dropped when memory is short, so they are not
+counted.
+
+With oneDNN (on by default on x86 CPUs) TensorFlow keeps the memory that it
+grew in a pool and reuses it: a second call at the same size measures almost
+nothing, and resident memory never falls back. Measure each size once, on its
+first call, in increasing order, above a baseline taken before the first.
+"""
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import psutil
+
+
+@dataclass
+class MemoryUse:
+    """``peak``: highest anonymous RSS during the call, minus ``baseline`` (bytes)."""
+
+    result: object
+    baseline: int
+    peak: int
+    seconds: float
+
+
+def rss():
+    """The process's resident set size now, in bytes (mapped files included)."""
+    return psutil.Process().memory_info().rss
+
+
+def anonymous_rss(process=None):
+    """Resident memory that only swap could free: RSS less file-backed pages."""
+    info = (process or psutil.Process()).memory_info()
+    return info.rss - info.shared
+
+
+def peak_memory(fn, *args, interval=0.002, baseline=None, **kwargs):
+    """Run ``fn(*args, **kwargs)`` and measure its peak resident memory.
+
+    Returns a :class:`MemoryUse`. ``peak`` is above ``baseline`` (bytes of
+    :func:`anonymous_rss`), by default the level just before the call. Memory
+    that TensorFlow keeps pooled from an earlier call is not counted again, so
+    for a sweep of sizes pass the level from before the first size.
+    """
+    process = psutil.Process()
+    if baseline is None:
+        baseline = anonymous_rss(process)
+    highest = [anonymous_rss(process)]
+    done = threading.Event()
+
+    def sample():
+        while not done.is_set():
+            highest[0] = max(highest[0], anonymous_rss(process))
+            time.sleep(interval)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    start = time.perf_counter()
+    try:
+        result = fn(*args, **kwargs)
+    finally:
+        seconds = time.perf_counter() - start
+        done.set()
+        sampler.join()
+    highest[0] = max(highest[0], anonymous_rss(process))
+    return MemoryUse(result, baseline, max(0, highest[0] - baseline), seconds)
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Peak bytes of a Jacobian of n samples: ``a*n**2 + b*n + c``.
+
+    ``quadratic`` (a) is zero for the per-sample path; ``linear`` (b) holds the
+    rows of the result and their working copies; ``constant`` (c) the rest.
+    """
+
+    quadratic: float
+    linear: float
+    constant: float = 0.0
+
+    def predict(self, n_samples):
+        """Predicted peak bytes for ``n_samples`` (a float, or an array of them)."""
+        n = np.asarray(n_samples, dtype=float)
+        return self.quadratic * n**2 + self.linear * n + self.constant
+
+    def largest_n(self, n_bytes):
+        """The largest number of samples whose predicted peak fits ``n_bytes``."""
+        a, b, c = self.quadratic, self.linear, self.constant - n_bytes
+        if c > 0:
+            return 0
+        if a == 0:
+            return int(-c // b) if b > 0 else np.iinfo(np.int64).max
+        return int((-b + np.sqrt(b * b - 4 * a * c)) / (2 * a))
+
+    @classmethod
+    def fit(cls, sizes, peaks, *, quadratic):
+        """Least-squares fit, with non-negative terms, of measured ``peaks`` (bytes).
+
+        Relative errors are minimised, so small sizes count as much as large
+        ones. ``quadratic=False`` fits ``b*n + c`` only.
+        """
+        from scipy.optimize import nnls
+
+        n = np.asarray(sizes, dtype=float)
+        peaks = np.asarray(peaks, dtype=float)
+        if n.shape != peaks.shape or len(n) < 2:
+            raise ValueError(
+                "fit needs at least two sizes and one measured peak per size; "
+                f"got {len(n)} sizes and {len(peaks)} peaks."
+            )
+        columns = [n**2, n, np.ones_like(n)] if quadratic else [n, np.ones_like(n)]
+        weights = 1 / np.maximum(peaks, 1.0)
+        terms, _ = nnls(np.stack(columns, axis=1) * weights[:, None], peaks * weights)
+        return cls(*terms) if quadratic else cls(0.0, *terms)
+
+
+# Measured on question_mlp() (10 -> 64 -> 32 -> 2, float32, 2,850 parameters),
+# TensorFlow 2.21 with oneDNN, 2-core x86 CPU, 2026-11-30: the first call at
+# each n, sizes increasing, peak above the level before the first size
+# (notebook 02-vectorized re-measures them and shows the fit).
+# Each sweep ran in a fresh process (measure_in_fresh_process).
+# vectorized_jacobian, n = 50, 100, 200, 400, 700 (9, 22, 83, 314, 881 MiB);
+# it predicted 1.83 GiB at n = 1,000, where 1.75 GiB was then measured.
+BATCH_JACOBIAN = MemoryModel(quadratic=1955.0, linear=0.0, constant=4.5e6)
+# per_sample_jacobian, n = 1,000, 3,000, 10,000, 20,000 (95, 274, 830, 2,099
+# MiB): about 4.2 times the 22,800 bytes of one sample's rows of the result.
+PER_SAMPLE_JACOBIAN = MemoryModel(quadratic=0.0, linear=95658.0, constant=2.6e6)
+
+
+# Operations that allocate nothing new (views, reads, bookkeeping).
+NO_ALLOCATION = frozenset(
+    "Placeholder Const ReadVariableOp VarHandleOp Identity IdentityN Reshape "
+    "Squeeze ExpandDims StopGradient PreventGradient Shape ShapeN Size Rank "
+    "NoOp".split()
+)
+
+
+def activation_elements(model, x, *, variables=None, training=False, unroll=True):
+    """Elements of one sample's forward pass: the ``A`` of the chunk memory model.
+
+    Traces the forward pass of one sample like ``x`` and adds up the
+    floating-point outputs of its operations, views and reads left out
+    (``jacutil.stages.chunked`` turns it into bytes). With ``unroll`` (the
+    per-sample method) recurrent layers are traced unrolled, and every read
+    of a variable after its first counts too: an unrolled layer gets one
+    block of gradients per time step. Introduced in ``04-chunked``.
+    """
+    from .batch import as_batch
+    from .target import resolve_target
+
+    target = resolve_target(model, variables, training, x)
+    return count_activations(target, as_batch(x, target), unroll=unroll)
+
+
+def count_activations(target, x, *, unroll=True):
+    """:func:`activation_elements` of a resolved target and a checked batch."""
+    from ._tf import tf
+    from .formulation import quiet_function, recurrent_layers, unrolled
+
+    spec = tf.nest.map_structure(lambda t: tf.TensorSpec([1, *t.shape[1:]], t.dtype), x)
+    rnns = recurrent_layers(target) if unroll else []
+    with unrolled(rnns):
+        forward = quiet_function(target.forward)
+        graph = forward.get_concrete_function(spec).graph
+    total, read = 0, set()
+    for op in graph.get_operations():
+        size = sum(
+            t.shape.num_elements()
+            for t in op.outputs
+            if t.dtype.is_floating and t.shape.is_fully_defined()
+        )
+        if op.type == "ReadVariableOp":
+            handle = op.inputs[0].ref()
+            total += size if (unroll and handle in read) else 0
+            read.add(handle)
+        elif op.type not in NO_ALLOCATION:
+            total += size
+    return int(total)
+
+
+def predicted_bytes(n_samples, method="batch"):
+    """Predicted peak bytes of a Jacobian of ``n_samples`` on the question's network.
+
+    ``method="batch"``: ``vectorized_jacobian`` (``tape.jacobian`` over the
+    whole batch), quadratic in n. ``method="per_sample"``:
+    ``per_sample_jacobian``, linear in n. Introduced in ``02-vectorized``.
+    """
+    models = {"batch": BATCH_JACOBIAN, "per_sample": PER_SAMPLE_JACOBIAN}
+    if method not in models:
+        raise ValueError(f"method must be one of {sorted(models)}; got {method!r}.")
+    return float(models[method].predict(n_samples))
+
+
+def available_bytes(safety=0.5):
+    """Bytes this process may still use: a fraction ``safety`` of what is free."""
+    return int(safety * psutil.virtual_memory().available)
+
+
+# Models that measure_in_fresh_process can build: name -> (model, inputs).
+SWEEP_MODELS = {
+    "question_mlp": ("question_mlp", "regression_data"),
+    "small_cnn": ("small_cnn", "image_data"),
+    "sequence_lstm": ("sequence_lstm", "sequence_data"),
+}
+
+
+def _sweep(method, sizes, n_samples=None, model_name="question_mlp"):
+    """Peaks of one sweep, run in this process from a clean start (see below)."""
+    import tempfile
+
+    import jacutil as ju
+
+    build, data = (getattr(ju.teaching.models, f) for f in SWEEP_MODELS[model_name])
+    model = build()
+    largest = n_samples or max(sizes)
+    x = data(largest)
+    x = x[0] if isinstance(x, tuple) else x
+    if method == "chunked":
+        n_outputs = int(np.prod(model(x[:1]).shape[1:]))
+        n_params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+        shape = (largest, n_outputs, n_params)
+        folder = tempfile.TemporaryDirectory()
+        out = np.lib.format.open_memmap(
+            f"{folder.name}/J.npy", mode="w+", dtype="float32", shape=shape
+        )
+
+        def run(chunk_size):
+            ju.chunked_jacobian(
+                model, x, chunk_size=chunk_size, out=out, progress=False
+            )
+
+        run(1)  # warm-up: the trace
+    else:
+        stage = {"batch": ju.vectorized_jacobian, "per_sample": ju.per_sample_jacobian}
+
+        def run(n):
+            stage[method](model, x[:n])
+
+        run(2)  # warm-up: the trace
+    start = anonymous_rss()
+    return [peak_memory(run, n, baseline=start).peak for n in sizes]
+
+
+def measure_in_fresh_process(method, sizes, *, n_samples=None, model="question_mlp"):
+    """Peak bytes of each size, measured in a new Python process, sizes increasing.
+
+    ``method``: ``"batch"`` (``vectorized_jacobian``), ``"per_sample"``
+    (``per_sample_jacobian``), or ``"chunked"`` (``chunked_jacobian`` of
+    ``n_samples`` into a memory-mapped file; ``sizes`` are chunk sizes), on
+    ``model``, a name in :data:`SWEEP_MODELS` (``question_mlp()`` by
+    default). A fresh process starts with an empty memory pool, and each
+    peak is above the level before the first size: what the process had to
+    grow to. Introduced in ``02-vectorized``.
+    """
+    sizes = sorted(int(n) for n in sizes)
+    command = [sys.executable, "-m", "jacutil.core.memory", method, json.dumps(sizes)]
+    command += [str(int(n_samples or 0)), model]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"the measuring process failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    _method, _sizes = sys.argv[1], json.loads(sys.argv[2])
+    _n = int(sys.argv[3]) or None if len(sys.argv) > 3 else None
+    _model = sys.argv[4] if len(sys.argv) > 4 else "question_mlp"
+    print(json.dumps(_sweep(_method, _sizes, _n, _model)))

@@ -1,0 +1,19 @@
+"""Fitting with the Jacobian (05-scipy-least-squares) and per-sample gradients.
+
+- ``scipy_bridge``    ``least_squares_problem``: a model as SciPy's fun and jac
+- ``gauss_newton``    ``levenberg_marquardt``: our own damped Gauss-Newton
+- ``wide_fit``        fitting when J does not fit in memory
+- ``loss_gradients``  ``per_sample_gradients`` and their norms
+"""
+
+from ..core._shared import lazy_modules
+
+__getattr__ = lazy_modules(
+    __name__,
+    {
+        "gauss_newton",
+        "loss_gradients",
+        "scipy_bridge",
+        "wide_fit",
+    },
+)

@@ -1,0 +1,307 @@
+"""A Keras model as SciPy's least-squares problem (notebook 05-scipy-least-squares).
+
+``scipy.optimize.least_squares(fun, theta0, jac=jac)`` takes residuals
+``r(theta)`` of length n*l and their (n*l) x m Jacobian. Row ``i*l + k`` is
+sample ``i``, output ``k``: exactly ``J.reshape(n*l, m)`` of the (n, l, m)
+Jacobian that every stage returns, so no transpose is needed.
+"""
+
+import numpy as np
+
+from ..core._tf import tf
+from ..core.batch import as_batch, n_samples, take
+from ..core.cache import compiled_for
+from ..core.layout import flat_params, set_flat_params
+from ..core.outputs import output_layout
+from ..core.target import resolve_target
+from ..matrix_free.products import jacobian_operator, products
+from ..scale.resume import SumCheckpoint, fingerprint
+from ..stages.chunked import DEFAULT_MEMORY_BUDGET, chunk_size_for, chunked_jacobian
+
+
+class LeastSquaresProblem:
+    """``fun``, ``jac`` and ``theta0`` of a model fitted to ``(x, y)``.
+
+    See :func:`least_squares_problem`. ``compiled`` is the compiled Jacobian
+    that every ``jac`` call reuses (its ``trace_count`` stays 1).
+    """
+
+    def __init__(
+        self, model, x, y, variables, training, chunk_size, memory_budget, jacobian
+    ):
+        if jacobian not in ("formed", "operator"):
+            raise ValueError(
+                f'jacobian must be "formed" or "operator"; got {jacobian!r}.'
+            )
+        self.jacobian = jacobian
+        self.model = model
+        self._target = resolve_target(model, variables, training, x)
+        # The columns are the variables of this moment, kept: freezing a layer
+        # later does not change the length of theta under SciPy's feet.
+        self._variables = self._target.variables
+        self.x = as_batch(x, self._target)
+        n_rows = int(n_samples(self.x))
+        n_outputs = output_layout(self._target, self.x).n_outputs
+        self.y = _target_rows(y, n_rows, n_outputs).reshape(n_rows * n_outputs)
+        self.n_samples, self.n_outputs = n_rows, n_outputs
+        self.n_params = self._target.n_params
+        self.theta0 = flat_params(model, variables=self._variables).astype(np.float64)
+        self._options = {
+            "variables": self._variables,
+            "training": training,
+            "progress": False,
+        }
+        self.compiled = compiled_for(
+            model, self._variables, training, False, "per_sample"
+        )
+        activations = self.compiled.activation_elements(self.x)
+        if chunk_size is None and jacobian == "operator":
+            # a chunk holds its forward pass and its backward signals, not J
+            per_sample = self._target.dtype.itemsize * (4 * activations + 2 * n_outputs)
+            budget = memory_budget or DEFAULT_MEMORY_BUDGET
+            chunk_size = max(1, min(n_rows, int(budget // per_sample)))
+        elif chunk_size is None:
+            chunk_size = chunk_size_for(
+                memory_budget or DEFAULT_MEMORY_BUDGET,
+                n_outputs,
+                self.n_params,
+                self._target.dtype.itemsize,
+                activations=activations,
+            )
+        self.chunk_size = int(chunk_size)
+        self.products = None
+        if jacobian == "operator":
+            self.products = products(
+                model,
+                variables=self._variables,
+                training=training,
+                chunk_size=self.chunk_size,
+            )
+
+    def set_params(self, theta):
+        """Write ``theta`` (length ``n_params``) into the model's variables."""
+        theta = np.asarray(theta)
+        if theta.shape != (self.n_params,):
+            raise ValueError(
+                f"theta has shape {theta.shape}, but the model has "
+                f"{self.n_params:,} trainable parameters: pass a flat vector of "
+                "that length, in flat_params(model) order - start from "
+                "problem.theta0."
+            )
+        set_flat_params(self.model, theta, variables=self._variables)
+
+    def _residuals(self, start, stop):
+        outputs = self._target.forward(take(self.x, start, stop)).numpy()
+        rows = slice(start * self.n_outputs, stop * self.n_outputs)
+        return outputs.astype(np.float64).ravel() - self.y[rows]
+
+    def _jacobian(self, start, stop):
+        J = chunked_jacobian(
+            self.model,
+            take(self.x, start, stop),
+            chunk_size=self.chunk_size,
+            **self._options,
+        )
+        return J.reshape(-1, self.n_params).astype(np.float64)
+
+    def fun(self, theta):
+        """Residuals ``f(x) - y`` at ``theta``: float64, row ``i*l + k``."""
+        self.set_params(theta)
+        return self._residuals(0, self.n_samples)
+
+    def jac(self, theta):
+        """The (n*l) x m Jacobian of the residuals at ``theta``, float64.
+
+        With ``jacobian="operator"`` a ``LinearOperator`` of the same shape
+        (products with J, never J): pass ``tr_solver="lsmr"`` to SciPy. It is
+        J at ``theta`` for good, like the formed array: ``fun(trial)`` writes
+        the trial's parameters into the model, and an optimizer that rejects
+        the trial applies the J of the accepted point again (SciPy does, and
+        ``levenberg_marquardt`` too), so each product first checks that the
+        model holds ``theta`` and writes back the variables that differ (the
+        check reads the variables: about 0.3 ms for a small MLP, a product
+        1 ms or more). Applying it leaves ``theta`` in the model; after a fit,
+        ``set_params(result.x)`` as always.
+        """
+        self.set_params(theta)
+        if self.products is not None:
+            return self._operator_at(theta)
+        return self._jacobian(0, self.n_samples)
+
+    def _operator_at(self, theta):
+        """``jacobian_operator`` pinned to ``theta`` (see :meth:`jac`)."""
+        from scipy.sparse.linalg import LinearOperator
+
+        J = jacobian_operator(self.model, self.x, products=self.products)
+        pin = _Pin(self._variables, theta, self._target.dtype)
+
+        def pinned(product):
+            def apply(a):
+                pin()
+                return product(a)
+
+            return apply
+
+        return LinearOperator(
+            J.shape,
+            matvec=pinned(J.matvec),
+            rmatvec=pinned(J.rmatvec),
+            matmat=pinned(J.matmat),
+            rmatmat=pinned(J.rmatmat),
+            dtype=J.dtype,
+        )
+
+    def normal_equations(self, theta, checkpoint=None):
+        """``(J.T @ J, J.T @ r)`` at ``theta``, summed chunk by chunk.
+
+        Only one chunk of J (``chunk_size`` samples) exists at a time, so this
+        works when the whole (n*l) x m Jacobian does not fit in memory. The
+        Gauss-Newton step solves ``(JtJ + damping * I) step = -Jtr``.
+
+        ``checkpoint``: a ``.npz`` path where the partial sums are saved after
+        each chunk; called again after an interruption with the same theta,
+        data and chunk size, it goes on from the next chunk and ends with the
+        same sums, bit for bit (notebook ``10-beyond-one-machine``).
+        """
+        if self.products is not None:
+            raise ValueError(
+                "normal_equations forms an m x m matrix, which the matrix-free "
+                'problem (jacobian="operator") exists to avoid; use '
+                'levenberg_marquardt(problem, solver="cg") instead.'
+            )
+        self.set_params(theta)
+        sums = (np.zeros((self.n_params, self.n_params)), np.zeros(self.n_params))
+        first, saved = 0, None
+        if checkpoint is not None:
+            record = fingerprint(
+                self.model,
+                self._variables,
+                (self.x, self.y),
+                chunk_size=self.chunk_size,
+                training=self._target.training,
+            )
+            saved = SumCheckpoint(checkpoint, record)
+            first, sums = saved.load(sums)
+        for k in range(first, self.n_chunks):
+            for total, part in zip(sums, self.chunk_normal_equations(k), strict=True):
+                total += part
+            if saved is not None:
+                saved.save(k + 1, sums)
+        return sums
+
+    @property
+    def n_chunks(self):
+        return -(-self.n_samples // self.chunk_size)
+
+    def chunk_normal_equations(self, k):
+        """``J_k.T @ J_k`` and ``J_k.T @ r_k`` of chunk ``k`` at the model's weights."""
+        start = k * self.chunk_size
+        stop = min(start + self.chunk_size, self.n_samples)
+        J = self._jacobian(start, stop)
+        return J.T @ J, J.T @ self._residuals(start, stop)
+
+
+class _Pin:
+    """Puts ``theta`` back into ``variables`` where they hold something else.
+
+    A copy of theta, split per variable in the model's dtype; a call reads
+    each variable (cheaper than writing it: 0.3 ms against 1.1 ms for all of
+    a small MLP) and assigns only those that differ.
+    """
+
+    def __init__(self, variables, theta, dtype):
+        self.variables = list(variables)
+        self.parts, start = [], 0
+        for v in self.variables:
+            size = int(np.prod(v.shape, dtype=np.int64))
+            part = np.asarray(theta[start : start + size]).reshape(tuple(v.shape))
+            self.parts.append(part.astype(dtype))  # a copy: theta may change
+            start += size
+
+    def __call__(self):
+        for v, part in zip(self.variables, self.parts, strict=True):
+            if not np.array_equal(v.numpy(), part, equal_nan=True):
+                v.assign(part)
+
+
+def _target_rows(y, n_rows, n_outputs):
+    """Targets as (n_samples, n_outputs) float64, the same layout as the rows.
+
+    ``y`` is one array, or for a model with several outputs a list or dict
+    like the model's outputs (each leaf flattened per sample and joined in
+    ``tf.nest.flatten`` order, dict keys sorted).
+    """
+    nested = isinstance(y, dict) or (
+        isinstance(y, (list, tuple)) and y and all(hasattr(e, "shape") for e in y)
+    )
+    leaves = tf.nest.flatten(y) if nested else [y]
+    try:
+        rows = [np.asarray(leaf, np.float64) for leaf in leaves]
+        rows = [r.reshape(len(r), -1) if r.ndim else r for r in rows]
+        y2d = np.concatenate(rows, axis=1) if nested else rows[0]
+    except ValueError:
+        y2d = None
+    if y2d is None or y2d.shape[:1] != (n_rows,) or y2d[0].size != n_outputs:
+        shape = "its leaves" if nested else f"shape {np.shape(y)}"
+        raise ValueError(
+            f"y has {shape}; the model gives {n_outputs} outputs for each of "
+            f"the {n_rows} samples of x, so y should have shape ({n_rows}, "
+            f"{n_outputs}), or be a list or dict like the model's outputs with "
+            f"{n_rows} samples first in each."
+        )
+    return y2d.reshape(n_rows, n_outputs)
+
+
+def least_squares_problem(
+    model,
+    x,
+    y,
+    *,
+    variables=None,
+    training=False,
+    chunk_size=None,
+    memory_budget=None,
+    jacobian="formed",
+):
+    """``fun``, ``jac`` and ``theta0`` for ``scipy.optimize.least_squares``.
+
+    ``fun(theta)`` writes ``theta`` into the model and returns the residuals
+    ``f(x) - y`` (float64, length n*l); ``jac(theta)`` returns their (n*l) x m
+    Jacobian (float64) from :func:`chunked_jacobian`, whose one compiled
+    function is reused by every call: nothing is retraced. Both write theta
+    before computing, so the model holds the last point evaluated (or, with
+    ``jacobian="operator"``, the point of the last operator applied);
+    ``jac`` needs no forward pass of ``fun``, so nothing is cached. After the
+    fit, ``set_params(result.x)`` puts the solution into the model (the last
+    point SciPy evaluated may be a rejected trial).
+    ``normal_equations(theta)`` gives JtJ and Jtr without the whole J.
+
+    ``jacobian="operator"``: ``jac`` returns a ``LinearOperator`` (products
+    with J by forward and reverse mode, ``jacutil.matrix_free.products``), for when
+    n*l*m numbers do not fit; fit with ``least_squares(..., tr_solver="lsmr")``
+    or ``levenberg_marquardt(problem, solver="cg")`` (notebook 09). The
+    operator ``jac(theta)`` returns is J at ``theta`` whenever it is applied,
+    even after ``fun`` has moved the model to a trial point.
+
+    Introduced in ``05-scipy-least-squares``.
+    """
+    return LeastSquaresProblem(
+        model, x, y, variables, training, chunk_size, memory_budget, jacobian
+    )
+
+
+def fit_least_squares(model, x, y, **least_squares_options):
+    """Fit ``model`` to ``(x, y)`` with ``scipy.optimize.least_squares``.
+
+    Options (``method=``, ``max_nfev=``, ...) go to SciPy. The solution is
+    written into the model; SciPy's result is returned.
+    Introduced in ``05-scipy-least-squares``.
+    """
+    from scipy.optimize import least_squares
+
+    problem = least_squares_problem(model, x, y)
+    result = least_squares(
+        problem.fun, problem.theta0, jac=problem.jac, **least_squares_options
+    )
+    problem.set_params(result.x)
+    return result

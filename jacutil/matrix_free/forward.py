@@ -1,0 +1,104 @@
+"""The whole per-sample Jacobian by forward mode (notebook 09-matrix-free).
+
+Reverse mode gets J one output row at a time: l backward passes per sample.
+Forward mode gets it one parameter column at a time: a JVP along the unit
+vector e_p gives column p for every sample and output at once, so m forward
+passes in all, vectorized over the columns (``tf.vectorized_map`` of a
+``ForwardAccumulator``). It wins when there are fewer parameters than
+outputs (m <= l): small models with wide outputs, a few parameters of a
+physical model fitted to long signals.
+"""
+
+import numpy as np
+
+from ..core._tf import tf
+from ..core.batch import as_batch, n_samples, signature, signature_key
+from ..core.formulation import (
+    new_ops,
+    quiet_function,
+    recurrent_layers,
+    refuse_hidden_reads,
+    refuse_kept_loops,
+    unrolled,
+)
+from ..core.outputs import output_layout
+from ..core.target import resolve_target, variable_list, watched
+
+COLUMNS_PER_PASS = 64  # parameter columns vectorized together
+
+
+class ForwardJacobian:
+    """A reusable forward-mode ``jac(x)``; see :func:`forward_jacobian`."""
+
+    def __init__(self, target, columns_per_pass, owner=None):
+        self.target = target
+        self._owner = owner  # keeps the model alive as long as jac (None: cached)
+        self.columns = int(columns_per_pass)
+        if self.columns <= 0:
+            raise ValueError(
+                f"columns_per_pass must be positive; got {columns_per_pass}."
+            )
+        self.trace_count = 0
+        self._functions = {}
+
+    def _columns(self, x, tangents):
+        """(n, l, c): the JVPs of batch x along the c rows of ``tangents``."""
+        self.trace_count += 1
+        variables = self.target.variables
+        tracked = [watched(v) for v in variables]
+        sizes = [int(np.prod(v.shape, dtype=np.int64)) for v in variables]
+
+        def along(tangent):
+            parts = tf.split(tangent, sizes)
+            shaped = [
+                tf.reshape(p, v.shape) for p, v in zip(parts, variables, strict=True)
+            ]
+            with new_ops() as created:
+                with tf.autodiff.ForwardAccumulator(tracked, shaped) as accumulator:
+                    y = self.target.forward(x)
+            refuse_hidden_reads(created, tracked)
+            column = accumulator.jvp(y)
+            return tf.zeros_like(y) if column is None else column
+
+        with unrolled(recurrent_layers(self.target)):
+            columns = tf.vectorized_map(along, tangents)  # (c, n, l)
+        return tf.transpose(columns, [1, 2, 0])
+
+    def __call__(self, x):
+        refuse_kept_loops(self.target)
+        x = as_batch(x, self.target)
+        n_outputs = output_layout(self.target, x).n_outputs
+        m = self.target.n_params
+        columns = min(self.columns, m)  # no JVPs along padding when m is small
+        key = signature_key(x)
+        if key not in self._functions:
+            spec = tf.TensorSpec([columns, m], self.target.dtype)
+            self._functions[key] = quiet_function(
+                self._columns, input_signature=[signature(x), spec]
+            )
+        out = np.empty((int(n_samples(x)), n_outputs, m), self.target.dtype)
+        eye = np.eye(columns, m, dtype=self.target.dtype)
+        for start in range(0, m, columns):
+            stop = min(start + columns, m)
+            tangents = np.roll(eye, start, axis=1)  # e_start, e_start+1, ...
+            tangents[stop - start :] = 0  # past m: no column
+            block = self._functions[key](x, tf.constant(tangents))
+            out[:, :, start:stop] = np.asarray(block)[:, :, : stop - start]
+        return out
+
+
+def forward_jacobian(
+    model, x=None, *, variables=None, training=False, columns_per_pass=COLUMNS_PER_PASS
+):
+    """The (n, l, m) per-sample Jacobian by forward mode, one JVP per parameter.
+
+    ``columns_per_pass`` JVPs run together in ``tf.vectorized_map``; each
+    gives one column for every sample and output. Without ``x``, returns the
+    reusable ``jac(x)`` (compiled once per input shape). Faster than the
+    reverse-mode stages when m <= l (see notebook 09). Introduced in
+    ``09-matrix-free``.
+    """
+    variables = None if variables is None else variable_list(variables)
+    target = resolve_target(model, variables, training, x)
+    jac = ForwardJacobian(target, columns_per_pass, owner=model)
+    return jac if x is None else jac(x)

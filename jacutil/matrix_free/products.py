@@ -1,0 +1,273 @@
+"""Products with J without forming J (notebook 09-matrix-free).
+
+A Gauss-Newton or trust-region step needs only ``J @ v`` and ``J.T @ u``:
+
+* ``jvp(model, x, v)``: (n, l), the outputs' change along the parameter
+  direction ``v`` (length m): forward mode, ``tf.autodiff.ForwardAccumulator``,
+  one forward pass carrying tangents;
+* ``vjp(model, x, u)``: (m,), ``sum_i,k u[i, k] * d f(x)[i, k] / d theta``:
+  reverse mode, one ``tape.gradient`` with ``output_gradients=u``;
+* ``jacobian_operator(model, x)``: a ``scipy.sparse.linalg.LinearOperator`` of
+  shape (n*l, m), rows sample-major like ``least_squares_problem(...).jac``,
+  whose ``matvec``/``rmatvec``/``matmat`` use them.
+
+Memory is one forward (and backward) pass over a chunk of samples, never
+n*l*m numbers. Each product is compiled once per model and input shape;
+parameters are in ``flat_params`` order.
+"""
+
+import contextlib
+
+import numpy as np
+
+from .. import cache
+from ..core._tf import tf
+from ..core.batch import as_batch, n_samples, signature, signature_key, take
+from ..core.formulation import (
+    new_ops,
+    quiet_function,
+    recurrent_layers,
+    refuse_hidden_reads,
+    refuse_kept_loops,
+    refuse_shape_preserving_max_pools,
+    unrolled,
+)
+from ..core.outputs import output_layout
+from ..core.target import resolve_target, variable_list, watched
+
+
+def _sizes(variables):
+    return [int(np.prod(v.shape, dtype=np.int64)) for v in variables]
+
+
+class Products:
+    """Compiled ``jvp`` and ``vjp`` of one model; see :func:`products`.
+
+    ``jvp(x, v)`` and ``vjp(x, u)`` take a batch and return NumPy arrays;
+    ``trace_count`` counts traces (one per product and input shape).
+    """
+
+    def __init__(self, target, chunk_size=None, mode="forward", owner=None):
+        if mode not in ("forward", "double_backward"):
+            raise ValueError(
+                f'mode must be "forward" or "double_backward"; got {mode!r}.'
+            )
+        self.mode = mode
+        self.target = target
+        self._owner = owner  # holds the model, as a compiled stage does (or None)
+        self.variables = self.target.variables
+        self.n_params = self.target.n_params
+        self.shapes = [tuple(v.shape) for v in self.variables]
+        self.chunk_size = chunk_size
+        self.trace_count = 0
+        self._functions = {}
+
+    # -- checks -------------------------------------------------------------
+
+    def _check_shapes(self):
+        now = [tuple(v.shape) for v in self.variables]
+        if now != self.shapes:
+            raise ValueError(
+                "the model's variables changed shape since these products were "
+                f"made ({self.shapes} -> {now}); make new ones for the new model."
+            )
+
+    def _vector(self, v, length, name, what):
+        v = np.asarray(v)
+        if v.ndim != 1 or v.shape[0] != length:
+            raise ValueError(
+                f"{name} has shape {v.shape}; it must be a flat vector of length "
+                f"{length:,} ({what})."
+            )
+        if not np.issubdtype(v.dtype, np.floating):
+            raise TypeError(f"{name} has dtype {v.dtype}; pass floating-point numbers.")
+        return v.astype(self.target.dtype, copy=False)
+
+    # -- the products -------------------------------------------------------
+
+    def _split(self, v):
+        parts = tf.split(v, _sizes(self.variables))
+        return [tf.reshape(p, s) for p, s in zip(parts, self.shapes, strict=True)]
+
+    @contextlib.contextmanager
+    def _traced(self):
+        """What every product is traced in: recurrent layers unrolled (forward
+        mode cannot carry tangents through a while_loop's variable reads, TF
+        2.21; ``jacutil.core.formulation``)."""
+        with unrolled(recurrent_layers(self.target)):
+            yield
+
+    def _jvp(self, x, v):
+        self.trace_count += 1
+        tracked = [watched(w) for w in self.variables]
+        with self._traced(), new_ops() as created:
+            with tf.autodiff.ForwardAccumulator(tracked, self._split(v)) as accumulator:
+                y = self.target.forward(x)
+        refuse_hidden_reads(created, tracked)
+        tangent = accumulator.jvp(y)
+        return tf.zeros_like(y) if tangent is None else tangent
+
+    def _jvp_double_backward(self, x, v):
+        """``J @ v`` by reverse mode twice: ``d/du (J.T u) . v`` at any u."""
+        self.trace_count += 1
+        tracked = [watched(w) for w in self.variables]
+        with self._traced(), new_ops() as created, tf.GradientTape() as outer:
+            u = tf.zeros_like(self.target.forward(x))  # J.T u is linear in u
+            outer.watch(u)
+            with tf.GradientTape() as inner:
+                inner.watch(tracked)
+                y = self.target.forward(x)
+            grads = inner.gradient(y, tracked, output_gradients=u)
+            terms = [
+                tf.reduce_sum(g * t)
+                for g, t in zip(grads, self._split(v), strict=True)
+                if g is not None
+            ]
+            score = tf.add_n(terms) if terms else tf.zeros([], y.dtype)
+        refuse_shape_preserving_max_pools(created)
+        tangent = outer.gradient(score, u)
+        return tf.zeros_like(y) if tangent is None else tangent
+
+    def _vjp(self, x, u):
+        self.trace_count += 1
+        tracked = [watched(w) for w in self.variables]
+        with self._traced(), tf.GradientTape() as tape:
+            tape.watch(tracked)
+            y = self.target.forward(x)
+        grads = tape.gradient(y, tracked, output_gradients=u)
+        flat = [
+            tf.zeros([size], y.dtype)
+            if g is None
+            else tf.reshape(tf.convert_to_tensor(g), [-1])
+            for g, size in zip(grads, _sizes(self.variables), strict=True)
+        ]
+        return tf.concat(flat, 0)
+
+    def _function(self, kind, x):
+        key = (kind, signature_key(x))
+        if key not in self._functions:
+            method = {
+                "jvp": self._jvp,
+                "jvp_double_backward": self._jvp_double_backward,
+                "vjp": self._vjp,
+            }[kind]
+            second = tf.TensorSpec(
+                [None, None] if kind == "vjp" else [self.n_params], self.target.dtype
+            )
+            self._functions[key] = quiet_function(
+                method, input_signature=[signature(x), second]
+            )
+        return self._functions[key]
+
+    def _chunks(self, x):
+        rows = int(n_samples(x))
+        size = rows if self.chunk_size is None else int(self.chunk_size)
+        return [(start, min(start + size, rows)) for start in range(0, rows, size)]
+
+    def jvp(self, x, v):
+        """``J @ v`` as (n, l): v is a flat parameter direction of length m."""
+        if self.mode == "forward":
+            refuse_kept_loops(self.target)
+        self._check_shapes()
+        x = as_batch(x, self.target)
+        output_layout(self.target, x)
+        v = tf.constant(self._vector(v, self.n_params, "v", "one number per parameter"))
+        kind = "jvp" if self.mode == "forward" else "jvp_double_backward"
+        parts = [
+            self._function(kind, x)(take(x, a, b), v).numpy()
+            for a, b in self._chunks(x)
+        ]
+        return np.concatenate(parts)
+
+    def vjp(self, x, u):
+        """``J.T @ u`` as (m,): u holds one weight per sample and output, (n, l)."""
+        self._check_shapes()
+        x = as_batch(x, self.target)
+        layout = output_layout(self.target, x)
+        rows = int(n_samples(x))
+        u = np.asarray(u)
+        if u.shape not in ((rows, layout.n_outputs), (rows * layout.n_outputs,)):
+            raise ValueError(
+                f"u has shape {u.shape}; it must be ({rows}, {layout.n_outputs}) - one "
+                "weight per sample and output - or flat, of length "
+                f"{rows * layout.n_outputs}."
+            )
+        u = self._vector(u.reshape(-1), rows * layout.n_outputs, "u", "n * l").reshape(
+            rows, layout.n_outputs
+        )
+        total = np.zeros(self.n_params, self.target.dtype)
+        for a, b in self._chunks(x):
+            total += self._function("vjp", x)(
+                take(x, a, b), tf.constant(u[a:b])
+            ).numpy()
+        return total
+
+
+def products(model, *, variables=None, training=False, chunk_size=None, mode="forward"):
+    """Reusable, compiled ``jvp`` and ``vjp`` of ``model`` (a :class:`Products`).
+
+    ``chunk_size`` runs the batch in slices of that many samples (memory of
+    one slice's forward and backward pass); None runs it whole. ``mode``:
+    ``"forward"`` (``ForwardAccumulator``) or ``"double_backward"`` (the JVP
+    as the gradient of a VJP) for ``jvp``. Introduced in ``09-matrix-free``.
+    """
+    variables = None if variables is None else variable_list(variables)
+    target = resolve_target(model, variables, training)
+    return Products(target, chunk_size, mode, owner=model)
+
+
+def _cached(model, options):
+    """The same compiled products for repeated ``jvp``/``vjp`` calls on a model."""
+    return cache.products_for(model, options)
+
+
+def jvp(model, x, v, **options):
+    """``J @ v``: (n, l), for a flat parameter direction ``v`` of length m.
+
+    Forward mode: one forward pass carrying tangents, no J. Options as in
+    :func:`products`. Introduced in ``09-matrix-free``.
+    """
+    return _cached(model, options).jvp(x, v)
+
+
+def vjp(model, x, u, **options):
+    """``J.T @ u``: (m,), for weights ``u`` of shape (n, l) (or flat, n*l).
+
+    Reverse mode: one ``tape.gradient`` with ``output_gradients=u``, no J.
+    Introduced in ``09-matrix-free``.
+    """
+    return _cached(model, options).vjp(x, u)
+
+
+def jacobian_operator(model, x, **options):
+    """``J`` as a ``scipy.sparse.linalg.LinearOperator`` of shape (n*l, m), float64.
+
+    Row ``i*l + k`` is sample i, output k (as ``J.reshape(n*l, m)`` and the
+    SciPy bridge). ``matvec`` is a JVP, ``rmatvec`` a VJP, ``matmat`` one JVP
+    per column; nothing of size n*l*m is formed. The operator reads the
+    model's variables when it is applied, so it follows the model's current
+    parameters. Introduced in ``09-matrix-free``.
+    """
+    from scipy.sparse.linalg import LinearOperator
+
+    prods = options.pop("products", None) or products(model, **options)
+    batch = as_batch(x, prods.target)
+    rows = int(n_samples(batch))
+    n_outputs = output_layout(prods.target, batch).n_outputs
+
+    def matvec(v):
+        return prods.jvp(batch, np.ravel(v)).reshape(-1).astype(np.float64)
+
+    def rmatvec(u):
+        return prods.vjp(batch, np.ravel(u)).astype(np.float64)
+
+    def matmat(V):
+        return np.stack([matvec(V[:, j]) for j in range(V.shape[1])], axis=1)
+
+    return LinearOperator(
+        (rows * n_outputs, prods.n_params),
+        matvec=matvec,
+        rmatvec=rmatvec,
+        matmat=matmat,
+        dtype=np.float64,
+    )

@@ -1,0 +1,17 @@
+"""Beyond one process (10-beyond-one-machine).
+
+- ``resume``       the file and ledger that let a killed run resume
+- ``workers``      ``LocalWorkers``: worker processes on this machine
+- ``distributed``  ``distributed_jacobian`` and ``DistributedLeastSquares``
+"""
+
+from ..core._shared import lazy_modules
+
+__getattr__ = lazy_modules(
+    __name__,
+    {
+        "distributed",
+        "resume",
+        "workers",
+    },
+)

@@ -1,0 +1,462 @@
+"""Out-of-core results that survive an interrupted run (notebook 10-beyond-one-machine).
+
+A Jacobian written chunk by chunk into ``J.npy`` keeps a small ledger beside
+it, ``J.npy.progress.json``: the fingerprint of what is being computed (the
+model's architecture and weights, ``x``, the options) and the chunks whose
+rows are on disk. The ledger is rewritten atomically (a temporary file,
+``fsync``, ``os.replace``) only after the chunk's rows have been flushed, so
+whenever the run stops - a kernel restart, ``SIGKILL``, a pre-empted machine -
+every chunk it lists is complete. Run again with the same arguments, the
+finished chunks are skipped; with other weights or data, the fingerprint
+differs and the run is refused, never mixed.
+
+Nothing on disk is trusted unchecked: before a run resumes (and before it
+returns the finished file) the ``.npy`` header, shape, dtype and size must
+match the ledger. One run writes a file at a time (:func:`writer_lock`), and
+each run stamps a random token in its ledger, which a worker checks before it
+writes, so a worker that sees another file at the same path fails loudly.
+
+A running sum (the normal equations ``JtJ``, ``Jtr``) is kept the same way in
+one ``.npz`` checkpoint: the partial sums and the next chunk, added in the same
+order after a resume, so the total is the same to the last bit.
+"""
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from ..core._tf import tf
+
+LEDGER_SUFFIX = ".progress.json"
+LOCK_SUFFIX = ".lock"
+# what every ledger holds ("key" too, None for a Keras model)
+LEDGER_KEYS = ("fingerprint", "shape", "dtype", "chunk_size", "n_chunks")
+LEDGER_KEYS += ("done", "token")
+
+
+class ResumeMismatch(ValueError):
+    """The file on disk was started by a different computation, or was
+    changed outside the run."""
+
+
+class FileBusy(RuntimeError):
+    """Another run is writing the same file."""
+
+
+class RunFileError(RuntimeError):
+    """A worker sees another file at ``out`` than the run's."""
+
+
+def _architecture(layer):
+    """Layer types and settings, without the names Keras numbers per session."""
+    config = {}
+    try:
+        with warnings.catch_warnings():  # a lambda's "unsafe to reload": not reloaded
+            warnings.simplefilter("ignore")
+            config = layer.get_config()
+        config = {k: v for k, v in config.items() if k != "name"}
+        config.pop("layers", None)  # the sub-layers come below
+    except Exception:  # noqa: BLE001 - any layer without a config: its type alone
+        pass
+    parts = [type(layer).__name__, json.dumps(config, sort_keys=True, default=str)]
+    parts += [_architecture(sub) for sub in getattr(layer, "layers", [])]
+    return "(" + ",".join(parts) + ")"
+
+
+def fingerprint(model, variables, x, **options):
+    """A digest of what a chunked run computes: any change gives another one.
+
+    It covers the model's layer types and settings, every weight (trainable
+    or not: BatchNorm statistics change the outputs too), the variables
+    differentiated, every input array, and ``options`` (chunk size, method...).
+    A variable differentiated is named by its position in ``model.weights``
+    (Keras numbers variable names per session, positions stay), one that is
+    not the model's by its shape and value. A plain function has no layers
+    to describe: what it computes is not covered (``key=`` of
+    ``chunked_jacobian`` names it).
+    """
+    digest = hashlib.blake2b(digest_size=16)
+
+    def add(array):
+        array = np.ascontiguousarray(array)
+        digest.update(f"{array.dtype.str}{array.shape}".encode())
+        digest.update(memoryview(array).cast("B"))
+
+    digest.update(_architecture(model).encode())
+    weights = list(getattr(model, "weights", None) or [])
+    for weight in weights:
+        add(np.asarray(weight))
+    position = {id(w): i for i, w in enumerate(weights)}
+    for v in variables:
+        if id(v) in position:
+            digest.update(f"weight {position[id(v)]};".encode())
+        else:  # not the model's own
+            digest.update(b"variable;")
+            add(np.asarray(v))
+    for leaf in tf.nest.flatten(x):
+        add(np.asarray(leaf))
+    digest.update(json.dumps(options, sort_keys=True, default=str).encode())
+    return digest.hexdigest()
+
+
+def _temporary(path):
+    """A temporary name beside ``path`` that no other process or call uses."""
+    return path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+
+
+def _write_atomically(path, write):
+    """``write(file)`` into a temporary file, then swap it in: all or nothing."""
+    path = Path(path)
+    temporary = _temporary(path)
+    try:
+        with open(temporary, "wb") as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+@contextlib.contextmanager
+def writer_lock(path):
+    """Hold ``<path>.lock`` while this run writes the ``.npy`` at ``path``: a
+    second writer - another process, or another thread of this one - is
+    refused, never mixed in. The lock is the operating system's (``flock``),
+    so it dies with its process: a killed run can be resumed at once.
+    ``chunked_jacobian`` and ``distributed_jacobian`` hold it for a whole run
+    into a path (notebook ``10-beyond-one-machine``).
+    """
+    lock = Path(str(path) + LOCK_SUFFIX)
+    while True:
+        descriptor = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(descriptor)
+            name = Path(path).name
+            raise FileBusy(
+                f"another run is writing {name} right now (it holds {lock.name}); "
+                "two writers would mix their chunks. Wait for that run to end "
+                "(then call again: this one resumes where it stopped), stop it, "
+                "or write to another path."
+            ) from None
+        try:  # still the file at that path? A run that ended may have removed it
+            same = os.stat(lock).st_ino == os.fstat(descriptor).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(descriptor)
+    try:
+        yield
+    finally:
+        # removed while held: a run that opened it meanwhile sees (above) that
+        # it is gone, and locks the file now at that path instead
+        lock.unlink(missing_ok=True)
+        os.close(descriptor)
+
+
+def _npy_header(path):
+    """``(shape, fortran_order, dtype, offset of the data)`` of a ``.npy`` file."""
+    with open(path, "rb") as file:
+        major, _ = np.lib.format.read_magic(file)
+        read_header = (
+            np.lib.format.read_array_header_1_0
+            if major == 1
+            else np.lib.format.read_array_header_2_0
+        )
+        shape, fortran_order, dtype = read_header(file)
+        return shape, fortran_order, dtype, file.tell()
+
+
+def file_problem(path, shape, dtype):
+    """What is wrong with the ``.npy`` at ``path`` as rows of ``shape`` and
+    ``dtype`` (its header, and its exact size in bytes), or None."""
+    shape, dtype = tuple(shape), np.dtype(dtype)
+    try:
+        found_shape, fortran_order, found_dtype, offset = _npy_header(path)
+    except FileNotFoundError:
+        return "the file does not exist"
+    except (ValueError, OSError) as error:
+        return f"its .npy header cannot be read ({error})"
+    if found_shape != shape or found_dtype != dtype or fortran_order:
+        order = " in Fortran order" if fortran_order else ""
+        return (
+            f"its header says shape {found_shape} and dtype {found_dtype}{order}; "
+            f"the run writes shape {shape} and dtype {dtype}"
+        )
+    expected = offset + int(np.prod(shape)) * dtype.itemsize
+    found = os.path.getsize(path)
+    if found != expected:
+        return f"it has {found:,} bytes where its header needs {expected:,} bytes"
+    return None
+
+
+def _read_ledger(path):
+    """The ledger at ``path`` as a dict, or ResumeMismatch that says what to do."""
+    ledger = Path(path)
+    data = Path(str(path).removesuffix(LEDGER_SUFFIX)).name
+    try:
+        state = json.loads(ledger.read_text())
+        missing = [key for key in LEDGER_KEYS if key not in state]
+        if missing:
+            raise KeyError(", ".join(missing))
+        state["done"] = _runs_to_chunks(state["done"])
+        state["chunk_size"] = int(state["chunk_size"])
+    except (ValueError, KeyError, TypeError) as error:
+        what = f"no {error}" if isinstance(error, KeyError) else str(error)
+        raise ResumeMismatch(
+            f"{ledger.name} is not a readable ledger ({what}): it was changed "
+            "or cut short outside the run, or written by an older jacutil, so "
+            f"which rows of {data} are done cannot be told. To start afresh, "
+            f"delete {data} and {ledger.name}, or write to another path."
+        ) from None
+    return state
+
+
+class Ledger:
+    """Which chunks of ``path`` are complete; see the module docstring."""
+
+    def __init__(self, path, record):
+        self.data_path = Path(path)  # the .npy whose chunks it records
+        self.path = Path(str(path) + LEDGER_SUFFIX)
+        self.record = record  # what the file holds: fingerprint, shape, ...
+        self.n_chunks = None
+        self.done = set()
+        self.token = None  # this run's, kept by a resumed run
+
+    @property
+    def complete(self):
+        return len(self.done) == self.n_chunks
+
+    def todo(self):
+        return [k for k in range(self.n_chunks) if k not in self.done]
+
+    def load(self, chunk_size):
+        """The finished chunks and token of an earlier run of the same
+        computation. ``chunk_size``: the one asked for, or None to take the
+        earlier one. Returns the earlier chunk size (None: no earlier run)."""
+        if not self.path.exists():
+            return None
+        earlier = _read_ledger(self.path)
+        name = self.data_path.name
+        for key, value in self.record.items():
+            if earlier.get(key) != value:
+                what = (
+                    "other model weights, inputs x or options"
+                    if key == "fingerprint"
+                    else f"{key} {earlier.get(key)!r} (this run: {value!r})"
+                )
+                raise ResumeMismatch(
+                    f"{name} was started with {what}, so its finished chunks "
+                    "cannot be mixed with this run's. Resume it with the same "
+                    f"model weights, x and options; to start afresh, delete "
+                    f"{name} and {self.path.name}, or write to another path."
+                )
+        if chunk_size is not None and chunk_size != earlier["chunk_size"]:
+            raise ResumeMismatch(
+                f"{name} was started with chunk_size={earlier['chunk_size']}; "
+                f"this run asks for {chunk_size}. Pass chunk_size="
+                f"{earlier['chunk_size']} (or leave it out) to resume it, "
+                "or delete both files to start afresh."
+            )
+        self.done = set(earlier["done"])
+        self.token = earlier["token"]
+        return earlier["chunk_size"]
+
+    def save(self, chunk_size):
+        """Record the finished chunks: call after their rows are flushed."""
+        state = {**self.record, "chunk_size": chunk_size, "n_chunks": self.n_chunks}
+        state["token"] = self.token
+        state["done"] = _chunks_to_runs(self.done)
+        _write_atomically(self.path, lambda f: f.write(json.dumps(state).encode()))
+
+    def check_file(self):
+        """The ``.npy`` is the one this ledger describes, or ResumeMismatch."""
+        problem = file_problem(
+            self.data_path, self.record["shape"], self.record["dtype"]
+        )
+        if problem is not None:
+            name = self.data_path.name
+            raise ResumeMismatch(
+                f"{name} does not match its ledger {self.path.name}: {problem}. "
+                "The file was changed or truncated outside the run (a copy cut "
+                "short, a full disk, another program), so its rows cannot be "
+                f"trusted. To start afresh, delete {name} and {self.path.name}, "
+                "or write to another path."
+            )
+
+
+def finished_chunks(path):
+    """``(finished, of)`` chunks of the resumable ``.npy`` at ``path``, from its
+    ledger; ``(0, None)`` before the ledger exists."""
+    ledger = Path(str(path) + LEDGER_SUFFIX)
+    try:
+        state = json.loads(ledger.read_text())
+        return len(_runs_to_chunks(state["done"])), state["n_chunks"]
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return 0, None
+
+
+def recorded_chunk_size(path):
+    """The chunk size in the ledger of the resumable ``.npy`` at ``path``."""
+    return _read_ledger(Path(str(path) + LEDGER_SUFFIX))["chunk_size"]
+
+
+def _chunks_to_runs(chunks):
+    """{0, 1, 2, 5} -> [[0, 3], [5, 6]]: chunks finish mostly in order."""
+    runs = []
+    for k in sorted(chunks):
+        if runs and runs[-1][1] == k:
+            runs[-1][1] = k + 1
+        else:
+            runs.append([k, k + 1])
+    return runs
+
+
+def _runs_to_chunks(runs):
+    return [k for start, stop in runs for k in range(start, stop)]
+
+
+def open_rows(path, shape, dtype, record, chunk_size, default_chunk_size):
+    """The ledger of the ``.npy`` at ``path``, resumed if the file exists and
+    matches it; otherwise a new file of ``shape`` and ``dtype`` (its rows not
+    yet written) with a new token. Call it holding :func:`writer_lock`.
+
+    ``chunk_size``: the one asked for, or None: the earlier run's, or
+    ``default_chunk_size`` for a new file. Returns ``(ledger, chunk_size)``.
+    """
+    path = Path(path)
+    record = {**record, "shape": list(shape), "dtype": str(np.dtype(dtype))}
+    ledger = Ledger(path, record)
+    if path.exists() and not ledger.path.exists():
+        raise ResumeMismatch(
+            f"{path} exists but has no {ledger.path.name}: it was not written by "
+            "a resumable run. Delete it or choose another path."
+        )
+    earlier = ledger.load(chunk_size)
+    chunk_size = earlier or chunk_size or default_chunk_size
+    ledger.n_chunks = -(-shape[0] // chunk_size)
+    if ledger.done and path.exists():
+        ledger.check_file()  # before any of its rows is trusted
+    else:  # nothing finished: a new file
+        ledger.done = set()
+        ledger.token = secrets.token_hex(8)
+        ledger.save(chunk_size)
+        new = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
+        del new  # the header is written; the rows stay a sparse file until then
+    return ledger, chunk_size
+
+
+def check_run_file(path, token):
+    """On a worker, before it writes: the ``.npy`` at ``path`` is the run's -
+    the ledger beside it carries the run's ``token`` and the file matches it -
+    or RunFileError."""
+    ledger = Path(str(path) + LEDGER_SUFFIX)
+    try:
+        state = _read_ledger(ledger)
+    except FileNotFoundError:
+        problem = f"there is no {ledger.name} beside it"
+    except ResumeMismatch:
+        problem = f"its ledger {ledger.name} cannot be read"
+    else:
+        problem = (
+            "its ledger is another run's (another token)"
+            if state["token"] != token
+            else file_problem(path, state["shape"], state["dtype"])
+        )
+    if problem is not None:
+        raise RunFileError(
+            f"the worker on {socket.gethostname()} sees another file at {path} "
+            f"than the run's: {problem}. Workers write their rows into the one "
+            "file the driver created, so out= must be on a shared file system "
+            "that every worker sees at the same path (not a node-local scratch "
+            "directory). Use such a path, or out=None to send the rows back to "
+            "this process."
+        )
+
+
+def write_rows(path, start, rows):
+    """Write ``rows`` as rows ``start..`` of the ``.npy`` at ``path`` and flush
+    them to disk, through a mapping of those rows only (by the process that
+    computed them: this one, or a worker that sees the same file)."""
+    shape, _, dtype, offset = _npy_header(path)
+    if rows.shape[1:] != shape[1:] or rows.dtype != dtype:
+        raise ValueError(
+            f"rows of shape {rows.shape[1:]} and dtype {rows.dtype} do not fit "
+            f"{path}, whose rows have shape {shape[1:]} and dtype {dtype}."
+        )
+    row_bytes = int(np.prod(shape[1:])) * dtype.itemsize
+    part = np.memmap(
+        path, dtype, "r+", offset=offset + start * row_bytes, shape=rows.shape
+    )
+    part[:] = rows
+    part.flush()
+    del part
+
+
+class SumCheckpoint:
+    """Running sums over chunks, saved atomically after each chunk."""
+
+    def __init__(self, path, record):
+        self.path = Path(path)
+        self.record = json.dumps(record, sort_keys=True, default=str)
+
+    def load(self, zeros):
+        """``(next_chunk, sums)``: where an earlier run stopped, or (0, zeros)."""
+        if not self.path.exists():
+            return 0, zeros
+        with np.load(self.path) as saved:
+            if str(saved["record"]) != self.record:
+                raise ResumeMismatch(
+                    f"{self.path} holds sums of a different computation (other "
+                    "parameters, data or chunk size). Delete it to start afresh, "
+                    "or use another checkpoint path."
+                )
+            return int(saved["next_chunk"]), tuple(
+                saved[f"sum{i}"] for i in range(len(zeros))
+            )
+
+    def save(self, next_chunk, sums):
+        arrays = {f"sum{i}": s for i, s in enumerate(sums)}
+
+        def write(file):
+            np.savez(file, record=self.record, next_chunk=next_chunk, **arrays)
+
+        _write_atomically(self.path, write)
+
+
+def kill_part_way(script, progress, at_least=1, timeout=120.0):
+    """A drill: run ``script`` in a fresh Python and ``SIGKILL`` it - no
+    clean-up, as a lost machine - once ``progress()`` (chunks finished) reaches
+    ``at_least``. Returns ``progress()`` after the kill."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", script],
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
+    try:
+        deadline = time.monotonic() + timeout
+        while process.poll() is None and time.monotonic() < deadline:
+            if progress() >= at_least:
+                process.send_signal(signal.SIGKILL)
+                break
+            time.sleep(0.002)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+    return progress()

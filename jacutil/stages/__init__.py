@@ -1,0 +1,19 @@
+"""The four stages, one notebook and one function each.
+
+- ``loop``        ``loop_jacobian``: the nested loop of the question (01-nested-loop)
+- ``vectorized``  ``vectorized_jacobian``: one tape, pfor (02-vectorized)
+- ``compiled``    ``compiled_jacobian``: a tf.function, traced once (03-compiled)
+- ``chunked``     ``chunked_jacobian``: memory-bounded chunks (04-chunked)
+"""
+
+from ..core._shared import lazy_modules
+
+__getattr__ = lazy_modules(
+    __name__,
+    {
+        "chunked",
+        "compiled",
+        "loop",
+        "vectorized",
+    },
+)

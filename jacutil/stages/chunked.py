@@ -1,0 +1,250 @@
+"""Stage 4: slices of the batch through the compiled Jacobian (notebook 04-chunked)."""
+
+import os
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from ..core._tf import keras
+from ..core.batch import as_batch, n_samples, take
+from ..core.cache import compiled_for
+from ..core.outputs import output_layout
+from ..scale.resume import fingerprint, open_rows, write_rows, writer_lock
+from .compiled import bucket_size
+
+# Working memory of a chunk of c samples, in bytes (itemsize bytes a number;
+# l outputs, m parameters; A: the activations of one sample's forward pass, as
+# counted by jacutil.core.memory.activation_elements):
+#
+#   per_sample:  itemsize * c * l * (WORKING_MEMORY_FACTOR * m + ACTIVATION_FACTOR * A)
+#   batch:       itemsize * (WORKING_MEMORY_FACTOR * l * m * c
+#                            + ACTIVATION_FACTOR * l * A * c**2)
+#
+# The l*m term holds the chunk's rows, the per-variable blocks before they are
+# joined and what TensorFlow's pool keeps; the A term the back-propagated
+# signal of every output row through every layer (through the whole chunk,
+# with the batch method: hence c**2). Fitted to peak resident memory measured
+# in fresh processes (TensorFlow 2.21, oneDNN, 2-core x86, 2026-11-30) on nine
+# models - the question's MLP, two CNNs, Conv1D stacks of 2, 6 and 12 layers,
+# an unrolled LSTM, attention - at chunks from 8 to 16,000 samples: 4.2 and
+# 0.9, times a margin of 1.2 (per_sample) to 1.25 (batch). With it the
+# measured peak stayed at 0.5 to 1.0 of the budget (per_sample; batch up to
+# 1.1), and chunks are at most about 2x smaller than the largest that fits.
+# Notebook 04-chunked re-measures the first factor on the question's network.
+WORKING_MEMORY_FACTOR = 5
+ACTIVATION_FACTOR = 1.1
+# XLA lays memory out itself: up to 1.74x the peak of the same graph without
+# it (a wide CNN, batch method); the budget assumes the worst.
+XLA_FACTOR = 1.75
+DEFAULT_MEMORY_BUDGET = 256 * 2**20  # bytes, when neither size nor budget is given
+
+
+def bytes_per_sample(n_outputs, n_params, itemsize, activations=0):
+    """Estimated peak bytes that one sample costs while its rows are computed.
+
+    ``activations``: elements of one sample's forward pass (``A`` above).
+    """
+    per_row = WORKING_MEMORY_FACTOR * n_params + ACTIVATION_FACTOR * activations
+    return int(itemsize * n_outputs * per_row)
+
+
+def chunk_size_for(
+    memory_budget, n_outputs, n_params, itemsize, *, activations=0, method="per_sample"
+):
+    """The largest chunk whose working memory fits in ``memory_budget`` bytes.
+
+    ``method="batch"`` (``tape.jacobian`` over the chunk) costs
+    ``c**2`` times the activations of a row; see the constants above.
+    """
+    per_sample = bytes_per_sample(n_outputs, n_params, itemsize, activations)
+    if memory_budget < per_sample:
+        raise ValueError(
+            f"memory_budget={memory_budget:,} bytes is smaller than one sample "
+            f"needs ({per_sample:,} bytes for {n_outputs} outputs x {n_params:,} "
+            "parameters and their activations). Raise the budget, or write the "
+            "result to disk with out=np.lib.format.open_memmap(...)."
+        )
+    if method != "batch" or not activations:
+        return int(memory_budget // per_sample)
+    # a*c**2 + b*c = budget, with b the rows and a the activations across the chunk
+    a = itemsize * n_outputs * ACTIVATION_FACTOR * activations
+    b = itemsize * n_outputs * WORKING_MEMORY_FACTOR * n_params
+    return max(1, int((-b + np.sqrt(b * b + 4 * a * memory_budget)) / (2 * a)))
+
+
+def _check_chunk_size(chunk_size):
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)):
+        raise TypeError(f"chunk_size must be a whole number; got {chunk_size!r}.")
+    if chunk_size <= 0:
+        raise ValueError(
+            f"chunk_size must be at least 1; got {chunk_size}. Leave it as None "
+            "to choose it from memory_budget."
+        )
+    return int(chunk_size)
+
+
+def check_out(out, shape, dtype):
+    """``out`` as given, if it is an array that can hold this Jacobian."""
+    if not isinstance(out, np.ndarray):
+        raise TypeError(
+            "out must be a NumPy array, an np.memmap or the path of a .npy "
+            f"file; got {type(out).__name__}."
+        )
+    if out.shape != shape or out.dtype != dtype:
+        raise ValueError(
+            f"out has shape {out.shape} and dtype {out.dtype}; this Jacobian needs "
+            f"shape {shape} and dtype {dtype}. Make it with np.empty{(shape)} or "
+            f"np.lib.format.open_memmap(path, mode='w+', dtype='{dtype}', "
+            f"shape={shape})."
+        )
+    return out
+
+
+def chunked_jacobian(
+    model,
+    x,
+    *,
+    chunk_size=None,
+    memory_budget=None,
+    out=None,
+    progress=True,
+    variables=None,
+    training=False,
+    jit_compile=False,
+    method="per_sample",
+    key=None,
+):
+    """Per-sample Jacobian computed chunk by chunk into a preallocated array.
+
+    Slices of ``chunk_size`` samples run through the compiled Jacobian (the
+    same compiled function on every call for a given model, so nothing is
+    retraced) and are written into ``out``: a NumPy array, or a memory-mapped
+    ``.npy`` from ``np.lib.format.open_memmap`` for a Jacobian larger than
+    memory. Without ``chunk_size`` the largest chunk whose working memory fits
+    ``memory_budget`` bytes (default 256 MiB) is used. With ``jit_compile`` a
+    short last chunk is padded to the next power of two, so XLA compiles at
+    most two shapes per chunk size.
+
+    ``out`` may also be a path (``"J.npy"``): the rows go into that ``.npy``
+    file and a ledger beside it records each finished chunk, so a run that is
+    interrupted and called again with the same arguments skips what is done;
+    with other weights or ``x`` it is refused (``jacutil.scale.resume``, notebook
+    ``10-beyond-one-machine``). Without ``chunk_size`` a new file takes the
+    one from ``memory_budget``, a resumed file its own. A plain function
+    (not a Keras model) needs ``key=``: a name you choose for what it
+    computes, kept in the ledger, since no fingerprint can see inside a
+    function. Returns the file opened read-only.
+
+    ``x`` is an array, or a list or dict of arrays for a model with several
+    inputs. When the first chunk is the whole batch and no ``out`` is given,
+    it is returned after one copy out of TensorFlow.
+
+    Returns ``out`` (created when not given), shape (n_samples, n_outputs,
+    n_params). Introduced in ``04-chunked``.
+    """
+    jac = compiled_for(model, variables, training, jit_compile, method, x)
+    target = jac.target
+    if memory_budget is not None and memory_budget <= 0:
+        raise ValueError(
+            f"memory_budget must be a positive number of bytes; got {memory_budget}."
+        )
+    explicit = chunk_size is not None
+    if explicit:
+        chunk_size = _check_chunk_size(chunk_size)
+
+    x = as_batch(x, target)
+    n_rows = int(n_samples(x))
+    n_outputs = output_layout(target, x).n_outputs
+    if chunk_size is None:
+        budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
+        chunk_size = chunk_size_for(
+            budget / (XLA_FACTOR if jit_compile else 1),
+            n_outputs,
+            target.n_params,
+            target.dtype.itemsize,
+            activations=jac.activation_elements(x),
+            method=method,
+        )
+    chunk_size = min(chunk_size, n_rows)
+
+    def chunk(start):
+        return chunk_rows(jac, x, chunk_size, start)
+
+    shape = (n_rows, n_outputs, target.n_params)
+    if isinstance(out, (str, os.PathLike)):
+        record = run_record(jac, model, x, key)
+        asked = chunk_size if explicit else None
+        return _resumable(jac, x, out, shape, record, asked, chunk_size, progress)
+    if key is not None:
+        raise ValueError(
+            "key= names a resumable run, so it goes with out=path (a .npy "
+            f"file); out is {type(out).__name__}. Leave key out, or pass "
+            "out='J.npy'."
+        )
+    first = chunk(0)
+    if out is None and chunk_size == n_rows:
+        return first.numpy()  # one chunk: one copy out of TensorFlow
+    if out is None:
+        out = np.empty(shape, target.dtype)
+    else:
+        out = check_out(out, shape, target.dtype)
+    # np.asarray: a view of TensorFlow's result, so each chunk is copied once
+    out[:chunk_size] = np.asarray(first)
+    del first
+    with tqdm(total=n_rows, disable=not progress, unit="sample") as bar:
+        bar.update(chunk_size)
+        for start in range(chunk_size, n_rows, chunk_size):
+            out[start : start + chunk_size] = np.asarray(chunk(start))
+            bar.update(min(chunk_size, n_rows - start))
+    return out
+
+
+def chunk_rows(jac, x, chunk_size, start):
+    """Rows ``start..`` of J (one chunk) as a tensor; under XLA a short last
+    chunk is padded to its own power of two (one more compile), not a full one."""
+    stop = min(start + chunk_size, int(n_samples(x)))
+    pad_to = bucket_size(stop - start, chunk_size) if jac.jit_compile else None
+    return jac.tensor(take(x, start, stop), pad_to)
+
+
+def run_record(jac, model, x, key=None):
+    """What identifies a resumable run: the fingerprint of the model, the
+    variables differentiated, ``x`` and the options
+    (:func:`jacutil.scale.resume.fingerprint`), and ``key``, which a plain function
+    must give: a name for what it computes, which no fingerprint can see."""
+    if key is None and not isinstance(model, keras.Layer):
+        raise TypeError(
+            "a resumable run (out=path) of a plain function needs key=: a name "
+            "you choose for what the function computes, such as key='tanh-v1'. "
+            "jacutil fingerprints a Keras model's layers and weights, but "
+            "cannot see inside a function, so without key= a file started by "
+            "another function of the same variables would be resumed as this "
+            "one's. Give each function its own key (a new one when you change "
+            "it), or pass a Keras model."
+        )
+    if key is not None and not isinstance(key, str):
+        raise TypeError(f"key= must be a string; got {type(key).__name__}.")
+    options = {"method": jac.method, "jit_compile": jac.jit_compile}
+    options["training"] = jac.target.training
+    digest = fingerprint(model, jac.target.variables, x, **options)
+    return {"fingerprint": digest, "key": key}
+
+
+def _resumable(jac, x, path, shape, record, chunk_size, default, progress):
+    """Chunks into the ``.npy`` at ``path``, skipping those an earlier run finished."""
+    with writer_lock(path):  # one writer at a time, for the whole run
+        ledger, chunk_size = open_rows(
+            path, shape, jac.target.dtype, record, chunk_size, default
+        )
+        done = sum(min(chunk_size, shape[0] - k * chunk_size) for k in ledger.done)
+        bar = tqdm(total=shape[0], initial=done, disable=not progress, unit="sample")
+        with bar:
+            for k in ledger.todo():
+                start = k * chunk_size
+                rows = np.asarray(chunk_rows(jac, x, chunk_size, start))
+                write_rows(path, start, rows)  # on disk before the ledger says so
+                ledger.done.add(k)
+                ledger.save(chunk_size)
+                bar.update(len(rows))
+        ledger.check_file()  # not changed or cut short while the run wrote
+        return np.load(path, mmap_mode="r")

@@ -1,0 +1,244 @@
+"""Stage 3: the Jacobian compiled with tf.function and XLA (notebook 03-compiled)."""
+
+import numpy as np
+
+from ..core._tf import tf
+from ..core.batch import (
+    as_batch,
+    n_samples,
+    pad_with_last,
+    signature,
+    signature_key,
+    take,
+)
+from ..core.formulation import (
+    batch_tensor,
+    first_line,
+    map_fn_jacobian,
+    per_sample_tensor,
+    pfor_failed_when_run,
+    quiet_function,
+    warn_sample_by_sample,
+)
+from ..core.guards import note_trace
+from ..core.outputs import output_layout
+from ..core.target import resolve_target
+from ..rules import plan_for
+
+METHODS = ("per_sample", "batch", "rules")
+
+
+def bucket_size(n_samples, block_size):
+    """Padded batch size for XLA: the next power of two, capped at block_size,
+    and at least 2 (pfor fails on some graphs with one sample, TF 2.21)."""
+    return max(2, min(block_size, 1 << max(0, int(n_samples - 1).bit_length())))
+
+
+class CompiledJacobian:
+    """A reusable, compiled ``jac(x)``; see :func:`compiled_jacobian`.
+
+    ``trace_count`` counts the traces of the underlying ``tf.function`` (one
+    per input shape: a new number of samples does not retrace),
+    ``compiled_shapes`` the batch sizes that XLA has seen (one compile each),
+    and ``formulation`` says how the last trace computes the Jacobian.
+    With ``method="rules"``, ``plan`` holds each layer's rule
+    (``jacutil.rules``), or is None and ``fallback`` says why the per-sample
+    stage runs instead.
+    """
+
+    def __init__(self, target, method, jit_compile, block_size, owner=None, model=None):
+        if method not in METHODS:
+            raise ValueError(
+                f"method must be one of {sorted(METHODS)}; got {method!r}."
+            )
+        if int(block_size) <= 0:
+            raise ValueError(
+                f"block_size must be a positive integer; got {block_size}."
+            )
+        self.target = target
+        self.method = method
+        self.jit_compile = jit_compile
+        self.block_size = int(block_size)
+        self.trace_count = 0
+        self.compiled_shapes = set()
+        self.formulation = None
+        self.activations = {}  # input signature -> activation elements (chunked)
+        self._owner = owner  # keeps the model alive as long as jac
+        self._functions = {}  # input signature -> tf.function
+        self.plan, self.fallback = None, None
+        self.pfor_failed = None  # why pfor failed when run, if it did
+        if method == "rules":
+            model = owner if model is None else model
+            self.plan, self.fallback = plan_for(
+                model, target.variables, target.training
+            )
+
+    def activation_elements(self, x):
+        """Elements of one sample's forward pass (for the memory model of
+        ``jacutil.stages.chunked``), counted once per input shape."""
+        from ..core.memory import count_activations
+
+        key = signature_key(x)
+        if key not in self.activations:
+            self.activations[key] = count_activations(
+                self.target, x, unroll=self.method == "per_sample"
+            )
+        return self.activations[key]
+
+    def _build(self, x):
+        """A ``tf.function`` for batches like ``x``: any n, the same features."""
+
+        def traced(x):
+            self.trace_count += 1  # Python side effect: runs once per trace
+            note_trace(self.target.variables, (self.method, self.jit_compile))
+            return self._jacobian(x)
+
+        return quiet_function(
+            traced,
+            input_signature=[signature(x)],
+            jit_compile=self.jit_compile,
+            # the rules' own code has no tensor-dependent Python control flow:
+            # converting it with autograph costs most of the first call
+            autograph=self.plan is None or self.plan.user_code,
+        )
+
+    def _jacobian(self, x):
+        if self.pfor_failed:
+            self.formulation = (
+                f"tf.map_fn over samples: pfor failed ({self.pfor_failed})"
+            )
+            return map_fn_jacobian(self.target, x)
+        if self.plan is not None:
+            self.formulation = self.plan.describe()
+            return self.plan.tensor(x)
+        method = batch_tensor if self.method == "batch" else per_sample_tensor
+        J, self.formulation = method(self.target, x, self.jit_compile)
+        return J
+
+    def tensor(self, x, pad_to=None):
+        """The Jacobian of a checked batch as a tensor, padded to ``pad_to`` rows.
+
+        Padding gives XLA the same shape every time. The padded rows are
+        copies of the last sample, and they are cut off again.
+        """
+        key = signature_key(x)
+        if key not in self._functions:
+            self.checked_plan(x)
+            self._functions[key] = self._build(x)
+        n_rows = n_samples(x)
+        if n_rows == 1:  # pfor fails on some graphs with one sample (TF 2.21)
+            pad_to = 2
+        padded = pad_to is not None and pad_to > n_rows
+        if padded:
+            x = pad_with_last(x, pad_to)
+        if self.jit_compile:
+            self.compiled_shapes.add(int(n_samples(x)))
+        J = self._run(key, x)
+        return J[:n_rows] if padded else J
+
+    def checked_plan(self, x):
+        """The layer rules' plan, proved on batches like ``x`` - or None, and
+        ``fallback`` says why (the check failed: the per-sample stage runs).
+
+        The proof (:meth:`jacutil.rules.Plan.check`) runs once per input
+        shape; every consumer of the rules takes the plan from here.
+        """
+        if self.plan is None or signature_key(x) in self.plan.checked:
+            return self.plan
+        reason = self.plan.check(self.target, x)
+        if reason is not None:
+            self.plan, self.fallback = None, reason
+            self._functions.clear()
+        return self.plan
+
+    def _run(self, key, x):
+        try:
+            return self._functions[key](x)
+        except tf.errors.InvalidArgumentError as error:
+            retry = self.plan is None and not self.pfor_failed
+            if retry and pfor_failed_when_run(error):
+                return self._sample_by_sample(key, x, error)
+            if not (self.jit_compile and "XLA" in str(error)):
+                raise
+        # XLA cannot compile this formulation (tf.map_fn's TensorList): use
+        # the same graph without XLA for these shapes.
+        function = self._functions[key]
+        self._functions[key] = quiet_function(
+            function.python_function, input_signature=function.input_signature
+        )
+        result = self._functions[key](x)
+        self.formulation += ", without XLA (XLA cannot compile it)"
+        return result
+
+    def _sample_by_sample(self, key, x, error):
+        """pfor converted the graph but its result fails when run (TF 2.21,
+        e.g. a recurrent loop kept under a mask): run the samples one at a
+        time in ``tf.map_fn`` from now on - correct, and much slower."""
+        self.pfor_failed = first_line(error)
+        if not (self.formulation or "").startswith("tf.map_fn"):  # said once
+            warn_sample_by_sample(self.pfor_failed, stacklevel=5)
+        self._functions = {key: self._build(x)}
+        return self._functions[key](x)
+
+    def __call__(self, x, *, copy=True):
+        """Return the (n_samples, n_outputs, n_params) Jacobian of ``x``.
+
+        ``copy=False`` returns a read-only view of TensorFlow's result
+        instead of a copy (``.numpy()`` copies: at n = 10,000 on the
+        question's network that copy costs longer than the Jacobian).
+        """
+        x = as_batch(x, self.target)
+        output_layout(self.target, x)  # checks the outputs, once per shape
+        return self.of_batch(x, copy=copy)
+
+    def of_batch(self, x, *, copy=True):
+        """:meth:`__call__` of a batch already checked by ``as_batch``."""
+        n_rows = int(n_samples(x))
+        if not self.jit_compile or n_rows <= self.block_size:
+            pad_to = bucket_size(n_rows, self.block_size) if self.jit_compile else None
+            J = self.tensor(x, pad_to)
+            return J.numpy() if copy else np.asarray(J)
+        # Blocks, the last padded to its own power of two (not a full block),
+        # each written straight into the result.
+        out = None
+        for start in range(0, n_rows, self.block_size):
+            stop = min(start + self.block_size, n_rows)
+            pad_to = bucket_size(stop - start, self.block_size)
+            block = np.asarray(self.tensor(take(x, start, stop), pad_to))
+            if out is None:
+                out = np.empty((n_rows, *block.shape[1:]), block.dtype)
+            out[start:stop] = block
+        return out
+
+
+def compiled_jacobian(
+    model,
+    *,
+    jit_compile=False,
+    variables=None,
+    training=False,
+    method="per_sample",
+    block_size=1024,
+):
+    """Return a reusable ``jac(x)`` that computes the per-sample Jacobian in a graph.
+
+    The ``tf.function`` has an input signature whose batch dimension is
+    ``None``, so a new number of samples does not retrace it (see
+    ``jac.trace_count``); a new per-sample shape (another sequence length)
+    traces once more. With ``jit_compile=True`` XLA compiles once per
+    concrete shape, so the batch is padded to a power of two up to
+    ``block_size`` and larger batches run in blocks of ``block_size``: at most
+    ``log2(block_size) + 1`` compiles, whatever the sizes (``jac.compiled_shapes``).
+
+    ``method`` is ``"per_sample"`` (``tf.vectorized_map``, linear in n),
+    ``"batch"`` (``tape.jacobian`` over the batch, quadratic in n) or
+    ``"rules"`` (each layer's hand-derived rule, ``jacutil.rules``; where
+    they do not apply, ``jac.fallback`` says why and ``"per_sample"`` runs).
+    ``jac.formulation`` says how the model is vectorized (recurrent layers
+    are unrolled; see ``jacutil.core.formulation``).
+
+    ``jac(x)`` returns (n_samples, n_outputs, n_params). Introduced in
+    ``03-compiled``.
+    """
+    target = resolve_target(model, variables, training)
+    return CompiledJacobian(target, method, jit_compile, block_size, owner=model)

@@ -1,0 +1,73 @@
+"""Stage 2: vectorized Jacobians (notebook 02-vectorized).
+
+Two ways to vectorize, with very different costs:
+
+* ``vectorized_jacobian`` - one tape over the whole batch and
+  ``tape.jacobian`` (pfor over the n * l output rows). Each row is
+  back-propagated through the *whole batch*, so time and memory grow with n**2.
+* ``per_sample_jacobian`` - ``tf.vectorized_map`` over samples of a one-sample
+  Jacobian: TensorFlow's counterpart of JAX's ``vmap(jacrev)``, linear in n.
+"""
+
+from ..core._tf import tf
+from ..core.batch import as_batch, n_samples
+from ..core.outputs import output_layout
+from ..core.target import resolve_target, stack_columns
+
+
+def batch_tape_jacobian(target, x):
+    """(n, l, m) tensor: ``tape.jacobian`` of the whole batch's outputs."""
+    with tf.GradientTape() as tape:
+        target.watch(tape)
+        y = target.forward(x)
+    jacobians = tape.jacobian(y, target.variables)
+    return stack_columns(jacobians, target.variables, n_samples(x))
+
+
+def per_sample_tape_jacobian(target, x):
+    """(n, l, m) tensor: a one-sample Jacobian, vectorized over samples."""
+
+    def one_sample(xi):
+        xi = tf.nest.map_structure(lambda t: t[None], xi)  # a batch of one
+        with tf.GradientTape() as tape:
+            target.watch(tape)
+            y = target.forward(xi)  # (1, l)
+        jacobians = tape.jacobian(y, target.variables)
+        return stack_columns(jacobians, target.variables, 1)[0]
+
+    return tf.vectorized_map(one_sample, x)
+
+
+def vectorized_jacobian(model, x, *, variables=None, training=False):
+    """Per-sample Jacobian with one tape and ``tape.jacobian`` over the batch.
+
+    One forward pass; the backward passes are vectorized by pfor over the
+    n * l output rows. Far faster than the loop for small n, but every row is
+    back-propagated through the whole batch: time and memory grow with n**2.
+
+    Returns (n_samples, n_outputs, n_params). Introduced in ``02-vectorized``.
+    """
+    from ..core.formulation import batch_tensor
+
+    target = resolve_target(model, variables, training, x)
+    x = as_batch(x, target)
+    output_layout(target, x)  # checks the outputs first, with a clear message
+    return batch_tensor(target, x)[0].numpy()
+
+
+def per_sample_jacobian(model, x, *, variables=None, training=False):
+    """Per-sample Jacobian, vectorized over samples with ``tf.vectorized_map``.
+
+    The Jacobian of one sample's outputs is written once and mapped over the
+    batch, so each sample is differentiated through itself only: linear in n.
+    Recurrent layers are unrolled while it is traced, and a model that pfor
+    cannot vectorize runs sample by sample (``jacutil.core.formulation``).
+
+    Returns (n_samples, n_outputs, n_params). Introduced in ``02-vectorized``.
+    """
+    from ..core.formulation import per_sample_tensor
+
+    target = resolve_target(model, variables, training, x)
+    x = as_batch(x, target)
+    output_layout(target, x)
+    return per_sample_tensor(target, x)[0].numpy()

@@ -1,0 +1,10 @@
+"""What the notebooks use to teach.
+
+- ``check``     the exercises' checks (``check.exercise``), one module per notebook
+- ``notebook``  showing source, progress bars, tables
+- ``plots``     the figures
+- ``models``    the notebooks' models and seeded data
+- ``timing``    ``time_call``: medians of repeated calls
+"""
+
+from . import check, models, notebook, plots, timing  # noqa: F401

@@ -1,0 +1,158 @@
+"""Checks of 06-pitfalls's exercises."""
+
+import numpy as np
+
+from . import Hint, answered, as_array, checks
+
+
+def _flat(grads):
+    return np.concatenate([np.asarray(g, "float64").ravel() for g in grads])
+
+
+@checks("06-1")
+def per_sample_loss_gradients(answer, model, x, y):
+    """Row i: the gradient of sum_k (f(x_i)_k - y_ik)**2, by a loop over i."""
+    from ...core._tf import tf
+
+    answered(answer, "the per-sample gradients, shape (n, m)")
+    variables = model.trainable_variables
+    rows = []
+    for i in range(len(x)):  # the loop: one tape per sample
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum((model(x[i : i + 1], training=False)
+                                  - y[i : i + 1]) ** 2)
+        rows.append(_flat(tape.gradient(loss, variables)))
+    expected = np.stack(rows)
+    n, m = expected.shape
+    shape = np.shape(answer)
+    if shape == (m,):
+        raise Hint("one vector of length m is the gradient of the summed "
+                   "loss - what tf.gradients returns. Expected one row per "
+                   f"sample: shape (n, m) = {(n, m)}.")
+    if shape == (n, 1, m):
+        raise Hint("drop the output axis of length 1 (J[:, 0]): one row per "
+                   "sample, shape (n, m).")
+    if len(shape) == 3 and shape[0] == n and shape[2] == m:
+        raise Hint("that is a Jacobian of the model's outputs, (n, l, m). "
+                   "Differentiate each sample's loss instead: one number per "
+                   "sample, so one gradient row.")
+    rows = as_array(answer, "the per-sample gradients", (n, m),
+                    "(n samples, m parameters)")
+
+    def like(values):
+        return np.allclose(rows, values, rtol=1e-4, atol=1e-5)
+
+    if like(expected):
+        return
+    if n > 1 and np.allclose(rows, rows[:1], rtol=1e-6, atol=1e-8):
+        raise Hint("every row is the same: a copy of one gradient (of the "
+                   "sum or the mean over samples). Row i must be the "
+                   "gradient of sample i's own loss.")
+    if like(expected / 2):
+        raise Hint("half of each row: the derivative of a square is 2 (f - y).")
+    if like(-expected):
+        raise Hint("the sign is flipped: the loss is sum_k (f(x_i)_k - y_ik)**2.")
+    raise Hint("row i should be the gradient of sample i's loss, "
+               "sum_k (f(x_i)_k - y_ik)**2, with the columns in "
+               "flat_params(model) order; the rows sum to tf.gradients.")
+
+
+def _layers(model):
+    for layer in getattr(model, "layers", []):
+        yield layer
+        yield from _layers(layer)
+
+
+@checks("06-2")
+def frozen_batch_norm(answer, model, x):
+    """Training mode, BatchNormalization frozen: the inference-mode Jacobian."""
+    from ... import loop_jacobian
+    from ...core._tf import keras
+
+    answered(answer, "the Jacobian with training=True, shape (n, l, columns)")
+    norms = [la for la in _layers(model)
+             if isinstance(la, keras.layers.BatchNormalization)]
+    in_norms = {id(v) for la in norms for v in la.weights}
+    variables = [v for la in model.layers if la not in norms
+                 for v in la.trainable_variables if id(v) not in in_norms]
+    # With the layer frozen, training=True uses the moving statistics: the
+    # same map as inference mode, where the loop is the reference.
+    expected = loop_jacobian(model, x, variables=variables, training=False)
+    n, n_out, m = expected.shape
+    scale_and_shift = sum(int(np.prod(v.shape)) for la in norms
+                          for v in (la.gamma, la.beta) if v is not None)
+    shape = np.shape(answer)
+    if shape == (n, n_out, m + scale_and_shift):
+        raise Hint("J has columns for the normalization's gamma and beta: "
+                   "they are trainable until the layer is frozen. Freeze it "
+                   "(trainable = False) before asking; its variables then "
+                   "leave the Jacobian.")
+    J = as_array(answer, "J", (n, n_out, m),
+                 "(n samples, l outputs, columns of the trainable variables)")
+    if np.allclose(J, expected, rtol=1e-5, atol=1e-6):
+        return
+    raise Hint("J differs from the Jacobian in inference mode. A frozen "
+               "BatchNormalization normalizes with its moving statistics "
+               "even in training mode, so the two should agree: is the layer "
+               "frozen before the call, and is it the Jacobian of x?")
+
+
+def _constants(model, x, direction):
+    """|f| (largest output) and |f'''| along ``direction``, in float64."""
+    from ... import flat_params, set_flat_params
+
+    x = np.asarray(x, "float64")
+    direction = np.asarray(direction, "float64")
+    theta = flat_params(model).astype("float64")
+    h = 1e-3  # third differences: O(h**2) off, rounding eps |f| / h**3 tiny
+
+    def f(t):
+        set_flat_params(model, theta + t * direction)
+        return np.asarray(model(x), "float64")
+
+    try:
+        size = np.abs(f(0.0)).max()
+        third = (f(2 * h) - 2 * f(h) + 2 * f(-h) - f(-2 * h)) / (2 * h**3)
+    finally:
+        set_flat_params(model, theta)
+    return size, np.abs(third).max()
+
+
+@checks("06-3")
+def best_steps(answer, model, x, direction):
+    """h* = (3 eps |f| / |f'''|)^(1/3) for float32 and float64."""
+    answered(answer, "[h* for float32, h* for float64]: two steps")
+    steps = as_array(answer, "the two steps", (2,),
+                     "(2,): [h* for float32, h* for float64]")
+    size, third = _constants(model, x, direction)
+    eps = np.array([np.finfo(np.float32).eps, np.finfo(np.float64).eps])
+    expected = (3 * eps * size / third) ** (1 / 3)
+    if np.allclose(steps, eps ** (1 / 3), rtol=0.2):
+        raise Hint("those are eps ** (1/3): the best step with |f| and |f'''| "
+                   "set to 1. Measure the two constants and minimise "
+                   "R/h + T h**2 with them.")
+    if steps[0] < steps[1]:
+        raise Hint("float32's step should be the larger: its rounding error "
+                   "is about 10**9 times float64's. The order is [float32, "
+                   "float64].")
+    if np.any(steps <= 0):
+        raise Hint("a step is a positive length h.")
+    ratio = steps[0] / steps[1]
+    right_ratio = (eps[0] / eps[1]) ** (1 / 3)
+    if abs(np.log(ratio / (eps[0] / eps[1]))) < np.log(2):
+        raise Hint("your steps differ by the ratio of the epsilons; the "
+                   "minimum of R/h + T h**2 sits at the cube root of R/(2T).")
+    if abs(np.log(ratio / right_ratio)) > np.log(1.5):
+        raise Hint("the two steps should differ by (eps32 / eps64) ** (1/3): "
+                   "the same constants |f| and T, only eps changes.")
+    for name, value, right in zip(("float32", "float64"), steps, expected,
+                                  strict=True):
+        factor = value / right
+        if abs(np.log(factor)) > np.log(1.5):
+            size = "large" if factor > 1 else "small"
+            factor = max(factor, 1 / factor)
+            raise Hint(f"your {name} step is too {size}, by a factor of about "
+                       f"{factor:.2g}. Check the constants: R = eps |f| with "
+                       "|f| the largest output, T = error / h**2 where the "
+                       "float64 curve rises as h**2; and where the derivative "
+                       "of R/h + T h**2 is zero.")
