@@ -110,38 +110,35 @@ def test_a_wrong_rule_is_caught_on_the_first_call():
             super().__init__(layer)
             self.activation = rules.activations.Activation(None)
 
-    saved = rules.RULES[layers.Dense]
-    rules.register(layers.Dense)(Lying)
-    try:
+    with rules.registered(layers.Dense, Lying):
         case = build("mlp")
         x = case.batch(4)
         jac = ju.compiled_jacobian(case.model64, method="rules")
         assert jac.plan is not None
         J = jac(x)
-    finally:
-        rules.RULES[layers.Dense] = saved
+    assert rules.RULES[layers.Dense] is rules.dense.DenseRule
     assert jac.plan is None and "differ from autodiff" in jac.fallback
     np.testing.assert_allclose(J, ju.per_sample_jacobian(case.model64, x), rtol=1e-10)
 
 
 def test_a_registered_rule_is_used():
-    """Users register a rule for their own layer type: ``@rules.register(T)``."""
+    """Users register a rule for their own layer type: ``@rules.register(T)``,
+    or for a while: ``with rules.registered(T, RuleClass):``."""
 
     class Double(layers.Layer):
         def call(self, x):
             return 2 * x
 
-    @rules.register(Double)
     class DoubleRule(rules.Rule):
         name = "double"
 
-        def forward(self, a):
+        def _forward(self, a):
             return 2 * a, None
 
-        def backward(self, saved, delta, wanted, need_signal):
+        def _backward(self, saved, delta, wanted, need_signal):
             return {}, 2 * delta
 
-    try:
+    with rules.registered(Double, DoubleRule):
         model = keras.Sequential(
             [
                 keras.Input((3,)),
@@ -152,8 +149,7 @@ def test_a_registered_rule_is_used():
         )
         x = np.random.default_rng(0).standard_normal((5, 3)).astype("float32")
         J, choice = ju.jacobian(model, x, explain=True)
-    finally:
-        del rules.RULES[Double]
+    assert Double not in rules.RULES
     assert "double" in [rule for _, rule in choice.layers]
     np.testing.assert_allclose(
         J, ju.per_sample_jacobian(model, x), rtol=1e-5, atol=1e-6
@@ -277,6 +273,55 @@ def test_explicit_variables_in_any_order():
     )
 
 
+def test_a_joint_block_is_split_where_its_variables_are_apart():
+    """A kernel and its bias come as one joint block; the engine places it whole
+    where they are adjacent and splits it where they are not (or reversed)."""
+    case = build("mlp")
+    model = case.model64
+    dense = [layer for layer in model.layers if layer.weights]
+    x = case.batch(3)
+    for chosen in (
+        [dense[0].bias, dense[1].kernel, dense[0].kernel],  # apart, reversed
+        [dense[1].bias, dense[1].kernel],  # adjacent, reversed
+    ):
+        jac = ju.compiled_jacobian(model, method="rules", variables=chosen)
+        J = jac(x)
+        assert jac.plan is not None
+        np.testing.assert_allclose(
+            J, ju.per_sample_jacobian(model, x, variables=chosen), rtol=1e-10,
+            atol=1e-12,
+        )  # fmt: skip
+
+
+def test_the_registry_refuses_a_second_rule_unless_asked():
+    class Other(rules.dense.DenseRule):
+        name = "other"
+
+    with pytest.raises(rules.AlreadyRegistered, match="registered"):
+        rules.register(layers.Dense)(Other)
+    assert rules.RULES[layers.Dense] is rules.dense.DenseRule
+    rules.register(layers.Dense)(rules.dense.DenseRule)  # the same rule again: fine
+    with rules.registered(layers.Dense, Other):
+        assert rules.RULES[layers.Dense] is Other
+    assert rules.RULES[layers.Dense] is rules.dense.DenseRule
+    try:
+        rules.register(layers.Dense, overwrite=True)(Other)
+        assert rules.RULES[layers.Dense] is Other
+    finally:
+        rules.register(layers.Dense, overwrite=True)(rules.dense.DenseRule)
+
+
+def test_a_rule_writes_the_private_steps_not_the_checked_ones():
+    with pytest.raises(TypeError, match="write _backward instead"):
+
+        class Overriding(rules.Rule):
+            def backward(self, saved, delta, wanted, need_signal):
+                return {}, delta
+
+    with pytest.raises(TypeError, match="abstract"):
+        type("NoBackward", (rules.Rule,), {})(layers.Dense(2))
+
+
 def test_entry_takes_forward_mode_when_outputs_outnumber_parameters():
     model = keras.Sequential(
         [
@@ -326,20 +371,17 @@ def test_the_plan_replays_each_call_with_its_arguments():
 
 
 def test_a_rule_that_ignores_call_arguments_falls_back_and_says_so():
-    @rules.register(ClipLayer)
     class ClipAsIdentity(rules.Rule):
-        def forward(self, a):
+        def _forward(self, a):
             return a, None
 
-        def backward(self, saved, delta, wanted, need_signal):
+        def _backward(self, saved, delta, wanted, need_signal):
             return {}, delta
 
-    try:
+    with rules.registered(ClipLayer, ClipAsIdentity):
         model = _clipped_model()
         jac = ju.compiled_jacobian(model, method="rules")
         jac(_quiet_sample_zero())
-    finally:
-        del rules.RULES[ClipLayer]
     assert jac.plan is not None and "called with limit=0.3" in jac.plan.describe()
 
 
@@ -352,12 +394,11 @@ def test_the_check_looks_past_sample_zero():
     """A rule that takes the clip for the identity is right on sample 0 (its
     units stay inside the clip) and wrong on the others: caught."""
 
-    @rules.register(ClipAt03)
     class ClipAsIdentity(rules.Rule):
-        def forward(self, a):
+        def _forward(self, a):
             return a, None
 
-        def backward(self, saved, delta, wanted, need_signal):
+        def _backward(self, saved, delta, wanted, need_signal):
             return {}, delta
 
     model = keras.Sequential(
@@ -365,11 +406,9 @@ def test_the_check_looks_past_sample_zero():
          layers.Dense(2)]
     )  # fmt: skip
     x = _quiet_sample_zero()
-    try:
+    with rules.registered(ClipAt03, ClipAsIdentity):
         jac = ju.compiled_jacobian(model, method="rules")
         J = jac(x)
-    finally:
-        del rules.RULES[ClipAt03]
     assert jac.plan is None and "differ from autodiff" in jac.fallback
     assert "on sample 0" not in jac.fallback
     np.testing.assert_allclose(J, ju.loop_jacobian(model, x), rtol=1e-4, atol=1e-6)

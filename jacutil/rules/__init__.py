@@ -7,6 +7,11 @@ Flatten/Reshape, activation layers, and LSTM, GRU and SimpleRNN
 (back-propagation through time). A layer without a rule (pooling, a custom layer)
 passes the signal by autodiff, and only its own blocks come from autodiff.
 
+A rule subclasses :class:`Rule` (``_forward``, ``_backward``; the final
+``forward``/``backward`` check its shapes), registers with ``@register(T)``
+(or for a while: ``with registered(T, RuleClass):``), and is proved alone
+against autodiff by ``jacutil.testing.check_rule``.
+
 ``rules_tensor(plan, x)`` is the Jacobian; its compiled, cached form is
 ``compiled_jacobian(model, method="rules")``, and ``jacutil.jacobian`` picks
 it when it applies. Introduced in ``07-benchmark``.
@@ -21,24 +26,44 @@ from .engine import (
     chain_nodes,
     disagreement,
     is_exact_keras,
+    place_blocks,
     plan_for,
     rules_tensor,
 )
-from .registry import RULES, NoRule, Rule, register, rule_for
+from .registry import (
+    RULES,
+    AlreadyRegistered,
+    Blocks,
+    LogitsSignal,
+    NoRule,
+    Rule,
+    RuleContractError,
+    Wanted,
+    register,
+    registered,
+    rule_for,
+)
 
 __all__ = [
     "RULES",
+    "AlreadyRegistered",
     "AutodiffRule",
+    "Blocks",
+    "LogitsSignal",
     "NoRule",
     "Node",
     "Plan",
     "Rule",
+    "RuleContractError",
+    "Wanted",
     "chain_layers",
     "chain_nodes",
     "disagreement",
     "is_exact_keras",
+    "place_blocks",
     "plan_for",
     "register",
+    "registered",
     "rule_for",
     "rules_tensor",
     "tiled_vjp",

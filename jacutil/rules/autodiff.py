@@ -13,7 +13,7 @@ hand-derived rule.
 from ..core._grouped import convolutions_by_group
 from ..core._tf import tf
 from ..core.target import watched
-from .registry import Rule, per_output, rows
+from .registry import Blocks, Rule, per_output, rows
 
 
 def repeat_rows(a, n_outputs):
@@ -65,12 +65,12 @@ class AutodiffRule(Rule):
     def describe(self):
         return f"autodiff ({self.why})" if self.why else "autodiff"
 
-    def forward(self, a):
+    def _forward(self, a):
         return self.call(a), a
 
-    def backward(self, a, delta, wanted, need_signal):
+    def _backward(self, a, delta, wanted, need_signal):
         layer = self.call
-        ours = [v for v in self.variables if id(v) in wanted]
+        ours = [v for v in self.variables if v in wanted]
         if not ours:
             below = None
             if need_signal:
@@ -96,7 +96,7 @@ class AutodiffRule(Rule):
 
         grads = tf.vectorized_map(one_row, (repeat_rows(a, n_outputs), rows(delta)))
         below = per_output(grads[0], n_samples, n_outputs) if floating else None
-        blocks = {}
+        blocks = Blocks()
         for v, g in zip(ours, grads[1:] if floating else grads, strict=True):
-            blocks[wanted[id(v)]] = tf.reshape(g, [n_samples, n_outputs, -1])
+            blocks[v] = tf.reshape(g, [n_samples, n_outputs, -1])
         return blocks, below if need_signal else None

@@ -8,11 +8,13 @@ its patches), a per-sample signal ``delta[i, k, t, q]`` at z gives
     d y[i, k] / d b[q]    = sum_t delta[i, k, t, q]
 
 the per-example-gradient trick (Goodfellow 2015; BackPACK). A kernel
-followed by its bias in the columns is one product: ``a`` with a column of
-ones appended gives the kernel's rows and then the bias's.
+and its bias are one product: ``a`` with a column of ones appended gives the
+kernel's rows and then the bias's, one joint block that the engine places
+(``jacutil.rules.engine.place_blocks``).
 """
 
 from ..core._tf import tf
+from .registry import Blocks
 
 
 def outer_blocks(a, delta):
@@ -49,24 +51,36 @@ def sum_positions(delta, width):
 
 
 def kernel_and_bias(a, delta, kernel, bias, wanted, by_position=False):
-    """``{column position: block}`` of a kernel and its bias (either may be unwanted).
+    """:class:`~jacutil.rules.registry.Blocks` of a kernel and its bias.
 
-    A bias right after its kernel shares the kernel's block (its position
-    maps to None: nothing more to join). ``by_position``: ``delta`` is laid
-    out (n, t, l, q), positions first.
+    Args:
+        a: the layer's input at each position, (n, *positions, p).
+        delta: the signal at ``z``, (n, l, *positions, q); with
+            ``by_position``, laid out (n, t, l, q), positions first.
+        kernel: the (p, q) kernel variable (its columns row-major).
+        bias: the (q,) bias variable, or None.
+        wanted: the variables to write (either may be unwanted).
+
+    Returns:
+        Blocks: a kernel and bias both wanted share one joint block keyed
+        ``(kernel, bias)``, (n, l, p * q + q) - one product of ``a`` with a
+        column of ones appended; otherwise one block per wanted variable,
+        (n, l, p * q) and (n, l, q). The engine splits a joint block whose
+        variables are not adjacent in the columns.
     """
     outer = outer_by_position if by_position else outer_blocks
-    at_kernel = wanted.get(id(kernel))
-    at_bias = None if bias is None else wanted.get(id(bias))
-    if at_kernel is not None and at_bias == at_kernel + 1:
+    blocks = Blocks()
+    with_kernel = kernel in wanted
+    with_bias = bias is not None and bias in wanted
+    if with_kernel and with_bias:
         ones = tf.ones_like(a[..., :1])
-        return {at_kernel: outer(tf.concat([a, ones], -1), delta), at_bias: None}
-    blocks = {}
-    if at_kernel is not None:
-        blocks[at_kernel] = outer(a, delta)
-    if at_bias is not None:
+        blocks[kernel, bias] = outer(tf.concat([a, ones], -1), delta)
+        return blocks
+    if with_kernel:
+        blocks[kernel] = outer(a, delta)
+    if with_bias:
         width = delta.shape[-1]
-        blocks[at_bias] = (
+        blocks[bias] = (
             tf.reduce_sum(delta, 1) if by_position else sum_positions(delta, width)
         )
     return blocks

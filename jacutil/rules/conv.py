@@ -16,7 +16,7 @@ kernel's (kh, kw, c_in / g, c_out) order.
 from ..core._tf import keras, tf
 from .activations import Activation
 from .blocks import kernel_and_bias
-from .registry import NoRule, Rule, per_output, register, rows
+from .registry import Blocks, NoRule, Rule, per_output, register, rows
 
 
 @register(keras.layers.Conv1D, keras.layers.Conv2D)
@@ -77,7 +77,7 @@ class ConvRule(Rule):
             -1,
         )
 
-    def forward(self, a):
+    def _forward(self, a):
         image = self._as_image(a)
         z = self._convolve(image)
         if self.bias is not None:
@@ -85,7 +85,7 @@ class ConvRule(Rule):
         y, slope = self.activation.forward(z)
         return (y[:, 0] if self.flat else y), (image, slope)
 
-    def backward(self, saved, delta, wanted, need_signal):
+    def _backward(self, saved, delta, wanted, need_signal):
         image, slope = saved
         if self.flat:
             delta = delta[:, :, None]
@@ -105,7 +105,10 @@ class ConvRule(Rule):
             blocks = kernel_and_bias(patches, signal, kernel, self.bias, wanted)
             per_group.append(blocks)
         width = self.layer.filters // self.groups
-        blocks = {at: _interleave([b[at] for b in per_group], width) for at in blocks}
+        blocks = Blocks(
+            (key, _interleave([b[key] for b in per_group], width))
+            for key in per_group[0].keys()
+        )
         if not need_signal:
             return blocks, None
         n_samples, n_outputs = tf.shape(delta)[0], tf.shape(delta)[1]
@@ -123,7 +126,7 @@ class ConvRule(Rule):
 def _interleave(blocks, width):
     """One block from each group's (n, l, rows * width), the output channels
     of group j at columns j * width.. of each row (the kernel's order)."""
-    if blocks[0] is None or len(blocks) == 1:
+    if len(blocks) == 1:
         return blocks[0]
     n_samples, n_outputs = tf.shape(blocks[0])[0], tf.shape(blocks[0])[1]
     parts = [tf.reshape(b, [n_samples, n_outputs, -1, width]) for b in blocks]

@@ -28,7 +28,7 @@ class DenseRule(Rule):
     def describe(self):
         return self.name + self.activation.describe()
 
-    def forward(self, a):
+    def _forward(self, a):
         kernel = self.layer.kernel
         z = tf.tensordot(a, kernel, 1) if a.shape.rank > 2 else tf.matmul(a, kernel)
         if self.bias is not None:
@@ -36,7 +36,7 @@ class DenseRule(Rule):
         y, slope = self.activation.forward(z)
         return y, (a, slope)
 
-    def backward(self, saved, delta, wanted, need_signal):
+    def _backward(self, saved, delta, wanted, need_signal):
         a, slope = saved
         delta = self.activation.backward(slope, delta)
         blocks = kernel_and_bias(a, delta, self.layer.kernel, self.bias, wanted)

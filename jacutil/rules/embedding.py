@@ -7,7 +7,7 @@ The ids are integers, so no signal goes further down.
 
 from ..core._tf import keras, tf
 from .blocks import outer_blocks
-from .registry import NoRule, Rule, register
+from .registry import Blocks, NoRule, Rule, register
 
 
 @register(keras.layers.Embedding)
@@ -20,14 +20,14 @@ class EmbeddingRule(Rule):
             raise NoRule("a LoRA or quantized Embedding")
         self.variables = [layer.embeddings]
 
-    def forward(self, a):
+    def _forward(self, a):
         return self.layer(a, training=False), a
 
-    def backward(self, ids, delta, wanted, need_signal):
-        at = wanted.get(id(self.layer.embeddings))
-        if at is None:
+    def _backward(self, ids, delta, wanted, need_signal):
+        table = self.layer.embeddings
+        if table not in wanted:
             return {}, None
         one_hot = tf.one_hot(
             tf.cast(ids, tf.int32), self.layer.input_dim, dtype=delta.dtype
         )
-        return {at: outer_blocks(one_hot, delta)}, None
+        return Blocks([(table, outer_blocks(one_hot, delta))]), None

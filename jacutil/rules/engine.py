@@ -17,7 +17,7 @@ from ..core.batch import n_samples, signature_key, take
 from ..core.formulation import pfor_log
 from ..core.target import watched
 from .autodiff import AutodiffRule
-from .registry import LogitsSignal, rule_for
+from .registry import Blocks, LogitsSignal, Wanted, rule_for, size_of
 
 # Left to the compiled per-sample stage: pfor unrolls their time loop
 # (jacutil.core.formulation), and attention's products need XLA in TF 2.21.
@@ -148,8 +148,8 @@ class Plan:
     """
 
     steps: list  # a Rule per node, input to output
-    wanted: list  # per step: {id(variable): column position}
-    variables: list  # the Jacobian's columns
+    wanted: list  # per step: the Wanted variables it writes blocks for
+    variables: list  # the Jacobian's columns, in order (the engine places blocks)
     lowest: int  # the lowest step holding a wanted variable
     checked: set = field(default_factory=set)  # input signatures proved
 
@@ -214,16 +214,14 @@ def plan_for(model, variables, training=False):
         if step is None:
             return None, why
         steps.append(step)
-    position = {id(v): i for i, v in enumerate(variables)}
+    columns = {id(v) for v in variables}
     wanted, owner = [], {}
     for j, step in enumerate(steps):
-        wanted.append(
-            {id(v): position[id(v)] for v in step.variables if id(v) in position}
-        )
-        for key in wanted[-1]:
-            if key in owner:
+        wanted.append(Wanted(v for v in step.variables if id(v) in columns))
+        for v in wanted[-1]:
+            if id(v) in owner:
                 return None, "a variable is shared by two layers"
-            owner[key] = j
+            owner[id(v)] = j
     missing = [v for v in variables if id(v) not in owner]
     if missing:
         return None, f"variable {missing[0].name!r} is not in a layer the rules can see"
@@ -277,24 +275,60 @@ def rules_tensor(plan, x, signal=None):
         n_outputs = int(np.prod(out_shape, dtype=np.int64))
         # one identity for every sample, broadcast only where a rule needs it
         delta = tf.reshape(tf.eye(n_outputs, dtype=a.dtype), [1, n_outputs, *out_shape])
-    blocks = {}
+    blocks = Blocks()
     for j in reversed(range(plan.lowest, len(plan.steps))):
         step = plan.steps[j]
-        if plan.wanted[j] or not step.shared_signal:
-            delta = tf.broadcast_to(
-                delta, tf.concat([[n_samples], tf.shape(delta)[1:]], 0)
-            )
+        delta = signal_for(step, delta, plan.wanted[j], n_samples)
         if at_logits:
             delta, at_logits = LogitsSignal(delta), False
         found, delta = step.backward(saved[j], delta, plan.wanted[j], j > plan.lowest)
         blocks.update(found)
-    parts = []
-    for i, v in enumerate(plan.variables):
-        if i not in blocks:  # a variable the outputs do not use: zeros
-            size = int(np.prod(v.shape, dtype=np.int64))
-            parts.append(tf.zeros([n_samples, n_outputs, size], a.dtype))
-        elif blocks[i] is not None:  # None: joined with the block before
-            parts.append(blocks[i])
+    return place_blocks(blocks, plan.variables, n_samples, n_outputs, a.dtype)
+
+
+def signal_for(step, delta, wanted, n_samples):
+    """The signal a step takes: ``delta`` (1 or n, l, *output_shape) with one
+    row per sample, unless the step takes a shared signal and writes no blocks."""
+    if wanted or not step.shared_signal:
+        return tf.broadcast_to(delta, tf.concat([[n_samples], tf.shape(delta)[1:]], 0))
+    return delta
+
+
+def place_blocks(blocks, variables, n_samples, n_outputs, dtype):
+    """(n, l, m): the blocks in the columns of ``variables``, in that order.
+
+    Args:
+        blocks: :class:`~jacutil.rules.registry.Blocks`, each (n, l, size), a
+            joint block (kernel, bias) the kernel's columns then the bias's.
+        variables: the Jacobian's columns, in order (m entries in all).
+        n_samples, n_outputs: n and l.
+        dtype: the Jacobian's dtype.
+
+    Returns:
+        The (n, l, m) Jacobian. A joint block lies whole where its variables
+        are adjacent in ``variables`` (in its order) and is split otherwise;
+        a variable without a block (the outputs do not use it) gets zeros.
+    """
+    position = {id(v): i for i, v in enumerate(variables)}
+    at = {}  # position of the first variable -> (how many variables, block)
+    for key, block in blocks.items():
+        places = [position[id(v)] for v in key]
+        if places == list(range(places[0], places[0] + len(places))):
+            at[places[0]] = (len(key), block)
+            continue
+        parts = tf.split(block, [size_of(v) for v in key], axis=2)
+        for place, part in zip(places, parts, strict=True):
+            at[place] = (1, part)
+    parts, i = [], 0
+    while i < len(variables):
+        if i in at:
+            count, block = at[i]
+            parts.append(block)
+            i += count
+        else:  # a variable the outputs do not use: zeros
+            size = size_of(variables[i])
+            parts.append(tf.zeros([n_samples, n_outputs, size], dtype))
+            i += 1
     return parts[0] if len(parts) == 1 else tf.concat(parts, axis=2)
 
 

@@ -10,7 +10,7 @@ normalization backward, per sample and output.
 
 from ..core._tf import keras, tf
 from .blocks import sum_positions
-from .registry import NoRule, Rule, register
+from .registry import Blocks, NoRule, Rule, register
 
 
 def _last_axis(layer, axis):
@@ -39,11 +39,11 @@ class _Affine(Rule):
 
     def blocks(self, xhat, delta, wanted):
         width = delta.shape[-1]
-        blocks = {}
-        if self.gamma is not None and id(self.gamma) in wanted:
-            blocks[wanted[id(self.gamma)]] = sum_positions(delta * xhat[:, None], width)
-        if self.beta is not None and id(self.beta) in wanted:
-            blocks[wanted[id(self.beta)]] = sum_positions(delta, width)
+        blocks = Blocks()
+        if self.gamma is not None and self.gamma in wanted:
+            blocks[self.gamma] = sum_positions(delta * xhat[:, None], width)
+        if self.beta is not None and self.beta in wanted:
+            blocks[self.beta] = sum_positions(delta, width)
         return blocks
 
     def scaled(self, delta):
@@ -60,13 +60,13 @@ class LayerNormRule(_Affine):
             raise NoRule("RMS scaling")
         _last_axis(layer, layer.axis)
 
-    def forward(self, a):
+    def _forward(self, a):
         mean, variance = tf.nn.moments(a, axes=[-1], keepdims=True)
         inverse = tf.math.rsqrt(variance + self.layer.epsilon)
         xhat = (a - mean) * inverse
         return self._affine(xhat), (xhat, inverse)
 
-    def backward(self, saved, delta, wanted, need_signal):
+    def _backward(self, saved, delta, wanted, need_signal):
         xhat, inverse = saved
         blocks = self.blocks(xhat, delta, wanted)
         if not need_signal:
@@ -86,13 +86,13 @@ class BatchNormRule(_Affine):
         super().__init__(layer)
         _last_axis(layer, layer.axis)
 
-    def forward(self, a):
+    def _forward(self, a):
         layer = self.layer
         inverse = tf.math.rsqrt(layer.moving_variance + layer.epsilon)
         xhat = (a - layer.moving_mean) * inverse
         return self._affine(xhat), (xhat, inverse)
 
-    def backward(self, saved, delta, wanted, need_signal):
+    def _backward(self, saved, delta, wanted, need_signal):
         xhat, inverse = saved
         below = self.scaled(delta) * inverse if need_signal else None
         return self.blocks(xhat, delta, wanted), below

@@ -64,7 +64,7 @@ class _Recurrent(Rule):
         self.variables = [self.cell.kernel, self.cell.recurrent_kernel]
         self.variables += [self.bias] if self.bias is not None else []
 
-    def forward(self, a):
+    def _forward(self, a):
         n_samples, units = tf.shape(a)[0], self.cell.units
         inputs = tf.tensordot(a, self.cell.kernel, 1)  # x_t @ K for every t
         if self.bias is not None:
@@ -79,7 +79,7 @@ class _Recurrent(Rule):
         y = tf.stack(outputs, 1) if self.layer.return_sequences else state[0]
         return y, (a, saved)
 
-    def backward(self, kept, delta, wanted, need_signal):
+    def _backward(self, kept, delta, wanted, need_signal):
         a, saved = kept
         sequences = self.layer.return_sequences
         carry = self.initial(0.0 if sequences else delta)
@@ -189,10 +189,9 @@ class GRURule(_Recurrent):
         blocks.update(
             kernel_and_bias(states, by_state, cell.recurrent_kernel, None, wanted, True)
         )
-        at = None if self.bias is None else wanted.get(id(self.bias))
-        if at is not None:
+        if self.bias is not None and self.bias in wanted:
             sums = [tf.reduce_sum(by_input, 1), tf.reduce_sum(by_state, 1)]
-            blocks[at] = tf.concat(sums, -1)
+            blocks[self.bias] = tf.concat(sums, -1)
         return blocks
 
 

@@ -1,4 +1,4 @@
-"""The registry: which rule writes the blocks of which layer type.
+"""The registry and the rule contract: which rule writes the blocks of which layer.
 
 A rule is a class built from one layer. It says which of the layer's
 variables it writes blocks for (``variables``), runs the layer forward
@@ -7,7 +7,21 @@ keeping what its backward step needs, and maps the per-sample signal
 and to the signal of the layer below. Rules are looked up by the layer's
 exact type: a subclass may compute something else, so it goes through
 autodiff (``jacutil.rules.autodiff``) unless it registers a rule itself.
+
+The contract is a template method (as BackPACK's derivatives): the public
+:meth:`Rule.forward` and :meth:`Rule.backward` are final; a rule writes
+``_forward`` and ``_backward``, and ``backward`` checks the shape of every
+block and of the signal below against the layer's input before the engine
+(``jacutil.rules.engine``) places the blocks in the Jacobian's columns. What
+a rule can take is declared in class attributes (``shared_signal``,
+``runs_user_code``, ``takes_logits_signal``), never guessed from its type.
 """
+
+import abc
+from contextlib import contextmanager
+from typing import Any, final
+
+import numpy as np
 
 from ..core._tf import tf
 
@@ -18,15 +32,71 @@ class NoRule(Exception):
     """Raised by a rule's constructor when its layer is configured beyond it."""
 
 
-def register(*layer_types):
-    """Class decorator: ``@register(keras.layers.Dense)`` makes the rule known."""
+class AlreadyRegistered(ValueError):
+    """A layer type already has a rule: ``register(..., overwrite=True)`` or
+    ``with registered(...)`` replace it on purpose."""
+
+
+class RuleContractError(AssertionError):
+    """A rule broke the contract (a block or signal of the wrong shape, a
+    block for a variable it was not asked for): a bug in the rule."""
+
+
+def register(*layer_types, overwrite=False):
+    """Class decorator: ``@register(keras.layers.Dense)`` makes the rule known.
+
+    Args:
+        *layer_types: the exact layer types the rule is for.
+        overwrite: replace a rule already registered for one of them
+            (otherwise :class:`AlreadyRegistered` is raised).
+
+    Returns:
+        The decorator, which returns the rule class unchanged.
+    """
 
     def add(rule):
+        taken = [
+            t for t in layer_types if RULES.get(t) not in (None, rule) and not overwrite
+        ]
+        if taken:
+            names = ", ".join(t.__name__ for t in taken)
+            raise AlreadyRegistered(
+                f"{names} already has a rule ({RULES[taken[0]].__name__}); pass "
+                f"overwrite=True, or use `with jacutil.rules.registered({names}, "
+                f"{rule.__name__}):` to replace it for a while"
+            )
         for layer_type in layer_types:
             RULES[layer_type] = rule
         return rule
 
     return add
+
+
+@contextmanager
+def registered(layer_types, rule):
+    """``with registered(LayerType, RuleClass):`` the rule is the registered
+    one inside the block; the registry is restored as it was on leaving.
+
+    Args:
+        layer_types: a layer type, or a tuple of them.
+        rule: the rule class (a :class:`Rule` subclass).
+
+    Yields:
+        The rule class.
+    """
+    if not isinstance(layer_types, (tuple, list)):
+        layer_types = (layer_types,)
+    missing = object()
+    before = {t: RULES.get(t, missing) for t in layer_types}
+    register(*layer_types, overwrite=True)(rule)
+    try:
+        yield rule
+    finally:
+        for layer_type, previous in before.items():
+            if previous is missing:
+                RULES.pop(layer_type, None)
+            else:
+                RULES[layer_type] = previous
 
 
 class LogitsSignal:
@@ -38,41 +108,269 @@ class LogitsSignal:
         self.delta = delta
 
 
-class Rule:
-    """Base of every rule: one layer, its variables, forward and backward.
+def size_of(variable):
+    """The number of entries of ``variable`` (its columns in the Jacobian)."""
+    return int(np.prod(variable.shape, dtype=np.int64))
 
-    ``forward(a)`` returns ``(y, saved)``; ``backward(saved, delta, wanted,
-    need_signal)`` returns ``(blocks, delta_below)``, where ``blocks`` maps
-    the column position of each wanted variable (``wanted``: id of the
-    variable -> position) to its (n, l, size) block of columns and
-    ``delta_below`` is the signal at the layer's input (None when not needed).
 
-    The signal ``delta`` is ``(n, l, *output_shape)``, one row per sample, unless
-    the rule says it takes a signal shared by every sample
-    (``shared_signal``): then it may be ``(1, l, *output_shape)``.
+class Wanted:
+    """The variables whose blocks one backward step must write, by identity.
+
+    ``variable in wanted`` (its ``id`` works too); iterating gives the
+    variables. Keras variables cannot be dict keys, hence this set.
     """
 
-    name = "rule"
-    shared_signal = False  # backward() takes delta of shape (1, l, ...)
-    runs_user_code = False  # calls code that is not ours (autograph matters)
-    takes_logits_signal = False  # backward() takes a LogitsSignal
+    def __init__(self, variables=()):
+        self._by_id = {id(v): v for v in variables}
+
+    @classmethod
+    def of(cls, wanted):
+        """``wanted`` as a :class:`Wanted`: from one, or any iterable of variables."""
+        if isinstance(wanted, cls):
+            return wanted
+        variables = list(wanted.values() if isinstance(wanted, dict) else wanted)
+        if any(isinstance(v, (int, np.integer)) for v in variables):
+            raise TypeError(
+                "wanted holds the variables themselves, not column positions"
+            )
+        return cls(variables)
+
+    def __contains__(self, item):
+        return (item if isinstance(item, int) else id(item)) in self._by_id
+
+    def __iter__(self):
+        return iter(self._by_id.values())
+
+    def __len__(self):
+        return len(self._by_id)
+
+    def __repr__(self):
+        return f"Wanted({[getattr(v, 'path', v) for v in self]})"
+
+
+class Blocks:
+    """A rule's blocks of columns, keyed by variable (by identity).
+
+    ``blocks[kernel] = B`` with ``B`` of shape (n, l, kernel.size); a joint
+    block ``blocks[(kernel, bias)] = B`` of shape (n, l, kernel.size +
+    bias.size) holds the kernel's columns, then the bias's (one fused
+    product). The engine places each in the Jacobian's column order and
+    splits a joint block whose variables are not adjacent there.
+    """
+
+    def __init__(self, pairs=()):
+        self._items = {}  # ids of the key's variables -> (variables, block)
+        for key, block in pairs:
+            self[key] = block
+
+    @staticmethod
+    def _variables(key):
+        return tuple(key) if isinstance(key, (tuple, list)) else (key,)
+
+    def __setitem__(self, key, block):
+        variables = self._variables(key)
+        self._items[tuple(id(v) for v in variables)] = (variables, block)
+
+    def __getitem__(self, key):
+        return self._items[tuple(id(v) for v in self._variables(key))][1]
+
+    def __contains__(self, key):
+        return tuple(id(v) for v in self._variables(key)) in self._items
+
+    def __len__(self):
+        return len(self._items)
+
+    def keys(self):
+        """Each block's key: a tuple of its variables (one, or kernel and bias)."""
+        return [variables for variables, _ in self._items.values()]
+
+    def items(self):
+        """``[(variables, block)]``: a tuple of variables, an (n, l, size) block."""
+        return list(self._items.values())
+
+    def update(self, other):
+        for variables, block in Blocks.of(other).items():
+            self[variables] = block
+
+    @classmethod
+    def of(cls, blocks):
+        """``blocks`` as :class:`Blocks`: from Blocks, None, ``{}`` or pairs."""
+        if isinstance(blocks, cls):
+            return blocks
+        if blocks is None or (isinstance(blocks, dict) and not blocks):
+            return cls()
+        if isinstance(blocks, dict):
+            raise TypeError(
+                "a rule returns Blocks keyed by variable (jacutil.rules.Blocks), "
+                "not a dict of column positions"
+            )
+        return cls(blocks)
+
+
+class Rule(abc.ABC):
+    """Base of every rule: one layer, its variables, forward and backward.
+
+    A rule writes ``_forward`` (optional: by default the layer's own call)
+    and ``_backward``; the engine calls the final :meth:`forward` and
+    :meth:`backward`, which record the input's shape and check every shape
+    a rule returns. Shapes: n samples, l outputs of the model, a layer input
+    ``a`` of shape (n, *input_shape) and output (n, *output_shape).
+
+    Capabilities, declared as class (or instance) attributes:
+
+    - ``shared_signal``: ``_backward`` takes ``delta`` of shape (1, l, ...),
+      one signal shared by every sample, when it writes no blocks.
+    - ``runs_user_code``: it calls code that is not ours (autograph matters).
+    - ``takes_logits_signal``: ``_backward`` takes a :class:`LogitsSignal`.
+    """
+
+    name: str = "rule"
+    shared_signal: bool = False
+    runs_user_code: bool = False
+    takes_logits_signal: bool = False
 
     def __init__(self, layer):
+        """``layer``: the Keras layer; raise :class:`NoRule` for a configuration
+        the rule does not cover. Set ``self.variables``: the layer's variables
+        the rule writes blocks for."""
         self.layer = layer
-        self.variables = []
+        self.variables: list = []
+        self.input_shape = None  # (n, *input_shape) of the last forward
+        self.input_dtype = None
 
-    def forward(self, a):
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for method in ("forward", "backward"):
+            if method in cls.__dict__:
+                raise TypeError(
+                    f"{cls.__name__} overrides Rule.{method}, which checks the "
+                    f"contract: write _{method} instead"
+                )
+
+    @final
+    def forward(self, a) -> tuple[Any, Any]:
+        """``(y, saved)``: the layer's output (n, *output_shape) on ``a``
+        (n, *input_shape), and what :meth:`backward` needs (from ``_forward``)."""
+        y, saved = self._forward(a)
+        self.input_shape = tf.TensorShape(a.shape)
+        self.input_dtype = tf.as_dtype(a.dtype)
+        return y, saved
+
+    def _forward(self, a):
+        """``(y, saved)``; by default the layer's call, and ``a`` saved."""
         return self.layer(a, training=False), a
 
-    def backward(self, saved, delta, wanted, need_signal):
-        raise NotImplementedError
+    @final
+    def backward(self, saved, delta, wanted, need_signal) -> tuple[Blocks, Any]:
+        """The blocks and the signal below, shapes checked.
+
+        Args:
+            saved: what :meth:`forward` returned as ``saved``.
+            delta: the signal at the layer's output, (n, l, *output_shape)
+                (or (1, l, ...) when ``shared_signal``), or a
+                :class:`LogitsSignal` when ``takes_logits_signal``.
+            wanted: the variables to write blocks for (a :class:`Wanted`, or
+                any iterable of variables).
+            need_signal: whether the signal below is needed.
+
+        Returns:
+            ``(blocks, below)``: :class:`Blocks`, one (n, l, size) block per
+            wanted variable (or joint kernel and bias), and the signal at the
+            layer's input (n or 1, l, *input_shape), or None when not needed
+            (or when the input is not a float, e.g. Embedding's ids).
+
+        Raises:
+            RuleContractError: a block or the signal has the wrong shape, or a
+                block is for a variable that was not wanted.
+        """
+        wanted = Wanted.of(wanted)
+        found, below = self._backward(saved, delta, wanted, need_signal)
+        blocks = Blocks.of(found)
+        signal = delta.delta if isinstance(delta, LogitsSignal) else delta
+        self._check_blocks(blocks, signal, wanted)
+        if not need_signal:
+            return blocks, None
+        self._check_below(below, signal)
+        return blocks, below
+
+    @abc.abstractmethod
+    def _backward(self, saved, delta, wanted, need_signal):
+        """``(blocks, below)`` as :meth:`backward` returns them; ``blocks`` a
+        :class:`Blocks` (``{}`` when none), ``below`` anything when not
+        ``need_signal``."""
 
     def describe(self):
+        """The rule's name as the plan shows it, e.g. ``"dense+relu"``."""
         return self.name
+
+    def _broken(self, what):
+        return RuleContractError(
+            f"rule {type(self).__name__} ({self.describe()}) of layer "
+            f"{self.layer.name!r}: {what}"
+        )
+
+    def _check_blocks(self, blocks, signal, wanted):
+        ours = {id(v) for v in self.variables}
+        n_samples = self.input_shape[0] if self.input_shape is not None else None
+        n_outputs = signal.shape[1] if tf.TensorShape(signal.shape).rank else None
+        seen = set()
+        for variables, block in blocks.items():
+            names = ", ".join(getattr(v, "path", str(v)) for v in variables)
+            for v in variables:
+                if id(v) not in ours or v not in wanted:
+                    raise self._broken(f"a block for {names}, which was not wanted")
+                if id(v) in seen:
+                    raise self._broken(f"two blocks for {getattr(v, 'path', v)}")
+                seen.add(id(v))
+            if block is None:
+                raise self._broken(f"the block of {names} is None")
+            expected = [n_samples, n_outputs, sum(size_of(v) for v in variables)]
+            if not _agrees(block.shape, expected):
+                raise self._broken(
+                    f"the block of {names} has shape {_shown(block.shape)}, expected "
+                    f"(n, l, size) = {_shown(expected)}"
+                )
+
+    def _check_below(self, below, signal):
+        if self.input_shape is None:
+            return
+        if below is None:
+            if self.input_dtype is not None and self.input_dtype.is_floating:
+                raise self._broken("no signal below, though it was asked for")
+            return
+        rows = below.shape[0] if below.shape.rank else None
+        allowed = {self.input_shape[0], signal.shape[0]} - {None}
+        if signal.shape[0] is None:
+            allowed.add(1)  # a signal shared by every sample, unknown while traced
+        expected = [None, signal.shape[1], *self.input_shape[1:]]
+        if not _agrees(below.shape, expected) or (
+            rows is not None and self.input_shape[0] is not None and rows not in allowed
+        ):
+            expected[0] = self.input_shape[0]
+            raise self._broken(
+                f"the signal below has shape {_shown(below.shape)}, expected "
+                f"(n, l, *input_shape) = {_shown(expected)}"
+            )
+
+
+def _agrees(shape, expected):
+    """Whether a (static) shape matches ``expected``; None is any size."""
+    shape = tf.TensorShape(shape)
+    if shape.rank is None:
+        return True
+    if shape.rank != len(expected):
+        return False
+    pairs = zip(shape, expected, strict=True)
+    return all(a is None or b is None or a == b for a, b in pairs)
+
+
+def _shown(shape):
+    dims = list(shape) if tf.TensorShape(shape).rank is not None else ["..."]
+    return "(" + ", ".join("?" if d is None else str(d) for d in dims) + ")"
 
 
 def rule_for(layer):
-    """The rule for ``layer``, or ``(None, reason)`` when it has none."""
+    """``(rule, None)`` for ``layer``, or ``(None, reason)`` when it has none."""
     rule = RULES.get(type(layer))
     if rule is None:
         return None, f"no rule for {type(layer).__name__}"

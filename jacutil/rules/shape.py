@@ -25,10 +25,10 @@ IDENTITY_AT_INFERENCE = tuple(
 class ReshapeRule(Rule):
     name = "reshape"
 
-    def forward(self, a):
+    def _forward(self, a):
         return self.layer(a, training=False), tf.shape(a)
 
-    def backward(self, shape, delta, wanted, need_signal):
+    def _backward(self, shape, delta, wanted, need_signal):
         if not need_signal:
             return {}, None
         return {}, tf.reshape(
@@ -40,10 +40,10 @@ class ReshapeRule(Rule):
 class IdentityRule(Rule):
     name = "identity (inference)"
 
-    def forward(self, a):
+    def _forward(self, a):
         return a, None
 
-    def backward(self, saved, delta, wanted, need_signal):
+    def _backward(self, saved, delta, wanted, need_signal):
         return {}, delta
 
 
@@ -60,10 +60,10 @@ class ActivationRule(Rule):
     def describe(self):
         return self.activation.describe().lstrip("+") or "linear"
 
-    def forward(self, a):
+    def _forward(self, a):
         return self.activation.forward(a)
 
-    def backward(self, saved, delta, wanted, need_signal):
+    def _backward(self, saved, delta, wanted, need_signal):
         return {}, self.activation.backward(saved, delta) if need_signal else None
 
 
