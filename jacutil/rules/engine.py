@@ -329,6 +329,8 @@ def place_blocks(blocks, variables, n_samples, n_outputs, dtype):
             size = size_of(variables[i])
             parts.append(tf.zeros([n_samples, n_outputs, size], dtype))
             i += 1
+    if not parts:
+        return tf.zeros([n_samples, n_outputs, 0], dtype)
     return parts[0] if len(parts) == 1 else tf.concat(parts, axis=2)
 
 

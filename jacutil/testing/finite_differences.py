@@ -8,8 +8,8 @@ of 1e-6) and, at the best step, by about eps**(2/3) - which proves nothing
 
 import numpy as np
 
-from .core.batch import as_batch
-from .core.target import resolve_target
+from ..core.batch import as_batch
+from ..core.target import resolve_target
 
 
 def finite_difference_jacobian(model, x, *, variables=None, training=False, step=1e-6):

@@ -1,0 +1,264 @@
+"""Check one layer's rule alone against autodiff, in random directions.
+
+:func:`check_rule` builds the layer in float64 on a few seeded random
+samples, runs its rule forward and backward as the engine does, and
+compares, each sample on its own:
+
+- ``forward``: the rule's output with the layer's own call;
+- ``vjp``: the blocks contracted with a random weighting of the outputs,
+  ``w_i @ J_i`` (m,), with the tape's gradient of ``sum(w_i * y_i)``;
+- ``jvp``: the blocks times a random parameter direction, ``J_i @ u`` (l,),
+  with forward mode (``tf.autodiff.ForwardAccumulator``);
+- ``signal``: the signal below, contracted both ways, with the tape's input
+  gradient and forward mode in a random input direction;
+- ``columns``: the blocks asked for one variable at a time and in reverse
+  order, placed by the engine, with the same columns of ``J``.
+
+A wrong shape is caught before any number: the rule's final ``backward``
+raises :class:`jacutil.rules.RuleContractError` (reported as ``contract``).
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..core._tf import keras, tf
+from ..core.target import watched
+from ..rules.engine import place_blocks, signal_for
+from ..rules.registry import RULES, NoRule, RuleContractError, Wanted, size_of
+
+
+@dataclass
+class RuleReport:
+    """What :func:`check_rule` measured.
+
+    ``errors``: each check's largest difference, relative to the largest
+    reference value (or absolute below 1); ``problem``: a contract error or
+    a refused layer, when the rule could not be run.
+    """
+
+    rule: str
+    layer: str
+    tolerance: float
+    errors: dict = field(default_factory=dict)
+    problem: str | None = None
+
+    @property
+    def failures(self):
+        """``[(check, error)]`` over the tolerance."""
+        return [(k, e) for k, e in self.errors.items() if not e <= self.tolerance]
+
+    @property
+    def passed(self):
+        return self.problem is None and not self.failures
+
+    def line(self):
+        """One line: ok/FAIL, the layer, its rule and every check's error."""
+        if self.problem is not None:
+            found = self.problem
+        else:
+            found = "  ".join(f"{k} {e:.1e}" for k, e in self.errors.items())
+        return f"{'ok  ' if self.passed else 'FAIL'} {self.layer}: {self.rule}  {found}"
+
+    def why(self):
+        """The failure in words, or "" when it passed."""
+        if self.problem is not None:
+            return f"rule {self.rule} on {self.layer}: {self.problem}"
+        return "; ".join(
+            f"rule {self.rule} on {self.layer}: {check} off by {error:.3g} "
+            f"(tolerance {self.tolerance:g})"
+            for check, error in self.failures
+        )
+
+
+def check_rule(
+    layer,
+    rule=None,
+    *,
+    input_shape,
+    input_dtype="float64",
+    n_samples=3,
+    seed=0,
+    tolerance=1e-8,
+    raise_on_failure=True,
+):
+    """Check ``layer``'s rule alone against autodiff (see the module's checks).
+
+    Args:
+        layer: a Keras layer. A float64 one that is not built is built here on
+            ``input_shape`` and its weights moved at random (seeded); another
+            dtype is copied in float64 from its config first.
+        rule: the rule class to check; by default the one registered for
+            ``type(layer)``.
+        input_shape: one sample's input shape, without the samples axis.
+        input_dtype: ``"float64"``, or an integer dtype for ids (then ids in
+            ``range(layer.input_dim)``, and no signal below is checked).
+        n_samples: n, the samples checked (each also alone by the tape).
+        seed: seeds the weights' moves, the inputs and the directions.
+        tolerance: the largest relative error that passes.
+        raise_on_failure: raise AssertionError on a failure (else return the
+            report).
+
+    Returns:
+        A :class:`RuleReport`: per check, the largest relative error of the
+        rule's (n, l, m) blocks and (n, l, *input_shape) signal against
+        autodiff (l = the layer's outputs per sample, m its parameters).
+
+    Raises:
+        AssertionError: a check failed, with which and by how much.
+        LookupError: no rule is registered for the layer's type.
+    """
+    rule = rule or RULES.get(type(layer))
+    if rule is None:
+        raise LookupError(f"no rule registered for {type(layer).__name__}")
+    rng = np.random.default_rng(seed)
+    layer = _float64_layer(layer, input_shape, input_dtype, rng)
+    label = f"{type(layer).__name__} on {tuple(input_shape)}"
+    report = RuleReport(getattr(rule, "name", rule.__name__), label, tolerance)
+    try:
+        step = rule(layer)
+        report.rule = step.describe()
+        _run_checks(step, layer, _inputs(layer, input_shape, input_dtype, n_samples,
+                                         rng), rng, report.errors)  # fmt: skip
+    except (NoRule, RuleContractError) as error:
+        report.problem = f"{type(error).__name__}: {error}"
+    if raise_on_failure and not report.passed:
+        raise AssertionError(report.why())
+    return report
+
+
+def _float64_layer(layer, input_shape, input_dtype, rng):
+    """``layer`` (or its float64 copy), built on ``input_shape``."""
+    if layer.compute_dtype != "float64":
+        if layer.built:
+            raise TypeError(
+                f"layer {layer.name!r} is built in {layer.compute_dtype}: pass an "
+                "unbuilt layer (it is copied in float64) or a float64 one"
+            )
+        try:
+            layer = type(layer).from_config({**layer.get_config(), "dtype": "float64"})
+        except Exception as error:  # a layer whose config does not rebuild it
+            raise TypeError(
+                f"layer {layer.name!r} computes in {layer.compute_dtype} and "
+                f"cannot be copied in float64 ({error}): pass a float64 layer"
+            ) from None
+    if not layer.built:
+        layer(keras.Input(shape=tuple(input_shape), dtype=input_dtype))
+        for v in layer.weights:  # away from zeros and ones, variances positive
+            if not tf.as_dtype(v.dtype).is_floating:
+                continue
+            moved = v.numpy() + 0.3 * rng.standard_normal(v.shape)
+            if "variance" in v.path:
+                moved = np.abs(moved) + 0.1
+            v.assign(moved)
+    return layer
+
+
+def _inputs(layer, input_shape, input_dtype, n_samples, rng):
+    shape = (n_samples, *input_shape)
+    if tf.as_dtype(input_dtype).is_integer:
+        ids = rng.integers(0, getattr(layer, "input_dim", 2), shape)
+        return tf.constant(ids, input_dtype)
+    return tf.constant(rng.standard_normal(shape), input_dtype)
+
+
+def _relative(hand, reference):
+    hand, reference = np.asarray(hand), np.asarray(reference)
+    if hand.shape != reference.shape:
+        return np.inf
+    if hand.size == 0:
+        return 0.0
+    scale = max(1.0, float(np.abs(reference).max()))
+    return float(np.abs(hand - reference).max()) / scale
+
+
+def _run_checks(step, layer, x, rng, errors):
+    n = int(x.shape[0])
+    floating = x.dtype.is_floating
+    variables = list(step.variables)
+    y, saved = step.forward(x)
+    expected = layer(x, training=False)
+    errors["forward"] = _relative(y, expected)
+    n_outputs = int(np.prod(expected.shape[1:], dtype=np.int64))
+    identity = tf.reshape(
+        tf.eye(n_outputs, dtype=tf.float64), [1, n_outputs, *expected.shape[1:]]
+    )
+
+    def jacobian(order, wanted):
+        wanted = Wanted(wanted)
+        delta = signal_for(step, identity, wanted, n)
+        blocks, below = step.backward(saved, delta, wanted, floating)
+        J = place_blocks(blocks, order, n, n_outputs, tf.float64).numpy()
+        if below is not None:
+            below = np.broadcast_to(below.numpy(), (n, n_outputs, *x.shape[1:]))
+        return J, below
+
+    J, below = jacobian(variables, variables)  # (n, l, m), (n, l, *input_shape)
+    _, alone = jacobian(variables, [])  # the signal as the layers above ask it
+
+    # vjp: w_i @ J_i against the tape, each sample alone
+    w = rng.standard_normal((n, n_outputs))
+    tape_params, tape_input = [], []
+    for i in range(n):
+        x_i = x[i : i + 1]
+        with tf.GradientTape() as tape:
+            if floating:
+                tape.watch(x_i)
+            tape.watch([watched(v) for v in variables])
+            score = tf.reduce_sum(w[i] * tf.reshape(layer(x_i, training=False), [-1]))
+        sources = [watched(v) for v in variables] + ([x_i] if floating else [])
+        grads = tape.gradient(score, sources)
+        grads = [np.zeros(s.shape) if g is None else tf.convert_to_tensor(g).numpy()
+                 for g, s in zip(grads, sources, strict=True)]  # fmt: skip
+        tape_params.append(np.concatenate([[]] + [np.ravel(g) for g in grads[
+            : len(variables)]]))  # fmt: skip
+        if floating:
+            tape_input.append(grads[-1][0])
+    errors["vjp"] = _relative(np.einsum("nlm,nl->nm", J, w), np.stack(tape_params))
+
+    # jvp: J_i @ u against forward mode
+    if variables:
+        u = rng.standard_normal(J.shape[2])
+        tangents = np.split(u, np.cumsum([size_of(v) for v in variables])[:-1])
+        with tf.autodiff.ForwardAccumulator(
+            [watched(v) for v in variables],
+            [tf.constant(t.reshape(v.shape)) for t, v in zip(tangents, variables,
+                                                             strict=True)],
+        ) as accumulator:  # fmt: skip
+            out = layer(x, training=False)
+        forward = tf.reshape(accumulator.jvp(out), [n, n_outputs]).numpy()
+        errors["jvp"] = _relative(np.einsum("nlm,m->nl", J, u), forward)
+
+    # the signal below: both contractions, both ways of asking
+    if floating:
+        t = tf.constant(rng.standard_normal(x.shape))
+        with tf.autodiff.ForwardAccumulator(x, t) as accumulator:
+            out = layer(x, training=False)
+        forward = tf.reshape(accumulator.jvp(out), [n, n_outputs]).numpy()
+        reference = np.stack(tape_input)
+        errors["signal"] = max(
+            _relative(np.einsum("nl...,nl->n...", signal, w), reference)
+            if signal is not None else np.inf
+            for signal in (below, alone)
+        )  # fmt: skip
+        input_axes = "".join("abcdefg"[: len(x.shape) - 1])
+        errors["signal"] = max(
+            errors["signal"],
+            _relative(np.einsum(f"nl{input_axes},n{input_axes}->nl", below, t),
+                      forward),
+        )  # fmt: skip
+
+    # columns: one variable at a time, and in reverse order
+    if len(variables) > 1:
+        where = np.cumsum([0] + [size_of(v) for v in variables])
+        columns = {id(v): J[:, :, where[k] : where[k + 1]]
+                   for k, v in enumerate(variables)}  # fmt: skip
+        worst = 0.0
+        backwards = variables[::-1]
+        placed, _ = jacobian(backwards, variables)
+        expected = np.concatenate([columns[id(v)] for v in backwards], 2)
+        worst = max(worst, _relative(placed, expected))
+        for v in variables:
+            placed, _ = jacobian([v], [v])
+            worst = max(worst, _relative(placed, columns[id(v)]))
+        errors["columns"] = worst
