@@ -12,7 +12,8 @@ import numpy as np
 
 from .. import peers
 from ..auto import jacobian
-from ..rules.dense_jacobian import compiled_dense_jacobian, dense_chain
+from ..core.target import resolve_target
+from ..rules.dense_jacobian import compiled_dense_jacobian, dense_plan
 from ..stages.chunked import chunked_jacobian
 from ..stages.compiled import compiled_jacobian
 from ..stages.loop import loop_jacobian
@@ -52,7 +53,7 @@ def _view(jac):
 
 def _dense_chain(model):
     """Whether the hand-derived path applies (elsewhere it falls back)."""
-    return dense_chain(model)[0] is not None
+    return dense_plan(model, resolve_target(model))[0] is not None
 
 
 PATHS = {

@@ -3,7 +3,9 @@
 import numpy as np
 
 from ..core._tf import tf
-from ..rules.dense_jacobian import compiled_dense_jacobian, dense_blocks
+from ..core.target import resolve_target
+from ..rules import plan_for
+from ..rules.dense_jacobian import compiled_dense_jacobian
 from .floor import fill_floor, preallocated, write_floor
 from .runner import _times
 
@@ -13,12 +15,34 @@ def _median_seconds(piece, repeats):
     return float(np.median(_times(lambda _: piece(), None, repeats)))
 
 
+def _layer_blocks(model, x):
+    """``blocks(x)``: each Dense layer's column block on its own, not joined.
+
+    One plan per layer (its kernel and bias, one block) and no ``tf.concat``;
+    each plan repeats the forward pass and the signals above its layer (small
+    next to the blocks).
+    """
+    plans = []
+    for layer in model.layers:
+        if layer.trainable_variables:
+            target = resolve_target(model, layer.trainable_variables)
+            plan, reason = plan_for(model, target.variables)
+            reason = reason or plan.check(target, x)
+            if reason is not None:
+                raise ValueError(f"no rules for layer {layer.name!r}: {reason}.")
+            plans.append(plan)
+    spec = [tf.TensorSpec([None, x.shape[1]], x.dtype)]
+    return tf.function(
+        lambda x: [plan.tensor(x) for plan in plans], input_signature=spec
+    )
+
+
 def profile_dense(model, x, repeats=5):
     """Where the hand-derived path's time goes at one n: ``{piece: seconds}``.
 
     Each piece includes the ones before it: the forward pass alone, the
-    column blocks (not joined), the joined tensor, ``jac(x)`` (a NumPy view
-    of it), ``jac(x, copy=True)``; and both floors.
+    column blocks (one plan per layer, not joined), the joined tensor,
+    ``jac(x)`` (a NumPy view of it), ``jac(x, copy=True)``; and both floors.
     """
     jac = compiled_dense_jacobian(model)
     if jac.fallback:
@@ -26,10 +50,7 @@ def profile_dense(model, x, repeats=5):
     x_tensor = tf.constant(x)
     spec = [tf.TensorSpec([None, x.shape[1]], x_tensor.dtype)]
     forward = tf.function(lambda x: model(x, training=False), input_signature=spec)
-    blocks = tf.function(
-        lambda x: dense_blocks(jac.chain, jac.target.variables, x),
-        input_signature=spec,
-    )
+    blocks = _layer_blocks(model, x_tensor)
     shape = (len(x), int(model.outputs[0].shape[-1]), jac.target.n_params)
     out = preallocated(shape)
     pieces = {
