@@ -27,7 +27,8 @@ def dense_plan(model, target):
         return None, reason
     for step in plan.steps:
         if not isinstance(step, DenseRule):
-            return None, f"layer {step.layer.name!r} is a {type(step.layer).__name__}"
+            kind = type(step.layer).__name__
+            return None, f"layer {step.layer.name!r} is a {kind}, not a Dense"
     try:
         flat = len(model.inputs) == 1 and len(model.inputs[0].shape) == 2
     except (AttributeError, ValueError):

@@ -38,7 +38,6 @@ from IPython.display import Markdown, display
 import jacutil as ju
 from jacutil import bench, keras
 from jacutil.bench.skipping import format_seconds
-from jacutil.rules.dense_jacobian import dense_blocks
 from jacutil.teaching import check
 
 # %%
@@ -73,15 +72,39 @@ seed = 0
 # back-propagated signal: the per-example-gradient trick (Goodfellow 2015,
 # BackPACK). Append a column of ones to the input and one outer product gives
 # the kernel's columns followed by the bias's, in `flat_params` order.
+#
+# This derivation is written once in `jacutil`: the **Dense rule**. Its
+# forward step computes the layer and keeps what the backward step needs,
+# the input $a$ and the slope $\sigma'(z)$:
 
 # %%
-ju.teaching.notebook.show_source(dense_blocks)
+ju.teaching.notebook.show_source(ju.rules.dense.DenseRule._forward)
 
 # %% [markdown]
-# `compiled_dense_jacobian(model)` wraps this in a `tf.function` with a `None`
-# batch dimension. For any model that is not a chain of Dense layers with
-# relu, tanh, sigmoid or linear activations it falls back to the autodiff
-# per-sample stage, and says why.
+# Its backward step multiplies the signal by the slope, writes the layer's
+# block of columns (`kernel_and_bias` appends the column of ones), and
+# passes $\delta W^\top$ to the layer below:
+
+# %%
+ju.teaching.notebook.show_source(ju.rules.dense.DenseRule._backward)
+
+# %% [markdown]
+# The outer product itself, for every sample and output at once: a batch of
+# $(p, 1) \times (1, q)$ matrix products, which write the block faster on a
+# CPU than a broadcast multiply.
+
+# %%
+ju.teaching.notebook.show_source(ju.rules.blocks.outer_blocks)
+
+# %% [markdown]
+# `compiled_dense_jacobian(model)` is the layer rules of `jacutil.rules`
+# (more below) restricted to Dense: it runs when every layer of a chain
+# gets the Dense rule and the input is one flat (n_samples, n_features)
+# array, in a `tf.function` with a `None` batch dimension. One copy of the
+# formulas serves both. On the first batch of each input shape it checks the
+# rule against autodiff on up to 8 samples spread over the batch. Any other
+# model, or one that fails the check, gets the autodiff per-sample stage,
+# and `jac.fallback` says why.
 
 # %% [markdown]
 # ## Is it right?
@@ -142,7 +165,7 @@ print("fallback:", jac_conv.fallback)
 # through by autodiff. Here is the convolution's backward step:
 
 # %%
-ju.teaching.notebook.show_source(ju.rules.conv.ConvRule.backward)
+ju.teaching.notebook.show_source(ju.rules.conv.ConvRule._backward)
 
 # %% [markdown]
 # `compiled_jacobian(model, method="rules")` runs them, and says which rule
@@ -362,7 +385,8 @@ print(f"the result at n = {largest:,}: {size / 1e6:,.0f} MB of float32")
 # %% [markdown]
 # The pieces: the forward pass and the back-propagated signals (tiny
 # matrices); the **outer products**, which write the column blocks, n · l · m
-# numbers (the size printed above) in all; `tf.concat`, which joins the
+# numbers (the size printed above) in all (timed here one layer at a time,
+# each from its own plan, so nothing joins them); `tf.concat`, which joins the
 # blocks into one tensor, writing every number a second time; and the NumPy
 # view that `jac(x)` returns. `.numpy()` or `jac(x, copy=True)` would copy it
 # a third time: `jac(x)` hands back a read-only view of TensorFlow's buffer
@@ -430,14 +454,15 @@ print(f"Finding: the same fill on a new array, once and then 10 times more: "
 # | job | use | why |
 # |---|---|---|
 # | any model | `jacutil.jacobian` | picks the rules, the compiled stage or chunks, and says which |
-# | a chain of Dense layers, any n | `compiled_dense_jacobian` | no tape; among the fastest paths |
+# | a chain of Dense layers, any n | `compiled_dense_jacobian` | the Dense rule, no tape; among the fastest paths |
 # | a chain of known layers | `compiled_jacobian(method="rules")` | a rule per layer, no tape over the model |
 # | any other model, fits in memory | `compiled_jacobian` | autodiff `vectorized_map`, linear in n |
 # | any model, larger than memory | `chunked_jacobian(..., out=memmap)` | bounded memory, the compiled stage chunk by chunk |
 # | one small batch, once | `per_sample_jacobian` | no compile to wait for |
 # | never | `loop_jacobian`, `vectorized_jacobian` for large n | overhead per pass; n² memory |
 #
-# XLA (`jit_compile=True`) pays a compile per new n, and on this small
+# XLA (`jit_compile=True`) pays a compile per padded batch size (a power of
+# two, up to `block_size`), and on this small
 # network on a CPU it is no reliable gain over the plain `tf.function`: the
 # XLA findings above say, size by size, where it won and where it lost in
 # this run. Measure before you switch it on.
