@@ -311,7 +311,8 @@ class Rule(abc.ABC):
 
     def _check_blocks(self, blocks, signal, wanted):
         ours = {id(v) for v in self.variables}
-        n_samples = self.input_shape[0] if self.input_shape is not None else None
+        seen_shape = getattr(self, "input_shape", None)
+        n_samples = seen_shape[0] if seen_shape is not None else None
         n_outputs = signal.shape[1] if tf.TensorShape(signal.shape).rank else None
         seen = set()
         for variables, block in blocks.items():
@@ -332,10 +333,10 @@ class Rule(abc.ABC):
                 )
 
     def _check_below(self, below, signal):
-        if self.input_shape is None:
+        if getattr(self, "input_shape", None) is None:
             return
         if below is None:
-            if self.input_dtype is not None and self.input_dtype.is_floating:
+            if self.input_dtype.is_floating:
                 raise self._broken("no signal below, though it was asked for")
             return
         rows = below.shape[0] if below.shape.rank else None

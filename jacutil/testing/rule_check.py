@@ -15,7 +15,7 @@ compares, each sample on its own:
   order, placed by the engine, with the same columns of ``J``.
 
 A wrong shape is caught before any number: the rule's final ``backward``
-raises :class:`jacutil.rules.RuleContractError` (reported as ``contract``).
+raises :class:`jacutil.rules.RuleContractError` (the report's ``problem``).
 """
 
 from dataclasses import dataclass, field
