@@ -21,6 +21,7 @@ the same model traces nothing. ``explain=True`` returns the choice and why.
 import os
 from dataclasses import dataclass, field
 
+from .core._shared import ceil_div
 from .core.batch import as_batch, n_samples
 from .core.cache import compiled_for, forward_for
 from .core.formulation import ForwardModeBlindSpot
@@ -196,7 +197,7 @@ def jacobian(
         if forward
         else jac.formulation or "",
         layers=jac.plan.layers() if on_rules else [],
-        chunks=-(-rows // chunk_size),
+        chunks=ceil_div(rows, chunk_size),
         chunk_size=chunk_size,
         working_bytes=working,
         budget_bytes=budget,

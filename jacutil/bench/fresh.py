@@ -11,7 +11,7 @@ import json
 import subprocess
 import sys
 
-from .. import memory
+from ..core import memory
 from .paths import MODELS, PATHS
 
 

@@ -34,7 +34,8 @@ import functools
 import logging
 import warnings
 
-from .. import gradients  # noqa: F401 (registers gradients TF lacks)
+import jacutil.core._gradients  # noqa: F401 (registers gradients TF lacks)
+
 from ..stages.vectorized import batch_tape_jacobian, per_sample_tape_jacobian
 from ._tf import keras, tf
 from .batch import n_samples, pad_with_last

@@ -9,6 +9,7 @@ order.
 
 import numpy as np
 
+from ._shared import size_of
 from ._tf import tf
 from .batch import as_batch
 from .outputs import output_layout
@@ -84,6 +85,6 @@ def set_flat_params(model, theta, *, variables=None):
         )
     start = 0
     for v in target.variables:
-        size = int(np.prod(v.shape, dtype=np.int64))
+        size = size_of(v)
         v.assign(theta[start : start + size].reshape(v.shape).astype(target.dtype))
         start += size

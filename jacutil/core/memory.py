@@ -221,14 +221,16 @@ def _sweep(method, sizes, n_samples=None, model_name="question_mlp"):
 
     import jacutil as ju
 
+    from ._shared import count_params, size_of
+
     build, data = (getattr(ju.teaching.models, f) for f in SWEEP_MODELS[model_name])
     model = build()
     largest = n_samples or max(sizes)
     x = data(largest)
     x = x[0] if isinstance(x, tuple) else x
     if method == "chunked":
-        n_outputs = int(np.prod(model(x[:1]).shape[1:]))
-        n_params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+        n_outputs = size_of(model(x[:1]).shape[1:])
+        n_params = count_params(model.trainable_variables)
         shape = (largest, n_outputs, n_params)
         folder = tempfile.TemporaryDirectory()
         out = np.lib.format.open_memmap(

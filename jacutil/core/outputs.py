@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._shared import count_params, sizes_of
 from ._tf import tf
 from .batch import n_samples, signature_key, take
 from .guards import JacobianError
@@ -25,7 +26,7 @@ class OutputLayout:
 
     def slices(self):
         """One ``slice`` of a sample's row per output leaf, in flatten order."""
-        sizes = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
+        sizes = sizes_of(self.shapes)
         ends = np.cumsum(sizes)
         return [slice(int(e - s), int(e)) for s, e in zip(sizes, ends, strict=True)]
 
@@ -93,6 +94,6 @@ def output_layout(target, x):
             tuple(tf.convert_to_tensor(t).shape[1:]) for t in tf.nest.flatten(y)
         )
         structure = tf.nest.pack_sequence_as(y, list(range(len(shapes))))
-        n_outputs = int(sum(np.prod(s, dtype=np.int64) for s in shapes))
+        n_outputs = count_params(shapes)
         target.layouts[key] = OutputLayout(structure, shapes, n_outputs)
     return target.layouts[key]

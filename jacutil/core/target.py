@@ -16,6 +16,7 @@ from typing import Callable
 import numpy as np
 
 from ._grouped import convolutions_by_group
+from ._shared import count_params, size_of
 from ._tf import keras, tf
 from .batch import n_samples, take
 from .guards import check_training_mode, require_connected
@@ -41,7 +42,7 @@ class Target:
 
     @property
     def n_params(self):
-        return sum(_size(v) for v in self.variables)
+        return count_params(self.variables)
 
     def forward(self, x):
         """The outputs of batch ``x`` as rows: (n_samples, n_outputs)."""
@@ -56,10 +57,6 @@ class Target:
 def watched(variable):
     """What a tape or an accumulator watches: a ``keras.Variable``'s ``tf.Variable``."""
     return variable.value if isinstance(variable, keras.Variable) else variable
-
-
-def _size(variable):
-    return int(np.prod(variable.shape, dtype=np.int64))
 
 
 def _is_variable(value):
@@ -279,8 +276,8 @@ def stack_columns(jacobians, variables, n_rows):
     blocks = []
     for j, v in zip(jacobians, variables, strict=True):
         if j is None:
-            j = tf.zeros([n_rows, n_outputs, _size(v)], template.dtype)
+            j = tf.zeros([n_rows, n_outputs, size_of(v)], template.dtype)
         elif isinstance(j, tf.IndexedSlices):  # an Embedding's gradient
             j = tf.convert_to_tensor(j)
-        blocks.append(tf.reshape(j, [n_rows, n_outputs, _size(v)]))
+        blocks.append(tf.reshape(j, [n_rows, n_outputs, size_of(v)]))
     return tf.concat(blocks, axis=2)

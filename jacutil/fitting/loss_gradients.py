@@ -16,6 +16,7 @@ kernel's per-sample gradient is the outer product ``a delta^T``, whose norm is
 
 import numpy as np
 
+from ..core._shared import joined_gradients, sizes_of
 from ..core._tf import tf
 from ..core.batch import as_batch, n_samples, pad_with_last
 from ..core.cache import compiled_for
@@ -103,7 +104,7 @@ def _autodiff_gradients(target, x, y, loss_fn, vectorize=True, xla=False):
     """(n, m) by one gradient per sample, vectorized over samples (or, with
     ``vectorize=False``, one after another in ``tf.map_fn``)."""
     tracked = [watched(v) for v in target.variables]
-    sizes = [int(np.prod(v.shape, dtype=np.int64)) for v in target.variables]
+    sizes = sizes_of(target.variables)
 
     def one(row):
         x_i, y_i = row
@@ -112,13 +113,7 @@ def _autodiff_gradients(target, x, y, loss_fn, vectorize=True, xla=False):
             tape.watch(tracked)
             loss = tf.reduce_sum(_losses(loss_fn, y_i[None], target.call(x_i), 1))
         grads = tape.gradient(loss, tracked)
-        return tf.concat(
-            [
-                tf.zeros([size], loss.dtype) if g is None else tf.reshape(g, [-1])
-                for g, size in zip(grads, sizes, strict=True)
-            ],
-            0,
-        )
+        return joined_gradients(grads, sizes, loss.dtype)
 
     if not vectorize:
         signature = tf.TensorSpec([sum(sizes)], target.dtype)

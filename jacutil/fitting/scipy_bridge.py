@@ -8,6 +8,7 @@ Jacobian that every stage returns, so no transpose is needed.
 
 import numpy as np
 
+from ..core._shared import ceil_div, size_of
 from ..core._tf import tf
 from ..core.batch import as_batch, n_samples, take
 from ..core.cache import compiled_for
@@ -191,7 +192,7 @@ class LeastSquaresProblem:
 
     @property
     def n_chunks(self):
-        return -(-self.n_samples // self.chunk_size)
+        return ceil_div(self.n_samples, self.chunk_size)
 
     def chunk_normal_equations(self, k):
         """``J_k.T @ J_k`` and ``J_k.T @ r_k`` of chunk ``k`` at the model's weights."""
@@ -213,7 +214,7 @@ class _Pin:
         self.variables = list(variables)
         self.parts, start = [], 0
         for v in self.variables:
-            size = int(np.prod(v.shape, dtype=np.int64))
+            size = size_of(v)
             part = np.asarray(theta[start : start + size]).reshape(tuple(v.shape))
             self.parts.append(part.astype(dtype))  # a copy: theta may change
             start += size

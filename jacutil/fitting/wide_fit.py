@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from .. import memory
+from ..core import memory
 from ..core._tf import keras, tf
 from ..teaching.models import question_mlp, regression_data
 from .scipy_bridge import least_squares_problem

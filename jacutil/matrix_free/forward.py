@@ -11,6 +11,7 @@ physical model fitted to long signals.
 
 import numpy as np
 
+from ..core._shared import or_zeros, sizes_of
 from ..core._tf import tf
 from ..core.batch import as_batch, n_samples, signature, signature_key
 from ..core.formulation import (
@@ -46,7 +47,7 @@ class ForwardJacobian:
         self.trace_count += 1
         variables = self.target.variables
         tracked = [watched(v) for v in variables]
-        sizes = [int(np.prod(v.shape, dtype=np.int64)) for v in variables]
+        sizes = sizes_of(variables)
 
         def along(tangent):
             parts = tf.split(tangent, sizes)
@@ -57,8 +58,7 @@ class ForwardJacobian:
                 with tf.autodiff.ForwardAccumulator(tracked, shaped) as accumulator:
                     y = self.target.forward(x)
             refuse_hidden_reads(created, tracked)
-            column = accumulator.jvp(y)
-            return tf.zeros_like(y) if column is None else column
+            return or_zeros(accumulator.jvp(y), y)
 
         with unrolled(recurrent_layers(self.target)):
             columns = tf.vectorized_map(along, tangents)  # (c, n, l)

@@ -20,7 +20,8 @@ import contextlib
 
 import numpy as np
 
-from .. import cache
+from ..core import cache
+from ..core._shared import joined_gradients, or_zeros, sizes_of
 from ..core._tf import tf
 from ..core.batch import as_batch, n_samples, signature, signature_key, take
 from ..core.formulation import (
@@ -34,10 +35,6 @@ from ..core.formulation import (
 )
 from ..core.outputs import output_layout
 from ..core.target import resolve_target, variable_list, watched
-
-
-def _sizes(variables):
-    return [int(np.prod(v.shape, dtype=np.int64)) for v in variables]
 
 
 class Products:
@@ -86,7 +83,7 @@ class Products:
     # -- the products -------------------------------------------------------
 
     def _split(self, v):
-        parts = tf.split(v, _sizes(self.variables))
+        parts = tf.split(v, sizes_of(self.variables))
         return [tf.reshape(p, s) for p, s in zip(parts, self.shapes, strict=True)]
 
     @contextlib.contextmanager
@@ -104,8 +101,7 @@ class Products:
             with tf.autodiff.ForwardAccumulator(tracked, self._split(v)) as accumulator:
                 y = self.target.forward(x)
         refuse_hidden_reads(created, tracked)
-        tangent = accumulator.jvp(y)
-        return tf.zeros_like(y) if tangent is None else tangent
+        return or_zeros(accumulator.jvp(y), y)
 
     def _jvp_double_backward(self, x, v):
         """``J @ v`` by reverse mode twice: ``d/du (J.T u) . v`` at any u."""
@@ -125,8 +121,7 @@ class Products:
             ]
             score = tf.add_n(terms) if terms else tf.zeros([], y.dtype)
         refuse_shape_preserving_max_pools(created)
-        tangent = outer.gradient(score, u)
-        return tf.zeros_like(y) if tangent is None else tangent
+        return or_zeros(outer.gradient(score, u), y)
 
     def _vjp(self, x, u):
         self.trace_count += 1
@@ -135,13 +130,7 @@ class Products:
             tape.watch(tracked)
             y = self.target.forward(x)
         grads = tape.gradient(y, tracked, output_gradients=u)
-        flat = [
-            tf.zeros([size], y.dtype)
-            if g is None
-            else tf.reshape(tf.convert_to_tensor(g), [-1])
-            for g, size in zip(grads, _sizes(self.variables), strict=True)
-        ]
-        return tf.concat(flat, 0)
+        return joined_gradients(grads, sizes_of(self.variables), y.dtype)
 
     def _function(self, kind, x):
         key = (kind, signature_key(x))

@@ -34,8 +34,11 @@ def loop_jacobian(model, x, *, variables=None, training=False, progress=False):
             if k == 0 or not shared:
                 tape, y = _record(target, take(x, i, i + 1), persistent=shared)
             grads = tape.gradient(y[k], target.variables)
-            grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
-            grads = [None if g is None else g[None, None] for g in grads]
+            # None (not connected) stays None: stack_columns makes its zeros
+            grads = [
+                None if g is None else tf.convert_to_tensor(g)[None, None]
+                for g in grads
+            ]
             J[i, k] = stack_columns(grads, target.variables, 1)[0, 0]
     return J
 

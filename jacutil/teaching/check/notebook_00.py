@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from ...core._shared import sizes_of
 from . import Hint, as_array, as_number, checks, close_array, close_number
 
 
@@ -45,7 +46,7 @@ def columns_of_a_frozen_layer(answer):
 
     fewer = as_number(answer, "how many columns J loses")
     first = small_cnn().layers[0]
-    kernel, bias = (int(np.prod(v.shape)) for v in first.trainable_variables)
+    kernel, bias = sizes_of(first.trainable_variables)
     if fewer == kernel:
         raise Hint("that is the kernel alone: the layer's biases are frozen too.")
     if fewer == bias:

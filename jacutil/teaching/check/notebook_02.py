@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from ...core._shared import sizes_of
 from . import Hint, answered, as_array, as_number, checks, close_array
 
 BUDGET_GIB = 8
@@ -65,7 +66,7 @@ def columns_of_the_last_layer(answer, model, x):
 
     full = loop_jacobian(model, x).astype("float64")
     last = model.layers[-1].trainable_variables
-    sizes = [int(np.prod(v.shape)) for v in last]
+    sizes = sizes_of(last)
     n, n_out, m = full.shape
     count = sum(sizes)
     answered(answer, "the Jacobian with respect to the last layer's variables")

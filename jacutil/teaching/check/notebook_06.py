@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from ...core._shared import count_params
 from . import Hint, answered, as_array, checks
 
 
@@ -79,8 +80,8 @@ def frozen_batch_norm(answer, model, x):
     # same map as inference mode, where the loop is the reference.
     expected = loop_jacobian(model, x, variables=variables, training=False)
     n, n_out, m = expected.shape
-    scale_and_shift = sum(int(np.prod(v.shape)) for la in norms
-                          for v in (la.gamma, la.beta) if v is not None)
+    scale_and_shift = count_params(v for la in norms
+                                   for v in (la.gamma, la.beta) if v is not None)
     shape = np.shape(answer)
     if shape == (n, n_out, m + scale_and_shift):
         raise Hint("J has columns for the normalization's gamma and beta: "
