@@ -178,11 +178,11 @@ def test_zoo_rebuilt_from_what_workers_receive(name):
     from jacutil.scale import distributed
 
     def rows(model, x):
-        distributed._check_sendable(model)
-        distributed._rebuilt.clear()
+        distributed.check_sendable(model)
+        distributed.forget_models()
         spec = distributed.model_spec(model, x)
         options = {"training": False, "jit_compile": False, "method": "rules"}
-        return distributed._rows_task(spec, distributed._as_numpy(x), options)
+        return distributed.rows_task(spec, distributed.as_numpy(x), options)
 
     _zoo_rows(name, rows)
 

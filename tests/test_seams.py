@@ -231,7 +231,7 @@ def test_item05_a_second_writer_is_refused(tmp_path):
 
 def test_item06_a_worker_that_sees_another_file_fails(tmp_path):
     """A worker's own copy of ``out`` (node-local scratch) is not the run's."""
-    from jacutil.scale.distributed import _rows_task, model_spec
+    from jacutil.scale.distributed import model_spec, rows_task
     from jacutil.scale.resume import RunFileError
 
     model, x = _mlp_run(40)
@@ -244,7 +244,7 @@ def test_item06_a_worker_that_sees_another_file_fails(tmp_path):
     spec = model_spec(model, x)
     options = {"training": False, "jit_compile": False, "method": "rules"}
     with pytest.raises(RunFileError, match="shared file system"):
-        _rows_task(spec, x[:10], options, str(other), 0, token)
+        rows_task(spec, x[:10], options, str(other), 0, token)
     assert not np.load(other).any()
 
 

@@ -13,7 +13,7 @@ from functools import partial
 
 import numpy as np
 
-from .. import memory
+from ..core import memory
 from .floor import FLOOR, FLOOR_NEW, LABELS, fill_floor, preallocated, write_floor
 from .fresh import measure_in_fresh_process
 from .machine import machine_summary
@@ -45,7 +45,17 @@ def _first_call(jac, x, watch_memory):
     return J, time.perf_counter() - start, None
 
 
-def _times(jac, x, repeats):
+def repeat_times(jac, x, repeats):
+    """Wall-clock seconds of ``repeats`` calls ``jac(x)``, one after another.
+
+    Args:
+        jac: a callable (a Jacobian path, or any piece to time).
+        x: its argument.
+        repeats: how many timed calls.
+
+    Returns:
+        A list of ``repeats`` floats, in call order.
+    """
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -54,13 +64,16 @@ def _times(jac, x, repeats):
     return times
 
 
+_times = repeat_times  # bench/profile.py's name, until it imports repeat_times
+
+
 def _timed(name, n, function, argument, repeats, watch_memory, check=None):
     """The :class:`Result` of ``function(argument)``; ``check(first value)``
     runs between the first call and the timed ones."""
     value, first, peak = _first_call(function, argument, watch_memory)
     if check is not None:
         check(value)
-    times = _times(function, argument, repeats)
+    times = repeat_times(function, argument, repeats)
     return Result(name, n, first, times, float(np.median(times)), peak)
 
 

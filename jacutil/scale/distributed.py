@@ -17,18 +17,25 @@ worker sees at the same path; a worker that sees another file there fails
 (``jacutil.scale.resume.RunFileError``).
 """
 
-import os
-
 import numpy as np
 from tqdm.auto import tqdm
 
+from ..core._shared import ceil_div, is_path
 from ..core._tf import keras, tf
 from ..core.batch import as_batch, n_samples, take
 from ..core.cache import compiled_for
 from ..core.outputs import output_layout
 from ..fitting.scipy_bridge import LeastSquaresProblem
-from ..stages.chunked import check_out, chunked_jacobian, run_record
-from .resume import check_run_file, fingerprint, open_rows, write_rows, writer_lock
+from ..stages.chunked import chunked_jacobian
+from .resume import (
+    check_out,
+    check_run_file,
+    fingerprint,
+    open_rows,
+    run_record,
+    write_rows,
+    writer_lock,
+)
 from .workers import LocalWorkers, WorkerStartError, client_of
 
 __all__ = [
@@ -41,7 +48,16 @@ __all__ = [
 CHUNKS_PER_WORKER = 4  # default chunk size: n / (4 workers), for balance and retries
 
 
-def _check_sendable(model):
+def check_sendable(model):
+    """Refuse what workers cannot rebuild: anything but a ``keras.Model``.
+
+    Args:
+        model: what the caller wants computed on workers.
+
+    Raises:
+        TypeError: ``model`` is not a ``keras.Model`` (a plain function, a
+            layer).
+    """
     if not isinstance(model, keras.Model):
         raise TypeError(
             f"workers rebuild a Keras model from its config; got "
@@ -64,7 +80,7 @@ def model_spec(model, x):
             "get_config() and @keras.saving.register_keras_serializable() in a "
             "module that every worker can import."
         ) from error
-    probe = _as_numpy(take(x, 0, 1))
+    probe = as_numpy(take(x, 0, 1))
     return {
         "config": config,
         "weights": [np.asarray(w) for w in model.get_weights()],
@@ -110,6 +126,11 @@ def _send(client, spec):
 _rebuilt = {}  # on a worker: spec key -> model (the newest few)
 
 
+def forget_models():
+    """Drop the models this process rebuilt from specs (a worker's cache)."""
+    _rebuilt.clear()
+
+
 def _model_from(spec):
     """The model of ``spec``, rebuilt once per worker and set of weights."""
     model = _rebuilt.get(spec["key"])
@@ -131,11 +152,24 @@ def _model_from(spec):
     return model
 
 
-def _rows_task(spec, x, options, path=None, start=0, token=None):
+def rows_task(spec, x, options, path=None, start=0, token=None):
     """On a worker: the rows of one chunk, exactly as chunked_jacobian makes
     them; returned, or written into the ``.npy`` at ``path`` (a file that
     every worker sees) and flushed, when the driver keeps a ledger. Before
-    anything, the file must be the run's: its ledger carries ``token``."""
+    anything, the file must be the run's: its ledger carries ``token``.
+
+    Args:
+        spec: the model, as :func:`model_spec` makes it.
+        x: the chunk's c samples, NumPy arrays (:func:`as_numpy`).
+        options: ``training``, ``jit_compile`` and ``method`` for
+            :func:`jacutil.chunked_jacobian`.
+        path: the run's ``.npy`` (shape (n, l, m)), or None to return the rows.
+        start: the chunk's first row in that file.
+        token: the run's token, from the ledger beside ``path``.
+
+    Returns:
+        The rows, shape (c, l, m), or None when they were written to ``path``.
+    """
     if path is not None:
         check_run_file(path, token)
     model = _model_from(spec)
@@ -157,7 +191,9 @@ def _normal_equations_task(spec, x, y, chunk_size, training):
     return problem.chunk_normal_equations(0)
 
 
-def _as_numpy(x):
+def as_numpy(x):
+    """``x`` (an array, or a list or dict of them) as NumPy arrays: what
+    travels to a worker."""
     return tf.nest.map_structure(np.asarray, x)
 
 
@@ -194,7 +230,7 @@ def distributed_jacobian(
     (n_samples, n_outputs, n_params). Introduced in ``10-beyond-one-machine``.
     """
     client = client_of(workers)
-    _check_sendable(model)
+    check_sendable(model)
     jac = compiled_for(model, None, training, jit_compile, method, x)
     x = as_batch(x, jac.target)
     n_rows = int(n_samples(x))
@@ -203,10 +239,10 @@ def distributed_jacobian(
     asked = chunk_size
     if chunk_size is None:
         n_workers = max(1, len(client.scheduler_info()["workers"]))
-        chunk_size = -(-n_rows // (CHUNKS_PER_WORKER * n_workers))
+        chunk_size = ceil_div(n_rows, CHUNKS_PER_WORKER * n_workers)
     options = {"training": training, "jit_compile": jit_compile, "method": method}
     wait = (n_rows, progress, timeout, on_chunk)
-    if isinstance(out, (str, os.PathLike)):
+    if is_path(out):
         record = run_record(jac, model, x)
         with writer_lock(out):  # one writer at a time, for the whole run
             ledger, chunk_size = open_rows(out, shape, dtype, record, asked, chunk_size)
@@ -217,7 +253,7 @@ def distributed_jacobian(
             ledger.check_file()  # not changed or cut short while the run wrote
             return np.load(out, mmap_mode="r")
     out = np.empty(shape, dtype) if out is None else check_out(out, shape, dtype)
-    todo = range(-(-n_rows // chunk_size))
+    todo = range(ceil_div(n_rows, chunk_size))
     futures = _submit(client, model, x, todo, chunk_size, options)
     _collect(futures, out, None, chunk_size, *wait)
     return out
@@ -230,9 +266,9 @@ def _submit(client, model, x, todo, chunk_size, options, where=None):
     futures = {}
     for k in todo:
         start = k * chunk_size
-        x_chunk = _as_numpy(take(x, start, start + chunk_size))
+        x_chunk = as_numpy(take(x, start, start + chunk_size))
         into = () if where is None else (where[0], start, where[1])
-        task = client.submit(_rows_task, spec, x_chunk, options, *into, pure=False)
+        task = client.submit(rows_task, spec, x_chunk, options, *into, pure=False)
         futures[task] = k
     return futures
 
@@ -242,12 +278,7 @@ def _collect(futures, out, ledger, chunk_size, n_rows, progress, timeout, on_chu
     workers wrote them into the file themselves, recorded in ``ledger``."""
     from distributed import as_completed
 
-    done = (
-        0
-        if ledger is None
-        else n_rows
-        - sum(min(chunk_size, n_rows - k * chunk_size) for k in ledger.todo())
-    )
+    done = 0 if ledger is None else ledger.rows_done(chunk_size)
     with tqdm(total=n_rows, initial=done, disable=not progress, unit="sample") as bar:
         for future in as_completed(futures, timeout=timeout):
             k = futures.pop(future)
@@ -274,7 +305,7 @@ class DistributedLeastSquares(LeastSquaresProblem):
     """
 
     def __init__(self, model, x, y, workers, *, chunk_size=None, training=False):
-        _check_sendable(model)
+        check_sendable(model)
         super().__init__(model, x, y, None, training, chunk_size, None, "formed")
         self.client = client_of(workers)
         self._rows_y = self.y.reshape(self.n_samples, self.n_outputs)
@@ -296,7 +327,7 @@ class DistributedLeastSquares(LeastSquaresProblem):
                 self.client.submit(
                     _normal_equations_task,
                     spec,
-                    _as_numpy(take(self.x, start, stop)),
+                    as_numpy(take(self.x, start, stop)),
                     self._rows_y[start:stop],
                     self.chunk_size,
                     self._target.training,

@@ -37,7 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..core._tf import tf
+from ..core._shared import ceil_div, size_of
+from ..core._tf import keras, tf
 
 LEDGER_SUFFIX = ".progress.json"
 LOCK_SUFFIX = ".lock"
@@ -111,6 +112,29 @@ def fingerprint(model, variables, x, **options):
     return digest.hexdigest()
 
 
+def run_record(jac, model, x, key=None):
+    """What identifies a resumable run: the fingerprint of the model, the
+    variables differentiated, ``x`` and the options
+    (:func:`fingerprint`), and ``key``, which a plain function
+    must give: a name for what it computes, which no fingerprint can see."""
+    if key is None and not isinstance(model, keras.Layer):
+        raise TypeError(
+            "a resumable run (out=path) of a plain function needs key=: a name "
+            "you choose for what the function computes, such as key='tanh-v1'. "
+            "jacutil fingerprints a Keras model's layers and weights, but "
+            "cannot see inside a function, so without key= a file started by "
+            "another function of the same variables would be resumed as this "
+            "one's. Give each function its own key (a new one when you change "
+            "it), or pass a Keras model."
+        )
+    if key is not None and not isinstance(key, str):
+        raise TypeError(f"key= must be a string; got {type(key).__name__}.")
+    options = {"method": jac.method, "jit_compile": jac.jit_compile}
+    options["training"] = jac.target.training
+    digest = fingerprint(model, jac.target.variables, x, **options)
+    return {"fingerprint": digest, "key": key}
+
+
 def _temporary(path):
     """A temporary name beside ``path`` that no other process or call uses."""
     return path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
@@ -170,6 +194,23 @@ def writer_lock(path):
         os.close(descriptor)
 
 
+def check_out(out, shape, dtype):
+    """``out`` as given, if it is an array that can hold this Jacobian."""
+    if not isinstance(out, np.ndarray):
+        raise TypeError(
+            "out must be a NumPy array, an np.memmap or the path of a .npy "
+            f"file; got {type(out).__name__}."
+        )
+    if out.shape != shape or out.dtype != dtype:
+        raise ValueError(
+            f"out has shape {out.shape} and dtype {out.dtype}; this Jacobian needs "
+            f"shape {shape} and dtype {dtype}. Make it with np.empty{(shape)} or "
+            f"np.lib.format.open_memmap(path, mode='w+', dtype='{dtype}', "
+            f"shape={shape})."
+        )
+    return out
+
+
 def _npy_header(path):
     """``(shape, fortran_order, dtype, offset of the data)`` of a ``.npy`` file."""
     with open(path, "rb") as file:
@@ -199,7 +240,7 @@ def file_problem(path, shape, dtype):
             f"its header says shape {found_shape} and dtype {found_dtype}{order}; "
             f"the run writes shape {shape} and dtype {dtype}"
         )
-    expected = offset + int(np.prod(shape)) * dtype.itemsize
+    expected = offset + size_of(shape) * dtype.itemsize
     found = os.path.getsize(path)
     if found != expected:
         return f"it has {found:,} bytes where its header needs {expected:,} bytes"
@@ -245,6 +286,11 @@ class Ledger:
 
     def todo(self):
         return [k for k in range(self.n_chunks) if k not in self.done]
+
+    def rows_done(self, chunk_size):
+        """How many rows (samples) the finished chunks hold."""
+        n_rows = self.record["shape"][0]
+        return sum(min(chunk_size, n_rows - k * chunk_size) for k in self.done)
 
     def load(self, chunk_size):
         """The finished chunks and token of an earlier run of the same
@@ -350,7 +396,7 @@ def open_rows(path, shape, dtype, record, chunk_size, default_chunk_size):
         )
     earlier = ledger.load(chunk_size)
     chunk_size = earlier or chunk_size or default_chunk_size
-    ledger.n_chunks = -(-shape[0] // chunk_size)
+    ledger.n_chunks = ceil_div(shape[0], chunk_size)
     if ledger.done and path.exists():
         ledger.check_file()  # before any of its rows is trusted
     else:  # nothing finished: a new file
@@ -400,7 +446,7 @@ def write_rows(path, start, rows):
             f"rows of shape {rows.shape[1:]} and dtype {rows.dtype} do not fit "
             f"{path}, whose rows have shape {shape[1:]} and dtype {dtype}."
         )
-    row_bytes = int(np.prod(shape[1:])) * dtype.itemsize
+    row_bytes = size_of(shape[1:]) * dtype.itemsize
     part = np.memmap(
         path, dtype, "r+", offset=offset + start * row_bytes, shape=rows.shape
     )

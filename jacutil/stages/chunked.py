@@ -1,15 +1,13 @@
 """Stage 4: slices of the batch through the compiled Jacobian (notebook 04-chunked)."""
 
-import os
-
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..core._tf import keras
+from ..core._shared import is_path
 from ..core.batch import as_batch, n_samples, take
 from ..core.cache import compiled_for
 from ..core.outputs import output_layout
-from ..scale.resume import fingerprint, open_rows, write_rows, writer_lock
+from ..scale.resume import check_out, open_rows, run_record, write_rows, writer_lock
 from .compiled import bucket_size
 
 # Working memory of a chunk of c samples, in bytes (itemsize bytes a number;
@@ -83,23 +81,6 @@ def _check_chunk_size(chunk_size):
     return int(chunk_size)
 
 
-def check_out(out, shape, dtype):
-    """``out`` as given, if it is an array that can hold this Jacobian."""
-    if not isinstance(out, np.ndarray):
-        raise TypeError(
-            "out must be a NumPy array, an np.memmap or the path of a .npy "
-            f"file; got {type(out).__name__}."
-        )
-    if out.shape != shape or out.dtype != dtype:
-        raise ValueError(
-            f"out has shape {out.shape} and dtype {out.dtype}; this Jacobian needs "
-            f"shape {shape} and dtype {dtype}. Make it with np.empty{(shape)} or "
-            f"np.lib.format.open_memmap(path, mode='w+', dtype='{dtype}', "
-            f"shape={shape})."
-        )
-    return out
-
-
 def chunked_jacobian(
     model,
     x,
@@ -171,7 +152,7 @@ def chunked_jacobian(
         return chunk_rows(jac, x, chunk_size, start)
 
     shape = (n_rows, n_outputs, target.n_params)
-    if isinstance(out, (str, os.PathLike)):
+    if is_path(out):
         record = run_record(jac, model, x, key)
         asked = chunk_size if explicit else None
         return _resumable(jac, x, out, shape, record, asked, chunk_size, progress)
@@ -207,36 +188,13 @@ def chunk_rows(jac, x, chunk_size, start):
     return jac.tensor(take(x, start, stop), pad_to)
 
 
-def run_record(jac, model, x, key=None):
-    """What identifies a resumable run: the fingerprint of the model, the
-    variables differentiated, ``x`` and the options
-    (:func:`jacutil.scale.resume.fingerprint`), and ``key``, which a plain function
-    must give: a name for what it computes, which no fingerprint can see."""
-    if key is None and not isinstance(model, keras.Layer):
-        raise TypeError(
-            "a resumable run (out=path) of a plain function needs key=: a name "
-            "you choose for what the function computes, such as key='tanh-v1'. "
-            "jacutil fingerprints a Keras model's layers and weights, but "
-            "cannot see inside a function, so without key= a file started by "
-            "another function of the same variables would be resumed as this "
-            "one's. Give each function its own key (a new one when you change "
-            "it), or pass a Keras model."
-        )
-    if key is not None and not isinstance(key, str):
-        raise TypeError(f"key= must be a string; got {type(key).__name__}.")
-    options = {"method": jac.method, "jit_compile": jac.jit_compile}
-    options["training"] = jac.target.training
-    digest = fingerprint(model, jac.target.variables, x, **options)
-    return {"fingerprint": digest, "key": key}
-
-
 def _resumable(jac, x, path, shape, record, chunk_size, default, progress):
     """Chunks into the ``.npy`` at ``path``, skipping those an earlier run finished."""
     with writer_lock(path):  # one writer at a time, for the whole run
         ledger, chunk_size = open_rows(
             path, shape, jac.target.dtype, record, chunk_size, default
         )
-        done = sum(min(chunk_size, shape[0] - k * chunk_size) for k in ledger.done)
+        done = ledger.rows_done(chunk_size)
         bar = tqdm(total=shape[0], initial=done, disable=not progress, unit="sample")
         with bar:
             for k in ledger.todo():
