@@ -94,20 +94,46 @@ def jacobian(
 ):
     """The per-sample Jacobian of ``model`` at ``x`` by the fastest correct path.
 
-    ``model`` is a Keras model, or a callable ``f(x)`` with ``variables=``.
-    ``x`` is an array, or a list or dict of arrays for several inputs.
-    Returns J, shape (n_samples, n_outputs, n_params), columns in
-    ``flat_params`` order. Without ``out`` and in one piece, J is a
-    read-only view of TensorFlow's result (a copy would cost as long as the
-    Jacobian on a small network): pass ``copy=True`` for an array you may
-    write to. With ``out`` (an array or ``np.lib.format.open_memmap``), or
-    when the working memory would pass ``memory_budget`` bytes, the batch
-    runs in chunks written into ``out``. ``out`` may be a ``.npy`` path: a
-    resumable run, as in :func:`jacutil.chunked_jacobian`, where a callable
-    needs ``key=`` (a name for what it computes).
+    Without ``out`` and in one piece, J is a read-only view of TensorFlow's
+    result (a copy would cost as long as the Jacobian on a small network):
+    pass ``copy=True`` for an array you may write to. With ``out``, or when
+    the working memory would pass ``memory_budget``, the batch runs in
+    chunks written into ``out``. Introduced in ``00-welcome``.
 
-    ``explain=True`` returns ``(J, choice)``: a :class:`Choice` that says the
-    path, why, each layer's rule and the chunks. Introduced in ``00-welcome``.
+    Args:
+        model: a Keras model, or a callable ``f(x)`` with ``variables=``.
+        x: the n samples: an array, or a list or dict of arrays for several
+            inputs.
+        out: None, an array or ``np.lib.format.open_memmap`` of shape
+            (n, l, m), or a ``.npy`` path: a resumable run, as in
+            :func:`jacutil.chunked_jacobian`.
+        memory_budget: bytes of working memory before it runs in chunks
+            (default: half the memory free now).
+        variables: the variables to differentiate (default: the model's
+            trainable variables).
+        training: run the model in training mode.
+        explain: also return a :class:`Choice`: the path, why, each layer's
+            rule and the chunks.
+        copy: return an array you may write to.
+        progress: show a progress bar over chunks.
+        key: with ``out=path`` and a callable: a name for what it computes.
+
+    Returns:
+        J, shape (n, l, m), columns in ``flat_params`` order; with
+        ``explain=True``, ``(J, choice)``.
+
+    Examples:
+        >>> import numpy as np
+        >>> from jacutil import keras, jacobian
+        >>> keras.utils.set_random_seed(0)
+        >>> model = keras.Sequential([keras.Input((3,), dtype="float64"),
+        ...                           keras.layers.Dense(2, dtype="float64")])
+        >>> x = np.random.default_rng(0).normal(size=(4, 3))  # n = 4 samples
+        >>> jacobian(model, x).shape  # (n, l, m): m = 3 * 2 + 2
+        (4, 2, 8)
+        >>> J, choice = jacobian(model, x, explain=True)
+        >>> choice.path
+        'layer rules'
     """
     if key is not None and not isinstance(out, (str, os.PathLike)):
         raise ValueError(

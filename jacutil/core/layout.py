@@ -17,7 +17,27 @@ from .target import resolve_target
 
 
 def to_lm_by_n(J):
-    """(n, l, m) -> the (l*m) x n matrix: row ``k*m + p``, column ``i``."""
+    """(n, l, m) -> the (l*m) x n matrix: row ``k*m + p``, column ``i``.
+
+    Introduced in ``00-welcome``.
+
+    Args:
+        J: a Jacobian of shape (n, l, m).
+
+    Returns:
+        A NumPy array of shape (l * m, n) (a copy, or a view where NumPy
+        can make one).
+
+    Examples:
+        >>> import numpy as np
+        >>> from jacutil import keras, jacobian, to_lm_by_n
+        >>> keras.utils.set_random_seed(0)
+        >>> model = keras.Sequential([keras.Input((3,), dtype="float64"),
+        ...                           keras.layers.Dense(2, dtype="float64")])
+        >>> x = np.random.default_rng(0).normal(size=(4, 3))  # n = 4 samples
+        >>> to_lm_by_n(jacobian(model, x)).shape  # (l * m, n)
+        (16, 4)
+    """
     J = np.asarray(J)
     if J.ndim != 3:
         raise ValueError(
@@ -69,7 +89,29 @@ def split_outputs(J, model, x, *, variables=None, training=False):
 
 
 def flat_params(model, *, variables=None):
-    """All trainable variables, flattened and joined: theta, length n_params."""
+    """All trainable variables, flattened and joined: theta, length m.
+
+    Each variable is flattened in row-major order, in
+    ``trainable_variables`` order: the order of J's last axis. Introduced in
+    ``00-welcome``.
+
+    Args:
+        model: a Keras model, or a callable with ``variables=``.
+        variables: the variables to join (default: the trainable ones).
+
+    Returns:
+        A NumPy array of shape (m,).
+
+    Examples:
+        >>> import numpy as np
+        >>> from jacutil import keras, flat_params
+        >>> keras.utils.set_random_seed(0)
+        >>> model = keras.Sequential([keras.Input((3,), dtype="float64"),
+        ...                           keras.layers.Dense(2, dtype="float64")])
+        >>> x = np.random.default_rng(0).normal(size=(4, 3))  # n = 4 samples
+        >>> flat_params(model).shape  # kernel 3 x 2, then bias 2
+        (8,)
+    """
     target = resolve_target(model, variables)
     return np.concatenate([np.ravel(v.numpy()) for v in target.variables])
 

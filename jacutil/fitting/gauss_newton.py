@@ -76,13 +76,36 @@ def levenberg_marquardt(
     gradients on products with J (``D = I``; on a ``jacobian="operator"``
     problem memory is a few vectors of length m, on a formed one J). A step
     that lowers the loss is accepted and ``damping /= factor``; otherwise it
-    is rejected and ``damping *= factor``, re-using the system.
+    is rejected and ``damping *= factor``, re-using the system. The
+    solution is written into the model. Introduced in
+    ``05-scipy-least-squares``.
 
-    ``max_steps`` counts trial steps (accepted or not). Returns a dict:
-    ``theta``, ``history`` (rows of seconds since the start and MSE, one
-    per accepted point, the start first), ``n_steps``, ``n_accepted``,
-    ``n_jev`` (systems built) and ``n_fev``. The solution is written into
-    the model. Introduced in ``05-scipy-least-squares``.
+    Args:
+        problem: a :class:`jacutil.LeastSquaresProblem`.
+        theta0: the start, shape (m,) (default: ``problem.theta0``).
+        max_steps: trial steps (accepted or not).
+        damping: the first damping.
+        factor: what the damping is divided or multiplied by.
+        scaling: ``"diag"`` or ``"identity"``.
+        solver: ``"cholesky"`` or ``"cg"``.
+        cg_iterations: conjugate-gradient iterations per step.
+
+    Returns:
+        A dict: ``theta`` (m,), ``history`` (rows of seconds since the start
+        and MSE, one per accepted point, the start first), ``damping``,
+        ``n_steps``, ``n_accepted``, ``n_jev`` (systems built) and ``n_fev``.
+
+    Examples:
+        >>> import numpy as np
+        >>> from jacutil import keras, least_squares_problem, levenberg_marquardt
+        >>> keras.utils.set_random_seed(0)
+        >>> model = keras.Sequential([keras.Input((3,), dtype="float64"),
+        ...                           keras.layers.Dense(2, dtype="float64")])
+        >>> x = np.random.default_rng(0).normal(size=(4, 3))  # n = 4 samples
+        >>> problem = least_squares_problem(model, x, np.zeros((4, 2)))
+        >>> result = levenberg_marquardt(problem, max_steps=5)
+        >>> result["theta"].shape, bool(result["history"][-1, 1] < 1e-12)
+        ((8,), True)
     """
     if scaling not in ("diag", "identity"):
         raise ValueError(f'scaling is {scaling!r}; use "diag" or "identity".')

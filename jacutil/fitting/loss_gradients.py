@@ -240,13 +240,35 @@ class _Gradients:
 
 
 def per_sample_gradients(model, loss_fn, x, y, *, variables=None, training=False):
-    """(n, m): the gradient of each sample's own loss, in ``flat_params`` order.
+    """The gradient of each sample's own loss, in ``flat_params`` order.
 
-    ``loss_fn(y, prediction)`` must return one loss per sample (shape (n,)),
-    e.g. ``keras.losses.mean_squared_error``. On the layer-rules path the
-    backward pass starts from ``dL_i/df`` (from the logits, where a Keras
-    cross-entropy reads them); otherwise one gradient per sample in
-    ``tf.vectorized_map``. Introduced in ``09-matrix-free``.
+    On the layer-rules path the backward pass starts from ``dL_i/df`` (from
+    the logits, where a Keras cross-entropy reads them); otherwise one
+    gradient per sample in ``tf.vectorized_map``. Introduced in
+    ``09-matrix-free``.
+
+    Args:
+        model: a Keras model, or a callable ``f(x)`` with ``variables=``.
+        loss_fn: ``loss_fn(y, prediction)`` returning one loss per sample,
+            shape (n,), e.g. ``keras.losses.mean_squared_error``.
+        x: the n samples.
+        y: the targets, one per sample.
+        variables: the variables to differentiate (default: trainable ones).
+        training: run the model in training mode.
+
+    Returns:
+        A NumPy array of shape (n, m).
+
+    Examples:
+        >>> import numpy as np
+        >>> from jacutil import keras, per_sample_gradients
+        >>> keras.utils.set_random_seed(0)
+        >>> model = keras.Sequential([keras.Input((3,), dtype="float64"),
+        ...                           keras.layers.Dense(2, dtype="float64")])
+        >>> x = np.random.default_rng(0).normal(size=(4, 3))  # n = 4 samples
+        >>> mse = keras.losses.mean_squared_error
+        >>> per_sample_gradients(model, mse, x, np.zeros((4, 2))).shape  # (n, m)
+        (4, 8)
     """
     job = _Gradients(model, x, y, variables, training)
     plan = job.plan

@@ -283,8 +283,33 @@ def least_squares_problem(
     or ``levenberg_marquardt(problem, solver="cg")`` (notebook 09). The
     operator ``jac(theta)`` returns is J at ``theta`` whenever it is applied,
     even after ``fun`` has moved the model to a trial point.
-
     Introduced in ``05-scipy-least-squares``.
+
+    Args:
+        model: a Keras model, or a callable ``f(x)`` with ``variables=``.
+        x: the n samples.
+        y: the targets, shape (n, l) or the model's output shape per sample.
+        variables: the variables fitted (default: the trainable ones).
+        training: run the model in training mode.
+        chunk_size: samples per chunk of J (None: from ``memory_budget``).
+        memory_budget: bytes of working memory for a chunk.
+        jacobian: ``"formed"`` (J as an (n*l, m) array) or ``"operator"``.
+
+    Returns:
+        A :class:`LeastSquaresProblem`: ``fun(theta)`` (n*l,), ``jac(theta)``
+        (n*l, m), ``theta0`` (m,).
+
+    Examples:
+        >>> import numpy as np
+        >>> from jacutil import keras, least_squares_problem
+        >>> keras.utils.set_random_seed(0)
+        >>> model = keras.Sequential([keras.Input((3,), dtype="float64"),
+        ...                           keras.layers.Dense(2, dtype="float64")])
+        >>> x = np.random.default_rng(0).normal(size=(4, 3))  # n = 4 samples
+        >>> problem = least_squares_problem(model, x, np.zeros((4, 2)))
+        >>> theta = problem.theta0  # (m,)
+        >>> theta.shape, problem.fun(theta).shape, problem.jac(theta).shape
+        ((8,), (8,), (8, 8))
     """
     return LeastSquaresProblem(
         model, x, y, variables, training, chunk_size, memory_budget, jacobian

@@ -93,10 +93,30 @@ def forward_jacobian(
     """The (n, l, m) per-sample Jacobian by forward mode, one JVP per parameter.
 
     ``columns_per_pass`` JVPs run together in ``tf.vectorized_map``; each
-    gives one column for every sample and output. Without ``x``, returns the
-    reusable ``jac(x)`` (compiled once per input shape). Faster than the
+    gives one column for every sample and output. Faster than the
     reverse-mode stages when m <= l (see notebook 09). Introduced in
     ``09-matrix-free``.
+
+    Args:
+        model: a Keras model, or a callable ``f(x)`` with ``variables=``.
+        x: the n samples, or None for the reusable ``jac(x)`` (compiled once
+            per input shape).
+        variables: the variables to differentiate (default: trainable ones).
+        training: run the model in training mode.
+        columns_per_pass: JVPs (columns of J) per vectorized pass.
+
+    Returns:
+        A NumPy array of shape (n, l, m), or, without ``x``, ``jac``.
+
+    Examples:
+        >>> import numpy as np
+        >>> from jacutil import keras, forward_jacobian
+        >>> keras.utils.set_random_seed(0)
+        >>> model = keras.Sequential([keras.Input((3,), dtype="float64"),
+        ...                           keras.layers.Dense(2, dtype="float64")])
+        >>> x = np.random.default_rng(0).normal(size=(4, 3))  # n = 4 samples
+        >>> forward_jacobian(model, x).shape  # (n, l, m)
+        (4, 2, 8)
     """
     variables = None if variables is None else variable_list(variables)
     target = resolve_target(model, variables, training, x)

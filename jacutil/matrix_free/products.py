@@ -211,19 +211,59 @@ def _cached(model, options):
 
 
 def jvp(model, x, v, **options):
-    """``J @ v``: (n, l), for a flat parameter direction ``v`` of length m.
+    """``J @ v`` for a flat parameter direction ``v``, without forming J.
 
-    Forward mode: one forward pass carrying tangents, no J. Options as in
-    :func:`products`. Introduced in ``09-matrix-free``.
+    Forward mode: one forward pass carrying tangents. Introduced in
+    ``09-matrix-free``.
+
+    Args:
+        model: a Keras model, or a callable ``f(x)`` with ``variables=``.
+        x: the n samples.
+        v: a direction in parameter space, shape (m,), ``flat_params`` order.
+        **options: as in :func:`products` (``variables``, ``training``,
+            ``chunk_size``, ``mode``).
+
+    Returns:
+        A NumPy array of shape (n, l): ``J[i] @ v`` for each sample.
+
+    Examples:
+        >>> import numpy as np
+        >>> from jacutil import keras, jvp
+        >>> keras.utils.set_random_seed(0)
+        >>> model = keras.Sequential([keras.Input((3,), dtype="float64"),
+        ...                           keras.layers.Dense(2, dtype="float64")])
+        >>> x = np.random.default_rng(0).normal(size=(4, 3))  # n = 4 samples
+        >>> jvp(model, x, np.ones(8)).shape  # v: (m,) -> (n, l)
+        (4, 2)
     """
     return _cached(model, options).jvp(x, v)
 
 
 def vjp(model, x, u, **options):
-    """``J.T @ u``: (m,), for weights ``u`` of shape (n, l) (or flat, n*l).
+    """``J.T @ u`` for weights ``u`` on every sample's outputs, without forming J.
 
-    Reverse mode: one ``tape.gradient`` with ``output_gradients=u``, no J.
+    Reverse mode: one ``tape.gradient`` with ``output_gradients=u``.
     Introduced in ``09-matrix-free``.
+
+    Args:
+        model: a Keras model, or a callable ``f(x)`` with ``variables=``.
+        x: the n samples.
+        u: weights of shape (n, l), or flat (n * l,).
+        **options: as in :func:`products`.
+
+    Returns:
+        A NumPy array of shape (m,): the sum over i and k of
+        ``u[i, k] * J[i, k]``.
+
+    Examples:
+        >>> import numpy as np
+        >>> from jacutil import keras, vjp
+        >>> keras.utils.set_random_seed(0)
+        >>> model = keras.Sequential([keras.Input((3,), dtype="float64"),
+        ...                           keras.layers.Dense(2, dtype="float64")])
+        >>> x = np.random.default_rng(0).normal(size=(4, 3))  # n = 4 samples
+        >>> vjp(model, x, np.ones((4, 2))).shape  # u: (n, l) -> (m,)
+        (8,)
     """
     return _cached(model, options).vjp(x, u)
 

@@ -101,27 +101,48 @@ def chunked_jacobian(
     same compiled function on every call for a given model, so nothing is
     retraced) and are written into ``out``: a NumPy array, or a memory-mapped
     ``.npy`` from ``np.lib.format.open_memmap`` for a Jacobian larger than
-    memory. Without ``chunk_size`` the largest chunk whose working memory fits
-    ``memory_budget`` bytes (default 256 MiB) is used. With ``jit_compile`` a
-    short last chunk is padded to the next power of two, so XLA compiles at
-    most two shapes per chunk size.
+    memory. With ``jit_compile`` a short last chunk is padded to the next
+    power of two, so XLA compiles at most two shapes per chunk size.
 
     ``out`` may also be a path (``"J.npy"``): the rows go into that ``.npy``
     file and a ledger beside it records each finished chunk, so a run that is
     interrupted and called again with the same arguments skips what is done;
     with other weights or ``x`` it is refused (``jacutil.scale.resume``, notebook
     ``10-beyond-one-machine``). Without ``chunk_size`` a new file takes the
-    one from ``memory_budget``, a resumed file its own. A plain function
-    (not a Keras model) needs ``key=``: a name you choose for what it
-    computes, kept in the ledger, since no fingerprint can see inside a
-    function. Returns the file opened read-only.
+    one from ``memory_budget``, a resumed file its own. When the first chunk
+    is the whole batch and no ``out`` is given, it is returned after one copy
+    out of TensorFlow. Introduced in ``04-chunked``.
 
-    ``x`` is an array, or a list or dict of arrays for a model with several
-    inputs. When the first chunk is the whole batch and no ``out`` is given,
-    it is returned after one copy out of TensorFlow.
+    Args:
+        model: a Keras model, or a callable ``f(x)`` with ``variables=``.
+        x: the n samples (an array, or a list or dict of arrays).
+        chunk_size: samples per chunk; None: the largest chunk whose working
+            memory fits ``memory_budget``.
+        memory_budget: bytes (default 256 MiB), when ``chunk_size`` is None.
+        out: None, an array of shape (n, l, m) (a memmap too), or a ``.npy``
+            path for a resumable run.
+        progress: show a progress bar over samples.
+        variables: the variables to differentiate (default: trainable ones).
+        training: run the model in training mode.
+        jit_compile: compile with XLA.
+        method: as in :func:`jacutil.compiled_jacobian`.
+        key: with ``out=path``, a name you choose for what a plain function
+            (not a Keras model) computes, kept in the ledger, since no
+            fingerprint can see inside a function.
 
-    Returns ``out`` (created when not given), shape (n_samples, n_outputs,
-    n_params). Introduced in ``04-chunked``.
+    Returns:
+        ``out`` (created when not given), shape (n, l, m); for a path, the
+        file opened read-only.
+
+    Examples:
+        >>> import numpy as np
+        >>> from jacutil import keras, chunked_jacobian
+        >>> keras.utils.set_random_seed(0)
+        >>> model = keras.Sequential([keras.Input((3,), dtype="float64"),
+        ...                           keras.layers.Dense(2, dtype="float64")])
+        >>> x = np.random.default_rng(0).normal(size=(4, 3))  # n = 4 samples
+        >>> chunked_jacobian(model, x, chunk_size=3, progress=False).shape
+        (4, 2, 8)
     """
     jac = compiled_for(model, variables, training, jit_compile, method, x)
     target = jac.target

@@ -220,7 +220,7 @@ def compiled_jacobian(
     method="per_sample",
     block_size=1024,
 ):
-    """Return a reusable ``jac(x)`` that computes the per-sample Jacobian in a graph.
+    """A reusable ``jac(x)`` that computes the per-sample Jacobian in a graph.
 
     The ``tf.function`` has an input signature whose batch dimension is
     ``None``, so a new number of samples does not retrace it (see
@@ -229,16 +229,38 @@ def compiled_jacobian(
     concrete shape, so the batch is padded to a power of two up to
     ``block_size`` and larger batches run in blocks of ``block_size``: at most
     ``log2(block_size) + 1`` compiles, whatever the sizes (``jac.compiled_shapes``).
-
-    ``method`` is ``"per_sample"`` (``tf.vectorized_map``, linear in n),
-    ``"batch"`` (``tape.jacobian`` over the batch, quadratic in n) or
-    ``"rules"`` (each layer's hand-derived rule, ``jacutil.rules``; where
-    they do not apply, ``jac.fallback`` says why and ``"per_sample"`` runs).
     ``jac.formulation`` says how the model is vectorized (recurrent layers
-    are unrolled; see ``jacutil.core.formulation``).
-
-    ``jac(x)`` returns (n_samples, n_outputs, n_params). Introduced in
+    are unrolled; see ``jacutil.core.formulation``). Introduced in
     ``03-compiled``.
+
+    Args:
+        model: a Keras model, or a callable ``f(x)`` with ``variables=``.
+        jit_compile: compile with XLA.
+        variables: the variables to differentiate (default: trainable ones).
+        training: run the model in training mode.
+        method: ``"per_sample"`` (``tf.vectorized_map``, linear in n),
+            ``"batch"`` (``tape.jacobian`` over the batch, quadratic in n) or
+            ``"rules"`` (each layer's hand-derived rule, ``jacutil.rules``;
+            where they do not apply, ``jac.fallback`` says why and
+            ``"per_sample"`` runs).
+        block_size: with ``jit_compile``, the largest batch one call runs.
+
+    Returns:
+        A :class:`CompiledJacobian` ``jac``; ``jac(x)`` returns a NumPy
+        array of shape (n, l, m).
+
+    Examples:
+        >>> import numpy as np
+        >>> from jacutil import keras, compiled_jacobian
+        >>> keras.utils.set_random_seed(0)
+        >>> model = keras.Sequential([keras.Input((3,), dtype="float64"),
+        ...                           keras.layers.Dense(2, dtype="float64")])
+        >>> x = np.random.default_rng(0).normal(size=(4, 3))  # n = 4 samples
+        >>> jac = compiled_jacobian(model)
+        >>> jac(x).shape, jac(x[:3]).shape  # (n, l, m)
+        ((4, 2, 8), (3, 2, 8))
+        >>> jac.trace_count  # a new n does not retrace
+        1
     """
     target = resolve_target(model, variables, training)
     return CompiledJacobian(target, method, jit_compile, block_size, owner=model)

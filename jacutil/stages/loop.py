@@ -18,10 +18,28 @@ def loop_jacobian(model, x, *, variables=None, training=False, progress=False):
     ``d f(x)[i, k] / d theta``. Correct, and slow: n * l forward and backward
     passes, each paying Python's and eager TensorFlow's overhead. (With
     random layers in training mode one tape serves all of a sample's outputs,
-    so that they share one random mask, as in every stage.)
+    so that they share one random mask, as in every stage.) Introduced in
+    notebook ``01-nested-loop``.
 
-    Returns an array of shape (n_samples, n_outputs, n_params) in the model's
-    float dtype. Introduced in notebook ``01-nested-loop``.
+    Args:
+        model: a Keras model, or a callable ``f(x)`` with ``variables=``.
+        x: the n samples (an array, or a list or dict of arrays).
+        variables: the variables to differentiate (default: trainable ones).
+        training: run the model in training mode.
+        progress: show a progress bar over samples.
+
+    Returns:
+        A NumPy array of shape (n, l, m) in the model's float dtype.
+
+    Examples:
+        >>> import numpy as np
+        >>> from jacutil import keras, loop_jacobian
+        >>> keras.utils.set_random_seed(0)
+        >>> model = keras.Sequential([keras.Input((3,), dtype="float64"),
+        ...                           keras.layers.Dense(2, dtype="float64")])
+        >>> x = np.random.default_rng(0).normal(size=(4, 3))  # n = 4 samples
+        >>> loop_jacobian(model, x).shape  # (n, l, m): m = 3 * 2 + 2
+        (4, 2, 8)
     """
     target = resolve_target(model, variables, training, x)
     x = as_batch(x, target)

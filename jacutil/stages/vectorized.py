@@ -44,8 +44,26 @@ def vectorized_jacobian(model, x, *, variables=None, training=False):
     One forward pass; the backward passes are vectorized by pfor over the
     n * l output rows. Far faster than the loop for small n, but every row is
     back-propagated through the whole batch: time and memory grow with n**2.
+    Introduced in ``02-vectorized``.
 
-    Returns (n_samples, n_outputs, n_params). Introduced in ``02-vectorized``.
+    Args:
+        model: a Keras model, or a callable ``f(x)`` with ``variables=``.
+        x: the n samples (an array, or a list or dict of arrays).
+        variables: the variables to differentiate (default: trainable ones).
+        training: run the model in training mode.
+
+    Returns:
+        A NumPy array of shape (n, l, m).
+
+    Examples:
+        >>> import numpy as np
+        >>> from jacutil import keras, vectorized_jacobian
+        >>> keras.utils.set_random_seed(0)
+        >>> model = keras.Sequential([keras.Input((3,), dtype="float64"),
+        ...                           keras.layers.Dense(2, dtype="float64")])
+        >>> x = np.random.default_rng(0).normal(size=(4, 3))  # n = 4 samples
+        >>> vectorized_jacobian(model, x).shape  # (n, l, m)
+        (4, 2, 8)
     """
     from ..core.formulation import batch_tensor
 
@@ -62,8 +80,26 @@ def per_sample_jacobian(model, x, *, variables=None, training=False):
     batch, so each sample is differentiated through itself only: linear in n.
     Recurrent layers are unrolled while it is traced, and a model that pfor
     cannot vectorize runs sample by sample (``jacutil.core.formulation``).
+    Introduced in ``02-vectorized``.
 
-    Returns (n_samples, n_outputs, n_params). Introduced in ``02-vectorized``.
+    Args:
+        model: a Keras model, or a callable ``f(x)`` with ``variables=``.
+        x: the n samples (an array, or a list or dict of arrays).
+        variables: the variables to differentiate (default: trainable ones).
+        training: run the model in training mode.
+
+    Returns:
+        A NumPy array of shape (n, l, m).
+
+    Examples:
+        >>> import numpy as np
+        >>> from jacutil import keras, per_sample_jacobian
+        >>> keras.utils.set_random_seed(0)
+        >>> model = keras.Sequential([keras.Input((3,), dtype="float64"),
+        ...                           keras.layers.Dense(2, dtype="float64")])
+        >>> x = np.random.default_rng(0).normal(size=(4, 3))  # n = 4 samples
+        >>> per_sample_jacobian(model, x).shape  # (n, l, m)
+        (4, 2, 8)
     """
     from ..core.formulation import per_sample_tensor
 
