@@ -69,7 +69,16 @@ def check_sendable(model):
 def model_spec(model, x):
     """What a worker needs to rebuild ``model``: its config and weights, and
     the outputs of the first sample of ``x``, to prove the rebuilt model is
-    the same function."""
+    the same function.
+
+    Args:
+        model: a Keras model.
+        x: the n samples.
+
+    Returns:
+        A dict: ``config`` (JSON), ``weights`` (arrays), ``key`` (a
+        fingerprint) and ``probe`` (one sample and its outputs).
+    """
     try:
         config = model.to_json()
     except Exception as error:  # noqa: BLE001 - any reason: say what to do
@@ -193,7 +202,14 @@ def _normal_equations_task(spec, x, y, chunk_size, training):
 
 def as_numpy(x):
     """``x`` (an array, or a list or dict of them) as NumPy arrays: what
-    travels to a worker."""
+    travels to a worker.
+
+    Args:
+        x: a tensor or array, or a nest of them.
+
+    Returns:
+        The same nest of NumPy arrays.
+    """
     return tf.nest.map_structure(np.asarray, x)
 
 
@@ -228,6 +244,22 @@ def distributed_jacobian(
 
     Returns ``out`` (an array, or the file opened read-only), shape
     (n_samples, n_outputs, n_params). Introduced in ``10-beyond-one-machine``.
+
+    Args:
+        model: a Keras model (workers rebuild it from its config).
+        x: the n samples.
+        workers: a :class:`LocalWorkers` or a ``dask.distributed.Client``.
+        chunk_size: samples per chunk (default n / (4 x workers)).
+        out: None, an array of shape (n, l, m), or a ``.npy`` path.
+        progress: show a progress bar over samples.
+        training: run the model in training mode.
+        jit_compile: compile with XLA.
+        method: as in :func:`jacutil.compiled_jacobian` (default ``"rules"``).
+        timeout: seconds to wait for any one chunk.
+        on_chunk: called with k after chunk k is written.
+
+    Returns:
+        ``out`` (an array, or the file opened read-only), shape (n, l, m).
     """
     client = client_of(workers)
     check_sendable(model)
@@ -302,6 +334,14 @@ class DistributedLeastSquares(LeastSquaresProblem):
     ``JtJ`` and ``Jtr`` come from the workers, added in chunk order, so they
     equal the single-process sums bit for bit. Introduced in
     ``10-beyond-one-machine``.
+
+    Args:
+        model: a Keras model.
+        x: the n samples.
+        y: the targets, one per sample.
+        workers: a :class:`LocalWorkers` or a ``dask.distributed.Client``.
+        chunk_size: samples per chunk.
+        training: run the model in training mode.
     """
 
     def __init__(self, model, x, y, workers, *, chunk_size=None, training=False):

@@ -87,6 +87,15 @@ def fingerprint(model, variables, x, **options):
     not the model's by its shape and value. A plain function has no layers
     to describe: what it computes is not covered (``key=`` of
     ``chunked_jacobian`` names it).
+
+    Args:
+        model: a Keras model, or a plain function.
+        variables: the variables differentiated.
+        x: the inputs (an array, or a nest of arrays).
+        **options: anything else that changes the result.
+
+    Returns:
+        A hex string of 32 characters.
     """
     digest = hashlib.blake2b(digest_size=16)
 
@@ -116,7 +125,17 @@ def run_record(jac, model, x, key=None):
     """What identifies a resumable run: the fingerprint of the model, the
     variables differentiated, ``x`` and the options
     (:func:`fingerprint`), and ``key``, which a plain function
-    must give: a name for what it computes, which no fingerprint can see."""
+    must give: a name for what it computes, which no fingerprint can see.
+
+    Args:
+        jac: the compiled Jacobian that writes the rows (``compiled_for``).
+        model: what it differentiates: a Keras model or a plain function.
+        x: the n samples.
+        key: a name for what a plain function computes (None for a model).
+
+    Returns:
+        A dict ``{"fingerprint": ..., "key": key}`` for the ledger.
+    """
     if key is None and not isinstance(model, keras.Layer):
         raise TypeError(
             "a resumable run (out=path) of a plain function needs key=: a name "
@@ -163,6 +182,12 @@ def writer_lock(path):
     so it dies with its process: a killed run can be resumed at once.
     ``chunked_jacobian`` and ``distributed_jacobian`` hold it for a whole run
     into a path (notebook ``10-beyond-one-machine``).
+
+    Args:
+        path: the ``.npy`` written.
+
+    Returns:
+        A context manager; FileBusy while another writer holds the lock.
     """
     lock = Path(str(path) + LOCK_SUFFIX)
     while True:
@@ -195,7 +220,17 @@ def writer_lock(path):
 
 
 def check_out(out, shape, dtype):
-    """``out`` as given, if it is an array that can hold this Jacobian."""
+    """``out`` as given, if it is an array that can hold this Jacobian.
+
+    Args:
+        out: what the caller passed as ``out=``.
+        shape: the Jacobian's shape, (n, l, m).
+        dtype: its dtype.
+
+    Returns:
+        ``out`` itself; a TypeError or ValueError that says how to make one
+        otherwise.
+    """
     if not isinstance(out, np.ndarray):
         raise TypeError(
             "out must be a NumPy array, an np.memmap or the path of a .npy "
@@ -226,7 +261,16 @@ def _npy_header(path):
 
 def file_problem(path, shape, dtype):
     """What is wrong with the ``.npy`` at ``path`` as rows of ``shape`` and
-    ``dtype`` (its header, and its exact size in bytes), or None."""
+    ``dtype`` (its header, and its exact size in bytes), or None.
+
+    Args:
+        path: the ``.npy`` file.
+        shape: the shape it should have, (n, l, m).
+        dtype: the dtype it should have.
+
+    Returns:
+        A sentence (str), or None when the file matches.
+    """
     shape, dtype = tuple(shape), np.dtype(dtype)
     try:
         found_shape, fortran_order, found_dtype, offset = _npy_header(path)
@@ -270,7 +314,12 @@ def _read_ledger(path):
 
 
 class Ledger:
-    """Which chunks of ``path`` are complete; see the module docstring."""
+    """Which chunks of ``path`` are complete; see the module docstring.
+
+    Args:
+        path: the ``.npy`` whose chunks it records.
+        record: what the file holds (fingerprint, key, shape, dtype).
+    """
 
     def __init__(self, path, record):
         self.data_path = Path(path)  # the .npy whose chunks it records
@@ -349,7 +398,14 @@ class Ledger:
 
 def finished_chunks(path):
     """``(finished, of)`` chunks of the resumable ``.npy`` at ``path``, from its
-    ledger; ``(0, None)`` before the ledger exists."""
+    ledger; ``(0, None)`` before the ledger exists.
+
+    Args:
+        path: the resumable ``.npy``.
+
+    Returns:
+        ``(finished, of)``: two ints, or ``(0, None)``.
+    """
     ledger = Path(str(path) + LEDGER_SUFFIX)
     try:
         state = json.loads(ledger.read_text())
@@ -359,7 +415,14 @@ def finished_chunks(path):
 
 
 def recorded_chunk_size(path):
-    """The chunk size in the ledger of the resumable ``.npy`` at ``path``."""
+    """The chunk size in the ledger of the resumable ``.npy`` at ``path``.
+
+    Args:
+        path: the resumable ``.npy``.
+
+    Returns:
+        The chunk size (int); ResumeMismatch when the ledger is unreadable.
+    """
     return _read_ledger(Path(str(path) + LEDGER_SUFFIX))["chunk_size"]
 
 
@@ -385,6 +448,17 @@ def open_rows(path, shape, dtype, record, chunk_size, default_chunk_size):
 
     ``chunk_size``: the one asked for, or None: the earlier run's, or
     ``default_chunk_size`` for a new file. Returns ``(ledger, chunk_size)``.
+
+    Args:
+        path: the ``.npy``.
+        shape: the Jacobian's shape, (n, l, m).
+        dtype: its dtype.
+        record: what identifies the run (:func:`run_record`).
+        chunk_size: the chunk size asked for, or None.
+        default_chunk_size: the chunk size of a new file.
+
+    Returns:
+        ``(ledger, chunk_size)``: a :class:`Ledger` and an int.
     """
     path = Path(path)
     record = {**record, "shape": list(shape), "dtype": str(np.dtype(dtype))}
@@ -411,7 +485,15 @@ def open_rows(path, shape, dtype, record, chunk_size, default_chunk_size):
 def check_run_file(path, token):
     """On a worker, before it writes: the ``.npy`` at ``path`` is the run's -
     the ledger beside it carries the run's ``token`` and the file matches it -
-    or RunFileError."""
+    or RunFileError.
+
+    Args:
+        path: the ``.npy`` the worker is about to write.
+        token: the run's token.
+
+    Returns:
+        None; RunFileError when the file is not the run's.
+    """
     ledger = Path(str(path) + LEDGER_SUFFIX)
     try:
         state = _read_ledger(ledger)
@@ -439,7 +521,16 @@ def check_run_file(path, token):
 def write_rows(path, start, rows):
     """Write ``rows`` as rows ``start..`` of the ``.npy`` at ``path`` and flush
     them to disk, through a mapping of those rows only (by the process that
-    computed them: this one, or a worker that sees the same file)."""
+    computed them: this one, or a worker that sees the same file).
+
+    Args:
+        path: the ``.npy``, shape (n, l, m).
+        start: the first row (sample) written.
+        rows: an array of shape (c, l, m) in the file's dtype.
+
+    Returns:
+        None.
+    """
     shape, _, dtype, offset = _npy_header(path)
     if rows.shape[1:] != shape[1:] or rows.dtype != dtype:
         raise ValueError(
@@ -456,7 +547,12 @@ def write_rows(path, start, rows):
 
 
 class SumCheckpoint:
-    """Running sums over chunks, saved atomically after each chunk."""
+    """Running sums over chunks, saved atomically after each chunk.
+
+    Args:
+        path: the ``.npz`` checkpoint.
+        record: what the sums are of (JSON-able); another record is refused.
+    """
 
     def __init__(self, path, record):
         self.path = Path(path)
@@ -489,7 +585,17 @@ class SumCheckpoint:
 def kill_part_way(script, progress, at_least=1, timeout=120.0):
     """A drill: run ``script`` in a fresh Python and ``SIGKILL`` it - no
     clean-up, as a lost machine - once ``progress()`` (chunks finished) reaches
-    ``at_least``. Returns ``progress()`` after the kill."""
+    ``at_least``. Returns ``progress()`` after the kill.
+
+    Args:
+        script: Python source run with ``python -c``.
+        progress: a function returning the chunks finished so far.
+        at_least: the chunks finished before the kill.
+        timeout: seconds to wait at the most.
+
+    Returns:
+        ``progress()`` after the kill (int).
+    """
     process = subprocess.Popen(
         [sys.executable, "-c", script],
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},

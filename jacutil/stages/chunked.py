@@ -41,6 +41,15 @@ def bytes_per_sample(n_outputs, n_params, itemsize, activations=0):
     """Estimated peak bytes that one sample costs while its rows are computed.
 
     ``activations``: elements of one sample's forward pass (``A`` above).
+
+    Args:
+        n_outputs: l.
+        n_params: m.
+        itemsize: bytes per number (8 for float64).
+        activations: elements of one sample's forward pass.
+
+    Returns:
+        Bytes (int).
     """
     per_row = WORKING_MEMORY_FACTOR * n_params + ACTIVATION_FACTOR * activations
     return int(itemsize * n_outputs * per_row)
@@ -53,6 +62,18 @@ def chunk_size_for(
 
     ``method="batch"`` (``tape.jacobian`` over the chunk) costs
     ``c**2`` times the activations of a row; see the constants above.
+
+    Args:
+        memory_budget: bytes.
+        n_outputs: l.
+        n_params: m.
+        itemsize: bytes per number.
+        activations: elements of one sample's forward pass.
+        method: ``"per_sample"`` or ``"batch"``.
+
+    Returns:
+        Samples per chunk (int, at least 1); ValueError when one sample does
+        not fit.
     """
     per_sample = bytes_per_sample(n_outputs, n_params, itemsize, activations)
     if memory_budget < per_sample:
@@ -203,7 +224,17 @@ def chunked_jacobian(
 
 def chunk_rows(jac, x, chunk_size, start):
     """Rows ``start..`` of J (one chunk) as a tensor; under XLA a short last
-    chunk is padded to its own power of two (one more compile), not a full one."""
+    chunk is padded to its own power of two (one more compile), not a full one.
+
+    Args:
+        jac: a compiled Jacobian (``compiled_for``).
+        x: the n samples, as a batch.
+        chunk_size: c, samples per chunk.
+        start: the chunk's first sample.
+
+    Returns:
+        A tensor of shape (c, l, m) (fewer rows for a short last chunk).
+    """
     stop = min(start + chunk_size, int(n_samples(x)))
     pad_to = bucket_size(stop - start, chunk_size) if jac.jit_compile else None
     return jac.tensor(take(x, start, stop), pad_to)
