@@ -48,7 +48,15 @@ def to_lm_by_n(J):
 
 
 def from_lm_by_n(M, n_outputs):
-    """The (l*m) x n matrix -> (n, l, m); the inverse of :func:`to_lm_by_n`."""
+    """The (l*m) x n matrix -> (n, l, m); the inverse of :func:`to_lm_by_n`.
+
+    Args:
+        M: the (l * m, n) matrix.
+        n_outputs: l.
+
+    Returns:
+        A NumPy array of shape (n, l, m).
+    """
     M = np.asarray(M)
     if M.ndim != 2:
         raise ValueError(f"M must be a 2-D (l*m) x n matrix; got shape {M.shape}.")
@@ -70,6 +78,16 @@ def split_outputs(J, model, x, *, variables=None, training=False):
     shape ``s``, an array of shape ``(n, *s, m)``. One forward pass of the
     first samples of ``x`` tells the structure. Introduced in
     ``08-your-own-model``.
+
+    Args:
+        J: the Jacobian, shape (n, l, m).
+        model: the Keras model (or callable) it is of.
+        x: the n samples (the first ones tell the structure).
+        variables: the variables differentiated (default: trainable ones).
+        training: run the model in training mode.
+
+    Returns:
+        The model's output nest of arrays, each of shape (n, *s, m).
     """
     J = np.asarray(J)
     target = resolve_target(model, variables, training, x)
@@ -117,7 +135,16 @@ def flat_params(model, *, variables=None):
 
 
 def set_flat_params(model, theta, *, variables=None):
-    """Write a flat vector ``theta`` back into the model's trainable variables."""
+    """Write a flat vector ``theta`` back into the model's trainable variables.
+
+    Args:
+        model: a Keras model, or a callable with ``variables=``.
+        theta: a flat vector of shape (m,), in ``flat_params`` order.
+        variables: the variables written (default: the trainable ones).
+
+    Returns:
+        None; ValueError when theta is not of shape (m,).
+    """
     target = resolve_target(model, variables)
     theta = np.asarray(theta)
     if theta.shape != (target.n_params,):

@@ -285,6 +285,17 @@ def per_sample_gradient_norms(model, loss_fn, x, y, *, variables=None, training=
     For a chain of Dense layers on flat inputs, computed without the
     gradients (``|a|^2 |delta|^2`` per layer); for any other model, the norms
     of :func:`per_sample_gradients`. Introduced in ``09-matrix-free``.
+
+    Args:
+        model: a Keras model, or a callable ``f(x)`` with ``variables=``.
+        loss_fn: ``loss_fn(y, prediction)`` with one loss per sample.
+        x: the n samples.
+        y: the targets, one per sample.
+        variables: the variables differentiated (default: trainable ones).
+        training: run the model in training mode.
+
+    Returns:
+        A NumPy array of shape (n,).
     """
     job = _Gradients(model, x, y, variables, training)
     plan = job.plan

@@ -322,6 +322,16 @@ def fit_least_squares(model, x, y, **least_squares_options):
     Options (``method=``, ``max_nfev=``, ...) go to SciPy. The solution is
     written into the model; SciPy's result is returned.
     Introduced in ``05-scipy-least-squares``.
+
+    Args:
+        model: a Keras model.
+        x: the n samples.
+        y: the targets, one per sample.
+        **least_squares_options: keyword arguments of
+            ``scipy.optimize.least_squares``.
+
+    Returns:
+        SciPy's ``OptimizeResult``; ``result.x`` has shape (m,).
     """
     from scipy.optimize import least_squares
 

@@ -42,6 +42,12 @@ class Products:
 
     ``jvp(x, v)`` and ``vjp(x, u)`` take a batch and return NumPy arrays;
     ``trace_count`` counts traces (one per product and input shape).
+
+    Args:
+        target: what is differentiated (``jacutil.core.target``).
+        chunk_size: samples per slice, or None for the whole batch.
+        mode: ``"forward"`` or ``"double_backward"`` (how ``jvp`` runs).
+        owner: the model, kept alive as long as these products.
     """
 
     def __init__(self, target, chunk_size=None, mode="forward", owner=None):
@@ -199,6 +205,17 @@ def products(model, *, variables=None, training=False, chunk_size=None, mode="fo
     one slice's forward and backward pass); None runs it whole. ``mode``:
     ``"forward"`` (``ForwardAccumulator``) or ``"double_backward"`` (the JVP
     as the gradient of a VJP) for ``jvp``. Introduced in ``09-matrix-free``.
+
+    Args:
+        model: a Keras model, or a callable ``f(x)`` with ``variables=``.
+        variables: the variables differentiated (default: trainable ones).
+        training: run the model in training mode.
+        chunk_size: samples per slice, or None.
+        mode: ``"forward"`` or ``"double_backward"``.
+
+    Returns:
+        A :class:`Products` ``p``: ``p.jvp(x, v)`` (m,) -> (n, l) and
+        ``p.vjp(x, u)`` (n, l) -> (m,).
     """
     variables = None if variables is None else variable_list(variables)
     target = resolve_target(model, variables, training)
@@ -276,6 +293,14 @@ def jacobian_operator(model, x, **options):
     per column; nothing of size n*l*m is formed. The operator reads the
     model's variables when it is applied, so it follows the model's current
     parameters. Introduced in ``09-matrix-free``.
+
+    Args:
+        model: a Keras model, or a callable ``f(x)`` with ``variables=``.
+        x: the n samples.
+        **options: as in :func:`products` (or ``products=`` one already made).
+
+    Returns:
+        A ``LinearOperator`` of shape (n * l, m), float64.
     """
     from scipy.sparse.linalg import LinearOperator
 

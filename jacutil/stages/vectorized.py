@@ -16,7 +16,15 @@ from ..core.target import resolve_target, stack_columns
 
 
 def batch_tape_jacobian(target, x):
-    """(n, l, m) tensor: ``tape.jacobian`` of the whole batch's outputs."""
+    """(n, l, m) tensor: ``tape.jacobian`` of the whole batch's outputs.
+
+    Args:
+        target: what is differentiated (``jacutil.core.target``).
+        x: the n samples, as a batch.
+
+    Returns:
+        A tensor of shape (n, l, m).
+    """
     with tf.GradientTape() as tape:
         target.watch(tape)
         y = target.forward(x)
@@ -25,7 +33,15 @@ def batch_tape_jacobian(target, x):
 
 
 def per_sample_tape_jacobian(target, x):
-    """(n, l, m) tensor: a one-sample Jacobian, vectorized over samples."""
+    """(n, l, m) tensor: a one-sample Jacobian, vectorized over samples.
+
+    Args:
+        target: what is differentiated (``jacutil.core.target``).
+        x: the n samples, as a batch.
+
+    Returns:
+        A tensor of shape (n, l, m).
+    """
 
     def one_sample(xi):
         xi = tf.nest.map_structure(lambda t: t[None], xi)  # a batch of one
