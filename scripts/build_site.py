@@ -22,7 +22,9 @@ Sphinx warnings are errors (-W, with --keep-going to list them all).
 """
 
 import argparse
+import importlib
 import inspect
+import pkgutil
 import re
 import shutil
 import subprocess
@@ -61,7 +63,7 @@ def link_names(text, pages, api_names):
         base = re.sub(r"\(.*\)$", "", name)  # `chunked_jacobian(out=path)`
         base = re.sub(r"^(jacutil|ju)\.", "", base)  # `ju.jacobian`
         if base in api_names:
-            return f"{{py:obj}}`{name} <jacutil.{base}>`"
+            return f"{{py:obj}}`{name} <jacutil.{api_names[base]}>`"
         return match[0]
 
     def prose(part):
@@ -116,6 +118,19 @@ def site_notebook(copy, book, learner_name, api_names):
     ]
     nb.cells.insert(titled[0] + 1 if titled else 0, box)
     return nb
+
+
+def submodules(package):
+    """``[(name, module)]`` of a package's public modules, ``name`` relative
+    to jacutil (``core.memory``); a module (``testing``) is its own one."""
+    if not hasattr(package, "__path__"):
+        return [(package.__name__.split(".", 1)[1], package)]
+    found = []
+    for info in pkgutil.iter_modules(package.__path__):
+        if not info.name.startswith("_"):
+            module = importlib.import_module(f"{package.__name__}.{info.name}")
+            found.append((module.__name__.split(".", 1)[1], module))
+    return found
 
 
 def public_callables(module):
@@ -196,18 +211,26 @@ def api_page():
     for n in classes:
         lines += [f".. autoclass:: jacutil.{n}", "   :members:", ""]
     lines += heading("Modules", "-")
-    documented = set(functions + classes)
+    documented = {n: n for n in functions + classes}
     for n in modules:
-        module = getattr(jacutil, n)
-        members = [
-            m for m in public_callables(module) if id(getattr(module, m)) not in top
-        ]
-        documented |= {f"{n}.{m}" for m in members}
-        lines += heading(f"``jacutil.{n}``", "~") + [f".. automodule:: jacutil.{n}"]
-        lines += (
-            [f"   :members: {', '.join(members)}"] if members else ["   :no-members:"]
-        )
-        lines += [""]
+        lines += heading(f"``jacutil.{n}``", "~")
+        lines += [f".. automodule:: jacutil.{n}", "   :no-members:", ""]
+        for name, module in submodules(getattr(jacutil, n)):
+            members = [
+                m for m in public_callables(module) if id(getattr(module, m)) not in top
+            ]
+            short = name.split(".", 1)[1]  # memory.predicted_bytes in prose
+            for m in members:
+                documented[f"{name}.{m}"] = f"{name}.{m}"
+                documented.setdefault(f"{short}.{m}", f"{name}.{m}")
+            lines += heading(f"``jacutil.{name}``", "^")
+            lines += [f".. automodule:: jacutil.{name}"]
+            lines += (
+                [f"   :members: {', '.join(members)}"]
+                if members
+                else ["   :no-members:"]
+            )
+            lines += [""]
     return "\n".join(lines), documented
 
 

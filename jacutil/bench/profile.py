@@ -7,12 +7,12 @@ from ..core.target import resolve_target
 from ..rules import plan_for
 from ..rules.dense_jacobian import compiled_dense_jacobian
 from .floor import fill_floor, preallocated, write_floor
-from .runner import _times
+from .runner import repeat_times
 
 
 def _median_seconds(piece, repeats):
     piece()  # warm-up: trace and compile
-    return float(np.median(_times(lambda _: piece(), None, repeats)))
+    return float(np.median(repeat_times(lambda _: piece(), None, repeats)))
 
 
 def _layer_blocks(model, x):

@@ -64,7 +64,6 @@ def repeat_times(jac, x, repeats):
     return times
 
 
-_times = repeat_times  # bench/profile.py's name, until it imports repeat_times
 
 
 def _timed(name, n, function, argument, repeats, watch_memory, check=None):

@@ -11,6 +11,7 @@ hand-derived rule.
 """
 
 from ..core._grouped import convolutions_by_group
+from ..core._shared import or_zeros
 from ..core._tf import tf
 from ..core.target import watched
 from .registry import Blocks, Rule, per_output, rows
@@ -89,10 +90,7 @@ class AutodiffRule(Rule):
                 y = layer(a_row[None])
             sources = ([a_row] if floating else []) + tracked
             grads = tape.gradient(y, sources, output_gradients=d_row[None])
-            return [
-                tf.zeros_like(s) if g is None else tf.convert_to_tensor(g)
-                for g, s in zip(grads, sources, strict=True)
-            ]
+            return [or_zeros(g, s) for g, s in zip(grads, sources, strict=True)]
 
         grads = tf.vectorized_map(one_row, (repeat_rows(a, n_outputs), rows(delta)))
         below = per_output(grads[0], n_samples, n_outputs) if floating else None

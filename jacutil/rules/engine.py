@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..core._grouped import convolutions_by_group
+from ..core._shared import joined_gradients, size_of, sizes_of
 from ..core._tf import keras, tf
 from ..core.batch import n_samples, signature_key, take
 from ..core.formulation import pfor_log
 from ..core.target import watched
 from .autodiff import AutodiffRule
-from .registry import Blocks, LogitsSignal, Wanted, rule_for, size_of
+from .registry import Blocks, LogitsSignal, Wanted, rule_for
 
 # Left to the compiled per-sample stage: pfor unrolls their time loop
 # (jacutil.core.formulation), and attention's products need XLA in TF 2.21.
@@ -364,14 +365,7 @@ def disagreement(plan, target, x, seed=0):
             y = target.forward(take(x, i, i + 1))[0]
             score = tf.reduce_sum(w[row] * y)
         grads = tape.gradient(score, sources)
-        auto = np.concatenate(
-            [
-                np.zeros(int(np.prod(v.shape)))
-                if g is None
-                else np.ravel(tf.convert_to_tensor(g))
-                for g, v in zip(grads, target.variables, strict=True)
-            ]
-        )
+        auto = joined_gradients(grads, sizes_of(target.variables), J.dtype).numpy()
         scale = max(1.0, float(np.abs(auto).max(initial=0)))
         error = (
             float(np.abs(hand[row] - auto).max())

@@ -23,6 +23,7 @@ from typing import Any, final
 
 import numpy as np
 
+from ..core._shared import size_of
 from ..core._tf import tf
 
 RULES = {}  # layer type -> rule class
@@ -106,11 +107,6 @@ class LogitsSignal:
 
     def __init__(self, delta):
         self.delta = delta
-
-
-def size_of(variable):
-    """The number of entries of ``variable`` (its columns in the Jacobian)."""
-    return int(np.prod(variable.shape, dtype=np.int64))
 
 
 class Wanted:

@@ -22,10 +22,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..core._shared import size_of
 from ..core._tf import keras, tf
 from ..core.target import watched
 from ..rules.engine import place_blocks, signal_for
-from ..rules.registry import RULES, NoRule, RuleContractError, Wanted, size_of
+from ..rules.registry import RULES, NoRule, RuleContractError, Wanted
 
 
 @dataclass

@@ -171,7 +171,7 @@ fig.tight_layout()
 # l outputs:
 
 # %%
-ju.teaching.notebook.show_source(ju.products.forward.ForwardJacobian._columns)
+ju.teaching.notebook.show_source(ju.matrix_free.forward.ForwardJacobian._columns)
 
 # %%
 # NBVAL_IGNORE_OUTPUT

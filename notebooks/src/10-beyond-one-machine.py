@@ -210,7 +210,7 @@ except ju.scale.resume.ResumeMismatch as error:
 # instead of the shared one) fails, rather than write rows nobody reads:
 
 # %%
-ju.teaching.notebook.show_source(ju.scale.distributed._rows_task)
+ju.teaching.notebook.show_source(ju.scale.distributed.rows_task)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
