@@ -33,7 +33,7 @@ run: setup
 # Lint, unit tests, papermill with small parameters, then nbval (strict) over the
 # stored outputs.
 test: setup lint
-	$(BIN)/python -m pytest tests -n 2 --dist load --durations=20
+	$(BIN)/python -m pytest tests -n 2 --dist loadgroup --durations=20
 	$(BIN)/python -m pytest notebooks --nbval --nbval-current-env \
 		--nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout 600 \
 		-n 2 --dist loadfile

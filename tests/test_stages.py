@@ -87,7 +87,15 @@ STAGES = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+# Each model's tests run in one worker (make test: --dist loadgroup), so that
+# its reference and its compiled functions are made once, not once per worker.
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(name, marks=pytest.mark.xdist_group(name))
+        for name in sorted(ARCHITECTURES)
+    ],
+)
 def problem(request):
     """A zoo case, a batch of 5, and the float64 reference."""
     case = build(request.param)
