@@ -21,7 +21,13 @@ project = next(
 )
 html_title = project
 
-extensions = ["myst_nb", "sphinx.ext.autodoc", "sphinx.ext.mathjax"]
+# napoleon: the docstrings' Args:, Returns: and Examples: sections
+extensions = [
+    "myst_nb",
+    "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",
+    "sphinx.ext.mathjax",
+]
 exclude_patterns = ["_files", ".doctrees", "learner-work"]
 
 # Notebooks: the stored outputs, never executed here.
