@@ -31,7 +31,15 @@ _products = weakref.WeakKeyDictionary()  # owner -> {key: Products}
 
 def owner_of(model):
     """What an entry is keyed on: the model, or a bound method's object (and
-    the method's function, as part of the key)."""
+    the method's function, as part of the key).
+
+    Args:
+        model: a Keras model, a callable or a bound method.
+
+    Returns:
+        ``(owner, extra)``: the object to key on weakly, and a tuple (empty,
+        or the bound method's function) to add to the entry's key.
+    """
     if hasattr(model, "__self__") and hasattr(model, "__func__"):
         return model.__self__, (model.__func__,)
     return model, ()
@@ -59,6 +67,19 @@ def compiled_for(model, variables, training, jit_compile, method, x=None):
     The key holds the variables themselves (their ids), so after
     ``layer.trainable = False`` the model gets a compiled Jacobian of its new
     columns.
+
+    Args:
+        model: a Keras model, or a callable ``f(x)`` with ``variables``.
+        variables: the variables to differentiate, or None for the model's
+            trainable variables.
+        training: run the model in training mode.
+        jit_compile: compile with XLA.
+        method: the formulation (as for :class:`CompiledJacobian`).
+        x: a batch, to build a model that is not built yet (optional).
+
+    Returns:
+        The model's :class:`jacutil.stages.compiled.CompiledJacobian` for these
+        options, cached (the newest ``CACHED_PER_MODEL`` per model).
     """
     owner, extra = owner_of(model)
     if variables is None and getattr(model, "built", False):
@@ -80,7 +101,18 @@ def compiled_for(model, variables, training, jit_compile, method, x=None):
 
 
 def forward_for(model, variables, training):
-    """The forward-mode Jacobian of ``model``, compiled once per input shape."""
+    """The forward-mode Jacobian of ``model``, compiled once per input shape.
+
+    Args:
+        model: a Keras model, or a callable ``f(x)`` with ``variables``.
+        variables: the variables to differentiate, or None for the model's
+            trainable variables.
+        training: run the model in training mode.
+
+    Returns:
+        The model's :class:`jacutil.matrix_free.forward.ForwardJacobian`,
+        cached.
+    """
     from ..matrix_free.forward import COLUMNS_PER_PASS, ForwardJacobian
 
     owner, extra = owner_of(model)
@@ -94,7 +126,17 @@ def forward_for(model, variables, training):
 
 
 def products_for(model, options):
-    """The compiled ``jvp`` and ``vjp`` of ``model`` with these options."""
+    """The compiled ``jvp`` and ``vjp`` of ``model`` with these options.
+
+    Args:
+        model: a Keras model, or a callable ``f(x)`` with ``variables``.
+        options: a mapping of keyword arguments for
+            :class:`jacutil.matrix_free.products.Products`, with ``variables``
+            and ``training`` among them (optional).
+
+    Returns:
+        The model's :class:`jacutil.matrix_free.products.Products`, cached.
+    """
     from ..matrix_free.products import Products
 
     owner, extra = owner_of(model)

@@ -58,6 +58,12 @@ def recurrent_layers(target):
     computes another function when those are unrolled (up to 0.06 apart on
     a masked sequence), so they keep their loop - and the stage that cannot
     vectorize it falls back (``tf.map_fn``) or refuses (forward mode).
+
+    Args:
+        target: a :class:`jacutil.core.target.Target`.
+
+    Returns:
+        A list of ``keras.layers.RNN`` layers, in ``target.layers`` order.
     """
     masked = any(
         getattr(layer, "mask_zero", False) or isinstance(layer, keras.layers.Masking)
@@ -76,7 +82,14 @@ def recurrent_layers(target):
 
 
 def kept_loops(target):
-    """The recurrent layers that keep their loop (see :func:`recurrent_layers`)."""
+    """The recurrent layers that keep their loop (see :func:`recurrent_layers`).
+
+    Args:
+        target: a :class:`jacutil.core.target.Target`.
+
+    Returns:
+        A list of ``keras.layers.RNN`` layers (empty for most models).
+    """
     unrolled_ids = {id(layer) for layer in recurrent_layers(target)}
     return [
         layer
@@ -88,7 +101,14 @@ def kept_loops(target):
 def refuse_kept_loops(target):
     """Raise :class:`ForwardModeBlindSpot` when a recurrent layer keeps its
     loop: forward mode carries no tangent through a ``while_loop``'s variable
-    reads (TF 2.21)."""
+    reads (TF 2.21).
+
+    Args:
+        target: a :class:`jacutil.core.target.Target`.
+
+    Raises:
+        ForwardModeBlindSpot: a recurrent layer keeps its loop.
+    """
     kept = kept_loops(target)
     if kept:
         raise ForwardModeBlindSpot(
@@ -150,6 +170,9 @@ def pfor_log():
     Yields the list of notes (warnings) it collects; errors are dropped. In
     nested blocks the innermost takes the notes. Introduced in
     ``08-your-own-model``.
+
+    Yields:
+        A list of ``str``: pfor's notes, filled while the block runs.
     """
     logger, capture = tf.get_logger(), _PforLog()
     logger.filters.insert(0, capture)  # before any outer block's filter
@@ -184,6 +207,14 @@ def quiet_function(python_function, **options):
     warns about (jacutil's own RetracingWarning watches for the real trap).
     Each trace runs inside :func:`pfor_log`: what pfor says while vectorizing
     our own code (``Conv2DBackpropFilter uses a while_loop``) is ours to hear.
+
+    Args:
+        python_function: the function to trace.
+        **options: keyword arguments for ``tf.function`` (``jit_compile``,
+            ``input_signature``, ...).
+
+    Returns:
+        The ``tf.function``.
     """
 
     def traced(*args, **kwargs):
@@ -207,7 +238,14 @@ def refuse_shape_preserving_max_pools(ops):
     """Raise :class:`ForwardModeBlindSpot` when one of ``ops`` is a max pool
     whose output has its input's shape (``padding="same"`` with stride 1, or
     a 1-wide window): in a graph, TF 2.21's JVP of such a pool is zero
-    (eager is right; valid padding or stride 2 are right too)."""
+    (eager is right; valid padding or stride 2 are right too).
+
+    Args:
+        ops: graph operations (``tf.Operation``), as from :func:`new_ops`.
+
+    Raises:
+        ForwardModeBlindSpot: one of ``ops`` is such a max pool.
+    """
     for op in ops:
         if op.type in MAX_POOLS:
             before, after = op.inputs[0].shape, op.outputs[0].shape
@@ -230,6 +268,14 @@ def refuse_hidden_reads(ops, variables):
 
     ``tf.autodiff.ForwardAccumulator`` in a graph carries no tangent into
     such a read (TF 2.21): the columns of that variable would be zeros.
+
+    Args:
+        ops: the graph operations traced in forward mode (``tf.Operation``).
+        variables: the differentiated variables.
+
+    Raises:
+        ForwardModeBlindSpot: a nested function reads one of ``variables``,
+            or a max pool keeps its input's shape.
     """
     graph = tf.compat.v1.get_default_graph()
     handles = {id(v.handle) for v in variables}
@@ -253,13 +299,26 @@ def refuse_hidden_reads(ops, variables):
 
 
 def onednn_hazards(ops):
-    """The batch matmuls among ``ops`` that broadcast (see above)."""
+    """The batch matmuls among ``ops`` that broadcast (see above).
+
+    Args:
+        ops: graph operations (``tf.Operation``).
+
+    Returns:
+        A list of the ``BatchMatMul`` operations whose batch dimensions
+        broadcast.
+    """
     return [op for op in ops if op.type in BATCH_MATMULS and _broadcasts(op)]
 
 
 @contextlib.contextmanager
 def new_ops():
-    """The operations added to the graph being traced inside the block."""
+    """The operations added to the graph being traced inside the block.
+
+    Yields:
+        A list, filled with the new ``tf.Operation`` objects when the block
+        ends.
+    """
     graph = tf.compat.v1.get_default_graph()
     start = len(graph.get_operations())
     created = []
@@ -272,6 +331,16 @@ def vectorize(jacobian, target, x, xla=False):
 
     Call it inside a ``tf.function`` trace. Returns ``(tensor, notes)``:
     what pfor said about the graph, and whether it runs under XLA.
+
+    Args:
+        jacobian: a function ``jacobian(target, x)`` returning a tensor.
+        target: a :class:`jacutil.core.target.Target`.
+        x: the batch of n samples (tensors).
+        xla: the caller compiles with XLA already (no need to move).
+
+    Returns:
+        ``(J, notes)``: J as ``jacobian`` returns it (shape (n, l, m) for the
+        per-sample stages), and a list of ``str`` notes.
     """
     with pfor_log() as notes, new_ops() as created:
         J = jacobian(target, x)
@@ -292,6 +361,13 @@ def map_fn_jacobian(target, x):
 
     The l output rows are not vectorized either (``experimental_use_pfor=
     False``), so nothing here meets pfor's limits: the slow, safe path.
+
+    Args:
+        target: a :class:`jacutil.core.target.Target`.
+        x: the batch of n samples: a tensor, or a list or dict of them.
+
+    Returns:
+        J, a tensor of shape (n, l, m) in the target's dtype.
     """
 
     def one_sample(xi):
@@ -317,7 +393,14 @@ NOT_THE_MESSAGE = ("File ", "[[", "Detected at node", "Graph execution error")
 
 
 def first_line(error):
-    """The line of ``error`` that says what went wrong (not where)."""
+    """The line of ``error`` that says what went wrong (not where).
+
+    Args:
+        error: an exception.
+
+    Returns:
+        A ``str`` of at most 200 characters.
+    """
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     lines = [line for line in lines if not line.startswith(NOT_THE_MESSAGE)]
     last = lines[-1] if lines else type(error).__name__
@@ -326,13 +409,26 @@ def first_line(error):
 
 
 def pfor_failed_when_run(error):
-    """Whether ``error`` is pfor's converted graph failing when it runs."""
+    """Whether ``error`` is pfor's converted graph failing when it runs.
+
+    Args:
+        error: an exception.
+
+    Returns:
+        A ``bool``.
+    """
     return isinstance(error, tf.errors.InvalidArgumentError) and "/pfor/" in str(
         error
     )
 
 
 def warn_sample_by_sample(reason, stacklevel=4):
+    """Warn (:class:`SlowPathWarning`) that the samples run one at a time.
+
+    Args:
+        reason: why pfor could not vectorize the model, in words.
+        stacklevel: as for ``warnings.warn``: the caller the warning names.
+    """
     warnings.warn(
         f"tf.vectorized_map could not vectorize this model ({reason}), so its "
         "samples run one at a time in tf.map_fn: correct, and much slower. "
@@ -410,6 +506,15 @@ def per_sample_tensor(target, x, xla=False):
 
 @_in_a_graph
 def batch_tensor(target, x, xla=False):
-    """``tape.jacobian`` over the batch, and its formulation (see above)."""
+    """``tape.jacobian`` over the batch, and its formulation (see above).
+
+    Args:
+        target: a :class:`jacutil.core.target.Target`.
+        x: the batch of n samples.
+        xla: the caller compiles with XLA already.
+
+    Returns:
+        ``(J, formulation)``: J, a tensor of shape (n, l, m), and a ``str``.
+    """
     J, notes = vectorize(batch_tape_jacobian, target, x, xla)
     return J, "; ".join(["tape.jacobian over the batch", *notes])

@@ -97,7 +97,14 @@ def _random_layers(layers):
 
 
 def random_layers(layers):
-    """Names of the ``layers`` that draw random numbers in training mode."""
+    """Names of the ``layers`` that draw random numbers in training mode.
+
+    Args:
+        layers: Keras layers (nested ones listed too, as the caller wants).
+
+    Returns:
+        A list of ``str``, ``"name (ClassName)"`` per random layer.
+    """
     return list(_random_layers(layers))
 
 
@@ -198,6 +205,15 @@ def note_trace(variables, options):
     ``ju.compiled_jacobian(model)`` called inside a loop is caught although
     each new function traces only once. Returns the count so far.
     Introduced in ``06-pitfalls``.
+
+    Args:
+        variables: the compiled Jacobian's variables (the first one keys the
+            model).
+        options: the options that tell its functions apart (an iterable of
+            hashables: method, ``jit_compile``).
+
+    Returns:
+        An ``int``: the traces counted for this model and options so far.
     """
     first = variables[0]
     key = (id(first), len(variables), tuple(options))

@@ -26,7 +26,15 @@ import psutil
 
 @dataclass
 class MemoryUse:
-    """``peak``: highest anonymous RSS during the call, minus ``baseline`` (bytes)."""
+    """``peak``: highest anonymous RSS during the call, minus ``baseline`` (bytes).
+
+    Args:
+        result: what the call returned.
+        baseline: the level (bytes of anonymous RSS) the peak is measured from.
+        peak: the highest anonymous RSS during the call minus ``baseline``,
+            in bytes (at least 0).
+        seconds: the call's wall time.
+    """
 
     result: object
     baseline: int
@@ -35,12 +43,23 @@ class MemoryUse:
 
 
 def rss():
-    """The process's resident set size now, in bytes (mapped files included)."""
+    """The process's resident set size now, in bytes (mapped files included).
+
+    Returns:
+        An ``int``: bytes.
+    """
     return psutil.Process().memory_info().rss
 
 
 def anonymous_rss(process=None):
-    """Resident memory that only swap could free: RSS less file-backed pages."""
+    """Resident memory that only swap could free: RSS less file-backed pages.
+
+    Args:
+        process: a ``psutil.Process`` (default: this process).
+
+    Returns:
+        An ``int``: bytes.
+    """
     info = (process or psutil.Process()).memory_info()
     return info.rss - info.shared
 
@@ -52,6 +71,17 @@ def peak_memory(fn, *args, interval=0.002, baseline=None, **kwargs):
     :func:`anonymous_rss`), by default the level just before the call. Memory
     that TensorFlow keeps pooled from an earlier call is not counted again, so
     for a sweep of sizes pass the level from before the first size.
+
+    Args:
+        fn: the function to call.
+        *args: its positional arguments.
+        interval: seconds between two samples of the memory.
+        baseline: bytes of anonymous RSS to measure from (default: now).
+        **kwargs: its keyword arguments.
+
+    Returns:
+        A :class:`MemoryUse`: the result, the baseline, the peak and the
+        seconds.
     """
     process = psutil.Process()
     if baseline is None:
@@ -83,6 +113,14 @@ class MemoryModel:
 
     ``quadratic`` (a) is zero for the per-sample path; ``linear`` (b) holds the
     rows of the result and their working copies; ``constant`` (c) the rest.
+
+    Args:
+        quadratic: a, bytes per sample squared.
+        linear: b, bytes per sample.
+        constant: c, bytes.
+
+    >>> MemoryModel(quadratic=0.0, linear=100.0, constant=50.0).largest_n(1050)
+    10
     """
 
     quadratic: float
@@ -90,12 +128,26 @@ class MemoryModel:
     constant: float = 0.0
 
     def predict(self, n_samples):
-        """Predicted peak bytes for ``n_samples`` (a float, or an array of them)."""
+        """Predicted peak bytes for ``n_samples`` (a float, or an array of them).
+
+        Args:
+            n_samples: n, a number or an array of them.
+
+        Returns:
+            A float array of ``n_samples``'s shape (0-d for a number): bytes.
+        """
         n = np.asarray(n_samples, dtype=float)
         return self.quadratic * n**2 + self.linear * n + self.constant
 
     def largest_n(self, n_bytes):
-        """The largest number of samples whose predicted peak fits ``n_bytes``."""
+        """The largest number of samples whose predicted peak fits ``n_bytes``.
+
+        Args:
+            n_bytes: the memory available, in bytes.
+
+        Returns:
+            An ``int`` (0 when not even the constant fits).
+        """
         a, b, c = self.quadratic, self.linear, self.constant - n_bytes
         if c > 0:
             return 0
@@ -109,6 +161,17 @@ class MemoryModel:
 
         Relative errors are minimised, so small sizes count as much as large
         ones. ``quadratic=False`` fits ``b*n + c`` only.
+
+        Args:
+            sizes: the numbers of samples measured, shape (k,), k >= 2.
+            peaks: the peak bytes measured at each size, shape (k,).
+            quadratic: fit the ``a*n**2`` term too.
+
+        Returns:
+            A :class:`MemoryModel`.
+
+        Raises:
+            ValueError: fewer than two sizes, or not one peak per size.
         """
         from scipy.optimize import nnls
 
@@ -155,6 +218,17 @@ def activation_elements(model, x, *, variables=None, training=False, unroll=True
     per-sample method) recurrent layers are traced unrolled, and every read
     of a variable after its first counts too: an unrolled layer gets one
     block of gradients per time step. Introduced in ``04-chunked``.
+
+    Args:
+        model: a Keras model, or a callable ``f(x)`` with ``variables``.
+        x: a batch (its per-sample shape is what counts).
+        variables: the variables to differentiate (default: the model's
+            trainable variables).
+        training: run the model in training mode.
+        unroll: trace recurrent layers unrolled and count repeated reads.
+
+    Returns:
+        An ``int``: A, floating-point elements per sample.
     """
     from .batch import as_batch
     from .target import resolve_target
@@ -164,7 +238,16 @@ def activation_elements(model, x, *, variables=None, training=False, unroll=True
 
 
 def count_activations(target, x, *, unroll=True):
-    """:func:`activation_elements` of a resolved target and a checked batch."""
+    """:func:`activation_elements` of a resolved target and a checked batch.
+
+    Args:
+        target: a :class:`jacutil.core.target.Target`.
+        x: a batch checked by :func:`jacutil.core.batch.as_batch`.
+        unroll: as for :func:`activation_elements`.
+
+    Returns:
+        An ``int``: A, floating-point elements per sample.
+    """
     from ._tf import tf
     from .formulation import quiet_function, recurrent_layers, unrolled
 
@@ -203,7 +286,14 @@ def predicted_bytes(n_samples, method="batch"):
 
 
 def available_bytes(safety=0.5):
-    """Bytes this process may still use: a fraction ``safety`` of what is free."""
+    """Bytes this process may still use: a fraction ``safety`` of what is free.
+
+    Args:
+        safety: the fraction of the machine's available memory to use.
+
+    Returns:
+        An ``int``: bytes.
+    """
     return int(safety * psutil.virtual_memory().available)
 
 

@@ -18,14 +18,25 @@ from .guards import JacobianError
 
 @dataclass(frozen=True)
 class OutputLayout:
-    """Where each output leaf sits in a sample's row (see :func:`output_layout`)."""
+    """Where each output leaf sits in a sample's row (see :func:`output_layout`).
+
+    Args:
+        structure: the model's output nest, each leaf replaced by its index in
+            ``tf.nest.flatten`` order.
+        shapes: the per-sample shape of each leaf, in flatten order.
+        n_outputs: l, the elements of all leaves of one sample.
+    """
 
     structure: object  # the model's output nest, each leaf its index in flatten order
     shapes: tuple  # per-sample shape of each leaf, in tf.nest.flatten order
     n_outputs: int
 
     def slices(self):
-        """One ``slice`` of a sample's row per output leaf, in flatten order."""
+        """One ``slice`` of a sample's row per output leaf, in flatten order.
+
+        Returns:
+            A list of ``slice`` into the l outputs, one per leaf.
+        """
         sizes = sizes_of(self.shapes)
         ends = np.cumsum(sizes)
         return [slice(int(e - s), int(e)) for s, e in zip(sizes, ends, strict=True)]
@@ -82,6 +93,18 @@ def output_layout(target, x):
     Runs the model eagerly on the first sample and the first two, once per
     input signature, and checks that every output leaf has one row per
     sample.
+
+    Args:
+        target: a :class:`jacutil.core.target.Target` (its ``layouts`` cache
+            the answer per input signature).
+        x: a checked batch of n samples.
+
+    Returns:
+        An :class:`OutputLayout`.
+
+    Raises:
+        JacobianError: an output leaf is a scalar, not per sample, or not
+            floating point.
     """
     key = signature_key(x)
     if key not in target.layouts:

@@ -30,6 +30,16 @@ class Target:
     ``call(x)`` returns the model's own output nest; ``forward(x)`` the rows.
     ``declared`` is the model's declared input nest (Keras tensors), or None.
     ``layers`` holds every Keras layer of the model (none for a callable).
+
+    Args:
+        call: ``x -> output nest``, the model's call (holding it weakly).
+        variables: the m parameters' variables, in ``flat_params`` order.
+        dtype: the variables' one float dtype (a ``np.dtype``).
+        declared: the model's declared input nest, or None.
+        layers: every Keras layer inside the model.
+        training: whether the model runs in training mode.
+        layouts: the :class:`jacutil.core.outputs.OutputLayout` per input
+            signature, filled as batches come.
     """
 
     call: Callable
@@ -42,20 +52,39 @@ class Target:
 
     @property
     def n_params(self):
+        """m, the number of parameters (an ``int``)."""
         return count_params(self.variables)
 
     def forward(self, x):
-        """The outputs of batch ``x`` as rows: (n_samples, n_outputs)."""
+        """The outputs of batch ``x`` as rows: (n_samples, n_outputs).
+
+        Args:
+            x: a batch of n samples (tensors).
+
+        Returns:
+            A tensor of shape (n, l).
+        """
         return as_rows(self.call(x), n_samples(x))
 
     def watch(self, tape):
-        """Make ``tape`` record every variable, trainable or not."""
+        """Make ``tape`` record every variable, trainable or not.
+
+        Args:
+            tape: a ``tf.GradientTape``.
+        """
         for v in self.variables:
             tape.watch(watched(v))
 
 
 def watched(variable):
-    """What a tape or an accumulator watches: a ``keras.Variable``'s ``tf.Variable``."""
+    """What a tape or an accumulator watches: a ``keras.Variable``'s ``tf.Variable``.
+
+    Args:
+        variable: a ``keras.Variable`` or a ``tf.Variable``.
+
+    Returns:
+        The ``tf.Variable`` (``variable`` itself if it is one).
+    """
     return variable.value if isinstance(variable, keras.Variable) else variable
 
 
@@ -99,6 +128,17 @@ def variable_list(variables):
 
     Any iterable is taken (a generator is read once, here). Trainable or not,
     every variable in the list is differentiated.
+
+    Args:
+        variables: an iterable of ``tf.Variable`` or ``keras.Variable``.
+
+    Returns:
+        A list of the variables, in the order given.
+
+    Raises:
+        TypeError: one variable instead of a list, or an item that is not a
+            variable.
+        ValueError: the list is empty, or holds a variable twice.
     """
     if _is_variable(variables):
         raise TypeError(
@@ -216,6 +256,21 @@ def resolve_target(model, variables=None, training=False, x=None):
     (optional) builds a Keras model that has not run yet.
 
     The target refers to the model weakly: whoever calls it holds the model.
+
+    Args:
+        model: a Keras model, or a callable ``f(x)``.
+        variables: the variables to differentiate (required for a callable).
+        training: run the model in training mode.
+        x: a batch, to build a Keras model that has not run yet (optional).
+
+    Returns:
+        A :class:`Target`.
+
+    Raises:
+        TypeError: ``model`` is not callable, a callable comes without
+            ``variables``, or the variables are not one float dtype.
+        ValueError: the model has no trainable variables, or BatchNormalization
+            runs in training mode.
     """
     is_keras = isinstance(model, keras.Layer)
     if not callable(model):
@@ -269,6 +324,18 @@ def stack_columns(jacobians, variables, n_rows):
     ``None`` when the outputs do not use that variable: its true derivative is
     zero. When *every* one is ``None`` nothing is connected, and that is an
     error, not a Jacobian of zeros.
+
+    Args:
+        jacobians: one tensor (or None) per variable, shape
+            (n_rows, l, *variable.shape).
+        variables: the variables, in ``flat_params`` order.
+        n_rows: the number of rows (samples), an ``int`` or a scalar tensor.
+
+    Returns:
+        A tensor of shape (n_rows, l, m).
+
+    Raises:
+        JacobianError: every one of ``jacobians`` is None.
     """
     require_connected(jacobians, variables)
     template = next(j for j in jacobians if j is not None)
