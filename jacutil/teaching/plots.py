@@ -4,7 +4,18 @@ import numpy as np
 
 
 def fitted_slope(sizes, values):
-    """Slope of log(values) against log(sizes): 1 is linear, 2 is quadratic."""
+    """Slope of log(values) against log(sizes): 1 is linear, 2 is quadratic.
+
+    Args:
+        sizes: positive sizes, shape (k,), k >= 2.
+        values: positive measurements at each size, shape (k,).
+
+    Returns:
+        A ``float``: the least-squares slope.
+
+    >>> round(fitted_slope([1, 2, 4], [3, 12, 48]), 6)
+    2.0
+    """
     return float(np.polyfit(np.log(sizes), np.log(values), 1)[0])
 
 
@@ -20,6 +31,17 @@ def loglog_scaling(
 
     ``series`` maps a label to values at the matching ``sizes`` (``None`` or
     NaN where a size was not run). Returns the matplotlib axes.
+
+    Args:
+        sizes: the x values (positive), shape (k,).
+        series: a dict from label to k values (``None`` or NaN where missing).
+        ylabel: the y axis's label.
+        xlabel: the x axis's label.
+        ax: the matplotlib axes to draw on (default: a new figure's).
+        slopes: add each fitted slope to its label.
+
+    Returns:
+        The matplotlib ``Axes``.
     """
     import matplotlib.pyplot as plt
 

@@ -31,7 +31,14 @@ _CHECKS = {}
 
 @dataclass(frozen=True)
 class Verdict:
-    """The judgement of one answer: ``correct`` and a line for the learner."""
+    """The judgement of one answer: ``correct`` and a line for the learner.
+
+    Args:
+        key: the exercise, ``"NN-k"``.
+        correct: whether the answer is right.
+        message: the hint, or what to put in ``answer`` (empty when correct).
+        answered: False while the answer is still None.
+    """
 
     key: str
     correct: bool
@@ -55,7 +62,17 @@ class NoAnswer(Exception):
 
 
 def checks(*names):
-    """Register a check function ``check(answer, **context)`` for exercises."""
+    """Register a check function ``check(answer, **context)`` for exercises.
+
+    Args:
+        *names: the exercises it checks, each ``"NN-k"``.
+
+    Returns:
+        A decorator that registers the function and returns it unchanged.
+
+    Raises:
+        ValueError: an exercise already has a check.
+    """
 
     def register(function):
         for name in names:
@@ -74,13 +91,32 @@ def _load():
 
 
 def keys():
-    """Every exercise that has a check, sorted ("00-1", "00-2", ...)."""
+    """Every exercise that has a check, sorted ("00-1", "00-2", ...).
+
+    Returns:
+        A list of ``str``.
+    """
     _load()
     return sorted(_CHECKS)
 
 
 def verdict(key, answer, **context):
-    """Judge ``answer`` to exercise ``key`` (see ``exercise``); nothing printed."""
+    """Judge ``answer`` to exercise ``key`` (see ``exercise``); nothing printed.
+
+    Args:
+        key: the exercise, ``"NN-k"``.
+        answer: the learner's answer (None when not answered yet).
+        **context: the notebook's objects the check needs.
+
+    Returns:
+        A :class:`Verdict`.
+
+    Raises:
+        KeyError: no exercise ``key``.
+
+    >>> verdict("00-1", None).answered
+    False
+    """
     _load()
     if key not in _CHECKS:
         raise KeyError(f"no exercise {key!r}; there are {', '.join(keys())}")
@@ -99,6 +135,11 @@ def exercise(key, answer, **context):
     ``key`` is "NN-k", exercise k of notebook NN. ``context``: the notebook's
     objects the check needs (its model, its data); the exercise's cell names
     them. Never raises for a wrong answer: it teaches and the notebook runs on.
+
+    Args:
+        key: the exercise, ``"NN-k"``.
+        answer: the learner's answer (None when not answered yet).
+        **context: the notebook's objects the check needs.
     """
     print(verdict(key, answer, **context))
 
@@ -107,14 +148,37 @@ def exercise(key, answer, **context):
 
 
 def answered(answer, what):
-    """Raise NoAnswer if ``answer`` is None; ``what`` says what to put there."""
+    """Raise NoAnswer if ``answer`` is None; ``what`` says what to put there.
+
+    Args:
+        answer: the learner's answer.
+        what: what the answer should be, in words.
+
+    Returns:
+        ``answer``, unchanged.
+
+    Raises:
+        NoAnswer: ``answer`` is None.
+    """
     if answer is None:
         raise NoAnswer(f"Put {what} in `answer` and run this cell again.")
     return answer
 
 
 def as_number(answer, what):
-    """``answer`` as a float, or a Hint that says a number was expected."""
+    """``answer`` as a float, or a Hint that says a number was expected.
+
+    Args:
+        answer: the learner's answer.
+        what: what the answer should be, in words.
+
+    Returns:
+        A finite ``float``.
+
+    Raises:
+        NoAnswer: ``answer`` is None.
+        Hint: it is not one finite number.
+    """
     answered(answer, what)
     try:
         value = float(np.asarray(answer).item())
@@ -127,7 +191,17 @@ def as_number(answer, what):
 
 
 def close_number(value, expected, rel, what):
-    """A Hint with the order of magnitude if ``value`` is not within ``rel``."""
+    """A Hint with the order of magnitude if ``value`` is not within ``rel``.
+
+    Args:
+        value: the learner's number.
+        expected: the right number.
+        rel: the relative tolerance.
+        what: what the number is, in words.
+
+    Raises:
+        Hint: ``value`` is too large, too small, of the wrong sign or zero.
+    """
     if abs(value - expected) <= rel * abs(expected):
         return
     if expected and value and np.sign(value) == np.sign(expected):
@@ -144,6 +218,19 @@ def as_array(answer, what, shape, shape_words):
     ``shape_words`` names the axes, e.g. "(n samples, l outputs, m parameters)".
     A tf.Tensor or a memmap is accepted; None, a list of tensors or a ragged
     answer are not.
+
+    Args:
+        answer: the learner's answer.
+        what: what the answer should be, in words.
+        shape: the expected shape, a tuple.
+        shape_words: the axes named, for the hint.
+
+    Returns:
+        A float64 array of shape ``shape``, every entry finite.
+
+    Raises:
+        NoAnswer: ``answer`` is None.
+        Hint: it is not an array of that shape, or holds NaN or inf.
     """
     answered(answer, what)
     if isinstance(answer, (list, tuple)) and any(a is None for a in answer):
@@ -169,6 +256,17 @@ def close_array(array, expected, what, rtol, atol, wrong):
     """A Hint (``wrong``) if ``array`` is not ``expected`` within tolerance.
 
     An all-zero answer gets the classic hint (a disconnected tape) first.
+
+    Args:
+        array: the learner's array.
+        expected: the right array, of the same shape.
+        what: what the array is, in words.
+        rtol: the relative tolerance, as for ``np.allclose``.
+        atol: the absolute tolerance, as for ``np.allclose``.
+        wrong: the hint when it is not close (and not all zeros).
+
+    Raises:
+        Hint: ``array`` is not close to ``expected``.
     """
     if np.allclose(array, expected, rtol=rtol, atol=atol):
         return

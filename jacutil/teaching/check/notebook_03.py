@@ -6,7 +6,15 @@ from . import Hint, answered, as_number, checks, close_number
 
 
 def xla_shapes(sizes, block_size):
-    """The batch shapes XLA compiles for ``sizes``, by compiled_jacobian's rule."""
+    """The batch shapes XLA compiles for ``sizes``, by compiled_jacobian's rule.
+
+    Args:
+        sizes: batch sizes, each an ``int``.
+        block_size: the compiled Jacobian's ``block_size``.
+
+    Returns:
+        A set of ``int``: the padded batch shapes.
+    """
     from ...stages.compiled import bucket_size
 
     shapes = set()
@@ -18,7 +26,17 @@ def xla_shapes(sizes, block_size):
 
 @checks("03-1")
 def shapes_xla_compiles(answer, sizes, block_size):
-    """Powers of two up to block_size: larger batches run in blocks."""
+    """Powers of two up to block_size: larger batches run in blocks.
+
+    Args:
+        answer: the learner's answer (None: not yet answered).
+        sizes: the notebook's batch sizes.
+        block_size: the notebook's ``block_size``.
+
+    Raises:
+        NoAnswer: ``answer`` is None.
+        Hint: the answer is wrong; the message says why.
+    """
     what = "the sorted list of batch shapes XLA compiles"
     answered(answer, what)
     try:
@@ -57,7 +75,16 @@ def shapes_xla_compiles(answer, sizes, block_size):
 
 @checks("03-2")
 def traces_with_reduce_retracing(answer, sizes):
-    """Count the traces of a tiny reduce_retracing tf.function over ``sizes``."""
+    """Count the traces of a tiny reduce_retracing tf.function over ``sizes``.
+
+    Args:
+        answer: the learner's answer (None: not yet answered).
+        sizes: the notebook's batch sizes.
+
+    Raises:
+        NoAnswer: ``answer`` is None.
+        Hint: the answer is wrong; the message says why.
+    """
     from ... import tf
 
     traces = []

@@ -15,7 +15,17 @@ def _shape(answer):
 
 @checks("08-1")
 def rows_split_per_step(answer, model, x):
-    """A GRU's (steps, outputs) per sample: J's rows split back, step-major."""
+    """A GRU's (steps, outputs) per sample: J's rows split back, step-major.
+
+    Args:
+        answer: the learner's answer (None: not yet answered).
+        model: the notebook's model.
+        x: the notebook's inputs, n samples.
+
+    Raises:
+        NoAnswer: ``answer`` is None.
+        Hint: the answer is wrong; the message says why.
+    """
     from ... import loop_jacobian
 
     words = "(n samples, steps, outputs, m parameters)"
@@ -70,7 +80,15 @@ def _row_indices(answer, what):
 
 @checks("08-2")
 def rows_of_a_dict_output(answer):
-    """Dict outputs are flattened in sorted key order: probs, then score."""
+    """Dict outputs are flattened in sorted key order: probs, then score.
+
+    Args:
+        answer: the learner's answer (None: not yet answered).
+
+    Raises:
+        NoAnswer: ``answer`` is None.
+        Hint: the answer is wrong; the message says why.
+    """
     widths = {"score": 2, "probs": 3}  # the two heads of the exercise
     rows, start = {}, 0
     for key in sorted(widths):  # tf.nest.flatten's order for a dict
@@ -103,7 +121,18 @@ def rows_of_a_dict_output(answer):
 
 @checks("08-3")
 def derivative_by_a_moving_mean(answer, model, x, variable):
-    """d outputs / d moving_mean against central differences in float64."""
+    """d outputs / d moving_mean against central differences in float64.
+
+    Args:
+        answer: the learner's answer (None: not yet answered).
+        model: the notebook's model.
+        x: the notebook's inputs, n samples.
+        variable: the notebook's variable (a moving mean).
+
+    Raises:
+        NoAnswer: ``answer`` is None.
+        Hint: the answer is wrong; the message says why.
+    """
     from ... import finite_difference_jacobian, flat_params
 
     words = "(n samples, l outputs, moving-mean entries)"
