@@ -29,7 +29,11 @@ class WorkerStartError(RuntimeError):
 
 
 def free_port():
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    """A TCP port on 127.0.0.1 that nothing listens on right now.
+
+    Returns:
+        An ``int``: the port number.
+    """
     with socket.socket() as probe:
         probe.bind((HOST, 0))
         return probe.getsockname()[1]
@@ -78,6 +82,20 @@ class LocalWorkers:
     out). ``port``: the scheduler's (default: a free one). ``python``: the
     interpreter that runs them. ``client`` is the connected
     ``dask.distributed.Client``. Introduced in ``10-beyond-one-machine``.
+
+    Use it as a context manager, or call :meth:`close`.
+
+    Args:
+        n_workers: the worker processes (at least 1).
+        threads: TensorFlow threads per worker (default: the cores shared out).
+        port: the scheduler's port (default: a free one).
+        start_timeout: seconds to wait for the scheduler and each worker.
+        python: the interpreter that runs them.
+
+    Raises:
+        ValueError: ``n_workers`` is below 1.
+        WorkerStartError: the scheduler or a worker did not start (the
+            message holds the tail of its log).
     """
 
     def __init__(
@@ -217,7 +235,12 @@ class LocalWorkers:
             )
 
     def worker_pids(self):
-        """``{worker address: pid}`` of the worker processes (not their nannies)."""
+        """``{worker address: pid}`` of the worker processes (not their nannies).
+
+        Returns:
+            A dict from address (``str``) to pid (``int``); a worker that is
+            dying or restarting is left out.
+        """
         pids = self.client.run(os.getpid, on_error="return")
         # a worker that is dying or restarting answers with an error: skipped
         return {address: pid for address, pid in pids.items() if isinstance(pid, int)}
@@ -229,6 +252,16 @@ class LocalWorkers:
         an out-of-memory killer or a lost machine would, and returns
         ``(address, pid, keys it held)``. Its nanny starts a new worker; the
         scheduler gives the chunks it held to a live one.
+
+        Args:
+            timeout: seconds to wait for a worker with tasks.
+
+        Returns:
+            ``(address, pid, keys)``: the worker's address (``str``), its pid
+            and a list of the task keys it held.
+
+        Raises:
+            TimeoutError: no worker held a chunk within ``timeout`` seconds.
         """
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -269,7 +302,14 @@ class LocalWorkers:
 
 def leftovers(address=None):
     """Processes that a LocalWorkers (any, or the one at ``address``) started
-    and that still run: after ``close()``, none (``make test`` checks)."""
+    and that still run: after ``close()``, none (``make test`` checks).
+
+    Args:
+        address: the scheduler address of one LocalWorkers (default: any).
+
+    Returns:
+        A list of ``psutil.Process``.
+    """
     import psutil
 
     found = []
@@ -284,7 +324,17 @@ def leftovers(address=None):
 
 
 def client_of(workers):
-    """The ``dask.distributed.Client`` of a :class:`LocalWorkers` or a Client."""
+    """The ``dask.distributed.Client`` of a :class:`LocalWorkers` or a Client.
+
+    Args:
+        workers: a running :class:`LocalWorkers`, or a Client.
+
+    Returns:
+        The ``dask.distributed.Client``.
+
+    Raises:
+        TypeError: ``workers`` is neither (or is closed).
+    """
     client = getattr(workers, "client", workers)
     if client is None or not hasattr(client, "submit"):
         raise TypeError(

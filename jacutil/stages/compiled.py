@@ -30,7 +30,18 @@ METHODS = ("per_sample", "batch", "rules")
 
 def bucket_size(n_samples, block_size):
     """Padded batch size for XLA: the next power of two, capped at block_size,
-    and at least 2 (pfor fails on some graphs with one sample, TF 2.21)."""
+    and at least 2 (pfor fails on some graphs with one sample, TF 2.21).
+
+    Args:
+        n_samples: n, the samples in the batch (or block).
+        block_size: the largest batch compiled at once.
+
+    Returns:
+        An ``int``: the rows the batch is padded to.
+
+    >>> [bucket_size(n, 64) for n in (1, 2, 3, 33, 100)]
+    [2, 2, 4, 64, 64]
+    """
     return max(2, min(block_size, 1 << max(0, int(n_samples - 1).bit_length())))
 
 
@@ -44,6 +55,18 @@ class CompiledJacobian:
     With ``method="rules"``, ``plan`` holds each layer's rule
     (``jacutil.rules``), or is None and ``fallback`` says why the per-sample
     stage runs instead.
+
+    Args:
+        target: the :class:`jacutil.core.target.Target` to differentiate.
+        method: ``"per_sample"``, ``"batch"`` or ``"rules"``.
+        jit_compile: compile with XLA.
+        block_size: the largest batch compiled at once; larger batches run in
+            blocks of this size.
+        owner: an object to keep alive as long as this one (the model).
+        model: the model whose layers the rules plan (default: ``owner``).
+
+    Raises:
+        ValueError: an unknown ``method``, or ``block_size`` below 1.
     """
 
     def __init__(self, target, method, jit_compile, block_size, owner=None, model=None):
@@ -75,7 +98,14 @@ class CompiledJacobian:
 
     def activation_elements(self, x):
         """Elements of one sample's forward pass (for the memory model of
-        ``jacutil.stages.chunked``), counted once per input shape."""
+        ``jacutil.stages.chunked``), counted once per input shape.
+
+        Args:
+            x: a checked batch (its per-sample shape is what counts).
+
+        Returns:
+            An ``int``: A, floating-point elements per sample.
+        """
         from ..core.memory import count_activations
 
         key = signature_key(x)
@@ -142,6 +172,12 @@ class CompiledJacobian:
 
         The proof (:meth:`jacutil.rules.Plan.check`) runs once per input
         shape; every consumer of the rules takes the plan from here.
+
+        Args:
+            x: a checked batch.
+
+        Returns:
+            The :class:`jacutil.rules.Plan`, or None.
         """
         if self.plan is None or signature_key(x) in self.plan.checked:
             return self.plan
@@ -186,13 +222,32 @@ class CompiledJacobian:
         ``copy=False`` returns a read-only view of TensorFlow's result
         instead of a copy (``.numpy()`` copies: at n = 10,000 on the
         question's network that copy costs longer than the Jacobian).
+
+        Args:
+            x: the n samples: an array, or a list or dict of arrays.
+            copy: return an array you may write to.
+
+        Returns:
+            J, an array of shape (n, l, m).
+
+        Raises:
+            ValueError: ``x`` or the model's outputs do not fit (see
+                :func:`jacutil.core.batch.as_batch`).
         """
         x = as_batch(x, self.target)
         output_layout(self.target, x)  # checks the outputs, once per shape
         return self.of_batch(x, copy=copy)
 
     def of_batch(self, x, *, copy=True):
-        """:meth:`__call__` of a batch already checked by ``as_batch``."""
+        """:meth:`__call__` of a batch already checked by ``as_batch``.
+
+        Args:
+            x: a checked batch of n samples.
+            copy: return an array you may write to.
+
+        Returns:
+            J, an array of shape (n, l, m).
+        """
         n_rows = int(n_samples(x))
         if not self.jit_compile or n_rows <= self.block_size:
             pad_to = bucket_size(n_rows, self.block_size) if self.jit_compile else None
