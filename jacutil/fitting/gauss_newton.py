@@ -19,7 +19,14 @@ from scipy.sparse.linalg import LinearOperator, aslinearoperator, cg
 
 
 class NormalEquations:
-    """JtJ and Jtr at theta, factored with Cholesky for each damping."""
+    """JtJ and Jtr at theta, factored with Cholesky for each damping.
+
+    Args:
+        problem: a :class:`jacutil.LeastSquaresProblem` (its
+            ``normal_equations``).
+        theta: the parameters, shape (m,).
+        scaling: ``"diag"`` (D = diag(JtJ), floored) or ``"identity"``.
+    """
 
     def __init__(self, problem, theta, scaling):
         self.JtJ, self.Jtr = problem.normal_equations(theta)
@@ -27,6 +34,14 @@ class NormalEquations:
         self.diag = np.maximum(diag, 1e-9 * diag.max())
 
     def step(self, damping):
+        """The step solving ``(JtJ + damping * D) step = -Jtr``.
+
+        Args:
+            damping: the Levenberg-Marquardt damping (a float > 0).
+
+        Returns:
+            The step, shape (m,).
+        """
         factors = scipy.linalg.cho_factor(self.JtJ + damping * np.diag(self.diag))
         return scipy.linalg.cho_solve(factors, -self.Jtr)
 
@@ -38,6 +53,12 @@ class GaussNewtonProducts:
     that stays J at theta when ``problem.fun`` moves the model to a trial
     (``LeastSquaresProblem.jac``), so ``step`` may be called after a
     rejected trial.
+
+    Args:
+        problem: a :class:`jacutil.LeastSquaresProblem` (its ``jac`` and
+            ``fun``).
+        theta: the parameters, shape (m,).
+        iterations: the most conjugate-gradient iterations per step.
     """
 
     def __init__(self, problem, theta, iterations):
@@ -46,6 +67,14 @@ class GaussNewtonProducts:
         self.iterations = iterations
 
     def step(self, damping):
+        """The step from ``iterations`` of CG on ``(JtJ + damping I) step = -Jtr``.
+
+        Args:
+            damping: the Levenberg-Marquardt damping (a float > 0).
+
+        Returns:
+            The step, shape (m,).
+        """
         m = len(self.Jtr)
         J = self.J
         system = LinearOperator(

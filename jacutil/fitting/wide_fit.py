@@ -37,7 +37,17 @@ def _median_seconds(fn, repeats=3):
 
 
 def fit_lsmr(problem, max_nfev, lsmr_iterations):
-    """``least_squares`` with lsmr on the operator; (seconds, MSE) per evaluation."""
+    """``least_squares`` with lsmr on the operator; (seconds, MSE) per evaluation.
+
+    Args:
+        problem: a :class:`jacutil.LeastSquaresProblem` with
+            ``jacobian="operator"``.
+        max_nfev: the most evaluations of the residuals.
+        lsmr_iterations: lsmr's iterations per step.
+
+    Returns:
+        A list of ``(seconds, mse)`` pairs, one per evaluation.
+    """
     from scipy.optimize import least_squares
 
     history, start = [], time.perf_counter()
@@ -60,7 +70,18 @@ def fit_lsmr(problem, max_nfev, lsmr_iterations):
 
 
 def fit_adam(model, x, y, seconds, learning_rate=1e-3):
-    """Full-batch Adam on the MSE for ``seconds`` after its first (tracing) step."""
+    """Full-batch Adam on the MSE for ``seconds`` after its first (tracing) step.
+
+    Args:
+        model: the Keras model to fit (its weights change).
+        x: the inputs, shape (n, ...).
+        y: the targets, shape (n, l).
+        seconds: how long to run, after the first step.
+        learning_rate: Adam's learning rate.
+
+    Returns:
+        A list of ``(seconds, mse)`` pairs, one per step.
+    """
     optimizer = keras.optimizers.Adam(learning_rate)
     x, y = tf.constant(x), tf.constant(y, model.dtype)
 
@@ -81,7 +102,23 @@ def fit_adam(model, x, y, seconds, learning_rate=1e-3):
 
 
 def run(n_samples=2000, width=512, depth=3, max_nfev=8, lsmr_iterations=10, seed=0):
-    """Both fits from one start; a dict of plain numbers (JSON-ready)."""
+    """Both fits from one start; a dict of plain numbers (JSON-ready).
+
+    Args:
+        n_samples: n.
+        width: the hidden layers' width.
+        depth: the number of hidden layers.
+        max_nfev: the least-squares fit's most evaluations.
+        lsmr_iterations: lsmr's iterations per step.
+        seed: the seed of the model and the data.
+
+    Returns:
+        A dict: ``n_samples``, ``n_params`` (m), ``n_outputs`` (l),
+        ``jacobian_bytes_float64`` (n * l * m * 8), ``fit_peak_bytes``,
+        ``process_peak_bytes``, ``forward_seconds``, ``pair_seconds`` (a
+        ``matvec`` and an ``rmatvec``), and the ``(seconds, mse)`` histories
+        ``lsmr`` and ``adam``.
+    """
     model = question_mlp(hidden=(width,) * depth, seed=seed)
     x, y = regression_data(n_samples, seed=seed)
     start_weights = model.get_weights()
@@ -110,7 +147,17 @@ def run(n_samples=2000, width=512, depth=3, max_nfev=8, lsmr_iterations=10, seed
 
 
 def run_in_fresh_process(**parameters):
-    """:func:`run` in a new Python process; its dict."""
+    """:func:`run` in a new Python process; its dict.
+
+    Args:
+        **parameters: keyword arguments for :func:`run`.
+
+    Returns:
+        The dict that :func:`run` returns (pairs as lists).
+
+    Raises:
+        RuntimeError: the process failed (the message holds its stderr's tail).
+    """
     command = [sys.executable, "-m", "jacutil.fitting.wide_fit", json.dumps(parameters)]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
