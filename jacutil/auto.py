@@ -33,7 +33,20 @@ from .stages.chunked import bytes_per_sample, chunk_size_for, chunked_jacobian
 
 @dataclass
 class Choice:
-    """Which path ``jacobian`` took, and why. ``print(choice)`` says it in words."""
+    """Which path ``jacobian`` took, and why. ``print(choice)`` says it in words.
+
+    Args:
+        path: ``"layer rules"`` or ``"per-sample autodiff"``.
+        why: why that path, in words.
+        formulation: how the Jacobian was computed (the compiled stage's
+            ``formulation``).
+        layers: ``[(layer name, rule)]`` on the rules path.
+        chunks: the number of chunks (1: one call).
+        chunk_size: samples per chunk, or None for one call.
+        working_bytes: the working memory predicted for the call.
+        budget_bytes: the memory budget it was held to.
+        traced: whether this call traced (compiled) a new function.
+    """
 
     path: str  # "layer rules" or "per-sample autodiff"
     why: str

@@ -29,7 +29,18 @@ COLUMNS_PER_PASS = 64  # parameter columns vectorized together
 
 
 class ForwardJacobian:
-    """A reusable forward-mode ``jac(x)``; see :func:`forward_jacobian`."""
+    """A reusable forward-mode ``jac(x)``; see :func:`forward_jacobian`.
+
+    ``trace_count`` counts the traces (one per input shape).
+
+    Args:
+        target: what is differentiated (``jacutil.core.target``).
+        columns_per_pass: c, the columns of J (JVPs) computed in one pass.
+        owner: the model, kept alive as long as this object (None: cached).
+
+    Raises:
+        ValueError: ``columns_per_pass`` is not positive.
+    """
 
     def __init__(self, target, columns_per_pass, owner=None):
         self.target = target
@@ -65,6 +76,19 @@ class ForwardJacobian:
         return tf.transpose(columns, [1, 2, 0])
 
     def __call__(self, x):
+        """The Jacobian of ``x`` by forward mode, c columns per pass.
+
+        Args:
+            x: the n samples: an array, or a list or dict of arrays.
+
+        Returns:
+            J, an array of shape (n, l, m) in the variables' dtype.
+
+        Raises:
+            ForwardModeBlindSpot: the model holds something TensorFlow 2.21's
+                forward mode gets wrong in a graph (see
+                :mod:`jacutil.core.formulation`).
+        """
         refuse_kept_loops(self.target)
         x = as_batch(x, self.target)
         n_outputs = output_layout(self.target, x).n_outputs

@@ -160,7 +160,18 @@ class Products:
         return [(start, min(start + size, rows)) for start in range(0, rows, size)]
 
     def jvp(self, x, v):
-        """``J @ v`` as (n, l): v is a flat parameter direction of length m."""
+        """``J @ v`` as (n, l): v is a flat parameter direction of length m.
+
+        Args:
+            x: the n samples: an array, or a list or dict of arrays.
+            v: a direction in parameter space, shape (m,).
+
+        Returns:
+            ``J @ v``, an array of shape (n, l).
+
+        Raises:
+            ValueError: ``v`` does not have m entries.
+        """
         if self.mode == "forward":
             refuse_kept_loops(self.target)
         self._check_shapes()
@@ -175,7 +186,18 @@ class Products:
         return np.concatenate(parts)
 
     def vjp(self, x, u):
-        """``J.T @ u`` as (m,): u holds one weight per sample and output, (n, l)."""
+        """``J.T @ u`` as (m,): u holds one weight per sample and output, (n, l).
+
+        Args:
+            x: the n samples: an array, or a list or dict of arrays.
+            u: one weight per sample and output, shape (n, l) or (n * l,).
+
+        Returns:
+            ``J.T @ u``, an array of shape (m,).
+
+        Raises:
+            ValueError: ``u`` has another shape.
+        """
         self._check_shapes()
         x = as_batch(x, self.target)
         layout = output_layout(self.target, x)

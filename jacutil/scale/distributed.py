@@ -351,6 +351,18 @@ class DistributedLeastSquares(LeastSquaresProblem):
         self._rows_y = self.y.reshape(self.n_samples, self.n_outputs)
 
     def normal_equations(self, theta, checkpoint=None):
+        """``(JtJ, Jtr)`` at ``theta``, summed over chunks run on the workers.
+
+        Args:
+            theta: the parameters, shape (m,).
+            checkpoint: must be None (a lost worker's chunk is rerun instead).
+
+        Returns:
+            ``(JtJ, Jtr)``: float64 arrays of shape (m, m) and (m,).
+
+        Raises:
+            ValueError: a ``checkpoint`` was given.
+        """
         if checkpoint is not None:
             raise ValueError(
                 "checkpoint is not kept for distributed normal equations: a "

@@ -331,20 +331,44 @@ class Ledger:
 
     @property
     def complete(self):
+        """Whether every chunk is finished (a ``bool``)."""
         return len(self.done) == self.n_chunks
 
     def todo(self):
+        """The chunks still to compute.
+
+        Returns:
+            A list of chunk indices (``int``), increasing.
+        """
         return [k for k in range(self.n_chunks) if k not in self.done]
 
     def rows_done(self, chunk_size):
-        """How many rows (samples) the finished chunks hold."""
+        """How many rows (samples) the finished chunks hold.
+
+        Args:
+            chunk_size: samples per chunk.
+
+        Returns:
+            An ``int``.
+        """
         n_rows = self.record["shape"][0]
         return sum(min(chunk_size, n_rows - k * chunk_size) for k in self.done)
 
     def load(self, chunk_size):
         """The finished chunks and token of an earlier run of the same
         computation. ``chunk_size``: the one asked for, or None to take the
-        earlier one. Returns the earlier chunk size (None: no earlier run)."""
+        earlier one. Returns the earlier chunk size (None: no earlier run).
+
+        Args:
+            chunk_size: the chunk size asked for, or None.
+
+        Returns:
+            The earlier run's chunk size (an ``int``), or None.
+
+        Raises:
+            ResumeMismatch: the earlier run computed something else, or with
+                another chunk size.
+        """
         if not self.path.exists():
             return None
         earlier = _read_ledger(self.path)
@@ -374,7 +398,11 @@ class Ledger:
         return earlier["chunk_size"]
 
     def save(self, chunk_size):
-        """Record the finished chunks: call after their rows are flushed."""
+        """Record the finished chunks: call after their rows are flushed.
+
+        Args:
+            chunk_size: samples per chunk.
+        """
         state = {**self.record, "chunk_size": chunk_size, "n_chunks": self.n_chunks}
         state["token"] = self.token
         state["done"] = _chunks_to_runs(self.done)
@@ -559,7 +587,18 @@ class SumCheckpoint:
         self.record = json.dumps(record, sort_keys=True, default=str)
 
     def load(self, zeros):
-        """``(next_chunk, sums)``: where an earlier run stopped, or (0, zeros)."""
+        """``(next_chunk, sums)``: where an earlier run stopped, or (0, zeros).
+
+        Args:
+            zeros: a tuple of arrays: the sums before any chunk.
+
+        Returns:
+            ``(next_chunk, sums)``: an ``int`` and a tuple of arrays shaped
+            like ``zeros``.
+
+        Raises:
+            ResumeMismatch: the checkpoint holds sums of another computation.
+        """
         if not self.path.exists():
             return 0, zeros
         with np.load(self.path) as saved:
@@ -574,6 +613,12 @@ class SumCheckpoint:
             )
 
     def save(self, next_chunk, sums):
+        """Save the sums so far, atomically.
+
+        Args:
+            next_chunk: the first chunk not yet in the sums.
+            sums: a tuple of arrays.
+        """
         arrays = {f"sum{i}": s for i, s in enumerate(sums)}
 
         def write(file):
