@@ -30,7 +30,14 @@ NOT_IN_A_CHAIN = (
 
 
 def is_exact_keras(model):
-    """A plain ``keras.Sequential`` or functional model, not a subclass."""
+    """A plain ``keras.Sequential`` or functional model, not a subclass.
+
+    Args:
+        model: anything.
+
+    Returns:
+        A ``bool``.
+    """
     kind = type(model)
     if kind is keras.Sequential:
         return True
@@ -46,6 +53,12 @@ class Node:
 
     Calling the node replays that call on a tensor, in inference mode: the
     symbolic input is replaced by the tensor, every other argument is kept.
+
+    Args:
+        operation: a Keras layer or operation.
+        args: the positional arguments it was called with (None: the input
+            tensor alone).
+        kwargs: its keyword arguments (``training`` is dropped).
     """
 
     def __init__(self, operation, args=None, kwargs=None):
@@ -56,15 +69,28 @@ class Node:
 
     @property
     def name(self):
+        """The operation's name (a ``str``)."""
         return self.operation.name
 
     def extra_arguments(self):
-        """The arguments besides the input tensor, in words ("" if none)."""
+        """The arguments besides the input tensor, in words ("" if none).
+
+        Returns:
+            A ``str``.
+        """
         others = [repr(a) for a in self.args or () if not _symbolic(a)]
         others += [f"{key}={value!r}" for key, value in self.kwargs.items()]
         return ", ".join(others)
 
     def __call__(self, a):
+        """Replay the call on ``a``, in inference mode.
+
+        Args:
+            a: the input tensor, shape (n, *input_shape).
+
+        Returns:
+            The operation's output tensor.
+        """
         args = (a,) if self.args is None else _filled(self.args, a)
         kwargs = _filled(self.kwargs, a)
         if getattr(self.operation, "_call_has_training_arg", False):
@@ -95,6 +121,12 @@ def chain_nodes(model):
     An exact ``Sequential`` (nested ones are opened), or a functional model
     with one input and one output in which every operation is used once,
     takes one tensor and gives one.
+
+    Args:
+        model: a Keras model.
+
+    Returns:
+        A list of :class:`Node`, input to output, or None.
     """
     if type(model) is keras.Sequential:
         nodes = []
@@ -125,7 +157,14 @@ def chain_nodes(model):
 
 def chain_layers(model):
     """The model's layers from input to output, or None unless it is a chain
-    of layers each called with its input alone (see :func:`chain_nodes`)."""
+    of layers each called with its input alone (see :func:`chain_nodes`).
+
+    Args:
+        model: a Keras model.
+
+    Returns:
+        A list of Keras layers, input to output, or None.
+    """
     nodes = chain_nodes(model)
     if nodes is None or any(
         not isinstance(n.operation, keras.Layer) or n.extra_arguments() for n in nodes
@@ -146,6 +185,15 @@ class Plan:
     compares its Jacobian with autodiff, sample by sample, once per input
     shape, and :meth:`tensor` refuses any other. No consumer can take the
     rules' numbers without that proof.
+
+    Args:
+        steps: a rule (:class:`jacutil.rules.registry.Rule`) per node, input to
+            output.
+        wanted: per step, the :class:`jacutil.rules.registry.Wanted` variables
+            it writes blocks for.
+        variables: the Jacobian's m columns' variables, in order.
+        lowest: the lowest step holding a wanted variable.
+        checked: the input signatures the plan was proved on.
     """
 
     steps: list  # a Rule per node, input to output
@@ -160,15 +208,32 @@ class Plan:
         return any(step.runs_user_code for step in self.steps)
 
     def layers(self):
-        """``[(layer name, rule)]``, e.g. ``("conv2d", "conv2d+relu")``."""
+        """``[(layer name, rule)]``, e.g. ``("conv2d", "conv2d+relu")``.
+
+        Returns:
+            A list of ``(str, str)`` pairs, one per step.
+        """
         return [(step.layer.name, step.describe()) for step in self.steps]
 
     def describe(self):
+        """The rules in words: ``"layer rules: dense+relu, dense"``.
+
+        Returns:
+            A ``str``.
+        """
         return "layer rules: " + ", ".join(rule for _, rule in self.layers())
 
     def check(self, target, x):
         """None when the rules agree with autodiff on ``x``'s samples, else
-        why not. Agreement is recorded for ``x``'s input shape."""
+        why not. Agreement is recorded for ``x``'s input shape.
+
+        Args:
+            target: the :class:`jacutil.core.target.Target` (autodiff's side).
+            x: a checked batch.
+
+        Returns:
+            None, or why the rules disagree (a ``str``).
+        """
         with pfor_log():  # pfor's notes on our own autodiff rules: not the user's
             reason = disagreement(self, target, x)
         if reason is None:
@@ -176,7 +241,18 @@ class Plan:
         return reason
 
     def tensor(self, x, signal=None):
-        """:func:`rules_tensor` of a batch like one the plan was checked on."""
+        """:func:`rules_tensor` of a batch like one the plan was checked on.
+
+        Args:
+            x: a batch of n samples, of a shape the plan was checked on.
+            signal: as for :func:`rules_tensor`.
+
+        Returns:
+            A tensor of shape (n, l, m), or (n, r, m) with ``signal``.
+
+        Raises:
+            UncheckedPlan: the plan was not checked on inputs of this shape.
+        """
         if signature_key(x) not in self.checked:
             raise UncheckedPlan(
                 "the layer rules were not checked on inputs of this shape: "
@@ -189,6 +265,14 @@ def plan_for(model, variables, training=False):
     """``(Plan, None)`` when the rules apply to ``model``, else ``(None, reason)``.
 
     The plan is not yet checked: :meth:`Plan.check` it on the inputs first.
+
+    Args:
+        model: a Keras model (anything else gets a reason).
+        variables: the variables to differentiate (the columns).
+        training: whether the model runs in training mode (the rules do not).
+
+    Returns:
+        ``(Plan, None)`` or ``(None, reason)``, the reason a ``str``.
     """
     if not isinstance(model, keras.Model):
         return None, "not a Keras model"
@@ -256,6 +340,19 @@ def rules_tensor(plan, x, signal=None):
     the identity: ``(n, r, *output_shape)``, giving (n, r, m) - with r = 1 and
     the derivative of a per-sample loss, the per-sample gradients. It may be
     a :class:`LogitsSignal` (the derivative at the top layer's logits).
+
+    Args:
+        plan: a :class:`Plan`.
+        x: a batch of n samples (a tensor).
+        signal: None, or a function from the outputs, shape
+            (n, *output_shape), to the signal.
+
+    Returns:
+        A tensor of shape (n, l, m), or (n, r, m) with ``signal``.
+
+    Raises:
+        LogitsNotOnRules: a :class:`LogitsSignal` and a top rule that cannot
+            start from it.
     """
     a, saved = x, []
     for step in plan.steps:
@@ -289,7 +386,17 @@ def rules_tensor(plan, x, signal=None):
 
 def signal_for(step, delta, wanted, n_samples):
     """The signal a step takes: ``delta`` (1 or n, l, *output_shape) with one
-    row per sample, unless the step takes a shared signal and writes no blocks."""
+    row per sample, unless the step takes a shared signal and writes no blocks.
+
+    Args:
+        step: the step's rule.
+        delta: the signal, shape (1 or n, l, *output_shape).
+        wanted: the step's wanted variables.
+        n_samples: n.
+
+    Returns:
+        ``delta``, broadcast to (n, l, *output_shape) where it must be.
+    """
     if wanted or not step.shared_signal:
         return tf.broadcast_to(delta, tf.concat([[n_samples], tf.shape(delta)[1:]], 0))
     return delta
@@ -349,6 +456,15 @@ def disagreement(plan, target, x, seed=0):
     compared alone: one vector-Jacobian product ``J_i.T @ w_i`` for random
     weights ``w_i`` of its outputs, by the rules and by a tape of its own.
     Any difference between the two Jacobians shows (almost surely) in it.
+
+    Args:
+        plan: a :class:`Plan`.
+        target: the :class:`jacutil.core.target.Target` (autodiff's side).
+        x: a checked batch.
+        seed: the seed of the random weights.
+
+    Returns:
+        None, or why the rules disagree (a ``str``).
     """
     rows = int(n_samples(x))
     picked = np.unique(np.linspace(0, rows - 1, min(rows, SAMPLES_CHECKED)).round())
