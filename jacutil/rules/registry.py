@@ -103,7 +103,11 @@ def registered(layer_types, rule):
 class LogitsSignal:
     """A signal at the logits ``z`` of a softmax or sigmoid, not at its
     output ``y``: what a Keras loss gives when it reads ``y``'s logits
-    (``y._keras_logits``, or the input of a ``Softmax``/``Sigmoid`` op)."""
+    (``y._keras_logits``, or the input of a ``Softmax``/``Sigmoid`` op).
+
+    Args:
+        delta: the signal at the logits, shape (n or 1, r, *logits_shape).
+    """
 
     def __init__(self, delta):
         self.delta = delta
@@ -114,6 +118,9 @@ class Wanted:
 
     ``variable in wanted`` (its ``id`` works too); iterating gives the
     variables. Keras variables cannot be dict keys, hence this set.
+
+    Args:
+        variables: the wanted variables (any iterable).
     """
 
     def __init__(self, variables=()):
@@ -121,7 +128,18 @@ class Wanted:
 
     @classmethod
     def of(cls, wanted):
-        """``wanted`` as a :class:`Wanted`: from one, or any iterable of variables."""
+        """``wanted`` as a :class:`Wanted`: from one, or any iterable of variables.
+
+        Args:
+            wanted: a :class:`Wanted`, an iterable of variables, or a dict
+                whose values are variables.
+
+        Returns:
+            A :class:`Wanted`.
+
+        Raises:
+            TypeError: it holds integers (column positions), not variables.
+        """
         if isinstance(wanted, cls):
             return wanted
         variables = list(wanted.values() if isinstance(wanted, dict) else wanted)
@@ -152,6 +170,10 @@ class Blocks:
     bias.size) holds the kernel's columns, then the bias's (one fused
     product). The engine places each in the Jacobian's column order and
     splits a joint block whose variables are not adjacent there.
+
+    Args:
+        pairs: ``(key, block)`` pairs to start with, a key a variable or a
+            tuple of variables.
     """
 
     def __init__(self, pairs=()):
@@ -177,20 +199,44 @@ class Blocks:
         return len(self._items)
 
     def keys(self):
-        """Each block's key: a tuple of its variables (one, or kernel and bias)."""
+        """Each block's key: a tuple of its variables (one, or kernel and bias).
+
+        Returns:
+            A list of tuples of variables.
+        """
         return [variables for variables, _ in self._items.values()]
 
     def items(self):
-        """``[(variables, block)]``: a tuple of variables, an (n, l, size) block."""
+        """``[(variables, block)]``: a tuple of variables, an (n, l, size) block.
+
+        Returns:
+            A list of ``(tuple of variables, tensor)`` pairs.
+        """
         return list(self._items.values())
 
     def update(self, other):
+        """Add (or replace) the blocks of ``other``.
+
+        Args:
+            other: anything :meth:`of` takes.
+        """
         for variables, block in Blocks.of(other).items():
             self[variables] = block
 
     @classmethod
     def of(cls, blocks):
-        """``blocks`` as :class:`Blocks`: from Blocks, None, ``{}`` or pairs."""
+        """``blocks`` as :class:`Blocks`: from Blocks, None, ``{}`` or pairs.
+
+        Args:
+            blocks: a :class:`Blocks`, None, an empty dict, or ``(key, block)``
+                pairs.
+
+        Returns:
+            A :class:`Blocks`.
+
+        Raises:
+            TypeError: a non-empty dict (of column positions).
+        """
         if isinstance(blocks, cls):
             return blocks
         if blocks is None or (isinstance(blocks, dict) and not blocks):
@@ -218,6 +264,10 @@ class Rule(abc.ABC):
       one signal shared by every sample, when it writes no blocks.
     - ``runs_user_code``: it calls code that is not ours (autograph matters).
     - ``takes_logits_signal``: ``_backward`` takes a :class:`LogitsSignal`.
+
+    Args:
+        layer: the Keras layer. A subclass raises :class:`NoRule` for a
+            configuration it does not cover, and sets ``self.variables``.
     """
 
     name: str = "rule"
@@ -246,7 +296,15 @@ class Rule(abc.ABC):
     @final
     def forward(self, a) -> tuple[Any, Any]:
         """``(y, saved)``: the layer's output (n, *output_shape) on ``a``
-        (n, *input_shape), and what :meth:`backward` needs (from ``_forward``)."""
+        (n, *input_shape), and what :meth:`backward` needs (from ``_forward``).
+
+        Args:
+            a: the layer's input, shape (n, *input_shape).
+
+        Returns:
+            ``(y, saved)``: y of shape (n, *output_shape), and what
+            ``_forward`` saved.
+        """
         y, saved = self._forward(a)
         self.input_shape = tf.TensorShape(a.shape)
         self.input_dtype = tf.as_dtype(a.dtype)
@@ -296,7 +354,11 @@ class Rule(abc.ABC):
         ``need_signal``."""
 
     def describe(self):
-        """The rule's name as the plan shows it, e.g. ``"dense+relu"``."""
+        """The rule's name as the plan shows it, e.g. ``"dense+relu"``.
+
+        Returns:
+            A ``str``.
+        """
         return self.name
 
     def _broken(self, what):
@@ -367,7 +429,14 @@ def _shown(shape):
 
 
 def rule_for(layer):
-    """``(rule, None)`` for ``layer``, or ``(None, reason)`` when it has none."""
+    """``(rule, None)`` for ``layer``, or ``(None, reason)`` when it has none.
+
+    Args:
+        layer: a Keras layer.
+
+    Returns:
+        ``(Rule, None)`` or ``(None, reason)``, the reason a ``str``.
+    """
     rule = RULES.get(type(layer))
     if rule is None:
         return None, f"no rule for {type(layer).__name__}"
@@ -378,11 +447,27 @@ def rule_for(layer):
 
 
 def rows(delta):
-    """(n, l, *shape) -> (n * l, *shape): one row per sample and output."""
+    """(n, l, *shape) -> (n * l, *shape): one row per sample and output.
+
+    Args:
+        delta: a tensor of shape (n, l, *shape).
+
+    Returns:
+        A tensor of shape (n * l, *shape).
+    """
     return tf.reshape(delta, tf.concat([[-1], tf.shape(delta)[2:]], 0))
 
 
 def per_output(rows_, n_samples, n_outputs):
-    """(n * l, *shape) -> (n, l, *shape): the inverse of :func:`rows`."""
+    """(n * l, *shape) -> (n, l, *shape): the inverse of :func:`rows`.
+
+    Args:
+        rows_: a tensor of shape (n * l, *shape).
+        n_samples: n.
+        n_outputs: l.
+
+    Returns:
+        A tensor of shape (n, l, *shape).
+    """
     shape = tf.concat([[n_samples, n_outputs], tf.shape(rows_)[1:]], 0)
     return tf.reshape(rows_, shape)
