@@ -43,7 +43,15 @@ def _keras(name):
 
 def kind_of(function):
     """``"linear"``, a FORMULAS name, ``"elementwise"``, ``"softmax"``,
-    ``"log_softmax"`` or ``"unknown"``."""
+    ``"log_softmax"`` or ``"unknown"``.
+
+    Args:
+        function: an activation function (Keras's, TensorFlow's, or any), or
+            None.
+
+    Returns:
+        The kind, a ``str``.
+    """
     if function is None or function is _keras("linear"):
         return "linear"
     for name in FORMULAS:
@@ -61,14 +69,26 @@ def kind_of(function):
 
 
 class Activation:
-    """``y = function(z)`` forward, and its signal backward, by kind."""
+    """``y = function(z)`` forward, and its signal backward, by kind.
+
+    Args:
+        function: the activation function (None: linear).
+    """
 
     def __init__(self, function):
         self.function = function
         self.kind = kind_of(function)
 
     def forward(self, z):
-        """``(y, saved)``; the slope of an element-wise function is saved."""
+        """``(y, saved)``; the slope of an element-wise function is saved.
+
+        Args:
+            z: the pre-activations, shape (n, *shape).
+
+        Returns:
+            ``(y, saved)``: y of shape (n, *shape), and what :meth:`backward`
+            needs.
+        """
         if self.kind == "linear":
             return z, None
         if self.kind == "elementwise":
@@ -83,6 +103,7 @@ class Activation:
 
     @property
     def runs_user_code(self):
+        """Whether the function is not one jacutil knows (a ``bool``)."""
         return self.kind == "unknown"
 
     @property
@@ -92,7 +113,19 @@ class Activation:
         return self.kind in ("softmax", "sigmoid")
 
     def backward(self, saved, delta):
-        """The signal at z from the signal at y: (n, l, *shape) both."""
+        """The signal at z from the signal at y: (n, l, *shape) both.
+
+        Args:
+            saved: what :meth:`forward` saved.
+            delta: the signal at y, shape (n, l, *shape), or a
+                :class:`jacutil.rules.registry.LogitsSignal`.
+
+        Returns:
+            The signal at z, shape (n, l, *shape).
+
+        Raises:
+            TypeError: a signal at logits for a function that makes none.
+        """
         if isinstance(delta, LogitsSignal):
             if not self.makes_logits:
                 raise TypeError(f"a signal at logits for {self.describe()}")
@@ -110,6 +143,12 @@ class Activation:
         return tiled_vjp(self.function, z, delta)
 
     def describe(self):
+        """The activation as a rule's name shows it (``"+relu"``; ``""`` for
+        linear).
+
+        Returns:
+            A ``str``.
+        """
         name = getattr(self.function, "__name__", type(self.function).__name__)
         if self.kind == "linear":
             return ""

@@ -18,7 +18,15 @@ from .registry import Blocks, Rule, per_output, rows
 
 
 def repeat_rows(a, n_outputs):
-    """(n, *shape) -> (n * l, *shape): each sample repeated l times in a row."""
+    """(n, *shape) -> (n * l, *shape): each sample repeated l times in a row.
+
+    Args:
+        a: a tensor of shape (n, *shape).
+        n_outputs: l.
+
+    Returns:
+        A tensor of shape (n * l, *shape).
+    """
     shape = tf.shape(a)
     tiled = tf.broadcast_to(
         a[:, None], tf.concat([shape[:1], [n_outputs], shape[1:]], 0)
@@ -28,7 +36,16 @@ def repeat_rows(a, n_outputs):
 
 def tiled_vjp(function, a, delta):
     """The signal at ``a`` from the signal ``delta``, shape ``(n, l, *out)``,
-    at ``function(a)``."""
+    at ``function(a)``.
+
+    Args:
+        function: the function, applied to a batch.
+        a: its input, shape (n, *in).
+        delta: the signal at its output, shape (n, l, *out).
+
+    Returns:
+        The signal at ``a``, shape (n, l, *in).
+    """
     n_samples, n_outputs = tf.shape(delta)[0], tf.shape(delta)[1]
     a_rows = repeat_rows(a, n_outputs)
     with tf.GradientTape() as tape:
@@ -47,6 +64,10 @@ class AutodiffRule(Rule):
     arguments of its own (``Clip()(h, limit=0.3)``), or an operation between
     layers (``keras.ops.tanh(h)``, ``h * 2``) - as a ``jacutil.rules.engine.Node``
     does; by default, the layer on its input alone.
+
+    Args:
+        call: a Keras layer, or a ``jacutil.rules.engine.Node``.
+        why: why autodiff writes this layer, for :meth:`describe`.
     """
 
     name = "autodiff"
@@ -64,6 +85,11 @@ class AutodiffRule(Rule):
             return self.layer(a, training=False)
 
     def describe(self):
+        """``"autodiff"``, with the reason when there is one.
+
+        Returns:
+            A ``str``.
+        """
         return f"autodiff ({self.why})" if self.why else "autodiff"
 
     def _forward(self, a):

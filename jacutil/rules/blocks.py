@@ -33,7 +33,15 @@ def outer_blocks(a, delta):
 
 
 def outer_by_position(a, by_position):
-    """:func:`outer_blocks` of a signal laid out (n, t, l, q), positions first."""
+    """:func:`outer_blocks` of a signal laid out (n, t, l, q), positions first.
+
+    Args:
+        a: the layer's input, shape (n, *positions, p), t positions in all.
+        by_position: the signal, shape (n, *positions, l, q).
+
+    Returns:
+        The kernel's block, shape (n, l, p * q).
+    """
     n_samples, n_outputs = tf.shape(by_position)[0], tf.shape(by_position)[2]
     p, q = a.shape[-1], by_position.shape[-1]
     a = tf.reshape(a, [n_samples, -1, p])  # (n, t, p)
@@ -45,7 +53,15 @@ def outer_by_position(a, by_position):
 
 
 def sum_positions(delta, width):
-    """(n, l, width): ``delta`` (n, l, *positions, width) summed over positions."""
+    """(n, l, width): ``delta`` (n, l, *positions, width) summed over positions.
+
+    Args:
+        delta: a tensor of shape (n, l, *positions, width).
+        width: the last dimension.
+
+    Returns:
+        A tensor of shape (n, l, width).
+    """
     n_samples, n_outputs = tf.shape(delta)[0], tf.shape(delta)[1]
     return tf.reduce_sum(tf.reshape(delta, [n_samples, n_outputs, -1, width]), 2)
 

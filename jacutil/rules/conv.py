@@ -21,7 +21,14 @@ from .registry import Blocks, NoRule, Rule, per_output, register, rows
 
 @register(keras.layers.Conv1D, keras.layers.Conv2D)
 class ConvRule(Rule):
-    """``y = act(conv(a, W) + b)``, channels last, any strides, padding, dilation."""
+    """``y = act(conv(a, W) + b)``, channels last, any strides, padding, dilation.
+
+    Args:
+        layer: the Keras layer.
+
+    Raises:
+        NoRule: a channels_first or LoRA convolution.
+    """
 
     name = "conv"
 
@@ -45,6 +52,11 @@ class ConvRule(Rule):
         self.variables = [layer.kernel] + ([self.bias] if self.bias is not None else [])
 
     def describe(self):
+        """``"conv2d"`` and the activation, e.g. ``"conv2d+relu"``.
+
+        Returns:
+            A ``str``.
+        """
         return f"conv{self.layer.rank}d" + self.activation.describe()
 
     def _kernel(self):

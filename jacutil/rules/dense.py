@@ -8,7 +8,14 @@ from .registry import NoRule, Rule, register
 
 @register(keras.layers.Dense)
 class DenseRule(Rule):
-    """``y = act(a @ W + b)``, on the last axis of an input of any rank."""
+    """``y = act(a @ W + b)``, on the last axis of an input of any rank.
+
+    Args:
+        layer: the Keras layer.
+
+    Raises:
+        NoRule: a LoRA or quantized Dense.
+    """
 
     name = "dense"
 
@@ -26,6 +33,11 @@ class DenseRule(Rule):
         self.variables = [layer.kernel] + ([self.bias] if self.bias is not None else [])
 
     def describe(self):
+        """``"dense"`` and the activation, e.g. ``"dense+relu"``.
+
+        Returns:
+            A ``str``.
+        """
         return self.name + self.activation.describe()
 
     def _forward(self, a):

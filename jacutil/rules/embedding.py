@@ -12,6 +12,15 @@ from .registry import Blocks, NoRule, Rule, register
 
 @register(keras.layers.Embedding)
 class EmbeddingRule(Rule):
+    """``y = table[ids]``: each id's row of the table; ids get no signal.
+
+    Args:
+        layer: the Keras layer.
+
+    Raises:
+        NoRule: a LoRA or quantized Embedding.
+    """
+
     name = "embedding"
 
     def __init__(self, layer):

@@ -52,6 +52,15 @@ class _Affine(Rule):
 
 @register(keras.layers.LayerNormalization)
 class LayerNormRule(_Affine):
+    """``y = gamma * (a - mean) / sqrt(var + eps) + beta`` over the last axis.
+
+    Args:
+        layer: the Keras layer.
+
+    Raises:
+        NoRule: RMS scaling, or an axis other than the last.
+    """
+
     name = "layer_norm"
 
     def __init__(self, layer):
@@ -80,6 +89,15 @@ class LayerNormRule(_Affine):
 
 @register(keras.layers.BatchNormalization)
 class BatchNormRule(_Affine):
+    """Inference mode: the moving mean and variance, on the last axis.
+
+    Args:
+        layer: the Keras layer.
+
+    Raises:
+        NoRule: an axis other than the last.
+    """
+
     name = "batch_norm (inference)"
 
     def __init__(self, layer):

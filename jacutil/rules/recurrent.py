@@ -98,7 +98,18 @@ class _Recurrent(Rule):
         return blocks, below
 
     def blocks(self, a, states, by_input, by_state, wanted):
-        """Blocks of K, R and the bias after R (LSTM, SimpleRNN)."""
+        """Blocks of K, R and the bias after R (LSTM, SimpleRNN).
+
+        Args:
+            a: the layer's input, shape (n, T, features).
+            states: the state before each step, shape (n, T, u).
+            by_input: the signal at the gates from the input, (n, T, l, g * u).
+            by_state: the signal at the gates from the state, (n, T, l, g * u).
+            wanted: the variables to write blocks for.
+
+        Returns:
+            :class:`jacutil.rules.registry.Blocks`, (n, l, size) each.
+        """
         cell = self.cell
         blocks = kernel_and_bias(a, by_input, cell.kernel, None, wanted, True)
         blocks.update(
@@ -109,9 +120,22 @@ class _Recurrent(Rule):
         return blocks
 
     def input_bias(self):
+        """The bias added to every step's input.
+
+        Returns:
+            The bias variable or its input row, shape (gates * u,), or None.
+        """
         return self.bias
 
     def initial(self, h):
+        """The state before the first step (or the carry before the last).
+
+        Args:
+            h: a zero state (n, u), a signal (n, l, u), or ``0.0``.
+
+        Returns:
+            A tuple: the state's parts, ``h`` first.
+        """
         return (h,)
 
 
@@ -120,9 +144,28 @@ class LSTMRule(_Recurrent):
     name = "lstm (BPTT)"
 
     def initial(self, h):
+        """The state before the first step (or the carry before the last).
+
+        Args:
+            h: a zero state (n, u), a signal (n, l, u), or ``0.0``.
+
+        Returns:
+            A tuple: the state's parts, ``h`` first.
+        """
         return (h, h if isinstance(h, float) else tf.zeros_like(h))
 
     def step(self, x_k, state):
+        """One step forward.
+
+        Args:
+            x_k: the step's input times the kernel (and input bias), shape
+                (n, gates * u).
+            state: the state before the step, a tuple, ``h`` (n, u) first.
+
+        Returns:
+            ``(state, kept)``: the state after the step, and what
+            :meth:`step_back` needs, each a tuple of (n, ...) tensors.
+        """
         h, c = state
         z = x_k + tf.matmul(h, self.cell.recurrent_kernel)
         zi, zf, zg, zo = tf.split(z, 4, axis=-1)
@@ -134,6 +177,18 @@ class LSTMRule(_Recurrent):
         return (o * ac, c), (f, o * dac, tf.concat([*gates, ac * do], -1))
 
     def step_back(self, kept, carry):
+        """One step backward.
+
+        Args:
+            kept: what :meth:`step` kept, each with an axis for l: (n, 1, ...).
+            carry: the signal at the state after the step, a tuple of
+                (n, l, u) tensors.
+
+        Returns:
+            ``(by_input, by_state, carry)``: the signal at the step's gates from
+            the input and from the state, (n, l, gates * u) each, and the
+            signal at the state before the step.
+        """
         f, o_dac, gates = kept
         dh, dc = carry
         dc = dc + dh * o_dac
@@ -144,6 +199,16 @@ class LSTMRule(_Recurrent):
 
 @register(keras.layers.GRU)
 class GRURule(_Recurrent):
+    """A GRU (``reset_after=True``), by backpropagation through time.
+
+    Args:
+        layer: the Keras layer.
+
+    Raises:
+        NoRule: ``reset_after=False``, or a configuration no recurrent rule
+            covers.
+    """
+
     name = "gru (BPTT)"
 
     def __init__(self, layer):
@@ -152,9 +217,25 @@ class GRURule(_Recurrent):
             raise NoRule("a GRU with reset_after=False")
 
     def input_bias(self):
+        """The bias added to every step's input.
+
+        Returns:
+            The bias variable or its input row, shape (gates * u,), or None.
+        """
         return self.bias[0]
 
     def step(self, x_k, state):
+        """One step forward.
+
+        Args:
+            x_k: the step's input times the kernel (and input bias), shape
+                (n, gates * u).
+            state: the state before the step, a tuple, ``h`` (n, u) first.
+
+        Returns:
+            ``(state, kept)``: the state after the step, and what
+            :meth:`step_back` needs, each a tuple of (n, ...) tensors.
+        """
         (h,) = state
         units = self.cell.units
         recurrent = tf.matmul(h, self.cell.recurrent_kernel)
@@ -172,6 +253,18 @@ class GRURule(_Recurrent):
         return (z * h + (1 - z) * n,), (z, r, at_input)
 
     def step_back(self, kept, carry):
+        """One step backward.
+
+        Args:
+            kept: what :meth:`step` kept, each with an axis for l: (n, 1, ...).
+            carry: the signal at the state after the step, a tuple of
+                (n, l, u) tensors.
+
+        Returns:
+            ``(by_input, by_state, carry)``: the signal at the step's gates from
+            the input and from the state, (n, l, gates * u) each, and the
+            signal at the state before the step.
+        """
         z, r, at_input = kept
         (dh,) = carry
         units = self.cell.units
@@ -183,7 +276,18 @@ class GRURule(_Recurrent):
         return by_input, by_state, (dh,)
 
     def blocks(self, a, states, by_input, by_state, wanted):
-        """K and R apart; the bias (2, 3u) is its input row, then its recurrent row."""
+        """K and R apart; the bias (2, 3u) is its input row, then its recurrent row.
+
+        Args:
+            a: the layer's input, shape (n, T, features).
+            states: the state before each step, shape (n, T, u).
+            by_input: the signal at the gates from the input, (n, T, l, 3u).
+            by_state: the signal at the gates from the state, (n, T, l, 3u).
+            wanted: the variables to write blocks for.
+
+        Returns:
+            :class:`jacutil.rules.registry.Blocks`, (n, l, size) each.
+        """
         cell = self.cell
         blocks = kernel_and_bias(a, by_input, cell.kernel, None, wanted, True)
         blocks.update(
@@ -200,11 +304,34 @@ class SimpleRNNRule(_Recurrent):
     name = "simple_rnn (BPTT)"
 
     def step(self, x_k, state):
+        """One step forward.
+
+        Args:
+            x_k: the step's input times the kernel (and input bias), shape
+                (n, gates * u).
+            state: the state before the step, a tuple, ``h`` (n, u) first.
+
+        Returns:
+            ``(state, kept)``: the state after the step, and what
+            :meth:`step_back` needs, each a tuple of (n, ...) tensors.
+        """
         (h,) = state
         h, slope = _with_slope(self.act, x_k + tf.matmul(h, self.cell.recurrent_kernel))
         return (h,), (slope,)
 
     def step_back(self, kept, carry):
+        """One step backward.
+
+        Args:
+            kept: what :meth:`step` kept, each with an axis for l: (n, 1, ...).
+            carry: the signal at the state after the step, a tuple of
+                (n, l, u) tensors.
+
+        Returns:
+            ``(by_input, by_state, carry)``: the signal at the step's gates from
+            the input and from the state, (n, l, gates * u) each, and the
+            signal at the state before the step.
+        """
         (slope,) = kept
         dz = carry[0] * slope
         return dz, dz, (_times_transpose(dz, self.cell.recurrent_kernel),)

@@ -49,6 +49,12 @@ class IdentityRule(Rule):
 
 @register(keras.layers.Activation)
 class ActivationRule(Rule):
+    """A Keras ``Activation`` layer: its signal only, no blocks.
+
+    Args:
+        layer: the Keras layer.
+    """
+
     name = "activation"
 
     def __init__(self, layer):
@@ -58,6 +64,11 @@ class ActivationRule(Rule):
         self.takes_logits_signal = self.activation.makes_logits
 
     def describe(self):
+        """The activation's name (``"relu"``, ``"linear"``).
+
+        Returns:
+            A ``str``.
+        """
         return self.activation.describe().lstrip("+") or "linear"
 
     def _forward(self, a):
@@ -69,7 +80,11 @@ class ActivationRule(Rule):
 
 @register(keras.layers.ReLU, keras.layers.LeakyReLU, keras.layers.ELU)
 class ElementwiseLayerRule(ActivationRule):
-    """Element-wise layers with options (max_value, negative_slope, ...)."""
+    """Element-wise layers with options (max_value, negative_slope, ...).
+
+    Args:
+        layer: the Keras layer.
+    """
 
     name = "elementwise"
 
@@ -80,4 +95,9 @@ class ElementwiseLayerRule(ActivationRule):
         self.runs_user_code = self.takes_logits_signal = False
 
     def describe(self):
+        """The layer's class, e.g. ``"ReLU (slope by autodiff)"``.
+
+        Returns:
+            A ``str``.
+        """
         return f"{type(self.layer).__name__} (slope by autodiff)"
