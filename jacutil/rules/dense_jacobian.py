@@ -21,6 +21,13 @@ def dense_plan(model, target):
     """``(plan, None)`` when the hand-derived path applies, else ``(None, reason)``.
 
     The plan is unchecked: :meth:`jacutil.rules.Plan.check` it on the inputs.
+
+    Args:
+        model: a Keras model.
+        target: its :class:`jacutil.core.target.Target`.
+
+    Returns:
+        ``(Plan, None)`` or ``(None, reason)``, the reason a ``str``.
     """
     plan, reason = plan_for(model, target.variables, target.training)
     if plan is None:
@@ -44,6 +51,13 @@ class DenseJacobian:
     It is ``compiled_jacobian(model, method="rules")`` kept to Dense chains
     (``plan``), or ``compiled_jacobian(model)`` where they do not apply.
     ``fallback`` is None on the hand-derived path, or why it does not apply.
+
+    Args:
+        model: a Keras model.
+        jit_compile: compile with XLA.
+        variables: the variables to differentiate, or None for the model's
+            trainable variables.
+        training: run the model in training mode (the fallback then runs).
     """
 
     def __init__(self, model, jit_compile, variables, training):
@@ -71,10 +85,18 @@ class DenseJacobian:
 
     @property
     def trace_count(self):
+        """The traces of the underlying compiled function (an ``int``)."""
         return self._jac.trace_count
 
     def tensor(self, x):
-        """The Jacobian of ``x`` as a tensor (checked against autodiff first)."""
+        """The Jacobian of ``x`` as a tensor (checked against autodiff first).
+
+        Args:
+            x: the n samples, an array.
+
+        Returns:
+            A tensor of shape (n, l, m).
+        """
         return self._jac.tensor(as_batch(x, self.target))
 
     def __call__(self, x, *, copy=False):
@@ -84,6 +106,13 @@ class DenseJacobian:
         copying 228 MB (n = 10,000 on the question's network) costs as long
         as computing it. Pass ``copy=True``, or take ``np.array(J)``, for an
         array you may write to.
+
+        Args:
+            x: the n samples, an array.
+            copy: return an array you may write to.
+
+        Returns:
+            J, an array of shape (n, l, m).
         """
         return self._jac(x, copy=copy)
 
@@ -102,6 +131,16 @@ def compiled_dense_jacobian(
     instead (``jac.fallback`` says why); so does one whose rules differ from
     autodiff on the samples checked (up to 8, spread over the first batch of
     each input shape). Introduced in ``07-benchmark``.
+
+    Args:
+        model: a Keras model.
+        jit_compile: compile with XLA.
+        variables: the variables to differentiate (default: the model's
+            trainable variables).
+        training: run the model in training mode.
+
+    Returns:
+        A :class:`DenseJacobian`: ``jac(x)`` gives J of shape (n, l, m).
     """
     return DenseJacobian(model, jit_compile, variables, training)
 
@@ -114,6 +153,16 @@ def dense_jacobian(model, x, *, variables=None, training=False):
     checked, falls back to :func:`per_sample_jacobian`.
 
     Returns (n_samples, n_outputs, n_params). Introduced in ``07-benchmark``.
+
+    Args:
+        model: a Keras model.
+        x: the n samples, an array.
+        variables: the variables to differentiate (default: the model's
+            trainable variables).
+        training: run the model in training mode.
+
+    Returns:
+        J, an array of shape (n, l, m), columns in ``flat_params`` order.
     """
     variables = None if variables is None else variable_list(variables)
     target = resolve_target(model, variables, training, x)
