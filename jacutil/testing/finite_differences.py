@@ -17,6 +17,18 @@ def finite_difference_jacobian(model, x, *, variables=None, training=False, step
 
     2 * n_params forward passes of the whole batch: slow, simple, and sharing
     no code with the autodiff stages, which is the point of a reference.
+
+    Args:
+        model: a Keras model, or a callable ``f(x)`` with ``variables``.
+        x: the n samples: an array, or a list or dict of arrays.
+        variables: the variables to differentiate (default: the model's
+            trainable variables); each is bumped and restored.
+        training: run the model in training mode.
+        step: the difference step h.
+
+    Returns:
+        J, a float64 array of shape (n, l, m), columns in ``flat_params``
+        order.
     """
     target = resolve_target(model, variables, training, x)
     x = as_batch(x, target)

@@ -36,6 +36,13 @@ class RuleReport:
     ``errors``: each check's largest difference, relative to the largest
     reference value (or absolute below 1); ``problem``: a contract error or
     a refused layer, when the rule could not be run.
+
+    Args:
+        rule: the rule's name (``describe()``).
+        layer: the layer, in words.
+        tolerance: the largest error that passes.
+        errors: each check's error, by check name.
+        problem: the contract error or refusal, or None.
     """
 
     rule: str
@@ -51,10 +58,15 @@ class RuleReport:
 
     @property
     def passed(self):
+        """Whether no contract error and no check over the tolerance (``bool``)."""
         return self.problem is None and not self.failures
 
     def line(self):
-        """One line: ok/FAIL, the layer, its rule and every check's error."""
+        """One line: ok/FAIL, the layer, its rule and every check's error.
+
+        Returns:
+            A ``str``.
+        """
         if self.problem is not None:
             found = self.problem
         else:
@@ -62,7 +74,11 @@ class RuleReport:
         return f"{'ok  ' if self.passed else 'FAIL'} {self.layer}: {self.rule}  {found}"
 
     def why(self):
-        """The failure in words, or "" when it passed."""
+        """The failure in words, or "" when it passed.
+
+        Returns:
+            A ``str``.
+        """
         if self.problem is not None:
             return f"rule {self.rule} on {self.layer}: {self.problem}"
         return "; ".join(

@@ -21,6 +21,12 @@ class Setting:
 
     ``layer_type(**kwargs, dtype="float64")`` on inputs of shape
     ``(n, *input_shape)``, of ``input_dtype`` (floats unless given).
+
+    Args:
+        layer_type: the Keras layer class.
+        input_shape: one sample's input shape.
+        kwargs: the layer's keyword arguments.
+        input_dtype: the inputs' dtype (``"int32"`` for an Embedding's ids).
     """
 
     layer_type: type
@@ -29,7 +35,11 @@ class Setting:
     input_dtype: str = "float64"
 
     def make(self):
-        """A fresh, unbuilt float64 layer."""
+        """A fresh, unbuilt float64 layer.
+
+        Returns:
+            A Keras layer of ``layer_type``.
+        """
         return self.layer_type(**self.kwargs, dtype="float64")
 
     @property
@@ -44,7 +54,14 @@ def _shown(value):
 
 
 def wavy(z):
-    """An activation jacutil does not know: its signal passes by autodiff."""
+    """An activation jacutil does not know: its signal passes by autodiff.
+
+    Args:
+        z: a tensor.
+
+    Returns:
+        ``z * sin(z)``, a tensor of ``z``'s shape.
+    """
     return z * tf.sin(z)
 
 
