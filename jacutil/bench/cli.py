@@ -20,6 +20,14 @@ from .runner import run_bench
 
 
 def parse(argv):
+    """The command line's options.
+
+    Args:
+        argv: the arguments (None: ``sys.argv[1:]``).
+
+    Returns:
+        An ``argparse.Namespace``.
+    """
     parser = argparse.ArgumentParser(
         prog="python -m jacutil.bench",
         description="Time every per-sample Jacobian path, with JAX and PyTorch "
@@ -68,7 +76,15 @@ def parse(argv):
 
 
 def run_one(model, args):
-    """One model's run: time, profile (the hand-derived path), save, print."""
+    """One model's run: time, profile (the hand-derived path), save, print.
+
+    Args:
+        model: a name in ``MODELS``.
+        args: the parsed command line.
+
+    Returns:
+        The results dict.
+    """
     print(f"\n{MODELS[model].label}")
     results = run_bench(
         args.sizes,
@@ -94,7 +110,14 @@ def run_one(model, args):
 
 
 def main(argv=None):
-    """Run the benchmark; the results dict (a list of them for several models)."""
+    """Run the benchmark; the results dict (a list of them for several models).
+
+    Args:
+        argv: the command line's arguments (None: ``sys.argv[1:]``).
+
+    Returns:
+        A results dict, a list of them, or None (``--measure-memory``).
+    """
     args = parse(argv)
     if args.measure_memory:  # one path's memory, in a fresh process (fresh.py)
         peaks = measure_memory(

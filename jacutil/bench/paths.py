@@ -34,7 +34,14 @@ PEERS = ("jax", "torch")  # the other libraries: "x peer" is to the faster one
 
 @dataclass
 class Path_:
-    """One way to compute the Jacobian: ``build(model)`` returns ``jac(x)``."""
+    """One way to compute the Jacobian: ``build(model)`` returns ``jac(x)``.
+
+    Args:
+        label: the path in words.
+        build: ``build(model)`` returning ``jac(x)``.
+        exponent: time and memory grow like n**exponent.
+        applies: ``applies(model) -> bool``, or None for every model.
+    """
 
     label: str
     build: object
@@ -102,7 +109,15 @@ PATHS = {
 
 @dataclass
 class BenchModel:
-    """A model to time: ``build(seed)``, ``inputs(n, seed)``, default sizes."""
+    """A model to time: ``build(seed)``, ``inputs(n, seed)``, default sizes.
+
+    Args:
+        label: the model in words.
+        build: ``build(seed)`` returning the Keras model.
+        inputs: ``inputs(n, seed)`` returning n samples.
+        sizes: the default numbers of samples.
+        paths: the default paths (empty: every path that applies).
+    """
 
     label: str
     build: object
@@ -133,7 +148,15 @@ MODELS = {
 
 
 def default_paths(model_name, network):
-    """The paths a run times when none are named: those that apply."""
+    """The paths a run times when none are named: those that apply.
+
+    Args:
+        model_name: a name in ``MODELS``.
+        network: the built Keras model.
+
+    Returns:
+        A list of path names.
+    """
     chosen = MODELS[model_name].paths
     if chosen:
         return list(chosen)
@@ -145,7 +168,16 @@ def default_paths(model_name, network):
 
 
 def jacobian_shape(model, x, n):
-    """(n, l, m) of the model's per-sample Jacobian, from one sample of x."""
+    """(n, l, m) of the model's per-sample Jacobian, from one sample of x.
+
+    Args:
+        model: the Keras model.
+        x: its inputs.
+        n: the number of samples.
+
+    Returns:
+        A tuple ``(n, l, m)``.
+    """
     n_outputs = int(np.prod(model(x[:1]).shape[1:]))
     n_params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
     return (n, n_outputs, n_params)

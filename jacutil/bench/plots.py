@@ -22,6 +22,15 @@ def plot(results, ax=None, *, slopes_from=SLOPES_FROM, legend_size=9):
     ``slopes_from`` sizes or more (two points always lie on a line). Each
     line has its own marker and dash, hollow markers let overlapping points
     show, and the legend (``legend_size`` points) sits outside the axes.
+
+    Args:
+        results: the benchmark's results dict (``results.json``).
+        ax: the matplotlib axes (default: a new figure's).
+        slopes_from: the fewest sizes for a fitted slope.
+        legend_size: the legend's font size in points.
+
+    Returns:
+        The matplotlib ``Axes``.
     """
     import matplotlib.pyplot as plt
 
@@ -80,6 +89,13 @@ def save(results, out):
 
     A model other than the question's MLP gets its name in the file names:
     results-lstm.json, results-lstm.md, scaling-lstm.png.
+
+    Args:
+        results: the benchmark's results dict (``results.json``).
+        out: the folder (created if needed).
+
+    Returns:
+        The folder, a ``pathlib.Path``.
     """
     import matplotlib
 

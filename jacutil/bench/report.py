@@ -18,7 +18,14 @@ FLOORS = (FLOOR, FLOOR_NEW)
 
 
 class Ratios(NamedTuple):
-    """One path's time against others at one n (None where there is none)."""
+    """One path's time against others at one n (None where there is none).
+
+    Args:
+        loop: the loop's time / this time (how many times faster).
+        fastest: this time / the fastest path's.
+        floor: this time / the write floor's.
+        peer: this time / the faster peer's (JAX, PyTorch).
+    """
 
     loop: float | None  # loop time / this time: how many times faster
     fastest: float  # this time / the fastest path's
@@ -27,7 +34,15 @@ class Ratios(NamedTuple):
 
 
 def results_at(results, n):
-    """``{path: result}`` at n."""
+    """``{path: result}`` at n.
+
+    Args:
+        results: the benchmark's results dict (``results.json``).
+        n: the number of samples.
+
+    Returns:
+        A dict from path name to its result dict.
+    """
     return {r["path"]: r for r in results["results"] if r["n"] == n}
 
 
@@ -36,7 +51,15 @@ def _medians(at):
 
 
 def fastest_peer(results, n):
-    """The name of the faster peer that ran at n, or None."""
+    """The name of the faster peer that ran at n, or None.
+
+    Args:
+        results: the benchmark's results dict (``results.json``).
+        n: the number of samples.
+
+    Returns:
+        A ``str`` or None.
+    """
     ran = {p: t for p, t in _medians(results_at(results, n)).items() if p in PEERS}
     return min(ran, key=ran.get) if ran else None
 
@@ -44,7 +67,15 @@ def fastest_peer(results, n):
 def ratios(results, n):
     """``{path: Ratios(loop, fastest, floor, peer)}`` at n; the loop predicted if
     skipped. A :class:`Ratios` is a tuple too: ``(x loop, x fastest, x floor,
-    x peer)``."""
+    x peer)``.
+
+    Args:
+        results: the benchmark's results dict (``results.json``).
+        n: the number of samples.
+
+    Returns:
+        A dict from path name to :class:`Ratios`.
+    """
     at = results_at(results, n)
     ran = _medians(at)
     floor = ran[FLOOR]
@@ -81,7 +112,15 @@ def _floor_line(results, n):
 
 
 def table_at(results, n):
-    """A Markdown table of every path at n, fastest first."""
+    """A Markdown table of every path at n, fastest first.
+
+    Args:
+        results: the benchmark's results dict (``results.json``).
+        n: the number of samples.
+
+    Returns:
+        A ``str``.
+    """
     at = results_at(results, n)
     labels = results["labels"]
     share = ratios(results, n)
@@ -123,6 +162,12 @@ def summary(results):
     ``best`` is the fastest jacutil path (not a peer), ``jacutil`` its median;
     ``per_peer`` its time over the faster peer's (None without peers),
     ``per_floor`` over the write floor's.
+
+    Args:
+        results: the benchmark's results dict (``results.json``).
+
+    Returns:
+        A list of dicts, one per n.
     """
     rows = []
     for n in results["sizes"]:
@@ -146,7 +191,14 @@ def summary(results):
 
 
 def summary_table(results):
-    """Markdown: per n, the best jacutil path against the peers and the floor."""
+    """Markdown: per n, the best jacutil path against the peers and the floor.
+
+    Args:
+        results: the benchmark's results dict (``results.json``).
+
+    Returns:
+        A ``str``.
+    """
     lines = [
         "| n | best jacutil path | median | JAX | PyTorch | x fastest peer | x floor |",
         "|---:|---|---:|---:|---:|---:|---:|",
@@ -163,7 +215,14 @@ def summary_table(results):
 
 
 def markdown(results):
-    """All the tables, and where they were measured."""
+    """All the tables, and where they were measured.
+
+    Args:
+        results: the benchmark's results dict (``results.json``).
+
+    Returns:
+        A ``str`` of Markdown.
+    """
     m = results["machine"]
     versions = ", ".join(f"{k} {v}" for k, v in m["versions"].items())
     versions += "".join(f", {k}={v}" for k, v in m.get("threads", {}).items())
@@ -187,7 +246,14 @@ def markdown(results):
 
 
 def profile_table(profile):
-    """Markdown: where the hand-derived path's time goes (see ``profile_dense``)."""
+    """Markdown: where the hand-derived path's time goes (see ``profile_dense``).
+
+    Args:
+        profile: the dict ``profile_dense`` returns.
+
+    Returns:
+        A ``str``.
+    """
     lines = [
         f"**Where the hand-derived path's time goes, n = {profile['n']:,}** "
         "(each piece includes the ones above it)",
@@ -201,7 +267,14 @@ def profile_table(profile):
 
 
 def series(results):
-    """``{label: [median or None per size]}`` for the plot, the floors included."""
+    """``{label: [median or None per size]}`` for the plot, the floors included.
+
+    Args:
+        results: the benchmark's results dict (``results.json``).
+
+    Returns:
+        A dict from label to a list of seconds (or None), one per size.
+    """
     out = {}
     for path, label in results["labels"].items():
         values = []
@@ -215,7 +288,14 @@ def series(results):
 
 def slopes(results):
     """``{label: fitted slope of log(median) against log(n)}``, where a path
-    ran at three sizes or more (two points always lie on a line)."""
+    ran at three sizes or more (two points always lie on a line).
+
+    Args:
+        results: the benchmark's results dict (``results.json``).
+
+    Returns:
+        A dict from label to ``float``.
+    """
     from ..teaching.plots import fitted_slope
 
     out = {}

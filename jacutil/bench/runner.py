@@ -23,7 +23,18 @@ from .skipping import format_seconds, quadratic_bytes, skip_reason
 
 @dataclass
 class Result:
-    """One path at one n: seconds, peak bytes, or why it was skipped."""
+    """One path at one n: seconds, peak bytes, or why it was skipped.
+
+    Args:
+        path: the path's name.
+        n: the number of samples.
+        first: seconds of the first call.
+        times: seconds of each timed call.
+        median: their median.
+        peak: the first call's peak bytes.
+        skipped: why it did not run, or None.
+        predicted: seconds of one call, predicted where skipped.
+    """
 
     path: str
     n: int
@@ -77,7 +88,16 @@ def _timed(name, n, function, argument, repeats, watch_memory, check=None):
 
 
 def time_floors(shape, repeats, watch_memory):
-    """Both floors at J's ``shape``: filling a preallocated array, and np.full."""
+    """Both floors at J's ``shape``: filling a preallocated array, and np.full.
+
+    Args:
+        shape: (n, l, m).
+        repeats: the timed calls.
+        watch_memory: measure the first call's peak memory here.
+
+    Returns:
+        A list of two :class:`Result`.
+    """
     out = preallocated(shape)  # outside the timing
     floor = _timed(FLOOR, shape[0], fill_floor, out, repeats, watch_memory)
     new = _timed(FLOOR_NEW, shape[0], write_floor, shape, repeats, watch_memory)
@@ -98,7 +118,16 @@ def _check(J, reference, name, n):
 
 
 def build_paths(model, names, log=print):
-    """``{name: jac}`` for the paths that can run here (peers when installed)."""
+    """``{name: jac}`` for the paths that can run here (peers when installed).
+
+    Args:
+        model: the Keras model.
+        names: the paths' names.
+        log: where to say which paths cannot run.
+
+    Returns:
+        A dict from name to ``jac(x)``.
+    """
     built = {}
     for name in names:
         jac = PATHS[name].build(model)
@@ -130,6 +159,19 @@ def run_bench(
     path that applies to the model. Peak memory is the first call's, measured
     in a fresh process per path (``memory_mode="fresh"``) or in this one
     (``"inline"``).
+
+    Args:
+        sizes: the numbers of samples n (default: the model's).
+        repeats: the timed calls per path and n.
+        max_seconds: skip a path at an n predicted to take longer.
+        memory_mode: ``"fresh"`` or ``"inline"``.
+        paths: the paths' names (default: all that apply).
+        seed: the model's and the inputs' seed.
+        log: where progress goes.
+        model: a name in ``MODELS``.
+
+    Returns:
+        The results dict (``results.json``).
     """
     bench_model = MODELS[model]
     sizes = sorted(sizes or bench_model.sizes)

@@ -48,6 +48,9 @@ def convolutions_by_group():
     The same numbers, in a form whose gradients pfor vectorizes and whose
     tangents forward mode carries (see above). Thread-safe and reentrant:
     the first block in installs it, the last one out restores Keras's own.
+
+    Yields:
+        None.
     """
     with _BY_GROUP_LOCK:
         if _BY_GROUP["depth"] == 0:
