@@ -327,7 +327,7 @@ def stack_columns(jacobians, variables, n_rows):
 
     Args:
         jacobians: one tensor (or None) per variable, shape
-            (n_rows, l, *variable.shape).
+            ``(n_rows, l, *variable.shape)``.
         variables: the variables, in ``flat_params`` order.
         n_rows: the number of rows (samples), an ``int`` or a scalar tensor.
 

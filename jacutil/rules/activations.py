@@ -83,10 +83,10 @@ class Activation:
         """``(y, saved)``; the slope of an element-wise function is saved.
 
         Args:
-            z: the pre-activations, shape (n, *shape).
+            z: the pre-activations, shape ``(n, *shape)``.
 
         Returns:
-            ``(y, saved)``: y of shape (n, *shape), and what :meth:`backward`
+            ``(y, saved)``: y of shape ``(n, *shape)``, and what :meth:`backward`
             needs.
         """
         if self.kind == "linear":
@@ -117,11 +117,11 @@ class Activation:
 
         Args:
             saved: what :meth:`forward` saved.
-            delta: the signal at y, shape (n, l, *shape), or a
+            delta: the signal at y, shape ``(n, l, *shape)``, or a
                 :class:`jacutil.rules.registry.LogitsSignal`.
 
         Returns:
-            The signal at z, shape (n, l, *shape).
+            The signal at z, shape ``(n, l, *shape)``.
 
         Raises:
             TypeError: a signal at logits for a function that makes none.

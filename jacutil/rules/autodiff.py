@@ -21,11 +21,11 @@ def repeat_rows(a, n_outputs):
     """(n, *shape) -> (n * l, *shape): each sample repeated l times in a row.
 
     Args:
-        a: a tensor of shape (n, *shape).
+        a: a tensor of shape ``(n, *shape)``.
         n_outputs: l.
 
     Returns:
-        A tensor of shape (n * l, *shape).
+        A tensor of shape ``(n * l, *shape)``.
     """
     shape = tf.shape(a)
     tiled = tf.broadcast_to(
@@ -40,11 +40,11 @@ def tiled_vjp(function, a, delta):
 
     Args:
         function: the function, applied to a batch.
-        a: its input, shape (n, *in).
-        delta: the signal at its output, shape (n, l, *out).
+        a: its input, shape ``(n, *in)``.
+        delta: the signal at its output, shape ``(n, l, *out)``.
 
     Returns:
-        The signal at ``a``, shape (n, l, *in).
+        The signal at ``a``, shape ``(n, l, *in)``.
     """
     n_samples, n_outputs = tf.shape(delta)[0], tf.shape(delta)[1]
     a_rows = repeat_rows(a, n_outputs)

@@ -36,8 +36,8 @@ def outer_by_position(a, by_position):
     """:func:`outer_blocks` of a signal laid out (n, t, l, q), positions first.
 
     Args:
-        a: the layer's input, shape (n, *positions, p), t positions in all.
-        by_position: the signal, shape (n, *positions, l, q).
+        a: the layer's input, shape ``(n, *positions, p)``, t positions in all.
+        by_position: the signal, shape ``(n, *positions, l, q)``.
 
     Returns:
         The kernel's block, shape (n, l, p * q).
@@ -56,7 +56,7 @@ def sum_positions(delta, width):
     """(n, l, width): ``delta`` (n, l, *positions, width) summed over positions.
 
     Args:
-        delta: a tensor of shape (n, l, *positions, width).
+        delta: a tensor of shape ``(n, l, *positions, width)``.
         width: the last dimension.
 
     Returns:

@@ -86,7 +86,7 @@ class Node:
         """Replay the call on ``a``, in inference mode.
 
         Args:
-            a: the input tensor, shape (n, *input_shape).
+            a: the input tensor, shape ``(n, *input_shape)``.
 
         Returns:
             The operation's output tensor.
@@ -345,7 +345,7 @@ def rules_tensor(plan, x, signal=None):
         plan: a :class:`Plan`.
         x: a batch of n samples (a tensor).
         signal: None, or a function from the outputs, shape
-            (n, *output_shape), to the signal.
+            ``(n, *output_shape)``, to the signal.
 
     Returns:
         A tensor of shape (n, l, m), or (n, r, m) with ``signal``.
@@ -390,12 +390,12 @@ def signal_for(step, delta, wanted, n_samples):
 
     Args:
         step: the step's rule.
-        delta: the signal, shape (1 or n, l, *output_shape).
+        delta: the signal, shape ``(1 or n, l, *output_shape)``.
         wanted: the step's wanted variables.
         n_samples: n.
 
     Returns:
-        ``delta``, broadcast to (n, l, *output_shape) where it must be.
+        ``delta``, broadcast to ``(n, l, *output_shape)`` where it must be.
     """
     if wanted or not step.shared_signal:
         return tf.broadcast_to(delta, tf.concat([[n_samples], tf.shape(delta)[1:]], 0))

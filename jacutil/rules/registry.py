@@ -106,7 +106,7 @@ class LogitsSignal:
     (``y._keras_logits``, or the input of a ``Softmax``/``Sigmoid`` op).
 
     Args:
-        delta: the signal at the logits, shape (n or 1, r, *logits_shape).
+        delta: the signal at the logits, shape ``(n or 1, r, *logits_shape)``.
     """
 
     def __init__(self, delta):
@@ -295,14 +295,14 @@ class Rule(abc.ABC):
 
     @final
     def forward(self, a) -> tuple[Any, Any]:
-        """``(y, saved)``: the layer's output (n, *output_shape) on ``a``
-        (n, *input_shape), and what :meth:`backward` needs (from ``_forward``).
+        """``(y, saved)``: the layer's output ``(n, *output_shape)`` on ``a``
+        ``(n, *input_shape)``, and what :meth:`backward` needs (from ``_forward``).
 
         Args:
-            a: the layer's input, shape (n, *input_shape).
+            a: the layer's input, shape ``(n, *input_shape)``.
 
         Returns:
-            ``(y, saved)``: y of shape (n, *output_shape), and what
+            ``(y, saved)``: y of shape ``(n, *output_shape)``, and what
             ``_forward`` saved.
         """
         y, saved = self._forward(a)
@@ -450,10 +450,10 @@ def rows(delta):
     """(n, l, *shape) -> (n * l, *shape): one row per sample and output.
 
     Args:
-        delta: a tensor of shape (n, l, *shape).
+        delta: a tensor of shape ``(n, l, *shape)``.
 
     Returns:
-        A tensor of shape (n * l, *shape).
+        A tensor of shape ``(n * l, *shape)``.
     """
     return tf.reshape(delta, tf.concat([[-1], tf.shape(delta)[2:]], 0))
 
@@ -462,12 +462,12 @@ def per_output(rows_, n_samples, n_outputs):
     """(n * l, *shape) -> (n, l, *shape): the inverse of :func:`rows`.
 
     Args:
-        rows_: a tensor of shape (n * l, *shape).
+        rows\\_: a tensor of shape ``(n * l, *shape)``.
         n_samples: n.
         n_outputs: l.
 
     Returns:
-        A tensor of shape (n, l, *shape).
+        A tensor of shape ``(n, l, *shape)``.
     """
     shape = tf.concat([[n_samples, n_outputs], tf.shape(rows_)[1:]], 0)
     return tf.reshape(rows_, shape)
