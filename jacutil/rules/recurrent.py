@@ -97,6 +97,35 @@ class _Recurrent(Rule):
             below = _times_transpose(tf.stack(by_input, 2), self.cell.kernel)
         return blocks, below
 
+    def step(self, x_k, state):
+        """One step forward.
+
+        Args:
+            x_k: the step's input times the kernel (and input bias), shape
+                (n, gates * u).
+            state: the state before the step, a tuple, ``h`` (n, u) first.
+
+        Returns:
+            ``(state, kept)``: the state after the step, and what
+            :meth:`step_back` needs, each a tuple of (n, ...) tensors.
+        """
+        raise NotImplementedError
+
+    def step_back(self, kept, carry):
+        """One step backward.
+
+        Args:
+            kept: what :meth:`step` kept, each with an axis for l: (n, 1, ...).
+            carry: the signal at the state after the step, a tuple of
+                (n, l, u) tensors.
+
+        Returns:
+            ``(by_input, by_state, carry)``: the signal at the step's gates from
+            the input and from the state, (n, l, gates * u) each, and the
+            signal at the state before the step.
+        """
+        raise NotImplementedError
+
     def blocks(self, a, states, by_input, by_state, wanted):
         """Blocks of K, R and the bias after R (LSTM, SimpleRNN).
 
@@ -155,17 +184,6 @@ class LSTMRule(_Recurrent):
         return (h, h if isinstance(h, float) else tf.zeros_like(h))
 
     def step(self, x_k, state):
-        """One step forward.
-
-        Args:
-            x_k: the step's input times the kernel (and input bias), shape
-                (n, gates * u).
-            state: the state before the step, a tuple, ``h`` (n, u) first.
-
-        Returns:
-            ``(state, kept)``: the state after the step, and what
-            :meth:`step_back` needs, each a tuple of (n, ...) tensors.
-        """
         h, c = state
         z = x_k + tf.matmul(h, self.cell.recurrent_kernel)
         zi, zf, zg, zo = tf.split(z, 4, axis=-1)
@@ -177,18 +195,6 @@ class LSTMRule(_Recurrent):
         return (o * ac, c), (f, o * dac, tf.concat([*gates, ac * do], -1))
 
     def step_back(self, kept, carry):
-        """One step backward.
-
-        Args:
-            kept: what :meth:`step` kept, each with an axis for l: (n, 1, ...).
-            carry: the signal at the state after the step, a tuple of
-                (n, l, u) tensors.
-
-        Returns:
-            ``(by_input, by_state, carry)``: the signal at the step's gates from
-            the input and from the state, (n, l, gates * u) each, and the
-            signal at the state before the step.
-        """
         f, o_dac, gates = kept
         dh, dc = carry
         dc = dc + dh * o_dac
@@ -225,17 +231,6 @@ class GRURule(_Recurrent):
         return self.bias[0]
 
     def step(self, x_k, state):
-        """One step forward.
-
-        Args:
-            x_k: the step's input times the kernel (and input bias), shape
-                (n, gates * u).
-            state: the state before the step, a tuple, ``h`` (n, u) first.
-
-        Returns:
-            ``(state, kept)``: the state after the step, and what
-            :meth:`step_back` needs, each a tuple of (n, ...) tensors.
-        """
         (h,) = state
         units = self.cell.units
         recurrent = tf.matmul(h, self.cell.recurrent_kernel)
@@ -253,18 +248,6 @@ class GRURule(_Recurrent):
         return (z * h + (1 - z) * n,), (z, r, at_input)
 
     def step_back(self, kept, carry):
-        """One step backward.
-
-        Args:
-            kept: what :meth:`step` kept, each with an axis for l: (n, 1, ...).
-            carry: the signal at the state after the step, a tuple of
-                (n, l, u) tensors.
-
-        Returns:
-            ``(by_input, by_state, carry)``: the signal at the step's gates from
-            the input and from the state, (n, l, gates * u) each, and the
-            signal at the state before the step.
-        """
         z, r, at_input = kept
         (dh,) = carry
         units = self.cell.units
@@ -304,34 +287,11 @@ class SimpleRNNRule(_Recurrent):
     name = "simple_rnn (BPTT)"
 
     def step(self, x_k, state):
-        """One step forward.
-
-        Args:
-            x_k: the step's input times the kernel (and input bias), shape
-                (n, gates * u).
-            state: the state before the step, a tuple, ``h`` (n, u) first.
-
-        Returns:
-            ``(state, kept)``: the state after the step, and what
-            :meth:`step_back` needs, each a tuple of (n, ...) tensors.
-        """
         (h,) = state
         h, slope = _with_slope(self.act, x_k + tf.matmul(h, self.cell.recurrent_kernel))
         return (h,), (slope,)
 
     def step_back(self, kept, carry):
-        """One step backward.
-
-        Args:
-            kept: what :meth:`step` kept, each with an axis for l: (n, 1, ...).
-            carry: the signal at the state after the step, a tuple of
-                (n, l, u) tensors.
-
-        Returns:
-            ``(by_input, by_state, carry)``: the signal at the step's gates from
-            the input and from the state, (n, l, gates * u) each, and the
-            signal at the state before the step.
-        """
         (slope,) = kept
         dz = carry[0] * slope
         return dz, dz, (_times_transpose(dz, self.cell.recurrent_kernel),)
