@@ -94,8 +94,8 @@ class LocalWorkers:
 
     Raises:
         ValueError: ``n_workers`` is below 1.
-        WorkerStartError: the scheduler or a worker did not start (the
-            message holds the tail of its log).
+        jacutil.scale.workers.WorkerStartError: the scheduler or a worker
+            did not start (the message holds the tail of its log).
     """
 
     def __init__(
