@@ -122,8 +122,10 @@ def site_notebook(copy, book, learner_name, api_names):
 
 def submodules(package):
     """``[(name, module)]`` of a package's public modules, ``name`` relative
-    to jacutil (``core.memory``); a module (``testing``) is its own one."""
-    if not hasattr(package, "__path__"):
+    to jacutil (``core.memory``); a module, or a package with ``__all__``, is
+    its own one."""
+    if not hasattr(package, "__path__") or hasattr(package, "__all__"):
+        # a module, or a package that names its public API (rules, testing)
         return [(package.__name__.split(".", 1)[1], package)]
     found = []
     for info in pkgutil.iter_modules(package.__path__):
@@ -214,16 +216,19 @@ def api_page():
     documented = {n: n for n in functions + classes}
     for n in modules:
         lines += heading(f"``jacutil.{n}``", "~")
-        lines += [f".. automodule:: jacutil.{n}", "   :no-members:", ""]
-        for name, module in submodules(getattr(jacutil, n)):
+        parts = submodules(getattr(jacutil, n))
+        if parts[0][0] != n:  # a package of modules: its docstring, then each
+            lines += [f".. automodule:: jacutil.{n}", "   :no-members:", ""]
+        for name, module in parts:
             members = [
                 m for m in public_callables(module) if id(getattr(module, m)) not in top
             ]
-            short = name.split(".", 1)[1]  # memory.predicted_bytes in prose
+            short = name.rsplit(".", 1)[-1]  # memory.predicted_bytes in prose
             for m in members:
                 documented[f"{name}.{m}"] = f"{name}.{m}"
                 documented.setdefault(f"{short}.{m}", f"{name}.{m}")
-            lines += heading(f"``jacutil.{name}``", "^")
+            if name != n:
+                lines += heading(f"``jacutil.{name}``", "^")
             lines += [f".. automodule:: jacutil.{name}"]
             lines += (
                 [f"   :members: {', '.join(members)}"]

@@ -87,7 +87,7 @@ def split_outputs(J, model, x, *, variables=None, training=False):
         training: run the model in training mode.
 
     Returns:
-        The model's output nest of arrays, each of shape (n, *s, m).
+        The model's output nest of arrays, each of shape ``(n, *s, m)``.
     """
     J = np.asarray(J)
     target = resolve_target(model, variables, training, x)

@@ -113,7 +113,7 @@ class Activation:
         return self.kind in ("softmax", "sigmoid")
 
     def backward(self, saved, delta):
-        """The signal at z from the signal at y: (n, l, *shape) both.
+        """The signal at z from the signal at y: ``(n, l, *shape)`` both.
 
         Args:
             saved: what :meth:`forward` saved.

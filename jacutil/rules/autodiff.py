@@ -18,7 +18,7 @@ from .registry import Blocks, Rule, per_output, rows
 
 
 def repeat_rows(a, n_outputs):
-    """(n, *shape) -> (n * l, *shape): each sample repeated l times in a row.
+    """``(n, *shape)`` -> ``(n * l, *shape)``: each sample repeated l times in a row.
 
     Args:
         a: a tensor of shape ``(n, *shape)``.

@@ -53,7 +53,7 @@ def outer_by_position(a, by_position):
 
 
 def sum_positions(delta, width):
-    """(n, l, width): ``delta`` (n, l, *positions, width) summed over positions.
+    """(n, l, width): ``delta`` ``(n, l, *positions, width)`` summed over positions.
 
     Args:
         delta: a tensor of shape ``(n, l, *positions, width)``.
@@ -70,8 +70,8 @@ def kernel_and_bias(a, delta, kernel, bias, wanted, by_position=False):
     """:class:`~jacutil.rules.registry.Blocks` of a kernel and its bias.
 
     Args:
-        a: the layer's input at each position, (n, *positions, p).
-        delta: the signal at ``z``, (n, l, *positions, q); with
+        a: the layer's input at each position, ``(n, *positions, p)``.
+        delta: the signal at ``z``, ``(n, l, *positions, q)``; with
             ``by_position``, laid out (n, t, l, q), positions first.
         kernel: the (p, q) kernel variable (its columns row-major).
         bias: the (q,) bias variable, or None.

@@ -385,7 +385,7 @@ def rules_tensor(plan, x, signal=None):
 
 
 def signal_for(step, delta, wanted, n_samples):
-    """The signal a step takes: ``delta`` (1 or n, l, *output_shape) with one
+    """The signal a step takes: ``delta`` ``(1 or n, l, *output_shape)`` with one
     row per sample, unless the step takes a shared signal and writes no blocks.
 
     Args:

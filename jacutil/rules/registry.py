@@ -256,7 +256,7 @@ class Rule(abc.ABC):
     and ``_backward``; the engine calls the final :meth:`forward` and
     :meth:`backward`, which record the input's shape and check every shape
     a rule returns. Shapes: n samples, l outputs of the model, a layer input
-    ``a`` of shape (n, *input_shape) and output (n, *output_shape).
+    ``a`` of shape ``(n, *input_shape)`` and output ``(n, *output_shape)``.
 
     Capabilities, declared as class (or instance) attributes:
 
@@ -320,7 +320,7 @@ class Rule(abc.ABC):
 
         Args:
             saved: what :meth:`forward` returned as ``saved``.
-            delta: the signal at the layer's output, (n, l, *output_shape)
+            delta: the signal at the layer's output, ``(n, l, *output_shape)``
                 (or (1, l, ...) when ``shared_signal``), or a
                 :class:`LogitsSignal` when ``takes_logits_signal``.
             wanted: the variables to write blocks for (a :class:`Wanted`, or
@@ -330,7 +330,7 @@ class Rule(abc.ABC):
         Returns:
             ``(blocks, below)``: :class:`Blocks`, one (n, l, size) block per
             wanted variable (or joint kernel and bias), and the signal at the
-            layer's input (n or 1, l, *input_shape), or None when not needed
+            layer's input ``(n or 1, l, *input_shape)``, or None when not needed
             (or when the input is not a float, e.g. Embedding's ids).
 
         Raises:
@@ -447,7 +447,7 @@ def rule_for(layer):
 
 
 def rows(delta):
-    """(n, l, *shape) -> (n * l, *shape): one row per sample and output.
+    """``(n, l, *shape)`` -> ``(n * l, *shape)``: one row per sample and output.
 
     Args:
         delta: a tensor of shape ``(n, l, *shape)``.
@@ -459,7 +459,7 @@ def rows(delta):
 
 
 def per_output(rows_, n_samples, n_outputs):
-    """(n * l, *shape) -> (n, l, *shape): the inverse of :func:`rows`.
+    """``(n * l, *shape)`` -> ``(n, l, *shape)``: the inverse of :func:`rows`.
 
     Args:
         rows\\_: a tensor of shape ``(n * l, *shape)``.

@@ -118,7 +118,7 @@ def check_rule(
 
     Returns:
         A :class:`RuleReport`: per check, the largest relative error of the
-        rule's (n, l, m) blocks and (n, l, *input_shape) signal against
+        rule's (n, l, m) blocks and ``(n, l, *input_shape)`` signal against
         autodiff (l = the layer's outputs per sample, m its parameters).
 
     Raises:
