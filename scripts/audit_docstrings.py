@@ -1,6 +1,8 @@
 """List jacutil's public functions, classes and methods whose docstring lacks
 ``Args:`` (when they take arguments besides self/cls) or ``Returns:`` (when
-they return a value). Skips jacutil.peers and __main__ modules.
+they return a value). Skips jacutil.peers, __main__ modules and the
+exercise checks (jacutil.teaching.check.notebook_NN: one contract, written
+once in ``checks``).
 
     PYTHONPATH=. python scripts/audit_docstrings.py [-v]
 """
@@ -14,7 +16,7 @@ import textwrap
 
 import jacutil
 
-SKIP = ("jacutil.peers", "jacutil.bench.__main__")
+SKIP = ("jacutil.peers", "jacutil.bench.__main__", "jacutil.teaching.check.notebook_")
 
 
 def modules():

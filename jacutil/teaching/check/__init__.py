@@ -64,6 +64,12 @@ class NoAnswer(Exception):
 def checks(*names):
     """Register a check function ``check(answer, **context)`` for exercises.
 
+    Every check has the same contract, written here once: ``answer`` is the
+    learner's answer (None: not yet answered) and ``context`` the notebook's
+    objects the check needs (its model, its inputs ``x``, ...); it returns
+    when the answer is right, raises ``NoAnswer`` when ``answer`` is None and
+    ``Hint`` when it is wrong, with a message that says why (never the answer).
+
     Args:
         *names: the exercises it checks, each ``"NN-k"``.
 

@@ -8,15 +8,7 @@ from . import Hint, as_array, as_number, checks, close_array, close_number
 
 @checks("00-1")
 def parameters_of_a_network(answer):
-    """10 -> 128 (ReLU) -> 3: each Dense layer has a*b weights and b biases.
-
-    Args:
-        answer: the learner's answer (None: not yet answered).
-
-    Raises:
-        NoAnswer: ``answer`` is None.
-        Hint: the answer is wrong; the message says why.
-    """
+    """10 -> 128 (ReLU) -> 3: each Dense layer has a*b weights and b biases."""
     count = as_number(answer, "the number of parameters")
     weights = 10 * 128 + 128 * 3
     biases = 128 + 3
@@ -31,16 +23,7 @@ def parameters_of_a_network(answer):
 
 @checks("00-2")
 def derivative_by_a_bias(answer, J):
-    """d f_k / d b_k' of the last layer: the identity, for every sample.
-
-    Args:
-        answer: the learner's answer (None: not yet answered).
-        J: the notebook's Jacobian, shape (n, l, m).
-
-    Raises:
-        NoAnswer: ``answer`` is None.
-        Hint: the answer is wrong; the message says why.
-    """
+    """d f_k / d b_k' of the last layer: the identity, for every sample."""
     J = np.asarray(J)
     n_outputs = J.shape[1]
     words = "(l outputs k, l biases k')"
@@ -58,15 +41,7 @@ def derivative_by_a_bias(answer, J):
 
 @checks("00-3")
 def columns_of_a_frozen_layer(answer):
-    """Freezing small_cnn's first Conv2D drops its kernel and its biases.
-
-    Args:
-        answer: the learner's answer (None: not yet answered).
-
-    Raises:
-        NoAnswer: ``answer`` is None.
-        Hint: the answer is wrong; the message says why.
-    """
+    """Freezing small_cnn's first Conv2D drops its kernel and its biases."""
     from ... import small_cnn
 
     fewer = as_number(answer, "how many columns J loses")

@@ -9,16 +9,7 @@ COLLEAGUE_SAMPLES, COLLEAGUE_OUTPUTS = 10_000, 10
 
 @checks("01-1")
 def minutes_for_a_colleague(answer, per_pass):
-    """n * l passes of one sample each, at the measured cost per pass.
-
-    Args:
-        answer: the learner's answer (None: not yet answered).
-        per_pass: the notebook's measured seconds per forward pass.
-
-    Raises:
-        NoAnswer: ``answer`` is None.
-        Hint: the answer is wrong; the message says why.
-    """
+    """n * l passes of one sample each, at the measured cost per pass."""
     minutes = as_number(answer, "the predicted time in minutes")
     expected = COLLEAGUE_SAMPLES * COLLEAGUE_OUTPUTS * float(per_pass) / 60
     if minutes <= 0:
@@ -52,17 +43,7 @@ def minutes_for_a_colleague(answer, per_pass):
 
 @checks("01-2")
 def one_forward_pass_per_sample(answer, model, x):
-    """The loop with one persistent tape per sample: the same Jacobian.
-
-    Args:
-        answer: the learner's answer (None: not yet answered).
-        model: the notebook's model.
-        x: the notebook's inputs, n samples.
-
-    Raises:
-        NoAnswer: ``answer`` is None.
-        Hint: the answer is wrong; the message says why.
-    """
+    """The loop with one persistent tape per sample: the same Jacobian."""
     from ... import loop_jacobian
 
     expected = loop_jacobian(model, x).astype("float64")

@@ -19,16 +19,7 @@ def _pair(answer, what):
 
 @checks("02-1")
 def doubling_the_batch(answer, batch_model):
-    """Largest n in 8 GiB from a*n^2 + b*n + c, and the GiB at twice that n.
-
-    Args:
-        answer: the learner's answer (None: not yet answered).
-        batch_model: the notebook's fitted ``MemoryModel`` of vectorized_jacobian.
-
-    Raises:
-        NoAnswer: ``answer`` is None.
-        Hint: the answer is wrong; the message says why.
-    """
+    """Largest n in 8 GiB from a*n^2 + b*n + c, and the GiB at twice that n."""
     n, gib = _pair(answer, "a pair (largest n in 8 GiB, GiB needed at 2n)")
     n_best = batch_model.largest_n(BUDGET_GIB * 2**30)
     gib_best = float(batch_model.predict(2 * n_best)) / 2**30
@@ -70,17 +61,7 @@ def doubling_the_batch(answer, batch_model):
 
 @checks("02-2")
 def columns_of_the_last_layer(answer, model, x):
-    """J with respect to the last layer: the last columns of the full J.
-
-    Args:
-        answer: the learner's answer (None: not yet answered).
-        model: the notebook's model.
-        x: the notebook's inputs, n samples.
-
-    Raises:
-        NoAnswer: ``answer`` is None.
-        Hint: the answer is wrong; the message says why.
-    """
+    """J with respect to the last layer: the last columns of the full J."""
     from ... import loop_jacobian
 
     full = loop_jacobian(model, x).astype("float64")

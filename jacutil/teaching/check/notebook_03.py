@@ -26,17 +26,7 @@ def xla_shapes(sizes, block_size):
 
 @checks("03-1")
 def shapes_xla_compiles(answer, sizes, block_size):
-    """Powers of two up to block_size: larger batches run in blocks.
-
-    Args:
-        answer: the learner's answer (None: not yet answered).
-        sizes: the notebook's batch sizes.
-        block_size: the notebook's ``block_size``.
-
-    Raises:
-        NoAnswer: ``answer`` is None.
-        Hint: the answer is wrong; the message says why.
-    """
+    """Powers of two up to block_size: larger batches run in blocks."""
     what = "the sorted list of batch shapes XLA compiles"
     answered(answer, what)
     try:
@@ -75,16 +65,7 @@ def shapes_xla_compiles(answer, sizes, block_size):
 
 @checks("03-2")
 def traces_with_reduce_retracing(answer, sizes):
-    """Count the traces of a tiny reduce_retracing tf.function over ``sizes``.
-
-    Args:
-        answer: the learner's answer (None: not yet answered).
-        sizes: the notebook's batch sizes.
-
-    Raises:
-        NoAnswer: ``answer`` is None.
-        Hint: the answer is wrong; the message says why.
-    """
+    """Count the traces of a tiny reduce_retracing tf.function over ``sizes``."""
     from ... import tf
 
     traces = []

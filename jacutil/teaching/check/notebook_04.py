@@ -31,17 +31,7 @@ def _sizes(model, x):
 
 @checks("04-1")
 def float64_chunks(answer, model, x):
-    """(chunk size for 16 MiB in float64, the float64 Jacobian of x).
-
-    Args:
-        answer: the learner's answer (None: not yet answered).
-        model: the notebook's model.
-        x: the notebook's inputs, n samples.
-
-    Raises:
-        NoAnswer: ``answer`` is None.
-        Hint: the answer is wrong; the message says why.
-    """
+    """(chunk size for 16 MiB in float64, the float64 Jacobian of x)."""
     from ... import chunk_size_for, per_sample_jacobian
 
     answered(answer, "(chunk, J): the chunk size and the float64 Jacobian")
@@ -79,17 +69,7 @@ def float64_chunks(answer, model, x):
 
 @checks("04-2")
 def two_halves(answer, model, x):
-    """The memory-mapped file after two calls, one per half of x.
-
-    Args:
-        answer: the learner's answer (None: not yet answered).
-        model: the notebook's model.
-        x: the notebook's inputs, n samples.
-
-    Raises:
-        NoAnswer: ``answer`` is None.
-        Hint: the answer is wrong; the message says why.
-    """
+    """The memory-mapped file after two calls, one per half of x."""
     from ... import per_sample_jacobian
 
     answered(answer, "the file's contents (np.load(file))")

@@ -9,15 +9,7 @@ DAMPINGS = (1e-4, 1e-2, 100.0)  # exercise 3's lambdas, in this order
 
 @checks("05-1")
 def method_for_few_residuals(answer):
-    """The least_squares method that accepts fewer residuals than parameters.
-
-    Args:
-        answer: the learner's answer (None: not yet answered).
-
-    Raises:
-        NoAnswer: ``answer`` is None.
-        Hint: the answer is wrong; the message says why.
-    """
+    """The least_squares method that accepts fewer residuals than parameters."""
     answered(answer, "the name of the method that still works (a string)")
     if not isinstance(answer, str):
         raise Hint("expected the method's name, a string: what you pass to "
@@ -47,18 +39,7 @@ def _mse_gradient(model, x, y):
 
 @checks("05-2")
 def gradient_of_the_mse(answer, model, x, y):
-    """2 J^T r / (n l): the gradient of the MSE, from the chunked normal equations.
-
-    Args:
-        answer: the learner's answer (None: not yet answered).
-        model: the notebook's model.
-        x: the notebook's inputs, n samples.
-        y: the notebook's targets, shape (n, l).
-
-    Raises:
-        NoAnswer: ``answer`` is None.
-        Hint: the answer is wrong; the message says why.
-    """
+    """2 J^T r / (n l): the gradient of the MSE, from the chunked normal equations."""
     answered(answer, "the gradient of the MSE, shape (m,)")
     expected = _mse_gradient(model, x, y)
     n, n_out = np.shape(y)
@@ -95,17 +76,7 @@ def _step_lengths(JtJ, Jtr, damping_matrix):
 
 @checks("05-3")
 def step_lengths(answer, JtJ, Jtr):
-    """|delta| of (JtJ + lambda I) delta = -Jtr for lambda = 1e-4, 1e-2, 100.
-
-    Args:
-        answer: the learner's answer (None: not yet answered).
-        JtJ: the notebook's J^T J, shape (m, m).
-        Jtr: the notebook's J^T r, shape (m,).
-
-    Raises:
-        NoAnswer: ``answer`` is None.
-        Hint: the answer is wrong; the message says why.
-    """
+    """|delta| of (JtJ + lambda I) delta = -Jtr for lambda = 1e-4, 1e-2, 100."""
     answered(answer, "the three step lengths, one per lambda")
     JtJ, Jtr = np.asarray(JtJ, "float64"), np.asarray(Jtr, "float64")
     lengths = as_array(answer, "the step lengths", (3,),

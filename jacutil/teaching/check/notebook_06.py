@@ -12,18 +12,7 @@ def _flat(grads):
 
 @checks("06-1")
 def per_sample_loss_gradients(answer, model, x, y):
-    """Row i: the gradient of sum_k (f(x_i)_k - y_ik)**2, by a loop over i.
-
-    Args:
-        answer: the learner's answer (None: not yet answered).
-        model: the notebook's model.
-        x: the notebook's inputs, n samples.
-        y: the notebook's targets, shape (n, l).
-
-    Raises:
-        NoAnswer: ``answer`` is None.
-        Hint: the answer is wrong; the message says why.
-    """
+    """Row i: the gradient of sum_k (f(x_i)_k - y_ik)**2, by a loop over i."""
     from ...core._tf import tf
 
     answered(answer, "the per-sample gradients, shape (n, m)")
@@ -77,17 +66,7 @@ def _layers(model):
 
 @checks("06-2")
 def frozen_batch_norm(answer, model, x):
-    """Training mode, BatchNormalization frozen: the inference-mode Jacobian.
-
-    Args:
-        answer: the learner's answer (None: not yet answered).
-        model: the notebook's model.
-        x: the notebook's inputs, n samples.
-
-    Raises:
-        NoAnswer: ``answer`` is None.
-        Hint: the answer is wrong; the message says why.
-    """
+    """Training mode, BatchNormalization frozen: the inference-mode Jacobian."""
     from ... import loop_jacobian
     from ...core._tf import keras
 
@@ -142,18 +121,7 @@ def _constants(model, x, direction):
 
 @checks("06-3")
 def best_steps(answer, model, x, direction):
-    """h* = (3 eps |f| / |f'''|)^(1/3) for float32 and float64.
-
-    Args:
-        answer: the learner's answer (None: not yet answered).
-        model: the notebook's model.
-        x: the notebook's inputs, n samples.
-        direction: the notebook's direction in parameter space, shape (m,).
-
-    Raises:
-        NoAnswer: ``answer`` is None.
-        Hint: the answer is wrong; the message says why.
-    """
+    """h* = (3 eps |f| / |f'''|)^(1/3) for float32 and float64."""
     answered(answer, "[h* for float32, h* for float64]: two steps")
     steps = as_array(answer, "the two steps", (2,),
                      "(2,): [h* for float32, h* for float64]")

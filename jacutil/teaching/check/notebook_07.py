@@ -29,15 +29,6 @@ def _before_activation(model, x, outputs):
 def last_layer_columns(answer, model, x):
     """The last Dense layer's (h + 1) * l columns of J: its input, a one
     appended, on the diagonal; checked against ``loop_jacobian``.
-
-    Args:
-        answer: the learner's answer (None: not yet answered).
-        model: the notebook's model.
-        x: the notebook's inputs, n samples.
-
-    Raises:
-        NoAnswer: ``answer`` is None.
-        Hint: the answer is wrong; the message says why.
     """
     from ...stages.loop import loop_jacobian
 
@@ -89,15 +80,6 @@ def last_layer_columns(answer, model, x):
 def bytes_a_copy_moves(answer, model, n):
     """``jac(x, copy=True)`` reads J once and writes it once: 2 * n * l * m
     numbers of the model's dtype.
-
-    Args:
-        answer: the learner's answer (None: not yet answered).
-        model: the notebook's model.
-        n: the notebook's number of samples.
-
-    Raises:
-        NoAnswer: ``answer`` is None.
-        Hint: the answer is wrong; the message says why.
     """
     outputs = int(model.outputs[0].shape[-1])
     params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)

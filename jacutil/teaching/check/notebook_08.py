@@ -15,17 +15,7 @@ def _shape(answer):
 
 @checks("08-1")
 def rows_split_per_step(answer, model, x):
-    """A GRU's (steps, outputs) per sample: J's rows split back, step-major.
-
-    Args:
-        answer: the learner's answer (None: not yet answered).
-        model: the notebook's model.
-        x: the notebook's inputs, n samples.
-
-    Raises:
-        NoAnswer: ``answer`` is None.
-        Hint: the answer is wrong; the message says why.
-    """
+    """A GRU's (steps, outputs) per sample: J's rows split back, step-major."""
     from ... import loop_jacobian
 
     words = "(n samples, steps, outputs, m parameters)"
@@ -80,15 +70,7 @@ def _row_indices(answer, what):
 
 @checks("08-2")
 def rows_of_a_dict_output(answer):
-    """Dict outputs are flattened in sorted key order: probs, then score.
-
-    Args:
-        answer: the learner's answer (None: not yet answered).
-
-    Raises:
-        NoAnswer: ``answer`` is None.
-        Hint: the answer is wrong; the message says why.
-    """
+    """Dict outputs are flattened in sorted key order: probs, then score."""
     widths = {"score": 2, "probs": 3}  # the two heads of the exercise
     rows, start = {}, 0
     for key in sorted(widths):  # tf.nest.flatten's order for a dict
@@ -121,18 +103,7 @@ def rows_of_a_dict_output(answer):
 
 @checks("08-3")
 def derivative_by_a_moving_mean(answer, model, x, variable):
-    """d outputs / d moving_mean against central differences in float64.
-
-    Args:
-        answer: the learner's answer (None: not yet answered).
-        model: the notebook's model.
-        x: the notebook's inputs, n samples.
-        variable: the notebook's variable (a moving mean).
-
-    Raises:
-        NoAnswer: ``answer`` is None.
-        Hint: the answer is wrong; the message says why.
-    """
+    """d outputs / d moving_mean against central differences in float64."""
     from ... import finite_difference_jacobian, flat_params
 
     words = "(n samples, l outputs, moving-mean entries)"

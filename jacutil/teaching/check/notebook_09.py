@@ -12,16 +12,7 @@ def _first_time_at_or_below(history, level):
 
 @checks("09-1")
 def seconds_for_adam_to_catch_up(answer, fit):
-    """When Adam's MSE first reached the best MSE of least squares (lsmr).
-
-    Args:
-        answer: the learner's answer (None: not yet answered).
-        fit: the notebook's histories, ``{"lsmr": [(seconds, mse)], "adam": ...}``.
-
-    Raises:
-        NoAnswer: ``answer`` is None.
-        Hint: the answer is wrong; the message says why.
-    """
+    """When Adam's MSE first reached the best MSE of least squares (lsmr)."""
     what = "the seconds Adam took to reach least squares' lowest MSE"
     answered(answer, f"{what} (np.inf if it never did)")
     try:
@@ -76,18 +67,7 @@ def seconds_for_adam_to_catch_up(answer, fit):
 
 @checks("09-2")
 def jvp_by_double_backward(answer, model, x, v):
-    """J @ v, shape (n, l), against J formed by the loop of 01 (float64).
-
-    Args:
-        answer: the learner's answer (None: not yet answered).
-        model: the notebook's model.
-        x: the notebook's inputs, n samples.
-        v: the notebook's direction, shape (m,).
-
-    Raises:
-        NoAnswer: ``answer`` is None.
-        Hint: the answer is wrong; the message says why.
-    """
+    """J @ v, shape (n, l), against J formed by the loop of 01 (float64)."""
     from ... import loop_jacobian
 
     words = "(n samples, l outputs)"

@@ -57,17 +57,7 @@ def _compare_rows(answer, model, x, what, unfinished, wrong):
 
 @checks("10-1")
 def resumed_rows(answer, model, x):
-    """The killed run's file, finished by resuming with the file's chunks.
-
-    Args:
-        answer: the learner's answer (None: not yet answered).
-        model: the notebook's model.
-        x: the notebook's inputs, n samples.
-
-    Raises:
-        NoAnswer: ``answer`` is None.
-        Hint: the answer is wrong; the message says why.
-    """
+    """The killed run's file, finished by resuming with the file's chunks."""
     _compare_rows(
         answer, model, x, "the resumed Jacobian",
         unfinished="chunks that were never finished. The ledger lists what "
@@ -80,17 +70,7 @@ def resumed_rows(answer, model, x):
 
 @checks("10-2")
 def rows_despite_lost_workers(answer, model, x):
-    """The workers' Jacobian, computed while both workers were killed.
-
-    Args:
-        answer: the learner's answer (None: not yet answered).
-        model: the notebook's model.
-        x: the notebook's inputs, n samples.
-
-    Raises:
-        NoAnswer: ``answer`` is None.
-        Hint: the answer is wrong; the message says why.
-    """
+    """The workers' Jacobian, computed while both workers were killed."""
     _compare_rows(
         answer, model, x, "the Jacobian from the workers",
         unfinished="chunks that no worker delivered. distributed_jacobian "
