@@ -362,6 +362,73 @@ def test_attention_per_sample_gradients_float32(heads):
     assert error <= 1e-4, f"per_sample_gradients off by {error}"
 
 
+ATTENTION_FORWARD_MODEL = """
+dtype = 'float32'
+seed = 0
+keras.utils.set_random_seed(seed)
+h0 = keras.Input((5,), dtype='int32')
+h1 = layers.Embedding(4, 2, dtype=dtype)(h0)
+h2 = layers.Dense(4, activation='hard_tanh', use_bias=False, dtype=dtype)(h1)
+h3 = layers.Dense(4, activation=tf.nn.leaky_relu, use_bias=False, dtype=dtype)(h1)
+h4 = layers.Maximum(dtype=dtype)([h2, h3])
+h5 = layers.Dense(1, activation=tf.nn.relu, trainable=False, dtype=dtype)(h1)
+h6 = layers.Dense(1, activation=functools.partial(tf.nn.leaky_relu, alpha=0.3),
+                  use_bias=False, dtype=dtype)(h1)
+h7 = layers.Multiply(dtype=dtype)([h5, h6])
+h8 = layers.Dense(3, activation='log_sigmoid', use_bias=False, dtype=dtype)(h4)
+h9 = Halve(dtype=dtype)(h8)
+h10 = layers.MultiHeadAttention(num_heads=1, key_dim=2, dtype=dtype)(h7, h7)
+h11 = layers.Flatten(dtype=dtype)(h9)
+h12 = layers.Flatten(dtype=dtype)(h10)
+h13 = layers.Concatenate(dtype=dtype)([h11, h12])
+h14 = layers.Dense(3, activation=tf.nn.softsign, dtype=dtype)(h13)
+model = keras.Model(h0, h14)
+perturb(model, seed)
+rng = np.random.default_rng(seed)
+x = rng.integers(0, 4, (1, 5)).astype('int32')
+variables = [model.weights[i]
+             for i in (2, 15, 1, 16, 13, 0, 12, 8, 9, 5, 10, 14, 7, 6, 11)]
+chunk_size = 1
+"""
+
+ATTENTION_FORWARD = """
+import sys
+
+import numpy as np
+
+import jacutil as ju
+from tests.generated import Case, tape_jacobian
+
+ns = Case("graph", "float32", sys.argv[1]).build()
+model, x, variables = ns["model"], ns["x"], ns["variables"]
+J = ju.forward_jacobian(model, x, variables=variables)
+print("error", float(np.abs(J - tape_jacobian(model, x, variables)).max()))
+"""
+
+
+def test_attention_forward_jacobian_float32():
+    """Fatal on a3bb338 (2026-12-01, make fuzz seed 3662795792): forward_jacobian
+    of a float32 graph with a self-attention branch over one sample aborted
+    the interpreter ("corrupted double-linked list"): the forward-mode trace
+    holds a broadcasting batch matmul, which TensorFlow 2.21's oneDNN kernel
+    mishandles (jacutil.core.formulation.onednn_hazards). Forward mode now
+    compiles such a trace under XLA. Run in a subprocess: the failure aborts."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run(
+        [sys.executable, "-c", ATTENTION_FORWARD, ATTENTION_FORWARD_MODEL],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    error = float(done.stdout.split("error")[-1])
+    assert error <= 1e-4, f"forward_jacobian off by {error}"
+
+
 def test_the_tape_reference_on_a_linear_model():
     w = tf.Variable([[2.0], [3.0]], dtype=F64)
     model = keras.Sequential([keras.Input((2,), dtype=F64),

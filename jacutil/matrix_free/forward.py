@@ -16,6 +16,7 @@ from ..core._tf import tf
 from ..core.batch import as_batch, n_samples, signature, signature_key
 from ..core.formulation import (
     new_ops,
+    onednn_hazards,
     quiet_function,
     recurrent_layers,
     refuse_hidden_reads,
@@ -96,10 +97,14 @@ class ForwardJacobian:
         columns = min(self.columns, m)  # no JVPs along padding when m is small
         key = signature_key(x)
         if key not in self._functions:
-            spec = tf.TensorSpec([columns, m], self.target.dtype)
-            self._functions[key] = quiet_function(
-                self._columns, input_signature=[signature(x), spec]
-            )
+            specs = [signature(x), tf.TensorSpec([columns, m], self.target.dtype)]
+            function = quiet_function(self._columns, input_signature=specs)
+            graph = function.get_concrete_function().graph
+            if onednn_hazards(graph.get_operations()):  # see core.formulation
+                function = quiet_function(
+                    self._columns, input_signature=specs, jit_compile=True
+                )
+            self._functions[key] = function
         out = np.empty((int(n_samples(x)), n_outputs, m), self.target.dtype)
         eye = np.eye(columns, m, dtype=self.target.dtype)
         for start in range(0, m, columns):
