@@ -10,6 +10,7 @@ fail until jacutil is fixed.
 """
 
 import functools
+import warnings
 
 import numpy as np
 import pytest
@@ -427,6 +428,33 @@ def test_attention_forward_jacobian_float32():
     assert done.returncode == 0, done.stderr[-2000:]
     error = float(done.stdout.split("error")[-1])
     assert error <= 1e-4, f"forward_jacobian off by {error}"
+
+
+@pytest.mark.parametrize("entry", ["jacobian", "compiled_jacobian", "chunked_jacobian"])
+def test_attention_below_sparsemax_float32(entry):
+    """Crashed on a98b174 (2026-12-01, make fuzz seed 3662795792):
+    InvalidArgumentError "TensorListReserve ... on XLA_CPU_JIT". The float32
+    attention's broadcasting batch matmul moves the per-sample trace under XLA
+    (oneDNN's hazard), but sparsemax makes pfor keep a while_loop, which XLA
+    cannot compile. The compiled stage now runs such a model sample by
+    sample in tf.map_fn."""
+    keras.utils.set_random_seed(0)
+    x_in = keras.Input((3, 3))
+    h = layers.MultiHeadAttention(num_heads=1, key_dim=2)(x_in, x_in)
+    out = layers.Dense(1, activation="sparsemax")(layers.Flatten()(h))
+    model = seeded(keras.Model(x_in, out))
+    x = normal(1, 3, 3).astype("float32")
+    calls = {
+        "jacobian": lambda: ju.jacobian(model, x),
+        "compiled_jacobian": lambda: ju.compiled_jacobian(model)(x),
+        "chunked_jacobian": lambda: ju.chunked_jacobian(
+            model, x, chunk_size=1, progress=False
+        ),
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ju.core.formulation.SlowPathWarning)
+        got = calls[entry]()
+    close(got, tape_jacobian(model, x, model.trainable_variables), 1e-5)
 
 
 def test_the_tape_reference_on_a_linear_model():

@@ -192,7 +192,11 @@ class CompiledJacobian:
             return self._functions[key](x)
         except tf.errors.InvalidArgumentError as error:
             retry = self.plan is None and not self.pfor_failed
-            if retry and pfor_failed_when_run(error):
+            # pfor's graph fails when run; or the part of it moved under XLA
+            # (core.formulation.vectorize: oneDNN's hazard) holds a loop XLA
+            # cannot compile: tf.map_fn has neither
+            moved = not self.jit_compile and "XLA" in str(error)
+            if retry and (pfor_failed_when_run(error) or moved):
                 return self._sample_by_sample(key, x, error)
             if not (self.jit_compile and "XLA" in str(error)):
                 raise
