@@ -68,10 +68,14 @@ def test_each_model_has_its_sizes_and_the_paths_that_apply():
 
 
 def test_a_slow_path_is_skipped_with_its_prediction(tmp_path):
+    # A path is skipped at n = 2000 when 1000 x its time at n = 2, times
+    # (repeats + 1) calls, passes max_seconds: here above 5 ms at n = 2. The
+    # loop takes about 28 ms there and the compiled path about 1 ms; the median
+    # of 3 calls keeps one slow call (a busy machine) from skipping it.
     results = bench.run_bench(
         [2, 2000],
-        repeats=1,
-        max_seconds=10,
+        repeats=3,
+        max_seconds=20,
         memory_mode="inline",
         paths=["loop", "compiled"],
         log=lambda *a: None,
