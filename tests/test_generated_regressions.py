@@ -48,6 +48,24 @@ def seeded(model, seed=0):
     return model
 
 
+def error_in_subprocess(script, *args):
+    """Run ``script`` in a fresh interpreter (a failure may abort it) and
+    return the number it prints after "error"; a crash fails the test."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return float(done.stdout.split("error")[-1])
+
+
 def close_or_refused(call, expected, feature):
     """A forward-mode entry may refuse a model it cannot differentiate, with a
     clear error naming ``feature`` (tests.generated.clear_refusal); else its
@@ -347,19 +365,7 @@ def test_attention_per_sample_gradients_float32(heads):
     (jacutil.core.formulation runs the Jacobian under XLA for it; the gradients'
     vectorized_map does not). jacobian() of the same model is right. Run in
     a subprocess: the failure may abort the interpreter."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    done = subprocess.run(
-        [sys.executable, "-c", ATTENTION, str(heads)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=Path(__file__).resolve().parents[1],
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    error = float(done.stdout.split("error")[-1])
+    error = error_in_subprocess(ATTENTION, str(heads))
     assert error <= 1e-4, f"per_sample_gradients off by {error}"
 
 
@@ -414,19 +420,7 @@ def test_attention_forward_jacobian_float32():
     holds a broadcasting batch matmul, which TensorFlow 2.21's oneDNN kernel
     mishandles (jacutil.core.formulation.onednn_hazards). Forward mode now
     compiles such a trace under XLA. Run in a subprocess: the failure aborts."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    done = subprocess.run(
-        [sys.executable, "-c", ATTENTION_FORWARD, ATTENTION_FORWARD_MODEL],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=Path(__file__).resolve().parents[1],
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    error = float(done.stdout.split("error")[-1])
+    error = error_in_subprocess(ATTENTION_FORWARD, ATTENTION_FORWARD_MODEL)
     assert error <= 1e-4, f"forward_jacobian off by {error}"
 
 
