@@ -12,7 +12,8 @@ A rule subclasses :class:`Rule` (``_forward``, ``_backward``; the final
 (or for a while: ``with registered(T, RuleClass):``), and is proved alone
 against autodiff by ``jacutil.testing.check_rule``.
 
-``rules_tensor(plan, x)`` is the Jacobian; its compiled, cached form is
+``rules_tensor(plan, x)`` is the Jacobian (``rules_squared_norms`` the
+per-sample norms of ``J_i.T s_i``, without it where a rule knows how); its compiled, cached form is
 ``compiled_jacobian(model, method="rules")``, and ``jacutil.jacobian`` picks
 it when it applies. Introduced in ``07-benchmark``.
 """
@@ -28,6 +29,7 @@ from .engine import (
     is_exact_keras,
     place_blocks,
     plan_for,
+    rules_squared_norms,
     rules_tensor,
 )
 from .registry import (
@@ -65,6 +67,7 @@ __all__ = [
     "register",
     "registered",
     "rule_for",
+    "rules_squared_norms",
     "rules_tensor",
     "tiled_vjp",
 ]

@@ -253,12 +253,31 @@ class Plan:
         Raises:
             UncheckedPlan: the plan was not checked on inputs of this shape.
         """
+        self._refuse_unchecked(x)
+        return rules_tensor(self, x, signal)
+
+    def squared_norms(self, x, signal):
+        """:func:`rules_squared_norms` of a batch like one the plan was checked on.
+
+        Args:
+            x: a batch of n samples, of a shape the plan was checked on.
+            signal: as for :func:`rules_tensor`.
+
+        Returns:
+            A tensor of shape (n, r).
+
+        Raises:
+            UncheckedPlan: the plan was not checked on inputs of this shape.
+        """
+        self._refuse_unchecked(x)
+        return rules_squared_norms(self, x, signal)
+
+    def _refuse_unchecked(self, x):
         if signature_key(x) not in self.checked:
             raise UncheckedPlan(
                 "the layer rules were not checked on inputs of this shape: "
                 "call plan.check(target, x) first"
             )
-        return rules_tensor(self, x, signal)
 
 
 def plan_for(model, variables, training=False):
@@ -354,6 +373,53 @@ def rules_tensor(plan, x, signal=None):
         LogitsNotOnRules: a :class:`LogitsSignal` and a top rule that cannot
             start from it.
     """
+    blocks = Blocks()
+
+    def write(step, saved, delta, wanted, need_signal):
+        found, below = step.backward(saved, delta, wanted, need_signal)
+        blocks.update(found)
+        return below
+
+    n_samples, n_outputs, dtype = _walk_backward(plan, x, signal, write)
+    return place_blocks(blocks, plan.variables, n_samples, n_outputs, dtype)
+
+
+def rules_squared_norms(plan, x, signal):
+    """(n, r): the squared norm of each sample's ``J_i.T s_i`` for each of
+    the r rows of its signal - per-sample gradient norms, squared, without
+    the gradients where the rules know how (:meth:`Rule.backward_norms`).
+    Use :meth:`Plan.squared_norms`, which refuses unchecked inputs.
+
+    Args:
+        plan: a :class:`Plan`.
+        x: a batch of n samples (a tensor).
+        signal: a function from the outputs to the signal, as for
+            :func:`rules_tensor`.
+
+    Returns:
+        A tensor of shape (n, r).
+    """
+    total = []
+
+    def add(step, saved, delta, wanted, need_signal):
+        squared, below = step.backward_norms(saved, delta, wanted, need_signal)
+        if squared is not None:
+            total.append(squared)
+        return below
+
+    n_samples, n_outputs, dtype = _walk_backward(plan, x, signal, add)
+    if not total:
+        return tf.zeros([n_samples, n_outputs], dtype)
+    return tf.add_n(total)
+
+
+def _walk_backward(plan, x, signal, visit):
+    """The forward pass, then the layers from the top down: ``visit(step,
+    saved, delta, wanted, need_signal)`` for each, returning the signal below.
+
+    Returns:
+        ``(n, l or r, dtype)``.
+    """
     a, saved = x, []
     for step in plan.steps:
         a, kept = step.forward(a)
@@ -373,15 +439,13 @@ def rules_tensor(plan, x, signal=None):
         n_outputs = int(np.prod(out_shape, dtype=np.int64))
         # one identity for every sample, broadcast only where a rule needs it
         delta = tf.reshape(tf.eye(n_outputs, dtype=a.dtype), [1, n_outputs, *out_shape])
-    blocks = Blocks()
     for j in reversed(range(plan.lowest, len(plan.steps))):
         step = plan.steps[j]
         delta = signal_for(step, delta, plan.wanted[j], n_samples)
         if at_logits:
             delta, at_logits = LogitsSignal(delta), False
-        found, delta = step.backward(saved[j], delta, plan.wanted[j], j > plan.lowest)
-        blocks.update(found)
-    return place_blocks(blocks, plan.variables, n_samples, n_outputs, a.dtype)
+        delta = visit(step, saved[j], delta, plan.wanted[j], j > plan.lowest)
+    return n_samples, n_outputs, a.dtype
 
 
 def signal_for(step, delta, wanted, n_samples):
@@ -456,6 +520,8 @@ def disagreement(plan, target, x, seed=0):
     compared alone: one vector-Jacobian product ``J_i.T @ w_i`` for random
     weights ``w_i`` of its outputs, by the rules and by a tape of its own.
     Any difference between the two Jacobians shows (almost surely) in it.
+    The rules' norms of that product (:func:`rules_squared_norms`, which
+    may not form it) are checked against its norm too.
 
     Args:
         plan: a :class:`Plan`.
@@ -474,6 +540,8 @@ def disagreement(plan, target, x, seed=0):
     w = tf.random.stateless_normal(J.shape[:2], [seed, 1], dtype=J.dtype)
     hand = tf.einsum("ikm,ik->im", J, w).numpy()
     tolerance = (1e-4 if J.dtype == tf.float32 else 1e-9) * np.sqrt(J.shape[1])
+    at_output = lambda y: tf.reshape(w, [len(picked), 1, *y.shape[1:]])  # noqa: E731
+    squared = rules_squared_norms(plan, chosen, at_output)[:, 0].numpy()
     sources = [watched(v) for v in target.variables]
     for row, i in enumerate(picked):
         with tf.GradientTape() as tape:
@@ -492,5 +560,12 @@ def disagreement(plan, target, x, seed=0):
             return (
                 f"the layer rules differ from autodiff by {error:.3g} on sample "
                 f"{i}: the model computes something its layers do not say"
+            )
+        expected = float(auto @ auto)  # the norms without the gradients, squared
+        error = abs(float(squared[row]) - expected)
+        if not error <= tolerance * max(1.0, expected):
+            return (
+                f"the layer rules' gradient norms differ from autodiff's by "
+                f"{error:.3g} (squared) on sample {i}: a rule's norms are wrong"
             )
     return None

@@ -286,7 +286,7 @@ class Rule(abc.ABC):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        for method in ("forward", "backward"):
+        for method in ("forward", "backward", "backward_norms"):
             if method in cls.__dict__:
                 raise TypeError(
                     f"{cls.__name__} overrides Rule.{method}, which checks the "
@@ -346,6 +346,52 @@ class Rule(abc.ABC):
             return blocks, None
         self._check_below(below, signal)
         return blocks, below
+
+    @final
+    def backward_norms(self, saved, delta, wanted, need_signal) -> tuple[Any, Any]:
+        """The squared norms of the blocks, per sample and signal row, and the
+        signal below - without the blocks, where the rule knows how.
+
+        What per-sample gradient norms need (DP clipping): with a signal of one
+        row, ``squared[i, 0]`` is the squared norm of sample i's gradient with
+        respect to the wanted variables of this layer.
+
+        Args:
+            saved, delta, wanted, need_signal: as for :meth:`backward`.
+
+        Returns:
+            ``(squared, below)``: ``squared`` of shape (n, r), the sum over the
+            wanted variables of each block's squared entries (zeros when none
+            is wanted), and the signal below as :meth:`backward` gives it.
+
+        Raises:
+            RuleContractError: ``squared`` or the signal has the wrong shape.
+        """
+        wanted = Wanted.of(wanted)
+        squared, below = self._backward_norms(saved, delta, wanted, need_signal)
+        signal = delta.delta if isinstance(delta, LogitsSignal) else delta
+        seen_shape = getattr(self, "input_shape", None)
+        expected = [seen_shape[0] if seen_shape is not None else None, signal.shape[1]]
+        if squared is not None and not _agrees(squared.shape, expected):
+            raise self._broken(
+                f"the squared norms have shape {_shown(squared.shape)}, expected "
+                f"(n, r) = {_shown(expected)}"
+            )
+        if not need_signal:
+            return squared, None
+        self._check_below(below, signal)
+        return squared, below
+
+    def _backward_norms(self, saved, delta, wanted, need_signal):
+        """``(squared, below)`` as :meth:`backward_norms` returns them (None for
+        no wanted variable). By default from the blocks: a rule that knows a
+        cheaper way (the outer product's ``|a|^2 |delta|^2``) overrides it."""
+        blocks, below = self.backward(saved, delta, wanted, need_signal)
+        squared = None
+        for _, block in blocks.items():
+            part = tf.reduce_sum(tf.square(block), axis=-1)
+            squared = part if squared is None else squared + part
+        return squared, below
 
     @abc.abstractmethod
     def _backward(self, saved, delta, wanted, need_signal):
