@@ -92,6 +92,35 @@ def _free_bytes():
     return int(0.5 * psutil.virtual_memory().available)
 
 
+def memory_budget_for(memory_budget, working, look=False):
+    """The memory budget of a call: ``memory_budget``, or by default half the
+    memory free now - looked up only when the work may not fit in
+    ``SMALL_BYTES`` (or when ``look``: to explain the choice).
+
+    Args:
+        memory_budget: bytes, or None for the default.
+        working: the call's predicted working memory, in bytes.
+        look: look up the free memory even when the work is small.
+
+    Returns:
+        Bytes (int).
+
+    Raises:
+        ValueError: the budget is not positive.
+    """
+    if memory_budget is not None:
+        budget = int(memory_budget)
+    elif working <= SMALL_BYTES and not look:
+        budget = SMALL_BYTES  # fits, whatever is free: no need to look
+    else:
+        budget = _free_bytes()
+    if budget <= 0:
+        raise ValueError(
+            f"memory_budget must be a positive number of bytes; got {memory_budget}."
+        )
+    return budget
+
+
 def jacobian(
     model,
     x,
@@ -165,16 +194,7 @@ def jacobian(
         n_outputs, target.n_params, target.dtype.itemsize, activations
     )
     working = per_sample * rows
-    if memory_budget is not None:
-        budget = int(memory_budget)
-    elif working <= SMALL_BYTES and not explain:
-        budget = SMALL_BYTES  # fits, whatever is free: no need to look
-    else:
-        budget = _free_bytes()
-    if budget <= 0:
-        raise ValueError(
-            f"memory_budget must be a positive number of bytes; got {memory_budget}."
-        )
+    budget = memory_budget_for(memory_budget, working, explain)
     chunk_size = rows
     forward = (
         out is None

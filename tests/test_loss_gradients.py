@@ -71,3 +71,65 @@ def test_a_reduced_loss_is_an_error_that_says_what_to_use():
         ju.per_sample_gradients(model, keras.losses.MeanSquaredError(), x, y)
     with pytest.raises(ValueError, match="one target per sample"):
         ju.per_sample_gradients(model, LOSS, x, y[:3])
+
+
+@pytest.mark.parametrize("entry", ["per_sample_gradients", "per_sample_gradient_norms"])
+def test_the_second_call_traces_nothing(entry):
+    """A training step calls these once per batch: one trace per input shape,
+    whatever n, and the same numbers as a fresh computation."""
+    function = getattr(ju, entry)
+    model = ju.question_mlp(seed=2, dtype="float64")
+    x, y = ju.regression_data(40, seed=2)
+    first, choice = function(model, LOSS, x, y, explain=True)
+    assert choice.traced and choice.path == "layer rules"
+    for n in (40, 17, 1, 40):
+        again, choice = function(model, LOSS, x[:n], y[:n], explain=True)
+        assert not choice.traced, f"n = {n} traced again"
+        np.testing.assert_allclose(again, first[:n], rtol=1e-12)
+    job = ju.core.cache.gradients_for(model, LOSS, None, False)
+    assert job.trace_count == 1
+
+
+def test_chunks_within_a_memory_budget_give_the_same_rows():
+    model = ju.question_mlp(seed=3, dtype="float64")
+    x, y = ju.regression_data(50, seed=3)
+    whole = ju.per_sample_gradients(model, LOSS, x, y)
+    norms = ju.per_sample_gradient_norms(model, LOSS, x, y)
+    np.testing.assert_allclose(norms, np.linalg.norm(whole, axis=1), rtol=1e-10)
+    for entry, expected in [
+        (ju.per_sample_gradients, whole),
+        (ju.per_sample_gradient_norms, norms),
+    ]:
+        chunked, choice = entry(model, LOSS, x, y, memory_budget=2**20, explain=True)
+        assert choice.chunks > 1 and choice.chunk_size < 50
+        assert not choice.traced  # the chunks share the graph of the whole
+        np.testing.assert_allclose(chunked, expected, rtol=1e-10)
+    expected = one_at_a_time(model, x, y, None)
+    np.testing.assert_allclose(whole, expected, rtol=1e-9, atol=1e-11)
+
+
+def test_the_cache_does_not_keep_a_loss_closure_alive():
+    import gc
+    import weakref
+
+    model = ju.question_mlp(hidden=(4,), seed=4)
+    x, y = ju.regression_data(6, seed=4)
+    captured = np.ones(10**6)  # what a closure might capture
+
+    def loss(y_true, y_pred, captured=captured):
+        return LOSS(y_true, y_pred)
+
+    gone = weakref.ref(captured)
+    ju.per_sample_gradients(model, loss, x, y)
+    del loss, captured
+    gc.collect()
+    assert gone() is None, "the cached gradients kept the loss function alive"
+
+
+def test_a_new_loss_function_is_a_new_graph_with_its_own_numbers():
+    model = ju.question_mlp(hidden=(4,), seed=5, dtype="float64")
+    x, y = ju.regression_data(6, seed=5)
+    mse = ju.per_sample_gradients(model, LOSS, x, y, copy=True)
+    mae = ju.per_sample_gradients(model, keras.losses.mean_absolute_error, x, y)
+    assert not np.allclose(mse, mae)
+    np.testing.assert_allclose(mse, one_at_a_time(model, x, y, None), rtol=1e-9)

@@ -4,6 +4,9 @@ Every cache of compiled functions lives here, and nowhere else: the compiled
 Jacobian (``CompiledJacobian``), its forward-mode twin (``ForwardJacobian``)
 and the products with J (``Products``). Ownership is explicit and weak:
 
+The per-sample loss gradients (``LossGradients``) are kept the same way, one
+per model, loss function and variables; they hold the loss function weakly.
+
 * the **owner** of an entry is the model - a Keras model, a plain callable
   (a function or lambda), or the object of a bound method - held by a
   ``weakref.WeakKeyDictionary``, so the cache never keeps it alive;
@@ -27,6 +30,7 @@ CACHED_PER_MODEL = 8  # compiled Jacobians kept per model (the newest)
 _compiled = weakref.WeakKeyDictionary()  # owner -> {key: CompiledJacobian}
 _forward = weakref.WeakKeyDictionary()  # owner -> {key: ForwardJacobian}
 _products = weakref.WeakKeyDictionary()  # owner -> {key: Products}
+_gradients = weakref.WeakKeyDictionary()  # owner -> {key: LossGradients}
 
 
 def owner_of(model):
@@ -157,7 +161,37 @@ def products_for(model, options):
     )
 
 
+def gradients_for(model, loss_fn, variables, training, x=None):
+    """The compiled per-sample gradients of ``loss_fn`` on ``model``.
+
+    Keyed by the loss function's identity: pass the same function each call
+    (a new lambda each step compiles each step).
+
+    Args:
+        model: a Keras model, or a callable ``f(x)`` with ``variables``.
+        loss_fn: ``loss_fn(y, prediction)`` with one loss per sample.
+        variables: the variables to differentiate, or None for the model's
+            trainable variables.
+        training: run the model in training mode.
+        x: a batch, to build a model that is not built yet (optional).
+
+    Returns:
+        The model's :class:`jacutil.fitting.loss_gradients.LossGradients`
+        for this loss, cached.
+    """
+    from ..fitting.loss_gradients import LossGradients
+
+    owner, extra = owner_of(model)
+    jac = compiled_for(model, variables, training, False, "rules", x)
+    key = (id(loss_fn), training, *map(id, jac.target.variables), *extra)
+    entries = _entries(_gradients, owner)
+    found = entries.get(key)
+    if found is not None and (found.loss_fn is not loss_fn or found.jac is not jac):
+        del entries[key]  # a new function at a dead one's address, or new columns
+    return _keep(entries, key, lambda: LossGradients(jac, loss_fn))
+
+
 def clear():
     """Forget every compiled function of every model."""
-    for cache in (_compiled, _forward, _products):
+    for cache in (_compiled, _forward, _products, _gradients):
         cache.clear()

@@ -8,18 +8,24 @@ path (``jacutil.rules``) the backward pass simply starts from ``dL_i/df``
 instead of the identity; other models take one gradient per sample in
 ``tf.vectorized_map``.
 
-For a chain of Dense layers the norms need not even the gradients: a
-kernel's per-sample gradient is the outer product ``a delta^T``, whose norm is
-``|a| |delta|``, so ``|g_i|^2`` is a sum over layers of
-``(|a_i|^2 + 1) |delta_i|^2`` (the 1 for the bias).
+The norms need not even the gradients where a rule knows how
+(``Rule.backward_norms``): a Dense kernel's per-sample gradient is the
+outer product ``a delta^T``, whose norm is ``|a| |delta|``.
+
+Both are compiled once per model, loss and variables (:class:`LossGradients`,
+cached by ``jacutil.core.cache.gradients_for``): the call a training loop
+repeats traces nothing, and a batch larger than the memory budget runs in
+chunks.
 """
 
-import numpy as np
+import weakref
 
-from ..core._shared import joined_gradients, sizes_of
+import numpy as np
+from tqdm.auto import tqdm
+
+from ..core._shared import ceil_div, joined_gradients, sizes_of
 from ..core._tf import tf
-from ..core.batch import as_batch, n_samples, pad_with_last
-from ..core.cache import compiled_for
+from ..core.batch import as_batch, n_samples, pad_with_last, signature, take
 from ..core.formulation import (
     PFOR_ERRORS,
     first_line,
@@ -34,7 +40,6 @@ from ..core.formulation import (
 )
 from ..core.guards import JacobianError
 from ..core.target import watched
-from ..rules.dense import DenseRule
 from ..rules.engine import LogitsNotOnRules
 from ..rules.registry import LogitsSignal
 
@@ -139,113 +144,216 @@ class _NeedsXla(Exception):
     (``jacutil.core.formulation.onednn_hazards``): trace again under XLA."""
 
 
-def _dense_norms(plan, x, signal):
-    """|g_i| of a Dense chain on flat inputs, without the gradients."""
-    a, saved = x, []
-    for step in plan.steps:
-        a, kept = step.forward(a)
-        saved.append(kept)
-    delta, total = signal(a), 0.0
-    if isinstance(delta, LogitsSignal) and not plan.steps[-1].takes_logits_signal:
-        raise LogitsNotOnRules(plan.steps[-1].describe())
-    for j in reversed(range(plan.lowest, len(plan.steps))):
-        step, wanted = plan.steps[j], plan.wanted[j]
-        if not isinstance(step, DenseRule):
-            _, delta = step.backward(saved[j], delta, {}, True)
-            continue
-        inputs, slope = saved[j]
-        delta = step.activation.backward(slope, delta)
-        squared = tf.reduce_sum(delta * delta, [1, 2])  # |delta_i|^2
-        if id(step.layer.kernel) in wanted:
-            total += tf.reduce_sum(inputs * inputs, -1) * squared
-        if step.bias is not None and id(step.bias) in wanted:
-            total += squared
-        if j > plan.lowest:
-            delta = tf.einsum("nkq,pq->nkp", delta, step.layer.kernel)
-    return tf.sqrt(total)
+WHAT = ("gradients", "norms")
+# How the compiled function computes, tried in this order (the first that
+# traces and runs is kept for that input shape).
+MODES = ("rules", "vectorized", "vectorized under XLA", "tf.map_fn over samples")
 
 
-def _flat_input(layer):
-    try:
-        return len(layer.input.shape) == 2
-    except (AttributeError, ValueError):
-        return False
+class LossGradients:
+    """Per-sample gradients of one loss, and their norms, compiled once.
 
+    One object per model, loss function, variables and ``training``
+    (:func:`jacutil.core.cache.gradients_for` keeps it as long as the model
+    lives): each input shape traces once (``trace_count``), then every call
+    reuses the graph - a training loop's second step traces nothing. The
+    layer rules run when the plan is proved on the batch's shape
+    (``CompiledJacobian.checked_plan``); otherwise one gradient per sample,
+    vectorized by pfor, under XLA where oneDNN would mishandle the trace, or
+    one sample at a time where pfor fails. The loss function is held weakly:
+    the cache never keeps a closure (or what it captures) alive.
 
-def _dense_only(plan):
-    """Every layer with weights is a Dense layer on flat inputs."""
-    return all(
-        isinstance(s, DenseRule) and _flat_input(s.layer)
-        for s in plan.steps
-        if s.variables
-    )
+    Args:
+        jac: the model's :class:`jacutil.stages.compiled.CompiledJacobian`
+            with ``method="rules"`` (its target and its proved plan).
+        loss_fn: ``loss_fn(y, prediction)`` with one loss per sample.
+    """
 
-
-class _Gradients:
-    """Everything both functions share: the compiled stage, x and y checked."""
-
-    def __init__(self, model, x, y, variables, training):
-        self.jac = compiled_for(model, variables, training, False, "rules", x)
-        self.target = self.jac.target
-        self.x = as_batch(x, self.target)
-        self.rows = int(n_samples(self.x))
-        self.y = tf.convert_to_tensor(np.asarray(y), self.target.dtype)
-        if self.y.shape.rank == 0 or self.y.shape[0] != self.rows:
-            raise ValueError(
-                f"y has shape {tuple(self.y.shape)}; it needs one target per sample "
-                f"({self.rows} rows, like x)."
-            )
-
-        self.plan = self.jac.checked_plan(self.x)  # the rules, proved on x
-
-    def run(self, function):
-        return quiet_function(function, autograph=False)(self.x, self.y).numpy()
-
-    def on_rules(self, function):
-        """``run(function)``, or None when the top rule cannot start from the
-        logits that the loss reads (then autodiff gives the gradients)."""
+    def __init__(self, jac, loss_fn):
+        self.jac = jac
+        self.target = jac.target
         try:
-            return self.run(function)
-        except LogitsNotOnRules:
-            return None
+            self._loss = weakref.ref(loss_fn)
+        except TypeError:  # a builtin: held (it captures nothing)
+            self._loss = lambda: loss_fn
+        self.trace_count = 0
+        self.formulation = None  # how the last call computed, in words
+        self._functions = {}  # (what, mode, x and y signatures) -> tf.function
+        self._mode = {}  # (what, x and y signatures) -> the mode that works
 
-    def by_autodiff(self, loss_fn):
-        """One gradient per sample, vectorized by pfor - under XLA where the
-        trace holds a batch matmul that oneDNN mishandles, one sample at a
-        time (``tf.map_fn``) where pfor fails. pfor fails on some graphs with
-        one sample (TF 2.21), so a batch of one runs as two copies of it."""
-        x, y = self.x, self.y
-        if self.rows == 1:
+    @property
+    def loss_fn(self):
+        """The loss function (None once it is gone)."""
+        return self._loss()
+
+    def __call__(self, x, y, what="gradients"):
+        """Gradients (n, m) or norms (n,) of a checked batch, as a tensor.
+
+        Args:
+            x: a batch checked by ``as_batch``.
+            y: the targets, a tensor with one row per sample.
+            what: ``"gradients"`` or ``"norms"``.
+
+        Returns:
+            A tensor of shape (n, m) or (n,).
+        """
+        rows = int(n_samples(x))
+        if rows == 1:  # pfor fails on some graphs with one sample (TF 2.21)
             x, y = pad_with_last(x, 2), tf.concat([y, y], 0)
-
-        def gradients(vectorize, xla=False):
-            def traced(x, y):
-                return _autodiff_gradients(self.target, x, y, loss_fn, vectorize, xla)
-
-            return quiet_function(traced, autograph=False, jit_compile=xla)
-
-        if kept_loops(self.target):  # pfor cannot vectorize a while_loop
-            return gradients(vectorize=False)(x, y).numpy()[: self.rows]
-        try:
+        key = (what, _signature_key(x), _signature_key(y))
+        if key not in self._mode:
+            self._mode[key] = self._first_mode(x)
+        while True:
+            mode = self._mode[key]
             try:
-                G = gradients(vectorize=True)(x, y)
-            except _NeedsXla:
-                G = gradients(vectorize=True, xla=True)(x, y)
-        except (_PforFailed, tf.errors.InvalidArgumentError) as error:
-            if not isinstance(error, _PforFailed) and not pfor_failed_when_run(error):
-                raise
-            warn_sample_by_sample(first_line(error), stacklevel=3)
-            G = gradients(vectorize=False)(x, y)
-        return G.numpy()[: self.rows]
+                result = self._function(what, mode, x, y)(x, y)
+                break
+            except (LogitsNotOnRules, _NeedsXla, _PforFailed) as error:
+                self._mode[key] = self._next_mode(mode, error)
+            except tf.errors.InvalidArgumentError as error:
+                if mode == MODES[-1] or not pfor_failed_when_run(error):
+                    raise
+                self._mode[key] = self._next_mode(mode, _PforFailed(first_line(error)))
+        self.formulation = (
+            self.jac.plan.describe() if self._mode[key] == "rules" else self._mode[key]
+        )
+        return result[:rows]
+
+    def _first_mode(self, x):
+        if self.jac.checked_plan(x) is not None:
+            return "rules"
+        if kept_loops(self.target):  # pfor cannot vectorize a while_loop
+            return MODES[-1]
+        return "vectorized"
+
+    def _next_mode(self, mode, error):
+        if isinstance(error, _NeedsXla):
+            return "vectorized under XLA"
+        if isinstance(error, _PforFailed):
+            warn_sample_by_sample(str(error), stacklevel=6)
+            return MODES[-1]
+        return MODES[-1] if kept_loops(self.target) else "vectorized"  # logits
+
+    def _function(self, what, mode, x, y):
+        key = (what, mode, _signature_key(x), _signature_key(y))
+        if key not in self._functions:
+            self._functions[key] = self._build(what, mode, x, y)
+        return self._functions[key]
+
+    def _build(self, what, mode, x, y):
+        plan = self.jac.plan
+
+        def traced(x, y):
+            self.trace_count += 1  # Python side effect: runs once per trace
+            signal = _signal(self.loss_fn, y)
+            if mode == "rules" and what == "norms":
+                return tf.sqrt(plan.squared_norms(x, signal)[:, 0])
+            if mode == "rules":
+                return plan.tensor(x, signal)[:, 0]
+            G = _autodiff_gradients(
+                self.target,
+                x,
+                y,
+                self.loss_fn,
+                vectorize=mode != MODES[-1],
+                xla=mode == "vectorized under XLA",
+            )
+            return tf.norm(G, axis=1) if what == "norms" else G
+
+        specs = [signature(x), tf.TensorSpec([None, *y.shape[1:]], y.dtype)]
+        return quiet_function(
+            traced,
+            input_signature=specs,
+            jit_compile=mode == "vectorized under XLA",
+            autograph=mode != "rules" or plan.user_code,
+        )
 
 
-def per_sample_gradients(model, loss_fn, x, y, *, variables=None, training=False):
+def _signature_key(x):
+    return tuple((tuple(t.shape[1:]), t.dtype.name) for t in tf.nest.flatten(x))
+
+
+def _targets(y, target, rows):
+    y = tf.convert_to_tensor(np.asarray(y), target.dtype)
+    if y.shape.rank == 0 or y.shape[0] != rows:
+        raise ValueError(
+            f"y has shape {tuple(y.shape)}; it needs one target per sample "
+            f"({rows} rows, like x)."
+        )
+    return y
+
+
+def _run(model, loss_fn, x, y, what, options):
+    """What both public functions share: the cached compiled object, x and y
+    checked, the memory budget, chunks and the explanation."""
+    from ..auto import Choice, memory_budget_for
+    from ..core.cache import gradients_for
+    from ..stages.chunked import bytes_per_sample
+
+    variables, training = options["variables"], options["training"]
+    job = gradients_for(model, loss_fn, variables, training, x)
+    traces = job.trace_count
+    target = job.target
+    batch = as_batch(x, target)
+    rows = int(n_samples(batch))
+    y = _targets(y, target, rows)
+    activations = job.jac.activation_elements(batch)
+    per_sample = bytes_per_sample(
+        1, target.n_params, target.dtype.itemsize, activations
+    )
+    working = per_sample * rows
+    budget = memory_budget_for(options["memory_budget"], working, options["explain"])
+    chunk_size = rows if working <= budget else max(1, budget // per_sample)
+    if chunk_size >= rows:
+        out = job(batch, y, what)
+        out = out.numpy() if options["copy"] else np.asarray(out)
+    else:
+        width = () if what == "norms" else (target.n_params,)
+        out = np.empty((rows, *width), np.dtype(target.dtype))
+        starts = range(0, rows, chunk_size)
+        for start in tqdm(starts, disable=not options["progress"], unit="chunk"):
+            stop = min(start + chunk_size, rows)
+            out[start:stop] = job(take(batch, start, stop), y[start:stop], what)
+    if not options["explain"]:
+        return out
+    on_rules = job.formulation.startswith("layer rules")
+    choice = Choice(
+        path="layer rules" if on_rules else "per-sample autodiff",
+        why="every layer has a rule or passes its signal by autodiff"
+        if on_rules
+        else f"no layer rules: {job.jac.fallback or 'the loss reads logits'}",
+        formulation=job.formulation,
+        layers=job.jac.plan.layers() if on_rules else [],
+        chunks=ceil_div(rows, chunk_size),
+        chunk_size=chunk_size,
+        working_bytes=working,
+        budget_bytes=budget,
+        traced=job.trace_count > traces,
+    )
+    return out, choice
+
+
+def per_sample_gradients(
+    model,
+    loss_fn,
+    x,
+    y,
+    *,
+    variables=None,
+    training=False,
+    memory_budget=None,
+    explain=False,
+    copy=False,
+    progress=False,
+):
     """The gradient of each sample's own loss, in ``flat_params`` order.
 
     On the layer-rules path the backward pass starts from ``dL_i/df`` (from
     the logits, where a Keras cross-entropy reads them); otherwise one
-    gradient per sample in ``tf.vectorized_map``. Introduced in
-    ``09-matrix-free``.
+    gradient per sample in ``tf.vectorized_map``. Compiled once per model,
+    loss function and variables: the second call with the same ``loss_fn``
+    object traces nothing (pass the same function each time, not a new
+    lambda). Introduced in ``09-matrix-free``.
 
     Args:
         model: a Keras model, or a callable ``f(x)`` with ``variables=``.
@@ -255,9 +363,16 @@ def per_sample_gradients(model, loss_fn, x, y, *, variables=None, training=False
         y: the targets, one per sample.
         variables: the variables to differentiate (default: trainable ones).
         training: run the model in training mode.
+        memory_budget: bytes of working memory before the batch runs in
+            chunks (default: half the memory free now, when it matters).
+        explain: also return a :class:`jacutil.auto.Choice`: the path, each
+            layer's rule, the chunks and whether this call traced.
+        copy: return an array you may write to (otherwise, in one piece, a
+            read-only view of TensorFlow's result).
+        progress: show a progress bar over chunks.
 
     Returns:
-        A NumPy array of shape (n, m).
+        A NumPy array of shape (n, m); with ``explain=True``, ``(G, choice)``.
 
     Examples:
         >>> import numpy as np
@@ -270,21 +385,34 @@ def per_sample_gradients(model, loss_fn, x, y, *, variables=None, training=False
         >>> per_sample_gradients(model, mse, x, np.zeros((4, 2))).shape  # (n, m)
         (4, 8)
     """
-    job = _Gradients(model, x, y, variables, training)
-    plan = job.plan
-    if plan is not None:
-        G = job.on_rules(lambda x, y: plan.tensor(x, _signal(loss_fn, y))[:, 0])
-        if G is not None:
-            return G
-    return job.by_autodiff(loss_fn)
+    options = dict(
+        variables=variables, training=training, memory_budget=memory_budget,
+        explain=explain, copy=copy, progress=progress,
+    )  # fmt: skip
+    return _run(model, loss_fn, x, y, "gradients", options)
 
 
-def per_sample_gradient_norms(model, loss_fn, x, y, *, variables=None, training=False):
+def per_sample_gradient_norms(
+    model,
+    loss_fn,
+    x,
+    y,
+    *,
+    variables=None,
+    training=False,
+    memory_budget=None,
+    explain=False,
+    copy=False,
+    progress=False,
+):
     """(n,): the norm of each sample's loss gradient (what DP clipping needs).
 
-    For a chain of Dense layers on flat inputs, computed without the
-    gradients (``|a|^2 |delta|^2`` per layer); for any other model, the norms
-    of :func:`per_sample_gradients`. Introduced in ``09-matrix-free``.
+    On the layer rules, each layer's share comes from its input and its
+    output signal without forming the gradient where the rule knows how
+    (Dense: ``|a|^2 |delta|^2``; see ``Rule.backward_norms``); otherwise the
+    norms of the per-sample gradients, in the same graph. Compiled once per
+    model and loss function, as :func:`per_sample_gradients`. Introduced in
+    ``09-matrix-free``.
 
     Args:
         model: a Keras model, or a callable ``f(x)`` with ``variables=``.
@@ -293,18 +421,17 @@ def per_sample_gradient_norms(model, loss_fn, x, y, *, variables=None, training=
         y: the targets, one per sample.
         variables: the variables differentiated (default: trainable ones).
         training: run the model in training mode.
+        memory_budget: bytes of working memory before the batch runs in
+            chunks (default: half the memory free now, when it matters).
+        explain: also return a :class:`jacutil.auto.Choice`.
+        copy: return an array you may write to.
+        progress: show a progress bar over chunks.
 
     Returns:
-        A NumPy array of shape (n,).
+        A NumPy array of shape (n,); with ``explain=True``, ``(norms, choice)``.
     """
-    job = _Gradients(model, x, y, variables, training)
-    plan = job.plan
-    flat = not isinstance(job.x, (list, tuple, dict)) and job.x.shape.rank == 2
-    if plan is not None and flat and _dense_only(plan):
-        norms = job.on_rules(lambda x, y: _dense_norms(plan, x, _signal(loss_fn, y)))
-        if norms is not None:
-            return norms
-    G = per_sample_gradients(
-        model, loss_fn, x, y, variables=variables, training=training
-    )
-    return np.linalg.norm(G, axis=1)
+    options = dict(
+        variables=variables, training=training, memory_budget=memory_budget,
+        explain=explain, copy=copy, progress=progress,
+    )  # fmt: skip
+    return _run(model, loss_fn, x, y, "norms", options)
