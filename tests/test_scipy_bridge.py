@@ -63,6 +63,9 @@ def test_least_squares_lowers_the_loss():
     assert start > 0.5
     assert final < 0.01  # from about 0.51; the noise alone is 0.0025
     assert problem.compiled.trace_count == 1
+    # J is formed on the layer rules, proved on x (not per-sample autodiff)
+    assert problem.compiled.plan is not None
+    assert problem.compiled.formulation.startswith("layer rules")
 
 
 def test_fit_writes_the_solution_into_the_model():

@@ -51,10 +51,9 @@ class LeastSquaresProblem:
             "variables": self._variables,
             "training": training,
             "progress": False,
+            "method": "rules",  # the layer rules, where the plan is proved
         }
-        self.compiled = compiled_for(
-            model, self._variables, training, False, "per_sample"
-        )
+        self.compiled = compiled_for(model, self._variables, training, False, "rules")
         activations = self.compiled.activation_elements(self.x)
         if chunk_size is None and jacobian == "operator":
             # a chunk holds its forward pass and its backward signals, not J
@@ -268,8 +267,9 @@ def least_squares_problem(
 
     ``fun(theta)`` writes ``theta`` into the model and returns the residuals
     ``f(x) - y`` (float64, length n*l); ``jac(theta)`` returns their (n*l) x m
-    Jacobian (float64) from :func:`chunked_jacobian`, whose one compiled
-    function is reused by every call: nothing is retraced. Both write theta
+    Jacobian (float64) from :func:`chunked_jacobian` on the layer rules
+    (where the plan is proved on x; else the per-sample stage), whose one
+    compiled function is reused by every call: nothing is retraced. Both write theta
     before computing, so the model holds the last point evaluated (or, with
     ``jacobian="operator"``, the point of the last operator applied);
     ``jac`` needs no forward pass of ``fun``, so nothing is cached. After the
