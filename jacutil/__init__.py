@@ -19,7 +19,8 @@ The package, by job:
                 (02), compiled (03), chunked (04)
 - ``rules``     layer rules: each known layer writes its own columns (07, 08)
 - ``matrix_free``  products with J without forming it, forward mode (09)
-- ``fitting``   SciPy least squares, Levenberg-Marquardt, per-sample gradients (05)
+- ``fitting``   SciPy least squares, Levenberg-Marquardt, per-sample gradients (05),
+                DP-SGD by ghost clipping (09)
 - ``scale``     resumable files and several processes or machines (10)
 - ``core``      what every path shares: the target, batches, outputs, layout,
                 memory, the cache, guards
@@ -38,6 +39,7 @@ from .core.layout import (
     split_outputs,
     to_lm_by_n,
 )
+from .fitting.dp_sgd import DPSGD
 from .fitting.gauss_newton import levenberg_marquardt
 from .fitting.loss_gradients import per_sample_gradient_norms, per_sample_gradients
 from .fitting.scipy_bridge import (
@@ -83,6 +85,8 @@ __all__ = [
     # fitting with the Jacobian (05), per-sample gradients
     "least_squares_problem", "LeastSquaresProblem", "fit_least_squares",
     "levenberg_marquardt", "per_sample_gradients", "per_sample_gradient_norms",
+    # DP-SGD by ghost clipping (09)
+    "DPSGD",
     # beyond one machine (10)
     "distributed_jacobian", "DistributedLeastSquares", "LocalWorkers",
     # parameters and layouts

@@ -4,6 +4,7 @@
 - ``gauss_newton``    ``levenberg_marquardt``: our own damped Gauss-Newton
 - ``wide_fit``        fitting when J does not fit in memory
 - ``loss_gradients``  ``per_sample_gradients`` and their norms
+- ``dp_sgd``          ``DPSGD``: differentially private SGD by ghost clipping (09)
 """
 
 from ..core._shared import lazy_modules
@@ -11,6 +12,7 @@ from ..core._shared import lazy_modules
 __getattr__ = lazy_modules(
     __name__,
     {
+        "dp_sgd",
         "gauss_newton",
         "loss_gradients",
         "scipy_bridge",

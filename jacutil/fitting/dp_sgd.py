@@ -1,0 +1,438 @@
+"""DP-SGD for any Keras 3 model, by ghost clipping (notebook 09-matrix-free).
+
+Differentially private SGD (Abadi et al., 2016) clips each sample's gradient
+to norm at most C, sums, adds Gaussian noise N(0, sigma^2 C^2) to every
+coordinate and divides by the batch size. Ghost clipping (Opacus' "fast
+gradient clipping", Li et al., 2022) never forms the per-sample gradients:
+
+1. the norms ``|g_i|`` from :func:`per_sample_gradient_norms`;
+2. the weights ``w_i = min(1, C / |g_i|)``, so that ``w_i g_i`` is ``g_i``
+   clipped to norm C;
+3. one ordinary backward pass of ``sum_i w_i L_i``, whose gradient is
+   ``sum_i w_i g_i``, the clipped sum, in a compiled ``tf.function``;
+4. the noise from a seeded ``tf.random.Generator``, then
+   ``optimizer.apply_gradients``.
+
+:class:`DPSGD` wraps the four steps around a model, a loss and a Keras
+optimizer. It is a class, not a ``train_step`` for ``model.fit``, because the
+norms come from jacutil's own compiled function (a NumPy array, outside any
+Keras graph) and because the privacy accountant needs what the class keeps:
+how many steps ran, at which sampling rate.
+
+The privacy spent comes from Google's ``dp-accounting`` (not our own
+accountant), imported only by :meth:`DPSGD.epsilon`. No release of it
+installs with ``requirements.lock`` by pip's resolver (see
+:data:`INSTALL_HINT`), so it is an optional extra installed without its pins.
+"""
+
+import math
+
+import numpy as np
+
+from ..core._tf import keras, tf
+from .loss_gradients import per_sample_gradient_norms
+
+INSTALL_HINT = (
+    "DPSGD.epsilon needs Google's dp-accounting, which is not installed. No "
+    "release of it installs next to requirements.lock with pip's resolver: "
+    "0.5.0-0.6.0 pin attrs<24 (the lock has attrs 26.1.0), 0.1.0-0.5.1 pin "
+    "absl-py~=1.0 (the lock has 2.5.1), and 0.0.1-0.0.2 (2021) have no "
+    "subsampled Gaussian. Its code runs with the locked versions (it imports "
+    "only absl-py, attrs, numpy and scipy), so install it without its pins:\n"
+    "    pip install --no-deps dp-accounting==0.6.0"
+)
+
+ACCOUNTANTS = ("rdp", "pld")
+
+
+def _dp_accounting():
+    """The ``dp_accounting`` module, or an ImportError that says how to install it."""
+    try:
+        import dp_accounting
+    except ImportError as error:
+        raise ImportError(INSTALL_HINT) from error
+    return dp_accounting
+
+
+def clip_weights(norms, l2_norm_clip):
+    """The weights ``w_i = min(1, C / |g_i|)`` that clip each gradient to norm C.
+
+    ``w_i g_i`` is ``g_i`` when its norm is at most C and ``g_i`` scaled to
+    norm C otherwise; a zero gradient gets the weight 1. Introduced in
+    ``09-matrix-free``.
+
+    Args:
+        norms: the per-sample gradient norms, shape (n,).
+        l2_norm_clip: C, the largest norm a sample's gradient may keep.
+
+    Returns:
+        A float64 NumPy array of shape (n,), every entry in (0, 1].
+
+    Examples:
+        >>> clip_weights([0.5, 2.0, 0.0], 1.0)
+        array([1. , 0.5, 1. ])
+    """
+    norms = np.asarray(norms, dtype=np.float64)
+    over = norms > l2_norm_clip
+    weights = np.ones_like(norms)
+    weights[over] = l2_norm_clip / norms[over]
+    return weights
+
+
+def _per_sample(losses, n):
+    """One loss per sample (extra axes averaged, as Keras averages), or a
+    ValueError that says which loss to use."""
+    shape = tuple(losses.shape)
+    if len(shape) == 0 or shape[0] != n:
+        raise ValueError(
+            f"loss_fn returned shape {shape} for a batch of {n} samples; DP-SGD "
+            "clips each sample's gradient, so it needs one loss per sample, shape "
+            f"({n},). Use a loss that does not reduce over the batch: the "
+            "function keras.losses.sparse_categorical_crossentropy, or "
+            "keras.losses.SparseCategoricalCrossentropy(reduction=None), not "
+            "keras.losses.SparseCategoricalCrossentropy() (which averages)."
+        )
+    if len(shape) > 1:
+        losses = tf.reduce_mean(losses, axis=list(range(1, len(shape))))
+    return losses
+
+
+def _rows(data):
+    """The number of samples in ``data`` (an array or a structure of arrays)."""
+    return int(tf.nest.flatten(data)[0].shape[0])
+
+
+def _take(data, index):
+    return tf.nest.map_structure(lambda a: tf.gather(a, index), data)
+
+
+class DPSGD:
+    """Differentially private SGD for a Keras 3 model, by ghost clipping.
+
+    Each step computes the per-sample gradient norms (never the gradients),
+    the clip weights ``w_i = min(1, C / |g_i|)``, then one compiled backward
+    pass of ``sum_i w_i L_i`` - the clipped sum - adds Gaussian noise of
+    standard deviation ``noise_multiplier * l2_norm_clip`` to every
+    coordinate, divides by the batch size and calls
+    ``optimizer.apply_gradients``. :meth:`fit` samples its batches by Poisson
+    sampling (each sample joins each batch independently with probability
+    ``batch_size / n``), which is what the accountant of :meth:`epsilon`
+    assumes. Introduced in ``09-matrix-free``.
+
+    The model runs in inference mode (``training=False``) in both passes:
+    the norms and the backward pass are two forward passes, and a dropout
+    mask drawn twice would make the norms those of other gradients. Neither
+    random generator is cryptographically secure (as in Opacus without
+    ``secure_mode``): this is for learning and research, not for a release.
+    ``trace_count`` counts the traces of the compiled step (one per shape of
+    the batch); ``steps`` the steps taken.
+
+    Args:
+        model: a Keras 3 model (any model that ``per_sample_gradient_norms``
+            takes); its trainable variables are trained.
+        loss_fn: ``loss_fn(y, prediction)`` returning one loss per sample,
+            shape (n,), e.g. ``keras.losses.sparse_categorical_crossentropy``.
+        optimizer: a Keras 3 optimizer, e.g. ``keras.optimizers.SGD(0.1)``.
+        l2_norm_clip: C, the largest norm a sample's gradient may keep (> 0).
+        noise_multiplier: sigma, the noise's standard deviation in units of C
+            (>= 0; 0 clips without noise and gives no privacy).
+        seed: seeds the noise and :meth:`fit`'s sampling: the same seed, model
+            and data give the same steps.
+
+    Examples:
+        >>> import numpy as np
+        >>> from jacutil import keras
+        >>> from jacutil.fitting.dp_sgd import DPSGD
+        >>> keras.utils.set_random_seed(0)
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        >>> dp = DPSGD(model, keras.losses.mean_squared_error,
+        ...            keras.optimizers.SGD(0.1), l2_norm_clip=1.0,
+        ...            noise_multiplier=1.1, seed=0)
+        >>> x = np.random.default_rng(0).normal(size=(8, 3))
+        >>> losses = dp.step(x, np.zeros((8, 2)))  # one loss per sample
+        >>> losses.shape, dp.steps, dp.trace_count
+        ((8,), 1, 1)
+    """
+
+    def __init__(
+        self, model, loss_fn, optimizer, *, l2_norm_clip, noise_multiplier, seed=0
+    ):
+        if not l2_norm_clip > 0 or not math.isfinite(l2_norm_clip):
+            raise ValueError(
+                f"l2_norm_clip is {l2_norm_clip!r}; it must be a finite number "
+                "> 0: each sample's gradient is scaled down to at most this norm "
+                "(a common start: about the median gradient norm early in "
+                "training, e.g. 1.0)."
+            )
+        if not noise_multiplier >= 0 or not math.isfinite(noise_multiplier):
+            raise ValueError(
+                f"noise_multiplier is {noise_multiplier!r}; it must be a finite "
+                "number >= 0: the noise's standard deviation is noise_multiplier "
+                "* l2_norm_clip (0 means no noise, and no privacy)."
+            )
+        self.model = model
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.l2_norm_clip = float(l2_norm_clip)
+        self.noise_multiplier = float(noise_multiplier)
+        self.variables = list(model.trainable_variables)
+        if not self.variables:
+            raise ValueError("the model has no trainable variables to train.")
+        self.dtype = tf.as_dtype(self.variables[0].dtype)
+        optimizer.build(self.variables)
+        self._noise = tf.random.Generator.from_seed(seed)
+        self._sampler = np.random.default_rng([seed, 1])
+        self._steps_at = {}  # sampling rate -> steps taken at it
+        self._checked_losses = False
+        self.trace_count = 0
+        self._compiled_step = tf.function(self._step, autograph=False)
+
+    @property
+    def steps(self):
+        """The steps taken so far (what the accountant composes)."""
+        return sum(self._steps_at.values())
+
+    # -- one step ---------------------------------------------------------------
+
+    def _step(self, x, y, weights, denominator):
+        """Compiled: the clipped sum by one backward pass, the noise, the update."""
+        self.trace_count += 1
+        with tf.GradientTape() as tape:
+            prediction = self.model(x, training=False)
+            losses = _per_sample(self.loss_fn(y, prediction), _rows(x))
+            weighted = tf.reduce_sum(tf.cast(weights, losses.dtype) * losses)
+        sums = tape.gradient(weighted, self.variables)
+        std = self.noise_multiplier * self.l2_norm_clip
+        updates = []
+        for total, variable in zip(sums, self.variables, strict=True):
+            dtype = tf.as_dtype(variable.dtype)
+            if total is None:  # the loss does not depend on this variable
+                total = tf.zeros(variable.shape, dtype)
+            if std > 0:
+                total = total + std * self._noise.normal(variable.shape, dtype=dtype)
+            updates.append(total / tf.cast(denominator, dtype))
+        self.optimizer.apply_gradients(zip(updates, self.variables, strict=True))
+        return losses, prediction
+
+    def _as_inputs(self, x, y):
+        def cast(a):
+            a = tf.convert_to_tensor(a)
+            return tf.cast(a, self.dtype) if a.dtype.is_floating else a
+
+        return tf.nest.map_structure(cast, x), cast(y)
+
+    def _check_losses(self, x, y):
+        """Once: the loss gives one loss per sample (a cheap forward pass on
+        two samples), before the norms would fail less clearly."""
+        if self._checked_losses:
+            return
+        rows = min(2, _rows(x))
+        few_x, few_y = _take(x, tf.range(rows)), y[:rows]
+        _per_sample(self.loss_fn(few_y, self.model(few_x, training=False)), rows)
+        self._checked_losses = True
+
+    def clip_weights(self, x, y):
+        """The clip weights ``min(1, C / |g_i|)`` of a batch, from its norms.
+
+        Introduced in ``09-matrix-free``.
+
+        Args:
+            x: the batch's samples.
+            y: their targets.
+
+        Returns:
+            A float64 NumPy array of shape (n,).
+        """
+        x, y = self._as_inputs(x, y)
+        self._check_losses(x, y)
+        norms = per_sample_gradient_norms(self.model, self.loss_fn, x, y)
+        return clip_weights(norms, self.l2_norm_clip)
+
+    def _apply(self, x, y, valid, denominator, sampling_rate):
+        weights = self.clip_weights(x, y) * valid
+        losses, prediction = self._compiled_step(
+            x, y, tf.constant(weights, self.dtype), tf.constant(denominator, tf.float64)
+        )
+        self._steps_at[sampling_rate] = self._steps_at.get(sampling_rate, 0) + 1
+        return losses, prediction
+
+    def step(self, x, y, *, sampling_rate=1.0, denominator=None):
+        """One DP-SGD step on a batch the caller chose.
+
+        The accountant records the step as one of a Poisson-sampled Gaussian
+        mechanism at ``sampling_rate``: the probability with which each
+        sample of the data set was put in this batch, independently. The
+        default, 1.0, assumes no amplification by sampling: a correct but
+        loose bound for a batch drawn any other way. Introduced in
+        ``09-matrix-free``.
+
+        Args:
+            x: the batch's samples.
+            y: their targets.
+            sampling_rate: the Poisson sampling rate that drew the batch.
+            denominator: what the noisy sum is divided by (default: the
+                batch's size). The accountant takes it as public.
+
+        Returns:
+            The per-sample losses before the step, a NumPy array of shape (n,).
+        """
+        if not 0 < sampling_rate <= 1:
+            raise ValueError(f"sampling_rate is {sampling_rate!r}; it is in (0, 1].")
+        x, y = self._as_inputs(x, y)
+        n = _rows(x)
+        losses, _ = self._apply(
+            x, y, np.ones(n), n if denominator is None else denominator, sampling_rate
+        )
+        return losses.numpy()
+
+    # -- training ---------------------------------------------------------------
+
+    def fit(
+        self,
+        x,
+        y,
+        epochs=1,
+        batch_size=32,
+        *,
+        metrics=(),
+        delta=None,
+        physical_batch_size=None,
+    ):
+        """Train by DP-SGD on Poisson-sampled batches; a Keras-like History.
+
+        Each epoch takes ``round(n / batch_size)`` steps; each step puts each
+        sample in its batch independently with probability ``q = batch_size /
+        n`` and divides the noisy sum by ``batch_size`` (the expected batch
+        size, as Opacus does), so the accountant of :meth:`epsilon` is exact
+        for it. A batch is padded with weight-0 rows to a fixed
+        ``physical_batch_size`` (or a multiple of it when it is larger), so
+        the compiled step traces once or twice, not once per batch size.
+        Introduced in ``09-matrix-free``.
+
+        Args:
+            x: the n training samples (an array, or a structure of arrays).
+            y: their targets.
+            epochs: passes over the data (in expectation).
+            batch_size: the expected batch size, at most n.
+            metrics: Keras metrics, e.g.
+                ``[keras.metrics.SparseCategoricalAccuracy("accuracy")]``,
+                reset each epoch and updated with the predictions before
+                each step.
+            delta: when given, ``history["epsilon"]`` holds the epsilon spent
+                at this delta after each epoch.
+            physical_batch_size: the padded batch's size (default: the
+                expected size plus two standard deviations of the Poisson
+                batch size, exceeded in about 2% of the steps).
+
+        Returns:
+            A ``keras.callbacks.History`` whose ``history`` maps "loss" (the
+            mean per-sample loss of each epoch), each metric's name and
+            "epsilon" to one value per epoch.
+        """
+        x, y = self._as_inputs(x, y)
+        n = _rows(x)
+        if not 1 <= batch_size <= n:
+            raise ValueError(
+                f"batch_size is {batch_size} but the data has {n} samples: the "
+                "expected batch size is batch_size, and each sample joins a batch "
+                f"with probability batch_size / n, which must be in (0, 1] (use "
+                f"batch_size <= {n})."
+            )
+        if delta is not None:
+            _dp_accounting()  # say how to install it before training, not after
+        rate = batch_size / n
+        steps_per_epoch = max(1, round(n / batch_size))
+        physical = physical_batch_size or batch_size + math.ceil(
+            2 * math.sqrt(batch_size * (1 - rate))
+        )
+        history = keras.callbacks.History()
+        history.history = {"loss": []}
+        for _ in range(epochs):
+            for metric in metrics:
+                metric.reset_state()
+            total, count = 0.0, 0
+            for _ in range(steps_per_epoch):
+                chosen = np.flatnonzero(self._sampler.random(n) < rate)
+                size = physical * max(1, math.ceil(len(chosen) / physical))
+                index = np.zeros(size, dtype=np.int64)  # padding: sample 0, weight 0
+                index[: len(chosen)] = chosen
+                valid = np.arange(size) < len(chosen)
+                batch_y = tf.gather(y, index)
+                losses, prediction = self._apply(
+                    _take(x, index), batch_y, valid, batch_size, rate
+                )
+                total += float(tf.reduce_sum(losses[: len(chosen)]))
+                count += len(chosen)
+                for metric in metrics:
+                    metric.update_state(
+                        batch_y[: len(chosen)], prediction[: len(chosen)]
+                    )
+            history.history["loss"].append(total / max(count, 1))
+            for metric in metrics:
+                values = history.history.setdefault(metric.name, [])
+                values.append(float(metric.result()))
+            if delta is not None:
+                history.history.setdefault("epsilon", []).append(self.epsilon(delta))
+        history.epoch = list(range(epochs))
+        return history
+
+    # -- privacy ----------------------------------------------------------------
+
+    def dp_event(self):
+        """The steps taken so far as a ``dp_accounting.DpEvent``.
+
+        Each step is a Gaussian mechanism of noise multiplier sigma (on a
+        sum of sensitivity C), Poisson-sampled at its rate; any accountant of
+        ``dp-accounting`` takes it. Introduced in ``09-matrix-free``.
+
+        Returns:
+            A ``dp_accounting.ComposedDpEvent``.
+
+        Raises:
+            ImportError: dp-accounting is not installed (the message says how).
+        """
+        dpa = _dp_accounting()
+        gaussian = dpa.GaussianDpEvent(self.noise_multiplier)
+        return dpa.ComposedDpEvent(
+            [
+                dpa.SelfComposedDpEvent(
+                    gaussian if q == 1 else dpa.PoissonSampledDpEvent(q, gaussian),
+                    count,
+                )
+                for q, count in sorted(self._steps_at.items())
+            ]
+        )
+
+    def epsilon(self, delta, accountant="rdp"):
+        """The epsilon spent so far at ``delta``, from Google's dp-accounting.
+
+        Adjacent data sets differ by one sample added or removed. Introduced
+        in ``09-matrix-free``.
+
+        Args:
+            delta: the delta of the (epsilon, delta) guarantee, in (0, 1);
+                usually below 1 / n.
+            accountant: "rdp" (Renyi DP, as TensorFlow Privacy reports) or
+                "pld" (privacy loss distributions: tighter, slower).
+
+        Returns:
+            Epsilon, a float (``inf`` with no noise; 0.0 before any step).
+
+        Raises:
+            ImportError: dp-accounting is not installed (the message says how).
+        """
+        if not 0 < delta < 1:
+            raise ValueError(f"delta is {delta!r}; it must be in (0, 1).")
+        if accountant not in ACCOUNTANTS:
+            raise ValueError(f"accountant is {accountant!r}; one of {ACCOUNTANTS}.")
+        dpa = _dp_accounting()
+        if not self.steps:
+            return 0.0
+        if self.noise_multiplier == 0:
+            return math.inf
+        if accountant == "rdp":
+            ledger = dpa.rdp.RdpAccountant()
+        else:
+            ledger = dpa.pld.PLDAccountant()
+        ledger.compose(self.dp_event())
+        return float(ledger.get_epsilon(delta))
