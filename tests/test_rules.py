@@ -42,13 +42,16 @@ PLANS = {
         "dense+<lambda> (signal by autodiff)", "autodiff (no rule for Scale)",
         "dense+tanh", "LeakyReLU (slope by autodiff)", "dense",
     ],
+    # graphs (tests/test_rules_graphs.py): steps in topological order
+    "two_inputs": ["reshape", "concatenate", "dense+tanh", "dense"],
+    "dict_heads": ["dense+tanh", "dense", "dense"],
+    "two_heads_list": ["dense+tanh", "dense", "dense+tanh"],
+    "two_inputs_two_heads": ["concatenate", "dense+tanh", "dense", "dense+tanh"],
 }  # fmt: skip
 
 FALLBACKS = {
     "bidirectional": "is a Bidirectional",
-    "attention": "not a single chain",
-    "two_inputs": "not a single chain",
-    "dict_heads": "not a single chain",
+    "attention": "is a MultiHeadAttention",
     "subclassed": "TanhSkip is a subclass",
     "sequential_subclass": "DoubledSequential is a subclass",
     "shared_layer": "used more than once",

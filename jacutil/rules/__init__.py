@@ -1,11 +1,15 @@
 """Layer rules: each known layer writes its own blocks of the Jacobian.
 
-``plan_for(model, variables)`` gives each layer of a Keras chain its rule
+``plan_for(model, variables)`` gives each layer of a Keras model its rule
 (``RULES``, by exact layer type): Dense, Conv1D/Conv2D, Embedding,
 LayerNormalization, BatchNormalization and Dropout in inference mode,
 Flatten/Reshape, activation layers, and LSTM, GRU and SimpleRNN
 (back-propagation through time). A layer without a rule (pooling, a custom layer)
 passes the signal by autodiff, and only its own blocks come from autodiff.
+A functional model with branches (residual blocks, several inputs or heads,
+nested models) is a graph: its merge layers (``Add``, ``Concatenate``,
+``Multiply``, ...) have rules of several inputs (``MERGE_RULES``, in
+``jacutil.rules.merge``), and the signals of a tensor read twice are summed.
 
 A rule subclasses :class:`Rule` (``_forward``, ``_backward``; the final
 ``forward``/``backward`` check its shapes), registers with ``@register(T)``
@@ -13,25 +17,30 @@ A rule subclasses :class:`Rule` (``_forward``, ``_backward``; the final
 against autodiff by ``jacutil.testing.check_rule``.
 
 ``rules_tensor(plan, x)`` is the Jacobian (``rules_squared_norms`` the
-per-sample norms of ``J_i.T s_i``, without it where a rule knows how); its compiled, cached form is
-``compiled_jacobian(model, method="rules")``, and ``jacutil.jacobian`` picks
-it when it applies. Introduced in ``07-benchmark``.
+per-sample norms of ``J_i.T s_i``, without it where a rule knows how); its
+compiled, cached form is ``compiled_jacobian(model, method="rules")``, and
+``jacutil.jacobian`` picks it when it applies. Introduced in ``07-benchmark``.
 """
 
-from . import conv, dense, embedding, normalization, recurrent, shape  # noqa: F401
-from .autodiff import AutodiffRule, tiled_vjp
+from . import conv, dense, embedding, merge, normalization, recurrent, shape  # noqa: F401
+from .autodiff import AutodiffRule, tiled_vjp, tiled_vjps
 from .engine import (
     Node,
+    OutputRows,
     Plan,
+    SignalOnSeveralOutputs,
+    Wiring,
     chain_layers,
     chain_nodes,
     disagreement,
+    graph_nodes,
     is_exact_keras,
     place_blocks,
     plan_for,
     rules_squared_norms,
     rules_tensor,
 )
+from .merge import MERGE_RULES, MergeRule
 from .registry import (
     RULES,
     AlreadyRegistered,
@@ -47,20 +56,26 @@ from .registry import (
 )
 
 __all__ = [
+    "MERGE_RULES",
     "RULES",
     "AlreadyRegistered",
     "AutodiffRule",
     "Blocks",
     "LogitsSignal",
+    "MergeRule",
     "NoRule",
     "Node",
+    "OutputRows",
     "Plan",
     "Rule",
     "RuleContractError",
+    "SignalOnSeveralOutputs",
     "Wanted",
+    "Wiring",
     "chain_layers",
     "chain_nodes",
     "disagreement",
+    "graph_nodes",
     "is_exact_keras",
     "place_blocks",
     "plan_for",
@@ -70,4 +85,5 @@ __all__ = [
     "rules_squared_norms",
     "rules_tensor",
     "tiled_vjp",
+    "tiled_vjps",
 ]

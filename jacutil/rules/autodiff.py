@@ -46,15 +46,40 @@ def tiled_vjp(function, a, delta):
     Returns:
         The signal at ``a``, shape ``(n, l, *in)``.
     """
+    return tiled_vjps(function, [a], delta, [True])[0]
+
+
+def tiled_vjps(function, inputs, delta, need_signal):
+    """:func:`tiled_vjp` of a function of several inputs: the signal at each.
+
+    Args:
+        function: the function, ``function(*inputs)`` on a batch.
+        inputs: its inputs, each of shape ``(n, *in_i)``.
+        delta: the signal at its output, shape ``(n, l, *out)``.
+        need_signal: per input, whether its signal is wanted.
+
+    Returns:
+        A list: the signal at each input, shape ``(n, l, *in_i)``, or None
+        where it is not wanted or the input is not a float (ids).
+    """
     n_samples, n_outputs = tf.shape(delta)[0], tf.shape(delta)[1]
-    a_rows = repeat_rows(a, n_outputs)
+    tiled = [repeat_rows(a, n_outputs) for a in inputs]
+    sources = [
+        t for t, needed in zip(tiled, need_signal, strict=True)
+        if needed and t.dtype.is_floating
+    ]  # fmt: skip
     with tf.GradientTape() as tape:
-        tape.watch(a_rows)
-        y = function(a_rows)
-    below = tape.gradient(y, a_rows, output_gradients=rows(delta))
-    if below is None:  # the output does not depend on the input
-        below = tf.zeros_like(a_rows)
-    return per_output(below, n_samples, n_outputs)
+        tape.watch(sources)
+        y = function(*tiled)
+    grads = iter(tape.gradient(y, sources, output_gradients=rows(delta)))
+    below = []
+    for t, needed in zip(tiled, need_signal, strict=True):
+        if not (needed and t.dtype.is_floating):
+            below.append(None)
+            continue
+        grad = or_zeros(next(grads), t)  # zeros: the output does not use it
+        below.append(per_output(grad, n_samples, n_outputs))
+    return below
 
 
 class AutodiffRule(Rule):
@@ -62,23 +87,26 @@ class AutodiffRule(Rule):
 
     ``call`` replays the layer's call in the model - a layer called with
     arguments of its own (``Clip()(h, limit=0.3)``), or an operation between
-    layers (``keras.ops.tanh(h)``, ``h * 2``) - as a ``jacutil.rules.engine.Node``
-    does; by default, the layer on its input alone.
+    layers (``keras.ops.tanh(h)``, ``h * 2``, ``a + b``) - as a
+    ``jacutil.rules.engine.Node`` does; by default, the layer on its input alone.
 
     Args:
         call: a Keras layer, or a ``jacutil.rules.engine.Node``.
         why: why autodiff writes this layer, for :meth:`describe`.
+        several_inputs: the call takes several tensors (``call(*inputs)``);
+            then the rule takes the list of them (see :class:`Rule`).
     """
 
     name = "autodiff"
     runs_user_code = True
 
-    def __init__(self, call, why=""):
+    def __init__(self, call, why="", several_inputs=False):
         layer = getattr(call, "operation", call)
         super().__init__(layer)
         self.call = call if call is not layer else self._alone
         self.variables = list(getattr(layer, "weights", []))
         self.why = why
+        self.several_inputs = several_inputs
 
     def _alone(self, a):
         with convolutions_by_group():  # see jacutil.core._grouped
@@ -93,34 +121,48 @@ class AutodiffRule(Rule):
         return f"autodiff ({self.why})" if self.why else "autodiff"
 
     def _forward(self, a):
-        return self.call(a), a
+        y = self.call(*a) if self.several_inputs else self.call(a)
+        return y, a
 
     def _backward(self, a, delta, wanted, need_signal):
-        layer = self.call
+        inputs = list(a) if self.several_inputs else [a]
+        needed = list(need_signal) if self.several_inputs else [need_signal]
+        below, blocks = self._signals_and_blocks(inputs, delta, wanted, needed)
+        return blocks, below if self.several_inputs else below[0]
+
+    def _signals_and_blocks(self, inputs, delta, wanted, need_signal):
+        """The signal at each input (None where not needed) and the blocks."""
         ours = [v for v in self.variables if v in wanted]
         if not ours:
-            below = None
-            if need_signal:
-                below = tiled_vjp(layer, a, delta)
-            return {}, below
+            if not any(need_signal):
+                return [None] * len(inputs), {}
+            return tiled_vjps(self.call, inputs, delta, need_signal), {}
         n_samples, n_outputs = tf.shape(delta)[0], tf.shape(delta)[1]
-        floating = a.dtype.is_floating
+        watched_inputs = [
+            i for i, (a, needed) in enumerate(zip(inputs, need_signal, strict=True))
+            if needed and a.dtype.is_floating
+        ]  # fmt: skip
         tracked = [watched(v) for v in ours]
+        call = self.call
 
         def one_row(row):
-            a_row, d_row = row
+            a_rows, d_row = row
+            a_rows = [a_row[None] for a_row in a_rows]
             with tf.GradientTape() as tape:
-                if floating:
-                    tape.watch(a_row)
+                tape.watch([a_rows[i] for i in watched_inputs])
                 tape.watch(tracked)
-                y = layer(a_row[None])
-            sources = ([a_row] if floating else []) + tracked
+                y = call(*a_rows)
+            sources = [a_rows[i] for i in watched_inputs] + tracked
             grads = tape.gradient(y, sources, output_gradients=d_row[None])
             return [or_zeros(g, s) for g, s in zip(grads, sources, strict=True)]
 
-        grads = tf.vectorized_map(one_row, (repeat_rows(a, n_outputs), rows(delta)))
-        below = per_output(grads[0], n_samples, n_outputs) if floating else None
+        tiled = [repeat_rows(a, n_outputs) for a in inputs]
+        grads = tf.vectorized_map(one_row, (tiled, rows(delta)))
+        below = [None] * len(inputs)
+        for i, grad in zip(watched_inputs, grads, strict=False):
+            shape = tf.concat([[n_samples, n_outputs], tf.shape(inputs[i])[1:]], 0)
+            below[i] = tf.reshape(grad, shape)
         blocks = Blocks()
-        for v, g in zip(ours, grads[1:] if floating else grads, strict=True):
+        for v, g in zip(ours, grads[len(watched_inputs) :], strict=True):
             blocks[v] = tf.reshape(g, [n_samples, n_outputs, -1])
-        return blocks, below if need_signal else None
+        return below, blocks

@@ -18,6 +18,7 @@ from ..core.batch import n_samples, signature_key, take
 from ..core.formulation import pfor_log
 from ..core.target import watched
 from .autodiff import AutodiffRule
+from .merge import MERGE_RULES, merge_rule_for
 from .registry import Blocks, LogitsSignal, Wanted, rule_for
 
 # Left to the compiled per-sample stage: pfor unrolls their time loop
@@ -48,51 +49,68 @@ _INPUT = keras.layers.InputLayer
 
 
 class Node:
-    """One call in a chain: an operation (a Keras layer, or a ``keras.ops``
-    call such as ``h * 2``) and the arguments it was called with.
+    """One call in a model: an operation (a Keras layer, or a ``keras.ops``
+    call such as ``h * 2`` or ``a + b``) and the arguments it was called with.
 
-    Calling the node replays that call on a tensor, in inference mode: the
-    symbolic input is replaced by the tensor, every other argument is kept.
+    Calling the node replays that call on tensors, in inference mode: each
+    symbolic input is replaced by its value, every other argument is kept.
 
     Args:
         operation: a Keras layer or operation.
         args: the positional arguments it was called with (None: the input
             tensor alone).
         kwargs: its keyword arguments (``training`` is dropped).
+        inputs: its symbolic inputs (Keras tensors), in the order the values
+            are given to :meth:`__call__` (None: one input, wherever it is).
     """
 
-    def __init__(self, operation, args=None, kwargs=None):
+    def __init__(self, operation, args=None, kwargs=None, inputs=None):
         self.operation = operation
         self.args = args  # None: called with the tensor alone
         self.kwargs = dict(kwargs or {})
         self.kwargs.pop("training", None)  # the model's call sets it (below)
+        self.inputs = None if inputs is None else list(inputs)
 
     @property
     def name(self):
         """The operation's name (a ``str``)."""
         return self.operation.name
 
+    @property
+    def n_inputs(self):
+        """How many tensors the call takes (an ``int``)."""
+        return 1 if self.inputs is None else len(self.inputs)
+
     def extra_arguments(self):
-        """The arguments besides the input tensor, in words ("" if none).
+        """The arguments besides the input tensors, in words ("" if none).
 
         Returns:
             A ``str``.
         """
-        others = [repr(a) for a in self.args or () if not _symbolic(a)]
+        others = [repr(a) for a in self.args or () if not _all_symbolic(a)]
         others += [f"{key}={value!r}" for key, value in self.kwargs.items()]
         return ", ".join(others)
 
-    def __call__(self, a):
-        """Replay the call on ``a``, in inference mode.
+    def __call__(self, *values):
+        """Replay the call on ``values``, in inference mode.
 
         Args:
-            a: the input tensor, shape ``(n, *input_shape)``.
+            *values: the input tensors, one per symbolic input (in the order
+                of ``inputs``), each of shape ``(n, *input_shape)``.
 
         Returns:
             The operation's output tensor.
         """
-        args = (a,) if self.args is None else _filled(self.args, a)
-        kwargs = _filled(self.kwargs, a)
+        if self.args is None:
+            args, kwargs = values, dict(self.kwargs)
+        else:
+            if self.inputs is None:
+                value_of = lambda _: values[0]  # noqa: E731
+            else:
+                by_id = {id(t): v for t, v in zip(self.inputs, values, strict=True)}
+                value_of = lambda t: by_id[id(t)]  # noqa: E731
+            args = _filled(self.args, value_of)
+            kwargs = _filled(self.kwargs, value_of)
         if getattr(self.operation, "_call_has_training_arg", False):
             kwargs["training"] = False
         with convolutions_by_group():  # see jacutil.core._grouped
@@ -103,14 +121,20 @@ def _symbolic(value):
     return isinstance(value, keras.KerasTensor)
 
 
-def _filled(arguments, a):
-    """``arguments`` with every symbolic tensor replaced by ``a``."""
+def _all_symbolic(value):
+    """Whether ``value`` is a Keras tensor, or a list of them (a merge's input)."""
+    leaves = tf.nest.flatten(value)
+    return bool(leaves) and all(_symbolic(leaf) for leaf in leaves)
+
+
+def _filled(arguments, value_of):
+    """``arguments`` with every symbolic tensor ``t`` replaced by ``value_of(t)``."""
     if _symbolic(arguments):
-        return a
+        return value_of(arguments)
     if isinstance(arguments, dict):
-        return {key: _filled(value, a) for key, value in arguments.items()}
+        return {key: _filled(value, value_of) for key, value in arguments.items()}
     if isinstance(arguments, (list, tuple)):
-        return type(arguments)(_filled(value, a) for value in arguments)
+        return type(arguments)(_filled(value, value_of) for value in arguments)
     return arguments
 
 
@@ -150,7 +174,9 @@ def chain_nodes(model):
         if tensor_index != 0 or len(nodes[0].outputs) != 1:
             return None  # one output of several
         arguments = nodes[0].arguments
-        chain.append(Node(operation, arguments.args, arguments.kwargs))
+        chain.append(
+            Node(operation, arguments.args, arguments.kwargs, nodes[0].input_tensors)
+        )
         tensor = nodes[0].input_tensors[0]
     return chain[::-1]
 
@@ -173,6 +199,176 @@ def chain_layers(model):
     return [n.operation for n in nodes]
 
 
+class NotAGraph(Exception):
+    """The model's graph is beyond the plan (the message says why)."""
+
+
+@dataclass(frozen=True)
+class Wiring:
+    """Which tensors each step reads and writes, as keys of a map tensor -> value.
+
+    Args:
+        inputs: per step, the keys of its inputs, in the order its rule takes them.
+        outputs: per step, the key of its output.
+        model_inputs: the keys of the batch's inputs, in ``tf.nest.flatten``
+            order (a dict's keys sorted), as ``jacutil.core.batch`` arranges x.
+        model_outputs: the keys of the model's outputs, in ``tf.nest.flatten``
+            order: the rows of the Jacobian (``jacutil.core.outputs``).
+    """
+
+    inputs: tuple
+    outputs: tuple
+    model_inputs: tuple
+    model_outputs: tuple
+
+    @classmethod
+    def chain(cls, n_steps):
+        """Step j reads tensor j and writes tensor j + 1.
+
+        Args:
+            n_steps: the number of steps.
+
+        Returns:
+            A :class:`Wiring`.
+        """
+        inputs = tuple((j,) for j in range(n_steps))
+        return cls(inputs, tuple(range(1, n_steps + 1)), (0,), (n_steps,))
+
+    def producers(self):
+        """``{key: step}``: the step that writes each tensor (inputs have none).
+
+        Returns:
+            A ``dict``.
+        """
+        return {key: j for j, key in enumerate(self.outputs)}
+
+    def readers(self):
+        """``{key: count}``: how many step inputs and model outputs read each tensor.
+
+        Returns:
+            A ``dict``.
+        """
+        count = {}
+        for key in [k for keys in self.inputs for k in keys] + list(self.model_outputs):
+            count[key] = count.get(key, 0) + 1
+        return count
+
+
+def graph_nodes(model):
+    """The calls of a functional model as a graph, nested models opened inline.
+
+    Args:
+        model: an exact Keras model (:func:`is_exact_keras`).
+
+    Returns:
+        ``(nodes, wiring)``: the :class:`Node` of each call in topological
+        order (inputs first) and the :class:`Wiring` between them, the keys
+        the ids of the Keras tensors.
+
+    Raises:
+        NotAGraph: a layer is used twice or gives several outputs, or the
+            model's inputs and outputs cannot be read.
+    """
+    return _GraphWalk(model).run()
+
+
+class _GraphWalk:
+    """Walks a model's graph from its outputs to its inputs (:func:`graph_nodes`)."""
+
+    def __init__(self, model):
+        try:
+            self.inputs = tf.nest.flatten(model.input)
+            self.outputs = tf.nest.flatten(model.output)
+        except (AttributeError, ValueError) as error:
+            raise NotAGraph(f"its inputs and outputs are not known ({error})") from None
+        self.alias = {}  # id of a Keras tensor -> the tensor it stands for
+        self.opened = set()  # ids of the nested models opened
+        self.model_input_ids = {id(t) for t in self.inputs}
+
+    def run(self):
+        outputs = [self.resolve(t) for t in self.outputs]
+        nodes, inputs, written = [], [], []
+        done, used = set(), {}  # ids of the Keras nodes emitted; op id -> node id
+        stack = [(t, False) for t in reversed(outputs)]
+        while stack:
+            tensor, ready = stack.pop()
+            operation, node_index, _ = tensor._keras_history
+            if isinstance(operation, _INPUT):
+                if id(tensor) not in self.model_input_ids:
+                    raise NotAGraph(f"input {tensor.name!r} is not the model's")
+                continue
+            keras_node = operation._inbound_nodes[node_index]
+            if id(keras_node) in done:
+                continue
+            sources = [self.resolve(t) for t in keras_node.input_tensors]
+            if not ready:
+                stack.append((tensor, True))
+                stack += [(t, False) for t in reversed(sources)]
+                continue
+            if used.setdefault(id(operation), id(keras_node)) != id(keras_node):
+                raise NotAGraph("a layer is used more than once")
+            if len(keras_node.outputs) != 1:
+                raise NotAGraph(f"layer {operation.name!r} gives several outputs")
+            done.add(id(keras_node))
+            arguments = keras_node.arguments
+            nodes.append(
+                Node(
+                    operation, arguments.args, arguments.kwargs,
+                    keras_node.input_tensors,
+                )
+            )  # fmt: skip
+            inputs.append(tuple(id(t) for t in sources))
+            written.append(id(tensor))
+        wiring = Wiring(
+            tuple(inputs),
+            tuple(written),
+            tuple(id(t) for t in self.inputs),
+            tuple(id(t) for t in outputs),
+        )
+        return nodes, wiring
+
+    def canonical(self, tensor):
+        while id(tensor) in self.alias:
+            tensor = self.alias[id(tensor)]
+        return tensor
+
+    def resolve(self, tensor):
+        """The tensor ``tensor`` stands for, past the bounds of nested models."""
+        while True:
+            tensor = self.canonical(tensor)
+            operation, node_index, _ = tensor._keras_history
+            if not (isinstance(operation, keras.Model) and is_exact_keras(operation)):
+                return tensor
+            self.open(operation, operation._inbound_nodes[node_index])
+
+    def open(self, model, keras_node):
+        """Wire a nested model's inputs and outputs to the tensors of its call."""
+        if id(model) in self.opened:
+            raise NotAGraph("a layer is used more than once")
+        self.opened.add(id(model))
+        arguments = keras_node.arguments
+        extra = [repr(a) for a in arguments.args if not _all_symbolic(a)]
+        extra += [
+            f"{key}={value!r}" for key, value in arguments.kwargs.items()
+            if value is not None and key != "training"
+        ]  # fmt: skip
+        if extra:
+            raise NotAGraph(f"model {model.name!r} is called with {', '.join(extra)}")
+        try:
+            inner_inputs, inner_outputs = list(model.inputs), list(model.outputs)
+        except (AttributeError, ValueError) as error:
+            raise NotAGraph(f"model {model.name!r} has no graph ({error})") from None
+        outer_inputs, outer_outputs = keras_node.input_tensors, keras_node.outputs
+        if len(inner_inputs) != len(outer_inputs) or len(inner_outputs) != len(
+            outer_outputs
+        ):
+            raise NotAGraph(f"model {model.name!r} is called with other inputs")
+        for inner, outer in zip(inner_inputs, outer_inputs, strict=True):
+            self.alias[id(inner)] = outer
+        for inner, outer in zip(inner_outputs, outer_outputs, strict=True):
+            self.alias[id(outer)] = inner
+
+
 class UncheckedPlan(RuntimeError):
     """A plan was used for inputs it was not checked on (a bug in jacutil)."""
 
@@ -187,20 +383,51 @@ class Plan:
     rules' numbers without that proof.
 
     Args:
-        steps: a rule (:class:`jacutil.rules.registry.Rule`) per node, input to
-            output.
+        steps: a rule (:class:`jacutil.rules.registry.Rule`) per node, in
+            topological order (input to output).
         wanted: per step, the :class:`jacutil.rules.registry.Wanted` variables
             it writes blocks for.
         variables: the Jacobian's m columns' variables, in order.
         lowest: the lowest step holding a wanted variable.
         checked: the input signatures the plan was proved on.
+        wiring: which tensors each step reads and writes (a :class:`Wiring`);
+            None for a chain, each step reading the one before.
     """
 
-    steps: list  # a Rule per node, input to output
+    steps: list  # a Rule per node, in topological order
     wanted: list  # per step: the Wanted variables it writes blocks for
     variables: list  # the Jacobian's columns, in order (the engine places blocks)
     lowest: int  # the lowest step holding a wanted variable
     checked: set = field(default_factory=set)  # input signatures proved
+    wiring: Wiring = None  # None: a chain
+
+    def __post_init__(self):
+        if self.wiring is None:
+            self.wiring = Wiring.chain(len(self.steps))
+
+    @property
+    def is_chain(self):
+        """Whether each step reads the one before and the last is the output."""
+        return self.wiring == Wiring.chain(len(self.steps))
+
+    @property
+    def top(self):
+        """The step that writes the model's only output (None for several)."""
+        outputs = self.wiring.model_outputs
+        return self.wiring.producers().get(outputs[0]) if len(outputs) == 1 else None
+
+    def needs_signal(self):
+        """``{key: bool}``: whether a tensor depends on a wanted variable (then
+        its signal is needed below it).
+
+        Returns:
+            A ``dict`` over every tensor's key.
+        """
+        depends = dict.fromkeys(self.wiring.model_inputs, False)
+        for j, keys in enumerate(self.wiring.inputs):
+            below = any(depends.get(key, False) for key in keys)
+            depends[self.wiring.outputs[j]] = below or bool(self.wanted[j])
+        return depends
 
     @property
     def user_code(self):
@@ -303,12 +530,12 @@ def plan_for(model, variables, training=False):
             f"{type(model).__name__} is a subclass: its call() may differ from "
             "its layers",
         )
-    nodes = chain_nodes(model)
-    if not nodes:
-        return (
-            None,
-            "not a single chain of layers (branches, several inputs or outputs)",
-        )
+    nodes, wiring = chain_nodes(model), None
+    if not nodes or any(is_exact_keras(node.operation) for node in nodes):
+        try:  # branches, several inputs or outputs, nested models: a graph
+            nodes, wiring = graph_nodes(model)
+        except NotAGraph as reason:
+            return None, str(reason)
     if len({id(node.operation) for node in nodes}) != len(nodes):
         return None, "a layer is used more than once"
     dtype = variables[0].dtype if variables else None
@@ -329,26 +556,49 @@ def plan_for(model, variables, training=False):
     missing = [v for v in variables if id(v) not in owner]
     if missing:
         return None, f"variable {missing[0].name!r} is not in a layer the rules can see"
-    return Plan(steps, wanted, list(variables), min(owner.values())), None
+    lowest = min(owner.values())
+    return Plan(steps, wanted, list(variables), lowest, wiring=wiring), None
 
 
 def _step_for(node, dtype):
     """The rule of one node, or ``(None, reason)`` when the plan cannot take it."""
     layer = node.operation
+    several = node.n_inputs > 1
     if not isinstance(layer, keras.Layer):  # keras.ops between layers
         kind = type(layer).__name__
-        return AutodiffRule(node, f"{kind}, an operation between layers"), None
+        why = f"{kind}, an operation between layers"
+        return AutodiffRule(node, why, several_inputs=several), None
     if layer.weights and layer.compute_dtype != dtype:
         return None, f"layer {layer.name!r} computes in {layer.compute_dtype}"
     if getattr(layer, "mask_zero", False) or isinstance(layer, keras.layers.Masking):
         return None, f"layer {layer.name!r} makes a mask (the rules ignore masks)"
-    rule, why = rule_for(layer)
+    if type(layer) in MERGE_RULES:
+        rule, why = merge_rule_for(layer)
+        if rule is not None and not _takes_its_inputs_as_a_list(node):
+            rule, why = None, "called with more than the list of its inputs"
+    else:
+        rule, why = rule_for(layer)
+        if rule is not None and several:
+            rule, why = None, f"called with {node.n_inputs} tensors"
     extra = node.extra_arguments()
     if rule is not None and extra:
         rule, why = None, f"called with {extra}, which its rule does not read"
     if rule is None and isinstance(layer, NOT_IN_A_CHAIN):
         return None, f"layer {layer.name!r} is a {type(layer).__name__} ({why})"
-    return (rule if rule is not None else AutodiffRule(node, why)), None
+    if rule is None:
+        rule = AutodiffRule(node, why, several_inputs=several)
+    return rule, None
+
+
+def _takes_its_inputs_as_a_list(node):
+    """Whether a merge layer's node is ``layer([t_1, ..., t_k])``, the list in the
+    order of the node's inputs (what a merge rule takes)."""
+    args = node.args or ()
+    if len(args) != 1 or node.kwargs or not isinstance(args[0], (list, tuple)):
+        return False
+    return node.inputs is not None and [id(t) for t in args[0]] == [
+        id(t) for t in node.inputs
+    ]
 
 
 def rules_tensor(plan, x, signal=None):
@@ -358,20 +608,24 @@ def rules_tensor(plan, x, signal=None):
     ``signal(y)``, when given, returns the signal to start from instead of
     the identity: ``(n, r, *output_shape)``, giving (n, r, m) - with r = 1 and
     the derivative of a per-sample loss, the per-sample gradients. It may be
-    a :class:`LogitsSignal` (the derivative at the top layer's logits).
+    a :class:`LogitsSignal` (the derivative at the top layer's logits). A
+    model of several outputs takes :class:`OutputRows` (a signal on the l
+    rows), not a function.
 
     Args:
         plan: a :class:`Plan`.
-        x: a batch of n samples (a tensor).
-        signal: None, or a function from the outputs, shape
-            ``(n, *output_shape)``, to the signal.
+        x: a batch of n samples: a tensor, or a list or dict of them as
+            ``jacutil.core.batch.as_batch`` arranges several inputs.
+        signal: None, a function from the output, shape
+            ``(n, *output_shape)``, to the signal, or :class:`OutputRows`.
 
     Returns:
         A tensor of shape (n, l, m), or (n, r, m) with ``signal``.
 
     Raises:
         LogitsNotOnRules: a :class:`LogitsSignal` and a top rule that cannot
-            start from it.
+            start from it; or (:class:`SignalOnSeveralOutputs`) a signal
+            function on a model of several outputs.
     """
     blocks = Blocks()
 
@@ -392,9 +646,9 @@ def rules_squared_norms(plan, x, signal):
 
     Args:
         plan: a :class:`Plan`.
-        x: a batch of n samples (a tensor).
-        signal: a function from the outputs to the signal, as for
-            :func:`rules_tensor`.
+        x: a batch of n samples, as for :func:`rules_tensor`.
+        signal: a function from the output to the signal, or
+            :class:`OutputRows`, as for :func:`rules_tensor`.
 
     Returns:
         A tensor of shape (n, r).
@@ -414,38 +668,99 @@ def rules_squared_norms(plan, x, signal):
 
 
 def _walk_backward(plan, x, signal, visit):
-    """The forward pass, then the layers from the top down: ``visit(step,
-    saved, delta, wanted, need_signal)`` for each, returning the signal below.
+    """The forward pass, then the steps from the outputs down, in reverse
+    topological order: ``visit(step, saved, delta, wanted, need_signal)`` for
+    each step above a wanted variable, returning the signal below (a list for
+    a step of several inputs). Where a tensor feeds several steps, their
+    signals are summed.
 
     Returns:
         ``(n, l or r, dtype)``.
     """
-    a, saved = x, []
-    for step in plan.steps:
-        a, kept = step.forward(a)
+    wiring = plan.wiring
+    leaves = tf.nest.flatten(x)
+    if len(leaves) != len(wiring.model_inputs):
+        raise ValueError(
+            f"the plan takes {len(wiring.model_inputs)} inputs; got {len(leaves)}"
+        )
+    values = dict(zip(wiring.model_inputs, leaves, strict=True))
+    saved = []
+    for step, keys, key in zip(plan.steps, wiring.inputs, wiring.outputs, strict=True):
+        inputs = [values[k] for k in keys]
+        values[key], kept = step.forward(inputs if step.several_inputs else inputs[0])
         saved.append(kept)
-    n_samples = tf.shape(a)[0]
+    outputs = [values[key] for key in wiring.model_outputs]
+    n_samples = tf.shape(leaves[0])[0]
+    signals, n_outputs, at_logits = _starting_signals(plan, outputs, signal)
+    depends = plan.needs_signal()
+    for j in reversed(range(len(plan.steps))):
+        step, key = plan.steps[j], wiring.outputs[j]
+        delta = signals.pop(key, None)
+        if not depends[key] or delta is None:
+            continue  # nothing wanted at or below it, or no output reads it
+        delta = signal_for(step, delta, plan.wanted[j], n_samples)
+        if at_logits and j == plan.top:
+            delta = LogitsSignal(delta)
+        need = [depends[k] for k in wiring.inputs[j]]
+        if step.several_inputs:
+            below = visit(step, saved[j], delta, plan.wanted[j], need)
+        else:
+            below = [visit(step, saved[j], delta, plan.wanted[j], need[0])]
+        for k, part, needed in zip(wiring.inputs[j], below, need, strict=True):
+            if needed and part is not None:
+                signals[k] = part if k not in signals else signals[k] + part
+    return n_samples, n_outputs, outputs[0].dtype
+
+
+@dataclass(frozen=True)
+class OutputRows:
+    """A signal on the l output rows of every sample, in the order of
+    ``jacutil.core.outputs`` (each output flattened, in ``tf.nest.flatten``
+    order): ``rows`` of shape (1 or n, r, l).
+
+    Args:
+        rows: the signal, shape ``(1 or n, r, l)``.
+    """
+
+    rows: object
+
+
+def _starting_signals(plan, outputs, signal):
+    """``({key: signal}, r, at_logits)``: each model output's starting signal."""
     at_logits = False
-    if signal is not None:
-        delta = signal(a)
+    if signal is None or isinstance(signal, OutputRows):
+        sizes = [int(np.prod(y.shape[1:], dtype=np.int64)) for y in outputs]
+        if signal is None:  # one identity for every sample, broadcast where needed
+            rows = tf.eye(sum(sizes), dtype=outputs[0].dtype)[None]
+            n_outputs = sum(sizes)
+        else:
+            rows = signal.rows
+            n_outputs = tf.shape(rows)[1]
+        parts = tf.split(rows, sizes, axis=2) if len(sizes) > 1 else [rows]
+        deltas = [
+            tf.reshape(part, tf.concat([tf.shape(part)[:2], y.shape[1:]], 0))
+            for part, y in zip(parts, outputs, strict=True)
+        ]
+    else:
+        if len(outputs) != 1:
+            raise SignalOnSeveralOutputs(
+                f"a signal function on a model of {len(outputs)} outputs"
+            )
+        delta = signal(outputs[0])
         at_logits = isinstance(delta, LogitsSignal)
         if at_logits:
             delta = delta.delta
-            if not plan.steps[-1].takes_logits_signal:
-                raise LogitsNotOnRules(plan.steps[-1].describe())
-        n_outputs = tf.shape(delta)[1]
-    else:
-        out_shape = a.shape[1:]
-        n_outputs = int(np.prod(out_shape, dtype=np.int64))
-        # one identity for every sample, broadcast only where a rule needs it
-        delta = tf.reshape(tf.eye(n_outputs, dtype=a.dtype), [1, n_outputs, *out_shape])
-    for j in reversed(range(plan.lowest, len(plan.steps))):
-        step = plan.steps[j]
-        delta = signal_for(step, delta, plan.wanted[j], n_samples)
-        if at_logits:
-            delta, at_logits = LogitsSignal(delta), False
-        delta = visit(step, saved[j], delta, plan.wanted[j], j > plan.lowest)
-    return n_samples, n_outputs, a.dtype
+            top = plan.top
+            only_reader = plan.wiring.readers().get(plan.wiring.model_outputs[0]) == 1
+            if top is None or not only_reader:
+                raise LogitsNotOnRules("the output is not written by one layer")
+            if not plan.steps[top].takes_logits_signal:
+                raise LogitsNotOnRules(plan.steps[top].describe())
+        deltas, n_outputs = [delta], tf.shape(delta)[1]
+    signals = {}
+    for key, delta in zip(plan.wiring.model_outputs, deltas, strict=True):
+        signals[key] = delta if key not in signals else signals[key] + delta
+    return signals, n_outputs, at_logits
 
 
 def signal_for(step, delta, wanted, n_samples):
@@ -510,6 +825,12 @@ class LogitsNotOnRules(Exception):
     """The loss reads logits that the top rule cannot start from."""
 
 
+class SignalOnSeveralOutputs(LogitsNotOnRules):
+    """A signal function on a model of several outputs: the rules start a
+    function's signal at one output only (:class:`OutputRows` start anywhere).
+    Like :class:`LogitsNotOnRules`, it sends the caller to autodiff."""
+
+
 SAMPLES_CHECKED = 8  # samples on which the rules are proved, spread over the batch
 
 
@@ -540,8 +861,7 @@ def disagreement(plan, target, x, seed=0):
     w = tf.random.stateless_normal(J.shape[:2], [seed, 1], dtype=J.dtype)
     hand = tf.einsum("ikm,ik->im", J, w).numpy()
     tolerance = (1e-4 if J.dtype == tf.float32 else 1e-9) * np.sqrt(J.shape[1])
-    at_output = lambda y: tf.reshape(w, [len(picked), 1, *y.shape[1:]])  # noqa: E731
-    squared = rules_squared_norms(plan, chosen, at_output)[:, 0].numpy()
+    squared = rules_squared_norms(plan, chosen, OutputRows(w[:, None]))[:, 0].numpy()
     sources = [watched(v) for v in target.variables]
     for row, i in enumerate(picked):
         with tf.GradientTape() as tape:

@@ -264,6 +264,9 @@ class Rule(abc.ABC):
       one signal shared by every sample, when it writes no blocks.
     - ``runs_user_code``: it calls code that is not ours (autograph matters).
     - ``takes_logits_signal``: ``_backward`` takes a :class:`LogitsSignal`.
+    - ``several_inputs``: the layer takes a list of inputs (a merge, e.g.
+      ``Add``): ``a`` is that list, ``need_signal`` a list of bools (one per
+      input) and the signal below a list (None where not needed).
 
     Args:
         layer: the Keras layer. A subclass raises :class:`NoRule` for a
@@ -274,6 +277,7 @@ class Rule(abc.ABC):
     shared_signal: bool = False
     runs_user_code: bool = False
     takes_logits_signal: bool = False
+    several_inputs: bool = False
 
     def __init__(self, layer):
         """``layer``: the Keras layer; raise :class:`NoRule` for a configuration
@@ -306,8 +310,12 @@ class Rule(abc.ABC):
             ``_forward`` saved.
         """
         y, saved = self._forward(a)
-        self.input_shape = tf.TensorShape(a.shape)
-        self.input_dtype = tf.as_dtype(a.dtype)
+        if self.several_inputs:  # one shape and dtype per input
+            self.input_shape = [tf.TensorShape(t.shape) for t in a]
+            self.input_dtype = [tf.as_dtype(t.dtype) for t in a]
+        else:
+            self.input_shape = tf.TensorShape(a.shape)
+            self.input_dtype = tf.as_dtype(a.dtype)
         return y, saved
 
     def _forward(self, a):
@@ -342,10 +350,7 @@ class Rule(abc.ABC):
         blocks = Blocks.of(found)
         signal = delta.delta if isinstance(delta, LogitsSignal) else delta
         self._check_blocks(blocks, signal, wanted)
-        if not need_signal:
-            return blocks, None
-        self._check_below(below, signal)
-        return blocks, below
+        return blocks, self._checked_below(below, signal, need_signal)
 
     @final
     def backward_norms(self, saved, delta, wanted, need_signal) -> tuple[Any, Any]:
@@ -370,17 +375,13 @@ class Rule(abc.ABC):
         wanted = Wanted.of(wanted)
         squared, below = self._backward_norms(saved, delta, wanted, need_signal)
         signal = delta.delta if isinstance(delta, LogitsSignal) else delta
-        seen_shape = getattr(self, "input_shape", None)
-        expected = [seen_shape[0] if seen_shape is not None else None, signal.shape[1]]
+        expected = [self._seen_samples(), signal.shape[1]]
         if squared is not None and not _agrees(squared.shape, expected):
             raise self._broken(
                 f"the squared norms have shape {_shown(squared.shape)}, expected "
                 f"(n, r) = {_shown(expected)}"
             )
-        if not need_signal:
-            return squared, None
-        self._check_below(below, signal)
-        return squared, below
+        return squared, self._checked_below(below, signal, need_signal)
 
     def _backward_norms(self, saved, delta, wanted, need_signal):
         """``(squared, below)`` as :meth:`backward_norms` returns them (None for
@@ -413,10 +414,41 @@ class Rule(abc.ABC):
             f"{self.layer.name!r}: {what}"
         )
 
+    def _seen_samples(self):
+        """n in the last forward's input (the first input's), or None."""
+        seen_shape = getattr(self, "input_shape", None)
+        if seen_shape is None:
+            return None
+        return (seen_shape[0] if self.several_inputs else seen_shape)[0]
+
+    def _checked_below(self, below, signal, need_signal):
+        """The signal below, checked against the input (or each input)."""
+        if not self.several_inputs:
+            if not need_signal:
+                return None
+            self._check_below(below, signal)
+            return below
+        if not any(need_signal):
+            return [None] * len(need_signal)
+        if not isinstance(below, (list, tuple)) or len(below) != len(need_signal):
+            raise self._broken(
+                f"the signal below is not a list of {len(need_signal)} signals, "
+                "one per input"
+            )
+        shapes = getattr(self, "input_shape", None) or [None] * len(below)
+        dtypes = getattr(self, "input_dtype", None) or [None] * len(below)
+        checked = []
+        for part, needed, shape, dtype in zip(
+            below, need_signal, shapes, dtypes, strict=True
+        ):
+            if needed:
+                self._check_below(part, signal, shape, dtype)
+            checked.append(part if needed else None)
+        return checked
+
     def _check_blocks(self, blocks, signal, wanted):
         ours = {id(v) for v in self.variables}
-        seen_shape = getattr(self, "input_shape", None)
-        n_samples = seen_shape[0] if seen_shape is not None else None
+        n_samples = self._seen_samples()
         n_outputs = signal.shape[1] if tf.TensorShape(signal.shape).rank else None
         seen = set()
         for variables, block in blocks.items():
@@ -436,22 +468,26 @@ class Rule(abc.ABC):
                     f"(n, l, size) = {_shown(expected)}"
                 )
 
-    def _check_below(self, below, signal):
-        if getattr(self, "input_shape", None) is None:
+    def _check_below(self, below, signal, input_shape=None, input_dtype=None):
+        """Check one signal below against ``input_shape`` (default: the input's)."""
+        if input_shape is None:
+            input_shape = getattr(self, "input_shape", None)
+            input_dtype = getattr(self, "input_dtype", None)
+        if input_shape is None:
             return
         if below is None:
-            if self.input_dtype.is_floating:
+            if input_dtype.is_floating:
                 raise self._broken("no signal below, though it was asked for")
             return
         rows = below.shape[0] if below.shape.rank else None
-        allowed = {self.input_shape[0], signal.shape[0]} - {None}
+        allowed = {input_shape[0], signal.shape[0]} - {None}
         if signal.shape[0] is None:
             allowed.add(1)  # a signal shared by every sample, unknown while traced
-        expected = [None, signal.shape[1], *self.input_shape[1:]]
+        expected = [None, signal.shape[1], *input_shape[1:]]
         if not _agrees(below.shape, expected) or (
-            rows is not None and self.input_shape[0] is not None and rows not in allowed
+            rows is not None and input_shape[0] is not None and rows not in allowed
         ):
-            expected[0] = self.input_shape[0]
+            expected[0] = input_shape[0]
             raise self._broken(
                 f"the signal below has shape {_shown(below.shape)}, expected "
                 f"(n, l, *input_shape) = {_shown(expected)}"
