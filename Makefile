@@ -97,10 +97,14 @@ bench: setup
 # The same, with JAX and PyTorch (torch==2.13.0, CPU) as peers in the same run.
 # They install next to the locked packages without changing any of them; the
 # CPU index offers torch 2.13.0+cpu, which pip prefers to the CUDA build.
+# Then the peer rows (peers.md): per-sample gradients of a squared-error loss
+# and their norms (MLP, CNN, LSTM; n = 1,000, 10,000), and the Jacobian of the
+# MLP (n = 100), a residual MLP and a two-head model (n = 2,000), each against
+# jit(vmap(grad/jacrev)) and torch.func on the same weights, with its proof.
 bench-peers: setup
 	$(BIN)/python -m pip install --quiet -c requirements.lock jax "torch==2.13.0" \
 		--extra-index-url https://download.pytorch.org/whl/cpu
-	$(BIN)/python -m jacutil.bench --model mlp cnn lstm $(BENCH_ARGS)
+	$(BIN)/python -m jacutil.bench --model mlp cnn lstm --peer-rows $(BENCH_ARGS)
 
 clean:
 	rm -rf build .pytest_cache .hypothesis

@@ -174,6 +174,9 @@ def test_the_bench_checks_a_peer_against_jacutil(name):
     )  # fmt: skip
     share = bench.ratios(results, 3)
     assert share[name].peer == 1.0 and share["compiled"].peer > 0
+    (peer,) = [r for r in results["results"] if r["path"] == name]
+    assert 0 <= peer["max_abs_diff"] < 1e-5
+    assert "Proof at n = 3" in bench.markdown(results)
 
 
 def test_python_dash_m_runs_the_cli():
@@ -234,3 +237,121 @@ def test_loglog_scaling_fits_slopes_only_over_three_sizes_or_more():
     )
     labels = [line.get_label() for line in ax.get_lines()]
     assert labels == ["three (slope 1.00)", "two"]
+
+
+def test_the_peer_rows_appear_in_the_report(tmp_path):
+    bench.main(
+        [
+            "--sizes", "3", "--repeats", "1", "--memory", "inline",
+            "--paths", "compiled", "--no-profile", "--model", "mlp",
+            "--out", str(tmp_path), "--peer-rows", "gradients-mlp",
+            "norms-mlp", "jacobian-mlp", "jacobian-residual", "jacobian-two_head",
+        ]
+    )  # fmt: skip
+    stored = json.loads((tmp_path / "peers.json").read_text())
+    rows = {(r["task"], r["n"]): r for r in stored["rows"]}
+    assert set(rows) == {
+        (task, 3)
+        for task in ("gradients-mlp", "norms-mlp", "jacobian-mlp",
+                     "jacobian-residual", "jacobian-two_head")
+    }  # fmt: skip
+    for row in rows.values():
+        assert len(row["jacutil"]["times"]) == 1 and row["jacutil"]["first"] > 0
+        for timing in row["peers"].values():  # where JAX or PyTorch is installed
+            assert timing["max_abs_diff"] < 1e-5 and len(timing["times"]) == 1
+    table = (tmp_path / "peers.md").read_text()
+    for words in (
+        "per-sample gradients (squared error) | question's MLP | 3 |",
+        "per-sample gradient norms (squared error) | question's MLP | 3 |",
+        "per-sample Jacobian | residual MLP | 3 |",
+        "per-sample Jacobian | two-head | 3 |",
+        "**Proof**",
+        "- gradients, question's MLP, n = 3:",
+        "Add skip",
+    ):
+        assert words in table
+
+
+def test_every_task_names_a_kind_and_a_model():
+    assert set(bench.TASKS) >= {
+        f"{kind}-{model}"
+        for kind in ("gradients", "norms")
+        for model in ("mlp", "cnn", "lstm")
+    } | {"jacobian-mlp", "jacobian-residual", "jacobian-two_head"}
+    for task in bench.TASKS.values():
+        assert task.kind in bench.KINDS and task.model in bench.MODELS
+    assert bench.TASKS["gradients-mlp"].sizes == (1000, 10_000)
+    assert bench.TASKS["jacobian-residual"].sizes == (2000,)
+    assert bench.TASKS["jacobian-mlp"].sizes == (100,)
+
+
+def test_the_residual_and_two_head_models():
+    residual, two_head = bench.residual_mlp(), bench.two_head()
+    assert 9_000 <= residual.count_params() <= 13_000
+    x = bench.flat_data(4, 10)
+    assert bench.jacobian_shape(two_head, x, 4) == (4, 3, 2883)
+    assert [tuple(y.shape) for y in two_head(x)] == [(4, 2), (4, 1)]
+    assert sum(isinstance(layer, ju.keras.layers.Add) for layer in residual.layers) == 3
+
+
+def test_a_peer_row_checks_each_peer_before_timing_it(monkeypatch):
+    calls = []
+
+    def wrong(model):
+        def grads(x, y):
+            calls.append(len(x))
+            return np.zeros((len(x), 2850), np.float32)
+
+        return grads
+
+    kind = bench.KINDS["gradients"]
+    monkeypatch.setattr(kind, "peers", {"jax": ("a wrong peer", wrong)})
+    with pytest.raises(AssertionError, match="jax disagrees with jacutil"):
+        bench.run_task("gradients-mlp", [3], repeats=4, log=lambda *a: None)
+    assert calls == [3]  # the first call only: no timed calls
+
+
+def _fake_rows():
+    timing = {"first": 1.0, "times": [0.02], "median": 0.02}
+    peers = {
+        "jax": {"first": 2.0, "times": [0.01], "median": 0.01, "max_abs_diff": 2e-7},
+        "torch": {"first": 0.1, "times": [0.04], "median": 0.04, "max_abs_diff": 0.0},
+    }
+    rows = [
+        {"task": "gradients-cnn", "kind": "gradients", "model": "cnn", "n": 1000,
+         "jacutil": timing, "peers": peers},
+        {"task": "norms-lstm", "kind": "norms", "model": "lstm", "n": 10_000,
+         "jacutil": timing, "peers": {}},
+    ]  # fmt: skip
+    kinds = {"gradients": {"label": "GRADS", "jax": "jit(vmap(grad))"},
+             "norms": {"label": "NORMS"}}  # fmt: skip
+    machine = {"date": "today", "cpu_count": 2, "load_average": [1.0],
+               "versions": {"tensorflow": "2.21.0"}}  # fmt: skip
+    models = {"cnn": "the CNN", "lstm": "the LSTM"}
+    return {"machine": machine, "repeats": 1, "models": models, "kinds": kinds,
+            "rows": rows}  # fmt: skip
+
+
+def test_a_peer_row_gives_the_ratio_to_the_fastest_peer_and_its_proof():
+    results = _fake_rows()
+    assert bench.peer_ratio(results["rows"][0]) == pytest.approx(2.0)
+    assert bench.peer_ratio(results["rows"][1]) is None
+    table = bench.peer_rows_markdown(results)
+    row = "| GRADS | CNN | 1,000 | 20.0 ms | 1.00 s | 10.0 ms | 40.0 ms | 2.00 |"
+    assert row in table
+    assert "| NORMS | LSTM | 10,000 | 20.0 ms | 1.00 s | - | - | - |" in table
+    assert "JAX jit(vmap(grad)): max |peer - jacutil| = 2.0e-07" in table
+    assert "PyTorch: max |peer - jacutil| = 0.0e+00" in table
+    assert "- norms, LSTM, n = 10,000: no peer ran." in table
+    assert "rtol 1e-5, atol 1e-6" in table and "- the CNN" in table
+
+
+def test_the_jacobian_tables_print_each_peers_difference():
+    results = _fake_results()
+    for r in results["results"]:
+        r["max_abs_diff"] = {"jax": 3e-7, "torch": 1e-7}.get(r["path"])
+    proof = bench.peer_proof(results, 10)
+    assert "JAX max |J_peer - J| = 3.0e-07" in proof and "PyTorch" in proof
+    for r in results["results"]:
+        r["max_abs_diff"] = None
+    assert bench.peer_proof(results, 10) == ""

@@ -3,16 +3,22 @@
     python -m jacutil.bench                    # mlp, cnn, lstm at their sizes
     python -m jacutil.bench --model mlp --sizes 100 1000 --memory inline
 
+    python -m jacutil.bench --peer-rows        # and jacutil against the peers
+                                               # on gradients, norms, more models
+
 Writes results[-MODEL].json, .md (the tables) and scaling[-MODEL].png into
-``--out`` (``build/bench``). Introduced in ``07-benchmark``.
+``--out`` (``build/bench``); with ``--peer-rows``, peers.json and peers.md
+too (see ``peer_rows.py``). Introduced in ``07-benchmark``.
 """
 
 import argparse
 import json
 import os
+from pathlib import Path
 
 from .fresh import measure_memory
 from .paths import MODELS, PATHS
+from .peer_rows import TASKS, peer_rows_markdown, run_peer_rows
 from .plots import save
 from .profile import profile_dense
 from .report import markdown, summary_table
@@ -68,6 +74,15 @@ def parse(argv):
         default=["mlp", "cnn", "lstm"],
         help="the models to time, one run each (default: mlp cnn lstm)",
     )
+    parser.add_argument(
+        "--peer-rows",
+        nargs="*",
+        choices=sorted(TASKS),
+        metavar="TASK",
+        help="also time jacutil against JAX and PyTorch on per-sample gradients, "
+        "their norms and the Jacobian of more models (no TASK: all of "
+        f"{', '.join(TASKS)}); --sizes and --quick set their n too",
+    )
     parser.add_argument("--measure-memory", metavar="PATH", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
@@ -109,6 +124,29 @@ def run_one(model, args):
     return results
 
 
+def run_rows(args):
+    """The peer rows (``--peer-rows``): time, save peers.json and .md, print.
+
+    Args:
+        args: the parsed command line.
+
+    Returns:
+        The dict ``run_peer_rows`` returns.
+    """
+    print("\njacutil against JAX and PyTorch: gradients, norms, more models")
+    results = run_peer_rows(
+        args.peer_rows or None, args.sizes, repeats=args.repeats, seed=args.seed
+    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "peers.json").write_text(json.dumps(results, indent=1))
+    text = peer_rows_markdown(results)
+    (out / "peers.md").write_text(text)
+    print()
+    print(text)
+    return results
+
+
 def main(argv=None):
     """Run the benchmark; the results dict (a list of them for several models).
 
@@ -129,5 +167,7 @@ def main(argv=None):
     if len(every) > 1:
         for results in every:
             print(f"\n{results['model_label']}\n\n{summary_table(results)}")
+    if args.peer_rows is not None:
+        run_rows(args)
     print(f"\nwrote results, tables and plots into {args.out}/")
     return every[0] if len(every) == 1 else every

@@ -12,6 +12,7 @@ import numpy as np
 
 from .. import peers
 from ..auto import jacobian
+from ..core._tf import tf
 from ..core.target import resolve_target
 from ..rules.dense_jacobian import compiled_dense_jacobian, dense_plan
 from ..stages.chunked import chunked_jacobian
@@ -26,6 +27,7 @@ from ..teaching.models import (
     sequence_lstm,
     small_cnn,
 )
+from .models import flat_data, residual_mlp, two_head
 
 SIZES = (100, 1000, 10_000)  # the question's network; other models name theirs
 REFERENCE = "compiled"  # every path is checked against this one, at every n
@@ -117,6 +119,8 @@ class BenchModel:
         inputs: ``inputs(n, seed)`` returning n samples.
         sizes: the default numbers of samples.
         paths: the default paths (empty: every path that applies).
+        targets: ``targets(n, seed)`` returning n targets for a loss, or None
+            (seeded standard normal ones, ``models.targets``).
     """
 
     label: str
@@ -124,6 +128,7 @@ class BenchModel:
     inputs: object
     sizes: tuple = SIZES
     paths: tuple = ()  # default paths (empty: every path that applies)
+    targets: object = None  # targets(n, seed) for a loss; None: models.targets
 
 
 MODELS = {
@@ -131,6 +136,7 @@ MODELS = {
         "the question's network (10-64-32-2, float32)",
         lambda seed: question_mlp(seed=seed),
         lambda n, seed: regression_data(n, seed=seed)[0],
+        targets=lambda n, seed: regression_data(n, seed=seed)[1],
     ),
     "cnn": BenchModel(
         "CNN: Conv2D(8) -> Conv2D(8) -> Dense(4) on 12 x 12 x 1 (float32)",
@@ -142,6 +148,19 @@ MODELS = {
         "LSTM(16) -> Dense(2) on 16 steps x 4 (float32)",
         lambda seed: sequence_lstm(seed=seed),
         lambda n, seed: sequence_data(n, seed=seed),
+        sizes=(100, 2000),
+    ),
+    "residual": BenchModel(
+        "residual MLP: 32 -> Dense(56) -> 3 x [Dense(56, relu) + Add skip] -> "
+        "Dense(1) (float32)",
+        lambda seed: residual_mlp(seed=seed),
+        lambda n, seed: flat_data(n, 32, seed=seed),
+        sizes=(100, 2000),
+    ),
+    "two_head": BenchModel(
+        "two heads: 10 -> 64 -> 32 (relu) -> Dense(2) and Dense(1) (float32)",
+        lambda seed: two_head(seed=seed),
+        lambda n, seed: flat_data(n, 10, seed=seed),
         sizes=(100, 2000),
     ),
 }
@@ -167,6 +186,20 @@ def default_paths(model_name, network):
     ]
 
 
+def count_outputs(model, x):
+    """l: the outputs of one sample, every output of the model counted.
+
+    Args:
+        model: the Keras model.
+        x: its inputs (one sample is run).
+
+    Returns:
+        An ``int``.
+    """
+    leaves = tf.nest.flatten(model(x[:1]))
+    return sum(int(np.prod(leaf.shape[1:])) for leaf in leaves)
+
+
 def jacobian_shape(model, x, n):
     """(n, l, m) of the model's per-sample Jacobian, from one sample of x.
 
@@ -178,6 +211,6 @@ def jacobian_shape(model, x, n):
     Returns:
         A tuple ``(n, l, m)``.
     """
-    n_outputs = int(np.prod(model(x[:1]).shape[1:]))
+    n_outputs = count_outputs(model, x)
     n_params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
     return (n, n_outputs, n_params)

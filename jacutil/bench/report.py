@@ -12,6 +12,7 @@ import numpy as np
 
 from .floor import FLOOR, FLOOR_NEW
 from .paths import PEERS
+from .runner import tolerances
 from .skipping import format_seconds
 
 FLOORS = (FLOOR, FLOOR_NEW)
@@ -156,6 +157,36 @@ def table_at(results, n):
     return "\n".join(lines)
 
 
+def peer_proof(results, n):
+    """A line proving each peer's J equals the reference's at n, or "".
+
+    Every path's J is checked against the compiled per-sample stage before
+    it is timed; this prints the peers' largest absolute differences.
+
+    Args:
+        results: the benchmark's results dict (``results.json``).
+        n: the number of samples.
+
+    Returns:
+        A ``str`` (empty where no peer ran at n, or none kept a difference).
+    """
+    at = results_at(results, n)
+    names = {"jax": "JAX", "torch": "PyTorch"}
+    said = [
+        f"{names.get(p, p)} max |J_peer - J| = {at[p]['max_abs_diff']:.1e}"
+        for p in PEERS
+        if at.get(p, {}).get("max_abs_diff") is not None
+    ]
+    if not said:
+        return ""
+    return (
+        f"Proof at n = {n:,} (each peer's J equals jacutil's compiled per-sample "
+        f"stage at {tolerances()}, checked before it is timed): "
+        + "; ".join(said)
+        + "."
+    )
+
+
 def summary(results):
     """``[{n, best, jacutil, jax, torch, per_peer, per_floor}]``, one per n.
 
@@ -239,7 +270,9 @@ def markdown(results):
         "JAX and PyTorch at that n.",
     ]
     tables = [summary_table(results)]
-    tables += [table_at(results, n) for n in results["sizes"]]
+    for n in results["sizes"]:
+        proof = peer_proof(results, n)
+        tables.append(table_at(results, n) + (f"\n\n{proof}" if proof else ""))
     if "profile" in results:
         tables.append(profile_table(results["profile"]))
     return "\n\n".join(["\n".join(head), *tables]) + "\n"

@@ -34,6 +34,8 @@ class Result:
         peak: the first call's peak bytes.
         skipped: why it did not run, or None.
         predicted: seconds of one call, predicted where skipped.
+        max_abs_diff: the largest absolute difference of its J from the
+            reference's at this n (0 for the reference), or None.
     """
 
     path: str
@@ -44,6 +46,7 @@ class Result:
     peak: int | None = None
     skipped: str | None = None
     predicted: float | None = None  # seconds of one call, where skipped
+    max_abs_diff: float | None = None  # |J - the reference's J|, largest
 
 
 def _first_call(jac, x, watch_memory):
@@ -75,16 +78,16 @@ def repeat_times(jac, x, repeats):
     return times
 
 
-
-
 def _timed(name, n, function, argument, repeats, watch_memory, check=None):
     """The :class:`Result` of ``function(argument)``; ``check(first value)``
-    runs between the first call and the timed ones."""
+    runs between the first call and the timed ones and returns the largest
+    absolute difference from the reference."""
     value, first, peak = _first_call(function, argument, watch_memory)
-    if check is not None:
-        check(value)
+    difference = None if check is None else check(value)
     times = repeat_times(function, argument, repeats)
-    return Result(name, n, first, times, float(np.median(times)), peak)
+    return Result(
+        name, n, first, times, float(np.median(times)), peak, max_abs_diff=difference
+    )
 
 
 def time_floors(shape, repeats, watch_memory):
@@ -104,17 +107,51 @@ def time_floors(shape, repeats, watch_memory):
     return [floor, new]
 
 
+RTOL, ATOL = 1e-5, 1e-6  # every check: the paths, the peers, the peer rows
+
+
+def tolerances():
+    """The checks' tolerances in words: 'rtol 1e-5, atol 1e-6'.
+
+    Returns:
+        A ``str``.
+    """
+
+    def short(value):
+        return f"{value:.0e}".replace("e-0", "e-")
+
+    return f"rtol {short(RTOL)}, atol {short(ATOL)}"
+
+
+def max_abs_diff(a, b):
+    """The largest absolute difference of two arrays of one shape, a float.
+
+    Args:
+        a: an array.
+        b: an array of a's shape.
+
+    Returns:
+        A ``float`` (0.0 for empty arrays).
+    """
+    a, b = np.asarray(a), np.asarray(b)
+    if a.shape != b.shape:
+        raise AssertionError(f"shapes differ: {a.shape} and {b.shape}")
+    return float(np.max(np.abs(a - b), initial=0.0))
+
+
 def _check(J, reference, name, n):
-    """Every path's J equals the reference's (the first path run at this n)."""
+    """Every path's J equals the reference's (the first path run at this n);
+    the largest absolute difference."""
     if not reference:
         reference.append(np.array(J))
     np.testing.assert_allclose(
         J,
         reference[0],
-        rtol=1e-5,
-        atol=1e-6,
+        rtol=RTOL,
+        atol=ATOL,
         err_msg=f"{name} disagrees with {REFERENCE} at n = {n}",
     )
+    return max_abs_diff(J, reference[0])
 
 
 def build_paths(model, names, log=print):

@@ -8,8 +8,7 @@ predicted memory does not fit. Introduced in ``07-benchmark``.
 import numpy as np
 
 from ..core import memory
-from ..core._shared import size_of
-from .paths import PATHS
+from .paths import PATHS, count_outputs
 
 
 def format_seconds(s):
@@ -62,7 +61,7 @@ def quadratic_bytes(network, x):
     back-propagated through the whole batch's activations (about
     l * activations * itemsize; 1,600 for the MLP, where 1,955 was measured).
     """
-    n_outputs = size_of(network(x[:1]).shape[1:])
+    n_outputs = count_outputs(network, x)
     elements = memory.activation_elements(network, x[:1], unroll=False)
     return n_outputs * elements * x.dtype.itemsize
 

@@ -1,16 +1,19 @@
-"""The per-sample Jacobian in JAX: ``jit(vmap(jacrev(f)))``.
+"""Per-sample Jacobians and loss gradients in JAX, each under one ``jax.jit``.
 
 ``f(theta, x)`` is the Keras model rebuilt from its weights for one sample
-(see ``layers.forward``); ``jacrev`` differentiates it with respect to every
-array in ``theta``, ``vmap`` maps that over the samples and ``jit`` compiles
-the whole, once per n. Introduced in ``07-benchmark``.
+(see ``layers.forward``). The Jacobian is ``jit(vmap(jacrev(f)))``; the
+per-sample gradients of a squared-error loss are ``jit(vmap(grad(loss)))``,
+and their norms the same gradients, then norms, in the same jitted
+function. Each differentiates every array in ``theta`` and joins the blocks
+in ``flat_params`` order; ``jit`` compiles the whole once per n.
+Introduced in ``07-benchmark``.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .layers import Ops, bind, forward
+from .layers import Ops, bind, forward, squared_error
 from .network import describe
 
 
@@ -35,14 +38,24 @@ OPS = Ops(
         "sigmoid": jax.nn.sigmoid,
     },
     conv2d=conv2d,
+    concat=jnp.concatenate,
 )
+
+
+def _rebuilt(model):
+    """``(layers, theta)`` of the model, as JAX arrays."""
+    layers, theta = describe(model)
+    return bind(layers, jnp.asarray), [jnp.asarray(p) for p in theta]
+
+
+def _joined(blocks, leading):
+    """Per-parameter blocks (leading..., *shape) -> (leading..., m), in order."""
+    return jnp.concatenate([b.reshape(*leading, -1) for b in blocks], axis=-1)
 
 
 def jax_jacobian(model):
     """``jac(x)``: the (n_samples, n_outputs, n_params) Jacobian, from JAX."""
-    layers, theta = describe(model)
-    layers = bind(layers, jnp.asarray)
-    theta = [jnp.asarray(p) for p in theta]
+    layers, theta = _rebuilt(model)
 
     def f(theta, x):
         return forward(layers, theta, x, OPS)
@@ -50,11 +63,44 @@ def jax_jacobian(model):
     @jax.jit
     def jacobian(theta, x):
         blocks = jax.vmap(jax.jacrev(f), in_axes=(None, 0))(theta, x)
-        n_samples, n_outputs = blocks[0].shape[:2]
-        flat = [b.reshape(n_samples, n_outputs, -1) for b in blocks]
-        return jnp.concatenate(flat, axis=2)  # columns in flat_params order
+        return _joined(blocks, blocks[0].shape[:2])  # columns in flat_params order
 
     def jac(x):
         return np.asarray(jacobian(theta, jnp.asarray(x)))
 
     return jac
+
+
+def _gradients(layers, theta, x, y):
+    """(n, m): ``vmap(grad(loss))`` of the squared error, blocks joined."""
+
+    def loss(theta, x, y):
+        return squared_error(layers, theta, x, y, OPS)
+
+    blocks = jax.vmap(jax.grad(loss), in_axes=(None, 0, 0))(theta, x, y)
+    return _joined(blocks, blocks[0].shape[:1])
+
+
+def jax_gradients(model):
+    """``grads(x, y)``: (n_samples, n_params) per-sample squared-error gradients."""
+    layers, theta = _rebuilt(model)
+    compiled = jax.jit(lambda theta, x, y: _gradients(layers, theta, x, y))
+
+    def grads(x, y):
+        return np.asarray(compiled(theta, jnp.asarray(x), jnp.asarray(y)))
+
+    return grads
+
+
+def jax_gradient_norms(model):
+    """``norms(x, y)``: (n_samples,) norms of those gradients, gradients first."""
+    layers, theta = _rebuilt(model)
+
+    @jax.jit
+    def compiled(theta, x, y):
+        return jnp.linalg.norm(_gradients(layers, theta, x, y), axis=1)
+
+    def norms(x, y):
+        return np.asarray(compiled(theta, jnp.asarray(x), jnp.asarray(y)))
+
+    return norms

@@ -1,26 +1,38 @@
 """One sample's forward pass, written once for JAX and PyTorch alike.
 
 ``forward(layers, theta, x, ops)`` runs the :class:`~.network.Layer`
-records on one sample ``x`` and returns its outputs as a flat vector. Both
-libraries share ``@``, ``+``, ``*``, indexing and ``reshape``; what differs
-comes in ``ops``: the activations by name and ``conv2d``. The peers wrap
-``forward`` in their own ``vmap(jacrev(...))``. Introduced in
+records on one sample ``x`` and returns its outputs as a flat vector (a
+graph's outputs joined in the Jacobian's row order). Both libraries share
+``@``, ``+``, ``*``, indexing, ``reshape`` and ``mean``; what differs comes
+in ``ops``: the activations by name, ``conv2d`` and ``concat``. The peers
+wrap ``forward`` in their own ``vmap(jacrev(...))``, and
+``squared_error`` in their ``vmap(grad(...))``. Introduced in
 ``07-benchmark``.
 """
 
 from dataclasses import dataclass, replace
 
+from .network import MERGES
+
 
 @dataclass
 class Ops:
-    """What a library adds: ``act[name](z)`` and ``conv2d(a, kernel, layer)``.
+    """What a library adds: ``act[name](z)``, ``conv2d(a, kernel, layer)``
+    and ``concat(vectors)``.
 
     ``conv2d`` takes one sample (h, w, c_in) and a Keras kernel (kh, kw,
     c_in, c_out), and returns (h', w', c_out), channels last like Keras.
+    ``concat`` joins a list of 1-D arrays into one.
+
+    Args:
+        act: the activations by name.
+        conv2d: ``conv2d(a, kernel, layer)``.
+        concat: ``concat(vectors)``.
     """
 
     act: dict
     conv2d: object
+    concat: object = None
 
 
 def bind(layers, convert):
@@ -36,15 +48,47 @@ def bind(layers, convert):
 
 
 def forward(layers, theta, x, ops):
-    """The outputs of one sample ``x``, flattened: shape (n_outputs,)."""
-    a = x
+    """The outputs of one sample ``x``, flattened: shape (n_outputs,).
+
+    Args:
+        layers: the :class:`~.network.Layer` records, weights bound.
+        theta: the trainable weights, in ``flat_params`` order.
+        x: one sample.
+        ops: the library's :class:`Ops`.
+
+    Returns:
+        A 1-D array of the library.
+    """
+    values = [x]  # a graph's record reads by index; a chain's, the last value
     for layer in layers:
         weights = {
             name: theta[w] if isinstance(w, int) else w
             for name, w in layer.weights.items()
         }
-        a = KINDS[layer.kind](a, weights, layer, ops)
-    return a.reshape(-1)
+        if layer.kind in MERGES:
+            a = [values[i] for i in layer.inputs]
+        else:
+            a = values[layer.inputs[0]] if layer.inputs else values[-1]
+        values.append(KINDS[layer.kind](a, weights, layer, ops))
+    return values[-1].reshape(-1)
+
+
+def squared_error(layers, theta, x, y, ops):
+    """One sample's squared-error loss: the mean of (f(x) - y)**2 over outputs.
+
+    As ``keras.losses.mean_squared_error`` on a model with one output.
+
+    Args:
+        layers: the :class:`~.network.Layer` records, weights bound.
+        theta: the trainable weights, in ``flat_params`` order.
+        x: one sample.
+        y: its target.
+        ops: the library's :class:`Ops`.
+
+    Returns:
+        A scalar of the library.
+    """
+    return ((forward(layers, theta, x, ops) - y.reshape(-1)) ** 2).mean()
 
 
 def dense(a, w, layer, ops):
@@ -84,4 +128,23 @@ def lstm(a, w, layer, ops):
     return h
 
 
-KINDS = {"dense": dense, "conv2d": conv2d, "flatten": flatten, "lstm": lstm}
+def add(values, w, layer, ops):
+    total = values[0]
+    for value in values[1:]:
+        total = total + value
+    return total
+
+
+def outputs(values, w, layer, ops):
+    """The model's outputs, each flattened, joined in the Jacobian's row order."""
+    return ops.concat([value.reshape(-1) for value in values])
+
+
+KINDS = {
+    "dense": dense,
+    "conv2d": conv2d,
+    "flatten": flatten,
+    "lstm": lstm,
+    "add": add,
+    "outputs": outputs,
+}

@@ -6,6 +6,15 @@
 trainable is held as its index into ``theta``, so a peer differentiates
 exactly the Jacobian's columns. Introduced in ``07-benchmark``.
 
+A chain of layers (``Sequential``, or a functional model without branches)
+is a list of records, each applied to the one before. Any other functional
+model with one input - skips joined by ``Add``, several outputs - is read
+as a graph in topological order: each record names in ``inputs`` the values
+it reads (0: the model's input, k: record k - 1's output), and a last
+``"outputs"`` record joins the model's outputs, each flattened per sample,
+in ``tf.nest.flatten`` order: the order of a Jacobian's rows (see
+``jacutil/core/outputs.py``).
+
 Keras layouts, which the peers follow:
 
 - ``Dense``: kernel (n_in, n_out), bias (n_out,); ``y = a @ kernel + bias``.
@@ -13,16 +22,18 @@ Keras layouts, which the peers follow:
 - ``Flatten``: flattens (h, w, c) in that order, row-major.
 - ``LSTM``: kernel (n_in, 4u), recurrent_kernel (u, 4u), bias (4u), gates in
   the order i, f, c (candidate), o; returns the last h.
+- ``Add``: the sum of its inputs, no weights.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ..core._tf import keras
+from ..core._tf import keras, tf
 from ..rules import chain_layers
 
 ACTIVATIONS = ("linear", "relu", "tanh", "sigmoid")
+MERGES = ("add", "outputs")  # the kinds that read a list of values
 
 
 @dataclass
@@ -30,26 +41,37 @@ class Layer:
     """One layer: its kind, its weights, its options.
 
     ``weights[name]`` is an int (an index into ``theta``: trainable) or a
-    NumPy array (a constant), or None (no bias).
+    NumPy array (a constant), or None (no bias). ``inputs`` is empty in a
+    chain (the record reads the value before it); in a graph it names the
+    values the record reads: 0 the model's input, k record k - 1's output.
     """
 
-    kind: str  # "dense", "conv2d", "flatten" or "lstm"
+    kind: str  # "dense", "conv2d", "flatten", "lstm", "add" or "outputs"
     weights: dict = field(default_factory=dict)
     activation: str = "linear"
     recurrent_activation: str = "sigmoid"  # LSTM only
     strides: tuple = (1, 1)  # Conv2D only
     padding: str = "valid"  # Conv2D only
     dilation: tuple = (1, 1)  # Conv2D only
+    inputs: tuple = ()  # a graph's: the values read; empty in a chain
 
 
 def describe(model):
     """``(layers, theta)``: the model as :class:`Layer` records and its weights.
 
-    Raises ``ValueError`` for a layer or an option the peers do not rebuild.
+    Args:
+        model: a Keras model: a chain of layers, or a functional model with
+            one input (``Add`` skips, several outputs).
+
+    Returns:
+        ``(layers, theta)``: the records, input to output, and the trainable
+        weights as NumPy arrays in ``flat_params`` order.
+
+    Raises:
+        ValueError: a layer or an option the peers do not rebuild.
     """
-    layers = chain_layers(model) if isinstance(model, keras.Model) else None
-    if not layers:
-        raise ValueError("the peers rebuild a Keras chain of layers only")
+    if not isinstance(model, keras.Model):
+        raise ValueError("the peers rebuild a Keras model only")
     variables = list(model.trainable_variables)  # flat_params order
     index = {id(v): i for i, v in enumerate(variables)}
 
@@ -58,21 +80,72 @@ def describe(model):
             return None
         return index.get(id(variable), np.asarray(variable))
 
-    records = []
-    for layer in layers:
-        if isinstance(layer, keras.layers.InputLayer):
-            continue
-        read = READERS.get(type(layer))
-        if read is None:
-            raise ValueError(
-                f"the peers rebuild Dense, Conv2D, Flatten and LSTM layers only; "
-                f"layer {layer.name!r} is a {type(layer).__name__}"
-            )
-        records.append(read(layer, weight))
+    layers = chain_layers(model)
+    if layers:
+        records = [
+            read_layer(layer, weight)
+            for layer in layers
+            if not isinstance(layer, keras.layers.InputLayer)
+        ]
+    else:
+        records = _graph(model, weight)
     used = {w for r in records for w in r.weights.values() if isinstance(w, int)}
     if used != set(range(len(variables))):
         raise ValueError("a trainable variable is not a weight of these layers")
     return records, [np.asarray(v) for v in variables]
+
+
+def read_layer(layer, weight):
+    """The :class:`Layer` record of one Keras layer.
+
+    Args:
+        layer: a Keras layer.
+        weight: ``weight(variable)``: its index into theta, or a constant.
+
+    Returns:
+        A :class:`Layer`.
+
+    Raises:
+        ValueError: a layer the peers do not rebuild.
+    """
+    read = READERS.get(type(layer))
+    if read is None:
+        raise ValueError(
+            "the peers rebuild Dense, Conv2D, Flatten, LSTM and Add layers only; "
+            f"layer {layer.name!r} is a {type(layer).__name__}"
+        )
+    return read(layer, weight)
+
+
+def _graph(model, weight):
+    """A functional model's records in topological order, then ``"outputs"``."""
+    if not hasattr(model, "_outputs_struct") or len(model.inputs) != 1:
+        raise ValueError("the peers rebuild a functional model with one input only")
+    records = []
+    values = {}  # id of a Keras tensor -> its value's index
+
+    def visit(tensor):
+        if id(tensor) in values:
+            return values[id(tensor)]
+        operation, node_index, tensor_index = tensor._keras_history
+        if isinstance(operation, keras.layers.InputLayer):
+            return 0  # the one input
+        node = operation._inbound_nodes[node_index]
+        if tensor_index != 0 or len(node.outputs) != 1:
+            raise ValueError(f"layer {operation.name!r}: one output only")
+        if node.arguments.kwargs:
+            raise ValueError(f"layer {operation.name!r}: called with keywords")
+        inputs = tuple(visit(t) for t in node.input_tensors)
+        record = read_layer(operation, weight)
+        if record.kind not in MERGES and len(inputs) != 1:
+            raise ValueError(f"layer {operation.name!r}: one input only")
+        records.append(replace(record, inputs=inputs))
+        values[id(tensor)] = len(records)
+        return len(records)
+
+    outputs = tuple(visit(t) for t in tf.nest.flatten(model._outputs_struct))
+    records.append(Layer("outputs", inputs=outputs))
+    return records
 
 
 def activation_name(function, layer):
@@ -128,9 +201,14 @@ def _lstm(layer, weight):
     )
 
 
+def _add(layer, weight):
+    return Layer("add")
+
+
 READERS = {
     keras.layers.Dense: _dense,
     keras.layers.Conv2D: _conv2d,
     keras.layers.Flatten: _flatten,
     keras.layers.LSTM: _lstm,
+    keras.layers.Add: _add,
 }

@@ -1,10 +1,12 @@
-"""The per-sample Jacobian in PyTorch: ``torch.func.vmap(jacrev(f))``.
+"""Per-sample Jacobians and loss gradients in PyTorch, with ``torch.func``.
 
 ``f(theta, x)`` is the Keras model rebuilt from its weights for one sample
 (see ``layers.forward``), in Keras's layouts: activations stay channels last
 (h, w, c) between layers, so ``conv2d`` permutes to PyTorch's (c, h, w) and
-back, and ``Flatten`` sees Keras's order. Eager: PyTorch compiles nothing
-here. Introduced in ``07-benchmark``.
+back, and ``Flatten`` sees Keras's order. The Jacobian is
+``vmap(jacrev(f))``; the per-sample gradients of a squared-error loss are
+``vmap(grad(loss))``, and their norms those gradients, then norms. Eager:
+PyTorch compiles nothing here. Introduced in ``07-benchmark``.
 
 PyTorch's CPU build runs its operations on OpenMP threads, which by default
 spin for a long time at each barrier. On a small machine shared with other
@@ -20,7 +22,7 @@ import sys
 
 import numpy as np
 
-from .layers import Ops, bind, forward
+from .layers import Ops, bind, forward, squared_error
 from .network import describe
 
 SPIN = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # the user's choice, if set
@@ -50,6 +52,7 @@ OPS = Ops(
         "sigmoid": torch.sigmoid,
     },
     conv2d=conv2d,
+    concat=torch.cat,
 )
 
 
@@ -57,11 +60,20 @@ def _tensor(array):
     return torch.from_numpy(np.array(array))  # a writable copy
 
 
+def _rebuilt(model):
+    """``(layers, theta)`` of the model, as torch tensors."""
+    layers, theta = describe(model)
+    return bind(layers, _tensor), tuple(_tensor(p) for p in theta)
+
+
+def _joined(blocks, leading):
+    """Per-parameter blocks (leading..., *shape) -> (leading..., m), in order."""
+    return torch.cat([b.reshape(*leading, -1) for b in blocks], dim=-1)
+
+
 def torch_jacobian(model):
     """``jac(x)``: the (n_samples, n_outputs, n_params) Jacobian, from torch."""
-    layers, theta = describe(model)
-    layers = bind(layers, _tensor)
-    theta = tuple(_tensor(p) for p in theta)
+    layers, theta = _rebuilt(model)
 
     def f(theta, x):
         return forward(layers, theta, x, OPS)
@@ -71,8 +83,43 @@ def torch_jacobian(model):
     def jac(x):
         with torch.no_grad():
             blocks = per_sample(theta, _tensor(x))
-            n_samples, n_outputs = blocks[0].shape[:2]
-            flat = [b.reshape(n_samples, n_outputs, -1) for b in blocks]
-            return torch.cat(flat, dim=2).numpy()  # columns in flat_params order
+            # columns in flat_params order
+            return _joined(blocks, blocks[0].shape[:2]).numpy()
 
     return jac
+
+
+def _per_sample_grad(layers):
+    """``vmap(grad(loss))`` of the squared error: a tuple of (n, *shape) blocks."""
+
+    def loss(theta, x, y):
+        return squared_error(layers, theta, x, y, OPS)
+
+    return torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))
+
+
+def torch_gradients(model):
+    """``grads(x, y)``: (n_samples, n_params) per-sample squared-error gradients."""
+    layers, theta = _rebuilt(model)
+    per_sample = _per_sample_grad(layers)
+
+    def grads(x, y):
+        with torch.no_grad():
+            blocks = per_sample(theta, _tensor(x), _tensor(y))
+            return _joined(blocks, blocks[0].shape[:1]).numpy()
+
+    return grads
+
+
+def torch_gradient_norms(model):
+    """``norms(x, y)``: (n_samples,) norms of those gradients, gradients first."""
+    layers, theta = _rebuilt(model)
+    per_sample = _per_sample_grad(layers)
+
+    def norms(x, y):
+        with torch.no_grad():
+            blocks = per_sample(theta, _tensor(x), _tensor(y))
+            squares = sum(b.reshape(b.shape[0], -1).square().sum(1) for b in blocks)
+            return squares.sqrt().numpy()
+
+    return norms
