@@ -14,6 +14,8 @@
 # - How does SciPy fit a model with only products `J @ v` and `J.T @ u`?
 # - When is forward mode the faster way to get J, and how do I get
 #   per-sample gradients of a loss cheaply?
+# - How do per-sample gradient norms train a model with differential
+#   privacy, and what does the privacy cost in accuracy and time?
 #
 # **Objectives**
 # - Compute `J @ v` (forward mode) and `J.T @ u` (reverse mode) without J,
@@ -23,8 +25,11 @@
 #   measure its memory against what J would need.
 # - Compare forward and reverse mode for the whole J as m and l vary.
 # - Compute per-sample gradients of a loss and their norms.
+# - Train a classifier by DP-SGD with ghost clipping, prove its step equal to
+#   clipping each sample's gradient, and plot accuracy against the privacy
+#   spent (ε).
 #
-# *Teaching: 20 min · Exercises: 15 min*
+# *Teaching: 25 min · Exercises: 15 min*
 
 # %% [markdown]
 # ## Setup
@@ -51,6 +56,9 @@ lsmr_iterations = 10  # lsmr iterations per step, each a matvec + rmatvec
 n_check = 5  # samples in the correctness checks
 crossover_outputs = [4, 64, 1024]  # l for the forward / reverse comparison
 crossover_hidden = [2, 8, 32]  # hidden units (m grows with them)
+dp_samples = 1000  # training samples of the DP-SGD classifier
+dp_epochs = 4  # its epochs, plain and private
+dp_noise = [0.8, 2.0, 5.0]  # DP-SGD noise multipliers sigma
 seed = 0
 
 # %% [markdown]
@@ -277,6 +285,173 @@ print("per-sample gradients", G.shape,
 print("norms without the gradients == norms of the gradients: True")
 
 # %% [markdown]
+# ## Private training: DP-SGD from the norms
+#
+# Differentially private SGD (DP-SGD) limits how much any one sample can
+# move the model: each step clips every sample's gradient to norm at most C,
+# sums, adds Gaussian noise of standard deviation σC to every coordinate,
+# and divides by the batch size. The privacy spent is a pair (ε, δ): smaller
+# ε is more private; δ is a small probability that the bound fails. An
+# *accountant* computes ε from σ, the sampling rate and the number of steps.
+#
+# Clipping needs each gradient's norm, not the gradient. With the weights
+# wᵢ = min(1, C / ‖gᵢ‖), the gradient of Σᵢ wᵢ Lᵢ is Σᵢ wᵢ gᵢ, the clipped
+# sum: one ordinary backward pass, after `per_sample_gradient_norms`
+# ("ghost clipping"). `ju.DPSGD` wraps that around any Keras model and
+# optimizer; this is its compiled part:
+
+# %%
+ju.teaching.notebook.show_source(ju.DPSGD._step)
+
+# %% [markdown]
+# Proved on a copy of `small`: with no noise and `SGD(1.0)`, one DP-SGD
+# step moves the parameters by exactly the mean of the per-sample gradients
+# `G` from above, each clipped to C (here the median norm):
+
+# %%
+copy = keras.models.clone_model(small)
+copy.set_weights(small.get_weights())
+clip = float(np.median(norms))
+noiseless = ju.DPSGD(copy, loss, keras.optimizers.SGD(1.0),
+                     l2_norm_clip=clip, noise_multiplier=0.0)
+before = ju.flat_params(copy)
+noiseless.step(x_small, y_small)
+clipped = np.minimum(1.0, clip / norms)[:, None] * G
+np.testing.assert_allclose(before - ju.flat_params(copy),
+                           clipped.mean(axis=0), rtol=1e-10, atol=1e-14)
+print(f"{(norms > clip).sum()} of {len(norms)} gradients clipped; "
+      "the step == the mean of the clipped gradients: True")
+
+# %% [markdown]
+# Now a classifier: three classes of points in ten dimensions (generated,
+# seeded), trained with plain SGD and with DP-SGD at each noise multiplier
+# in `dp_noise`. `DPSGD.fit` draws each batch by Poisson sampling (every
+# sample joins with probability batch size / n), which is what the
+# accountant assumes; `epsilon(delta)` asks Google's `dp-accounting` for ε.
+
+# %%
+n_features, n_classes, batch, delta = 10, 3, 25, 1e-5
+rng = np.random.default_rng(seed)
+centers = 0.8 * rng.standard_normal((n_classes, n_features))
+labels = rng.integers(0, n_classes, 2 * dp_samples)
+points = (centers[labels]
+          + rng.standard_normal((2 * dp_samples, n_features)))
+points = points.astype("float32")
+x_train, x_test = points[:dp_samples], points[dp_samples:]
+y_train, y_test = labels[:dp_samples], labels[dp_samples:]
+keras.utils.set_random_seed(seed)
+net = keras.Sequential([
+    keras.Input((n_features,)), keras.layers.Dense(32, activation="tanh"),
+    keras.layers.Dense(n_classes)])
+start = net.get_weights()
+
+
+def cross_entropy(y, logits):  # one loss per sample
+    return keras.losses.sparse_categorical_crossentropy(
+        y, logits, from_logits=True)
+
+
+def test_accuracy():
+    guess = np.argmax(net.predict(x_test, verbose=0), axis=1)
+    return float(np.mean(guess == y_test))
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+try:
+    import dp_accounting  # noqa: F401
+    has_accountant = True
+except ImportError:  # then the plot shows sigma, not epsilon
+    has_accountant = False
+    print(ju.fitting.dp_sgd.INSTALL_HINT)
+net.compile(keras.optimizers.SGD(0.5), cross_entropy)
+net.fit(x_train, y_train, epochs=dp_epochs, batch_size=batch, verbose=0)
+plain_accuracy = test_accuracy()
+print(f"plain SGD: test accuracy {plain_accuracy:.3f}")
+private = {}
+for sigma in dp_noise:
+    net.set_weights(start)
+    dp = ju.DPSGD(net, cross_entropy, keras.optimizers.SGD(0.5),
+                  l2_norm_clip=1.0, noise_multiplier=sigma, seed=seed)
+    dp.fit(x_train, y_train, epochs=dp_epochs, batch_size=batch)
+    eps = dp.epsilon(delta) if has_accountant else np.nan
+    private[sigma] = (eps, test_accuracy())
+    print(f"DP-SGD, sigma = {sigma}: epsilon = {eps:.2f} at delta = "
+          f"{delta:g} after {dp.steps} steps, test accuracy "
+          f"{private[sigma][1]:.3f}")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+fig, ax = plt.subplots(figsize=(6, 3.5))
+spent = [private[s][0] if has_accountant else s for s in dp_noise]
+ax.plot(spent, [private[s][1] for s in dp_noise], "o-", label="DP-SGD")
+for s, x_at in zip(dp_noise, spent, strict=True):
+    ax.annotate(f"σ = {s}", (x_at, private[s][1]), ha="center",
+                textcoords="offset points", xytext=(0, 8))
+ax.axhline(plain_accuracy, color="black", ls="--",
+           label="plain SGD (no privacy)")
+ax.set_xscale("log")
+ax.set_xticks(spent, [f"{e:.2g}" for e in spent])
+ax.minorticks_off()
+ax.margins(x=0.15, y=0.2)
+ax.set_xlabel(f"ε at δ = {delta:g} (smaller: more private)"
+              if has_accountant else "noise multiplier σ")
+ax.set_ylabel("test accuracy")
+ax.legend(loc="lower right")
+fig.tight_layout()
+
+# %% [markdown]
+# More noise buys a smaller ε and costs accuracy; read the printed lines
+# for how much on this data. What a DP step costs in time, against a plain
+# step on the same batch (both compiled, timed after a first call):
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+x_batch, y_batch = x_train[:batch], y_train[:batch]
+plain_opt = keras.optimizers.SGD(0.5)
+
+
+@ju.tf.function
+def plain_step(x, y):
+    with ju.tf.GradientTape() as tape:
+        mean_loss = ju.tf.reduce_mean(cross_entropy(y, net(x)))
+    grads = tape.gradient(mean_loss, net.trainable_variables)
+    plain_opt.apply_gradients(zip(grads, net.trainable_variables, strict=True))
+
+
+timer = ju.DPSGD(net, cross_entropy, keras.optimizers.SGD(0.5),
+                 l2_norm_clip=1.0, noise_multiplier=1.0, seed=seed)
+plain_s = ju.time_call(plain_step, x_batch, y_batch, repeats=20).median
+dp_s = ju.time_call(timer.step, x_batch, y_batch, repeats=20).median
+norms_s = ju.time_call(ju.per_sample_gradient_norms, net, cross_entropy,
+                       x_batch, y_batch, repeats=20).median
+print(f"plain step {1e3 * plain_s:.1f} ms; DP step {1e3 * dp_s:.1f} ms, "
+      f"of which the norms {1e3 * norms_s:.1f} ms")
+print(f"Finding: a DP-SGD step costs {dp_s / plain_s:.1f}x a plain step "
+      f"on {batch} samples; the compiled step traced "
+      f"{timer.trace_count} time(s)")
+
+# %% [markdown]
+# **TensorFlow Privacy.** Google's own DP-SGD library (last release 0.9.0,
+# 2024) does not install next to this course's packages: it pins
+# `absl-py` 1, `numpy` 1, `dp-accounting` 0.4.3 and TensorFlow Probability
+# 0.22 (made for TF 2.14). Installed without its pins on TF 2.21 and
+# Keras 3, `import tensorflow_privacy` fails (it imports
+# `tensorflow_estimator`, gone since TF 2.16). Imported module by module,
+# its privacy analysis (`compute_dp_sgd_privacy_statement`, which calls
+# `dp-accounting`) runs and its `DPQuery` classes load. Its Keras side
+# fails: `DPKerasSGDOptimizer` and the vectorized one subclass Keras 2's
+# legacy optimizers (an `ImportError` in Keras 3), `DPSequential` reads
+# Keras 2's compiled-loss internals, and its fast gradient clipping reads
+# Keras 2's functional-model internals. So here the accountant is
+# `dp-accounting`, the one TF Privacy uses, and the clipping is jacutil's
+# norms. No release of `dp-accounting` installs with this course's lock
+# file either (each pins an older `attrs` or `absl-py`), but its code runs
+# with ours; the line below adds it to `.venv`.
+
+# %%
+print(ju.fitting.dp_sgd.INSTALL_COMMAND)
+
+# %% [markdown]
 # ## Exercises
 #
 # Each exercise ends with a check: put your answer in `answer` and run the
@@ -351,3 +526,6 @@ check.exercise("09-2", answer, model=small, x=x_small, v=v)
 #   fewer parameters than outputs.
 # - Per-sample gradients of a loss are J's rows weighted by `dloss/df`:
 #   `per_sample_gradients`, and `per_sample_gradient_norms` for clipping.
+# - DP-SGD needs only the norms: the gradient of Σᵢ wᵢ Lᵢ with
+#   wᵢ = min(1, C / ‖gᵢ‖) is the clipped sum (`ju.DPSGD`); more noise, a
+#   smaller ε, a lower accuracy; `dp-accounting` computes ε.
