@@ -11,10 +11,109 @@ the per-example-gradient trick (Goodfellow 2015; BackPACK). A kernel
 and its bias are one product: ``a`` with a column of ones appended gives the
 kernel's rows and then the bias's, one joint block that the engine places
 (``jacutil.rules.engine.place_blocks``).
+
+Their squared norms need no block ("ghost norms", Goodfellow 2015; Li et
+al. 2021, arXiv:2110.05679): with the Gram matrices of the positions,
+
+    |sum_t a[t] delta[t]^T|^2 = sum_{t, s} (a[t] . a[s]) (delta[t] . delta[s])
+    |sum_t delta[t]|^2        (the bias)
+
+with one position ``|a|^2 |delta|^2``. As Opacus's norm samplers for ghost
+clipping (``opacus/grad_sample/linear.py``, ``compute_linear_norm_sample``:
+``ggT`` and ``aaT``, used by ``GradSampleModuleFastGradientClipping``) and
+BackPACK's ``BatchL2Grad`` (``backpack/extensions/firstorder/batch_l2_grad/
+linear.py`` and ``convnd.py``, ``einsum("nmi,nki,nmj,nkj->n", ...)``).
+
+Per sample and signal row that route takes T * T * (p + q) multiply-adds
+and holds (T, T) numbers; the block takes T * p * q and holds (p, q). A rule
+takes the cheaper (:func:`gram_is_cheaper`: ``T (p + q) <= p q``, which
+also makes the Gram matrix no larger than the block; Bu et al.'s "mixed
+ghost norm", arXiv:2205.10683, decides by the sizes alone).
 """
+
+from contextlib import contextmanager
 
 from ..core._tf import tf
 from .registry import Blocks
+
+_FORCED = []  # the route every rule takes inside norms_route(), innermost last
+
+
+@contextmanager
+def norms_route(route):
+    """Inside the block every rule computes its squared norms by ``route``,
+    whatever the sizes: what a check of both routes needs. (A bias alone,
+    and LayerNorm's gamma and beta, have one route: their own sums.)
+
+    Args:
+        route: ``"ghost"`` (without the blocks) or ``"blocks"``.
+
+    Yields:
+        None.
+
+    Raises:
+        ValueError: another route.
+    """
+    if route not in ("ghost", "blocks"):
+        raise ValueError(f"route is 'ghost' or 'blocks', not {route!r}")
+    _FORCED.append(route)
+    try:
+        yield
+    finally:
+        _FORCED.pop()
+
+
+def ghost_is_cheaper(ghost_work, block_work):
+    """Whether a rule's squared norms take the route without the blocks.
+
+    Args:
+        ghost_work: the multiply-adds of that route per sample and signal
+            row, or None when unknown (a shape unknown while traced).
+        block_work: those of forming the blocks.
+
+    Returns:
+        A ``bool``: ``ghost_work <= block_work``, unless :func:`norms_route`
+        forces a route; an unknown work takes the blocks.
+    """
+    if _FORCED:
+        return _FORCED[-1] == "ghost"
+    return ghost_work is not None and ghost_work <= block_work
+
+
+def gram_is_cheaper(positions, p, q):
+    """:func:`ghost_is_cheaper` for a kernel's block: the Gram route's
+    ``T * T * (p + q)`` against the block's ``T * p * q``.
+
+    Args:
+        positions: T, or None when unknown.
+        p: the kernel's rows (a patch's size for a convolution).
+        q: its columns (a group's output channels).
+
+    Returns:
+        A ``bool``.
+    """
+    if positions is None:
+        return ghost_is_cheaper(None, 0)
+    return ghost_is_cheaper(positions * positions * (p + q), positions * p * q)
+
+
+def positions_of(shape):
+    """T, the product of the axes between the samples and the last, or None
+    when one is unknown.
+
+    Args:
+        shape: a static shape ``(n, *positions, width)``.
+
+    Returns:
+        An ``int`` or None.
+    """
+    inner = list(tf.TensorShape(shape))[1:-1]
+    if any(d is None for d in inner):
+        return None
+    count = 1
+    for d in inner:
+        count *= d
+    return count
 
 
 def outer_blocks(a, delta):
@@ -100,3 +199,38 @@ def kernel_and_bias(a, delta, kernel, bias, wanted, by_position=False):
             tf.reduce_sum(delta, 1) if by_position else sum_positions(delta, width)
         )
     return blocks
+
+
+def gram_norms(a, delta):
+    """(n, r): the squared norm of each kernel block of :func:`outer_blocks`,
+    without it: ``sum_{t, s} (a[t] . a[s]) (delta[t] . delta[s])``, with one
+    position ``|a|^2 |delta|^2``.
+
+    Args:
+        a: the layer's input at each position, ``(n, *positions, p)``.
+        delta: the signal at ``z``, ``(n, r, *positions, q)``.
+
+    Returns:
+        A tensor of shape (n, r).
+    """
+    n_samples, n_rows = tf.shape(delta)[0], tf.shape(delta)[1]
+    a = tf.reshape(a, [n_samples, -1, a.shape[-1]])  # (n, T, p)
+    delta = tf.reshape(delta, [n_samples, n_rows, -1, delta.shape[-1]])  # (n, r, T, q)
+    if a.shape[1] == 1:  # one position
+        a_squared = tf.reduce_sum(tf.square(a), [1, 2])
+        return a_squared[:, None] * tf.reduce_sum(tf.square(delta), [2, 3])
+    a_gram = tf.matmul(a, a, transpose_b=True)  # (n, T, T)
+    delta_gram = tf.matmul(delta, delta, transpose_b=True)  # (n, r, T, T)
+    return tf.reduce_sum(delta_gram * a_gram[:, None], [2, 3])
+
+
+def sum_norms(delta):
+    """(n, r): the squared norm of each bias block, ``|sum_t delta[t]|^2``.
+
+    Args:
+        delta: the signal at ``z``, ``(n, r, *positions, q)``.
+
+    Returns:
+        A tensor of shape (n, r).
+    """
+    return tf.reduce_sum(tf.square(sum_positions(delta, delta.shape[-1])), -1)

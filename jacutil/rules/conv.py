@@ -11,12 +11,34 @@ A grouped convolution (``groups=g``) is g convolutions side by side, each
 from its slice of the input channels to its slice of the output channels:
 the same patches and product per group, its columns interleaved in the
 kernel's (kh, kw, c_in / g, c_out) order.
+
+The squared norms per sample need no block where the T output positions
+are few: the Gram matrices of the patches and of the signal, per group,
+where ``T (p + q) <= p q`` for its (p, q) = (kh * kw * c_in / g, c_out / g)
+block (``jacutil.rules.blocks.gram_norms``; BackPACK's ``BatchL2ConvND``,
+``einsum("nmi,nki,nmj,nkj->n", ...)`` on the unfolded input, and the ghost
+norms of Opacus's ``GradSampleModuleFastGradientClipping``).
 """
 
+from ..core._shared import size_of
 from ..core._tf import keras, tf
 from .activations import Activation
-from .blocks import kernel_and_bias
-from .registry import Blocks, NoRule, Rule, per_output, register, rows
+from .blocks import (
+    gram_is_cheaper,
+    gram_norms,
+    kernel_and_bias,
+    positions_of,
+    sum_norms,
+)
+from .registry import (
+    Blocks,
+    LogitsSignal,
+    NoRule,
+    Rule,
+    per_output,
+    register,
+    rows,
+)
 
 
 @register(keras.layers.Conv1D, keras.layers.Conv2D)
@@ -99,40 +121,79 @@ class ConvRule(Rule):
 
     def _backward(self, saved, delta, wanted, need_signal):
         image, slope = saved
-        if self.flat:
-            delta = delta[:, :, None]
-        delta = self.activation.backward(slope, delta)
+        delta = self._at_z(slope, delta)
         kernel = self.layer.kernel
+        per_group = [
+            kernel_and_bias(patches, signal, kernel, self.bias, wanted)
+            for patches, signal in self._groups(image, delta)
+        ]
+        width = self.layer.filters // self.groups
+        blocks = Blocks(
+            (key, _interleave([b[key] for b in per_group], width))
+            for key in per_group[0].keys()
+        )
+        return blocks, (self._below(image, delta) if need_signal else None)
+
+    def _backward_norms(self, saved, delta, wanted, need_signal):
+        """Ghost norms per group, from the Gram matrices of the T output
+        positions, where those are cheaper than a group's kernel block; the
+        bias's ``|sum_t delta[t]|^2`` over every channel; the blocks otherwise."""
+        image, slope = saved
+        kernel = self.layer.kernel
+        with_kernel = kernel in wanted
+        with_bias = self.bias is not None and self.bias in wanted
+        patch = size_of(kernel.shape[:-1])  # kh * kw * c_in / g
+        group_filters = self.layer.filters // self.groups
+        signal = delta.delta if isinstance(delta, LogitsSignal) else delta
+        positions = positions_of(signal.shape[1:])  # (r, *positions, c_out)
+        ghost = gram_is_cheaper(positions, patch, group_filters) or not with_kernel
+        if not (with_kernel or with_bias) or not ghost:
+            return super()._backward_norms(saved, delta, wanted, need_signal)
+        delta = self._at_z(slope, delta)
+        squared = tf.zeros(tf.shape(delta)[:2], delta.dtype)
+        if with_kernel:
+            for patches, group_signal in self._groups(image, delta):
+                squared += gram_norms(patches, group_signal)
+        if with_bias:
+            squared += sum_norms(delta)
+        return squared, (self._below(image, delta) if need_signal else None)
+
+    def _at_z(self, slope, delta):
+        """The signal at the pre-activations, (n, l, h', w', c_out)."""
+        if self.flat and isinstance(delta, LogitsSignal):
+            delta = LogitsSignal(delta.delta[:, :, None])
+        elif self.flat:
+            delta = delta[:, :, None]
+        return self.activation.backward(slope, delta)
+
+    def _groups(self, image, delta):
+        """Per group: its patches (n, h', w', kh * kw * c_in / g), in the
+        kernel's (kh, kw, c) order, and its signal (n, l, h', w', c_out / g)."""
         kh, kw = self._kernel().shape[:2]
         pairs = zip(
             tf.split(image, self.groups, -1),
             tf.split(delta, self.groups, -1),
             strict=True,
         )
-        per_group = []
         for group, signal in pairs:
             patches = tf.image.extract_patches(
                 group, [1, kh, kw, 1], self.strides, self.rates, self.padding
-            )  # (n, h', w', kh * kw * c_in / g), in the kernel's (kh, kw, c) order
-            blocks = kernel_and_bias(patches, signal, kernel, self.bias, wanted)
-            per_group.append(blocks)
-        width = self.layer.filters // self.groups
-        blocks = Blocks(
-            (key, _interleave([b[key] for b in per_group], width))
-            for key in per_group[0].keys()
-        )
-        if not need_signal:
-            return blocks, None
+            )
+            yield patches, signal
+
+    def _below(self, image, delta):
+        """The transposed convolution of the signal (by autodiff: the
+        convolution is linear in its input), (n, l, *input_shape)."""
         n_samples, n_outputs = tf.shape(delta)[0], tf.shape(delta)[1]
         shape = tf.concat([[n_samples * n_outputs], tf.shape(image)[1:]], 0)
-        zeros = tf.zeros(shape, image.dtype)  # the convolution is linear in its input
+        zeros = tf.zeros(shape, image.dtype)
         with tf.GradientTape() as tape:
             tape.watch(zeros)
             z = self._convolve(zeros)
         below = per_output(tape.gradient(z, zeros, rows(delta)), n_samples, n_outputs)
         if self.causal:
             below = below[:, :, :, self.left :]
-        return blocks, (below[:, :, 0] if self.flat else below)
+        return below[:, :, 0] if self.flat else below
 
 
 def _interleave(blocks, width):

@@ -1,8 +1,20 @@
-"""Dense with any activation: outer products (see ``jacutil.rules.blocks``)."""
+"""Dense with any activation: outer products (see ``jacutil.rules.blocks``).
+
+Its squared norms per sample come from the Gram matrices of the positions
+(``jacutil.rules.blocks.gram_norms``) where those are cheaper than the
+kernel's block, as Opacus's ghost clipping of ``nn.Linear``
+(``compute_linear_norm_sample``) and BackPACK's ``BatchL2Linear``.
+"""
 
 from ..core._tf import keras, tf
 from .activations import Activation
-from .blocks import kernel_and_bias
+from .blocks import (
+    gram_is_cheaper,
+    gram_norms,
+    kernel_and_bias,
+    positions_of,
+    sum_norms,
+)
 from .registry import NoRule, Rule, register
 
 
@@ -52,12 +64,32 @@ class DenseRule(Rule):
         a, slope = saved
         delta = self.activation.backward(slope, delta)
         blocks = kernel_and_bias(a, delta, self.layer.kernel, self.bias, wanted)
-        below = None
-        if need_signal:  # delta @ W.T, as one 2-D product over every row
-            width = delta.shape[-1]
-            below = tf.matmul(
-                tf.reshape(delta, [-1, width]), self.layer.kernel, transpose_b=True
-            )
-            shape = tf.concat([tf.shape(delta)[:-1], [a.shape[-1]]], 0)
-            below = tf.reshape(below, shape)
-        return blocks, below
+        return blocks, (self._below(a, delta) if need_signal else None)
+
+    def _backward_norms(self, saved, delta, wanted, need_signal):
+        """Ghost norms: the Gram matrices of the T positions where ``T (p + q) <=
+        p q`` (a flat input, T = 1, unless p or q is 1), the blocks otherwise;
+        a bias alone is ``|sum_t delta[t]|^2`` either way."""
+        a, slope = saved
+        kernel = self.layer.kernel
+        with_kernel = kernel in wanted
+        with_bias = self.bias is not None and self.bias in wanted
+        p, q = kernel.shape
+        ghost = gram_is_cheaper(positions_of(a.shape), p, q) or not with_kernel
+        if not (with_kernel or with_bias) or not ghost:
+            return super()._backward_norms(saved, delta, wanted, need_signal)
+        delta = self.activation.backward(slope, delta)
+        squared = tf.zeros(tf.shape(delta)[:2], delta.dtype)
+        if with_kernel:
+            squared += gram_norms(a, delta)
+        if with_bias:
+            squared += sum_norms(delta)
+        return squared, (self._below(a, delta) if need_signal else None)
+
+    def _below(self, a, delta):
+        """``delta @ W.T``, as one 2-D product over every row."""
+        width = delta.shape[-1]
+        below = tf.matmul(
+            tf.reshape(delta, [-1, width]), self.layer.kernel, transpose_b=True
+        )
+        return tf.reshape(below, tf.concat([tf.shape(delta)[:-1], [a.shape[-1]]], 0))

@@ -1,27 +1,53 @@
-"""LayerNormalization, and BatchNormalization in inference mode, on the last axis.
+"""LayerNormalization on its last axes, and BatchNormalization in inference
+mode on the last axis.
 
 Both are ``y = gamma * xhat + beta``; their blocks are ``delta * xhat`` and
-``delta`` summed over every position but the normalized axis. BatchNorm in
+``delta`` summed over every position but the normalized axes. BatchNorm in
 inference mode is a fixed affine map (its moving statistics are constants),
 so its signal below is ``delta * gamma / sqrt(var + eps)``; LayerNorm's
 ``xhat`` depends on the whole sample, so its signal is the usual
 normalization backward, per sample and output.
+
+Their blocks are as small as gamma and beta, so the squared norms per
+sample are those gradients' squares, formed directly (as Opacus's norm
+samplers of ``nn.LayerNorm`` and BackPACK's ``BatchL2Grad`` of BatchNorm):
+no (n, l, size) block is placed.
 """
 
+from ..core._shared import size_of
 from ..core._tf import keras, tf
 from .blocks import sum_positions
 from .registry import Blocks, NoRule, Rule, register
 
 
-def _last_axis(layer, axis):
-    axes = axis if isinstance(axis, (list, tuple)) else [axis]
+def _last_axes(layer, axis, most=None):
+    """How many of the input's last axes ``axis`` names.
+
+    Args:
+        layer: the Keras layer (its input's rank).
+        axis: the layer's ``axis``, an int or a list.
+        most: the most axes the rule takes (None: any but the samples' axis).
+
+    Returns:
+        An ``int``, at least 1.
+
+    Raises:
+        NoRule: other axes than the last ones, or too many.
+    """
+    axes = list(axis) if isinstance(axis, (list, tuple)) else [axis]
+    if axes == [-1]:
+        return 1
     try:
         rank = len(layer.input.shape)
     except (AttributeError, ValueError):
         rank = None
-    last = {-1} | ({rank - 1} if rank else set())
-    if len(axes) != 1 or axes[0] not in last:
-        raise NoRule(f"normalization over axis {axis}, not the last one")
+    count = len(axes)
+    last = list(range(rank - count, rank)) if rank else None
+    limit = (rank or 0) - 1 if most is None else most
+    if not last or sorted(a % rank for a in axes) != last or count > limit:
+        which = "the last one" if most == 1 else "the last ones"
+        raise NoRule(f"normalization over axis {axis}, not {which}")
+    return count
 
 
 class _Affine(Rule):
@@ -38,13 +64,37 @@ class _Affine(Rule):
         return y if self.beta is None else y + self.beta
 
     def blocks(self, xhat, delta, wanted):
-        width = delta.shape[-1]
-        blocks = Blocks()
+        """Blocks of gamma and beta: ``delta * xhat`` and ``delta`` summed over
+        the positions, (n, l, size) each."""
+        return Blocks(self._gradients(xhat, delta, wanted))
+
+    def _gradients(self, xhat, delta, wanted):
+        """``[(variable, (n, l, size))]`` for the wanted of gamma and beta."""
+        found = []
         if self.gamma is not None and self.gamma in wanted:
-            blocks[self.gamma] = sum_positions(delta * xhat[:, None], width)
+            width = size_of(self.gamma)
+            found.append((self.gamma, sum_positions(delta * xhat[:, None], width)))
         if self.beta is not None and self.beta in wanted:
-            blocks[self.beta] = sum_positions(delta, width)
-        return blocks
+            found.append((self.beta, sum_positions(delta, size_of(self.beta))))
+        return found
+
+    def _backward_norms(self, saved, delta, wanted, need_signal):
+        """The gradients of gamma and beta are small: their squares summed,
+        and the signal below from :meth:`_below` - no block placed."""
+        found = self._gradients(saved[0], delta, wanted)
+        squared = None
+        if found:
+            squared = tf.add_n([tf.reduce_sum(tf.square(g), -1) for _, g in found])
+        return squared, (self._below(saved, delta) if need_signal else None)
+
+    def _backward(self, saved, delta, wanted, need_signal):
+        xhat, _ = saved
+        below = self._below(saved, delta) if need_signal else None
+        return self.blocks(xhat, delta, wanted), below
+
+    def _below(self, saved, delta):
+        """The signal at the layer's input, (n, l, *input_shape)."""
+        raise NotImplementedError
 
     def scaled(self, delta):
         return delta if self.gamma is None else delta * self.gamma
@@ -52,13 +102,13 @@ class _Affine(Rule):
 
 @register(keras.layers.LayerNormalization)
 class LayerNormRule(_Affine):
-    """``y = gamma * (a - mean) / sqrt(var + eps) + beta`` over the last axis.
+    """``y = gamma * (a - mean) / sqrt(var + eps) + beta`` over the last axes.
 
     Args:
         layer: the Keras layer.
 
     Raises:
-        NoRule: RMS scaling, or an axis other than the last.
+        NoRule: RMS scaling, or axes other than the last ones.
     """
 
     name = "layer_norm"
@@ -67,24 +117,21 @@ class LayerNormRule(_Affine):
         super().__init__(layer)
         if getattr(layer, "rms_scaling", False):
             raise NoRule("RMS scaling")
-        _last_axis(layer, layer.axis)
+        self.axes = list(range(-_last_axes(layer, layer.axis), 0))
 
     def _forward(self, a):
-        mean, variance = tf.nn.moments(a, axes=[-1], keepdims=True)
+        mean, variance = tf.nn.moments(a, axes=self.axes, keepdims=True)
         inverse = tf.math.rsqrt(variance + self.layer.epsilon)
         xhat = (a - mean) * inverse
         return self._affine(xhat), (xhat, inverse)
 
-    def _backward(self, saved, delta, wanted, need_signal):
+    def _below(self, saved, delta):
         xhat, inverse = saved
-        blocks = self.blocks(xhat, delta, wanted)
-        if not need_signal:
-            return blocks, None
         g = self.scaled(delta)
         xhat = xhat[:, None]
-        mean_g = tf.reduce_mean(g, -1, keepdims=True)
-        mean_gx = tf.reduce_mean(g * xhat, -1, keepdims=True)
-        return blocks, inverse[:, None] * (g - mean_g - xhat * mean_gx)
+        mean_g = tf.reduce_mean(g, self.axes, keepdims=True)
+        mean_gx = tf.reduce_mean(g * xhat, self.axes, keepdims=True)
+        return inverse[:, None] * (g - mean_g - xhat * mean_gx)
 
 
 @register(keras.layers.BatchNormalization)
@@ -102,7 +149,7 @@ class BatchNormRule(_Affine):
 
     def __init__(self, layer):
         super().__init__(layer)
-        _last_axis(layer, layer.axis)
+        _last_axes(layer, layer.axis, most=1)
 
     def _forward(self, a):
         layer = self.layer
@@ -110,7 +157,5 @@ class BatchNormRule(_Affine):
         xhat = (a - layer.moving_mean) * inverse
         return self._affine(xhat), (xhat, inverse)
 
-    def _backward(self, saved, delta, wanted, need_signal):
-        xhat, inverse = saved
-        below = self.scaled(delta) * inverse if need_signal else None
-        return self.blocks(xhat, delta, wanted), below
+    def _below(self, saved, delta):
+        return self.scaled(delta) * saved[1]

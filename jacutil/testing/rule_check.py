@@ -12,12 +12,19 @@ compares, each sample on its own:
 - ``signal``: the signal below, contracted both ways, with the tape's input
   gradient and forward mode in a random input direction;
 - ``columns``: the blocks asked for one variable at a time and in reverse
-  order, placed by the engine, with the same columns of ``J``.
+  order, placed by the engine, with the same columns of ``J``;
+- ``norms``: ``backward_norms`` (the squared norms per sample and signal
+  row, which a rule may compute without its blocks) with the squared norms
+  of the rule's own blocks, and its signal below with ``backward``'s, for a
+  random signal shared by every sample and one per sample, r = 3 rows, every
+  variable, each alone and none; by the rule's choice of route and by each
+  route forced (``jacutil.rules.blocks.norms_route``).
 
 A wrong shape is caught before any number: the rule's final ``backward``
 raises :class:`jacutil.rules.RuleContractError` (the report's ``problem``).
 """
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,8 +32,9 @@ import numpy as np
 from ..core._shared import size_of
 from ..core._tf import keras, tf
 from ..core.target import watched
+from ..rules.blocks import norms_route
 from ..rules.engine import place_blocks, signal_for
-from ..rules.registry import RULES, NoRule, RuleContractError, Wanted
+from ..rules.registry import RULES, NoRule, Rule, RuleContractError, Wanted
 
 
 @dataclass
@@ -279,3 +287,39 @@ def _run_checks(step, layer, x, rng, errors):
             placed, _ = jacobian([v], [v])
             worst = max(worst, _relative(placed, columns[id(v)]))
         errors["columns"] = worst
+
+    errors["norms"] = _norms_error(step, saved, n, y.shape[1:], floating, rng)
+
+
+def _norms_error(step, saved, n, output_shape, floating, rng, n_rows=3):
+    """The largest error of ``backward_norms`` against the blocks' squared norms
+    and ``backward``'s signal below (the ``norms`` check)."""
+    variables = list(step.variables)
+    subsets = [variables, []] + ([[v] for v in variables] if len(variables) > 1 else [])
+    overridden = type(step)._backward_norms is not Rule._backward_norms
+    routes = [None, "ghost", "blocks"] if overridden else [None]
+    worst = 0.0
+    for rows in (1, n):  # one signal shared by every sample, then one per sample
+        signal = tf.constant(rng.standard_normal((rows, n_rows, *output_shape)))
+        for subset in subsets:
+            wanted = Wanted(subset)
+            delta = signal_for(step, signal, wanted, n)
+            blocks, below = step.backward(saved, delta, wanted, floating)
+            expected = np.zeros((n, n_rows))
+            for _, block in blocks.items():
+                expected += np.sum(np.square(block.numpy()), -1)
+            for route in routes:
+                with norms_route(route) if route else nullcontext():
+                    squared, found = step.backward_norms(saved, delta, wanted, floating)
+                squared = expected * 0 if squared is None else squared.numpy()
+                worst = max(worst, _relative(squared, expected))
+                if floating:
+                    shape = (n, *below.shape[1:])
+                    worst = max(
+                        worst,
+                        _relative(
+                            np.broadcast_to(found.numpy(), shape),
+                            np.broadcast_to(below.numpy(), shape),
+                        ),
+                    )
+    return worst
