@@ -19,18 +19,41 @@ LABELS = {
 
 
 def preallocated(shape, dtype=np.float32):
-    """An array of J's shape whose pages are already touched."""
+    """An array of J's shape whose pages are already touched.
+
+    Args:
+        shape: (n, l, m).
+        dtype: the array's dtype.
+
+    Returns:
+        A NumPy array of zeros.
+    """
     out = np.empty(shape, dtype)
     out.fill(0.0)  # touch every page now, so the timing does not fault them in
     return out
 
 
 def fill_floor(out):
-    """The floor: write every element of the preallocated ``out`` once."""
+    """The floor: write every element of the preallocated ``out`` once.
+
+    Args:
+        out: the array (see :func:`preallocated`).
+
+    Returns:
+        ``out``, every element 1.
+    """
     out.fill(1.0)
     return out
 
 
 def write_floor(shape, dtype=np.float32):
-    """A fresh array of the Jacobian's shape, every element written once."""
+    """A fresh array of the Jacobian's shape, every element written once.
+
+    Args:
+        shape: (n, l, m).
+        dtype: the array's dtype.
+
+    Returns:
+        A new NumPy array of ones.
+    """
     return np.full(shape, 1.0, dtype)

@@ -16,7 +16,17 @@ from .paths import MODELS, PATHS
 
 
 def measure_memory(name, sizes, seed, model="mlp"):
-    """Peak bytes of each size's first call, sizes increasing (in this process)."""
+    """Peak bytes of each size's first call, sizes increasing (in this process).
+
+    Args:
+        name: a path in ``PATHS``.
+        sizes: the numbers of samples.
+        seed: the model's and the inputs' seed.
+        model: a name in ``MODELS``.
+
+    Returns:
+        A list of ints, one per size in increasing order.
+    """
     network = MODELS[model].build(seed)
     jac = PATHS[name].build(network)
     x = MODELS[model].inputs(max(sizes), seed)
@@ -25,7 +35,20 @@ def measure_memory(name, sizes, seed, model="mlp"):
 
 
 def measure_in_fresh_process(name, sizes, seed=0, model="mlp"):
-    """Peak bytes of path ``name`` at each size, in a new Python process."""
+    """Peak bytes of path ``name`` at each size, in a new Python process.
+
+    Args:
+        name: a path in ``PATHS``.
+        sizes: the numbers of samples.
+        seed: the model's and the inputs' seed.
+        model: a name in ``MODELS``.
+
+    Returns:
+        A list of ints, one per size in increasing order (empty without sizes).
+
+    Raises:
+        RuntimeError: the process failed (its stderr's end is in the message).
+    """
     if not sizes:
         return []
     command = [

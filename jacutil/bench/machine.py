@@ -12,7 +12,11 @@ from .paths import PEERS
 
 
 def machine_summary():
-    """The platform, CPUs, load average, Python and library versions, date."""
+    """The platform, CPUs, load average, Python and library versions, date.
+
+    Returns:
+        A dict (the results' ``machine``).
+    """
     versions = {"tensorflow": tf.__version__, "numpy": np.__version__}
     for name in PEERS:
         if peers.available(name):

@@ -43,6 +43,17 @@ def profile_dense(model, x, repeats=5):
     Each piece includes the ones before it: the forward pass alone, the
     column blocks (one plan per layer, not joined), the joined tensor,
     ``jac(x)`` (a NumPy view of it), ``jac(x, copy=True)``; and both floors.
+
+    Args:
+        model: a Keras chain of Dense layers (the hand-derived path applies).
+        x: the n samples, shape (n, n_inputs).
+        repeats: the timed calls per piece.
+
+    Returns:
+        A dict from piece (in words) to its median seconds.
+
+    Raises:
+        ValueError: the hand-derived path does not apply to the model.
     """
     jac = compiled_dense_jacobian(model)
     if jac.fallback:

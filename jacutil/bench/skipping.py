@@ -12,7 +12,14 @@ from .paths import PATHS, count_outputs
 
 
 def format_seconds(s):
-    """1.23 s, 45.6 ms or 789 us; '-' for None."""
+    """1.23 s, 45.6 ms or 789 us; '-' for None.
+
+    Args:
+        s: seconds, or None.
+
+    Returns:
+        A ``str``.
+    """
     if s is None:
         return "-"
     if s >= 1:
@@ -28,6 +35,14 @@ def predict(done, path, n):
     From one size: linear in n (small n is mostly overhead, so a quadratic
     path would be overestimated); from two: the fitted slope, between 1 and
     the path's exponent. Memory, not time, guards the quadratic paths.
+
+    Args:
+        done: the :class:`~.runner.Result` objects so far.
+        path: the path's name.
+        n: the number of samples.
+
+    Returns:
+        Seconds, or None where the path has not run yet.
     """
     ran = [r for r in done if r.path == path and r.median is not None]
     if not ran:
@@ -46,6 +61,16 @@ def predicted_peak(done, path, n, model="mlp", per_n2=None):
     a*n**2 fitted to the peaks measured so far; ``per_n2 * n**2`` (bytes per
     n**2 from the model's size, see ``quadratic_bytes``); and for the
     question's MLP the measured model of notebook 02.
+
+    Args:
+        done: the :class:`~.runner.Result` objects so far.
+        path: the path's name.
+        n: the number of samples.
+        model: a name in ``MODELS``.
+        per_n2: bytes per n**2 (see :func:`quadratic_bytes`), or None.
+
+    Returns:
+        Bytes, or None without any guess.
     """
     peaks = [(r.n, r.peak) for r in done if r.path == path and r.peak]
     guesses = [max(p / m**2 for m, p in peaks) * n**2] if peaks else []
@@ -60,6 +85,13 @@ def quadratic_bytes(network, x):
     """Bytes per n**2 of ``tape.jacobian`` over a batch: n*l rows, each
     back-propagated through the whole batch's activations (about
     l * activations * itemsize; 1,600 for the MLP, where 1,955 was measured).
+
+    Args:
+        network: the Keras model.
+        x: its inputs (one sample is run).
+
+    Returns:
+        Bytes per n**2, an ``int``.
     """
     n_outputs = count_outputs(network, x)
     elements = memory.activation_elements(network, x[:1], unroll=False)
@@ -67,14 +99,31 @@ def quadratic_bytes(network, x):
 
 
 def available():
-    """Half of the memory that is free now, in bytes."""
+    """Half of the memory that is free now, in bytes.
+
+    Returns:
+        An ``int``.
+    """
     import psutil
 
     return int(0.5 * psutil.virtual_memory().available)
 
 
 def skip_reason(done, path, n, repeats, max_seconds, model="mlp", per_n2=None):
-    """``(predicted seconds of one call, why it is skipped or None)``."""
+    """``(predicted seconds of one call, why it is skipped or None)``.
+
+    Args:
+        done: the :class:`~.runner.Result` objects so far.
+        path: the path's name.
+        n: the number of samples.
+        repeats: the timed calls after the first.
+        max_seconds: the most seconds all the calls at n may take.
+        model: a name in ``MODELS``.
+        per_n2: bytes per n**2 of a quadratic path, or None.
+
+    Returns:
+        A tuple ``(seconds or None, reason or None)``.
+    """
     predicted = predict(done, path, n)
     if PATHS[path].exponent == 2:  # memory first: it is the real limit
         peak = predicted_peak(done, path, n, model, per_n2)
