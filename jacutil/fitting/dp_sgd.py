@@ -32,14 +32,15 @@ import numpy as np
 from ..core._tf import keras, tf
 from .loss_gradients import per_sample_gradient_norms
 
+INSTALL_COMMAND = "pip install --no-deps dp-accounting==0.6.0"
 INSTALL_HINT = (
     "DPSGD.epsilon needs Google's dp-accounting, which is not installed. No "
     "release of it installs next to requirements.lock with pip's resolver: "
     "0.5.0-0.6.0 pin attrs<24 (the lock has attrs 26.1.0), 0.1.0-0.5.1 pin "
-    "absl-py~=1.0 (the lock has 2.5.1), and 0.0.1-0.0.2 (2021) have no "
+    "absl-py<2 (the lock has 2.5.1), and 0.0.1-0.0.2 (2021) have no "
     "subsampled Gaussian. Its code runs with the locked versions (it imports "
     "only absl-py, attrs, numpy and scipy), so install it without its pins:\n"
-    "    pip install --no-deps dp-accounting==0.6.0"
+    f"    {INSTALL_COMMAND}"
 )
 
 ACCOUNTANTS = ("rdp", "pld")
