@@ -386,7 +386,7 @@ spent = [private[s][0] if has_accountant else s for s in dp_noise]
 ax.plot(spent, [private[s][1] for s in dp_noise], "o-", label="DP-SGD")
 for s, x_at in zip(dp_noise, spent, strict=True):
     ax.annotate(f"σ = {s}", (x_at, private[s][1]), ha="center",
-                textcoords="offset points", xytext=(0, 8))
+                va="top", textcoords="offset points", xytext=(0, -8))
 ax.axhline(plain_accuracy, color="black", ls="--",
            label="plain SGD (no privacy)")
 ax.set_xscale("log")
