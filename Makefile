@@ -21,6 +21,9 @@ $(STAMP): pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade "pip>=24"
 	$(BIN)/python -m pip install --quiet -c requirements.lock -e ".[notebooks,test,site]"
+	# DP-SGD's accountant (notebook 09): every dp-accounting release pins attrs<24
+	# or absl-py<2, against the lock, yet its code runs with both: no pins.
+	$(BIN)/python -m pip install --quiet --no-deps "dp-accounting==0.6.0"
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 \
 		--display-name "Python 3 (jacutil)" > /dev/null
 	touch $(STAMP)
@@ -84,7 +87,7 @@ site: setup
 # Benchmark peers (make bench-peers) are not part of the lock.
 lock:
 	$(BIN)/python -m pip freeze --exclude-editable \
-		| grep -v -i -E '^(jacutil|jax|jaxlib|torch|sympy|mpmath|networkx|filelock)==' \
+		| grep -v -i -E '^(jacutil|jax|jaxlib|torch|sympy|mpmath|networkx|filelock|dp-accounting)==' \
 		> requirements.lock
 
 # Every path on the question's MLP (n = 100, 1,000, 10,000), the CNN and the LSTM
