@@ -316,3 +316,60 @@ def test_a_lying_merge_rule_is_caught_by_the_check():
     assert jac.plan is None and "differ from autodiff" in jac.fallback
     np.testing.assert_allclose(J, tape_loop_jacobian(model, x), rtol=1e-10,
                                atol=1e-12)  # fmt: skip
+
+
+def _softmax_residual():
+    x = keras.Input((6,), dtype=F64)
+    h = _dense(8, "tanh")(x)
+    h = layers.Add(dtype=F64)([h, _dense(8, "tanh")(h)])
+    return keras.Model(x, _dense(3, "softmax")(h))
+
+
+def _tape_loss_gradients(model, loss_fn, x, y):
+    variables = model.trainable_variables
+    out = []
+    for i in range(len(x)):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(loss_fn(y[i : i + 1], model(x[i : i + 1])))
+        grads = tape.gradient(loss, variables)
+        out.append(np.concatenate([g.numpy().ravel() for g in grads]))
+    return np.stack(out)
+
+
+def test_loss_gradients_of_a_graph_start_at_the_logits():
+    """Cross-entropy reads the softmax's logits: the signal starts at the top
+    Dense's logits (a LogitsSignal), on the rules, with the gradient norms."""
+    keras.utils.set_random_seed(0)
+    model = _softmax_residual()
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(6, 6)), np.eye(3)[rng.integers(0, 3, 6)]
+    loss_fn = keras.losses.categorical_crossentropy
+    G, choice = ju.per_sample_gradients(model, loss_fn, x, y, explain=True)
+    assert choice.path == "layer rules", choice.why
+    expected = _tape_loss_gradients(model, loss_fn, x, y)
+    np.testing.assert_allclose(G, expected, rtol=1e-9, atol=1e-12)
+    norms = ju.per_sample_gradient_norms(model, loss_fn, x, y)
+    np.testing.assert_allclose(norms, np.linalg.norm(expected, axis=1), rtol=1e-9)
+
+
+def test_loss_gradients_of_two_heads_fall_back_to_autodiff():
+    """A loss on two outputs: a signal function on several outputs is refused
+    (SignalOnSeveralOutputs), and autodiff gives the gradients."""
+    model, x = _model_and_batch("two_heads", n_samples=4)
+    y = np.random.default_rng(1).normal(size=(4, 5))  # both heads' targets
+
+    def loss_fn(y_true, y_pred):
+        first, second = y_pred
+        return tf.reduce_sum(tf.square(first - y_true[:, :2]), -1) + tf.reduce_sum(
+            tf.square(second - y_true[:, 2:]), -1
+        )
+
+    G, choice = ju.per_sample_gradients(model, loss_fn, x, y, explain=True)
+    assert choice.path == "per-sample autodiff"
+    variables = model.trainable_variables
+    for i in range(4):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y[i : i + 1], model(x[i : i + 1]))
+        grads = tape.gradient(loss, variables)
+        expected = np.concatenate([g.numpy().ravel() for g in grads])
+        np.testing.assert_allclose(G[i], expected, rtol=1e-9, atol=1e-12)

@@ -5,6 +5,14 @@ the outputs down, each layer's rule turns the per-sample signal into its
 blocks of columns and the signal of the layer below, and stops below the
 lowest layer that holds a wanted variable. No tape over the whole model and
 no pfor, except inside a layer that has no rule and holds wanted variables.
+
+A chain of layers is a graph of one path. A functional model with branches
+(residual blocks, several inputs or outputs, nested models opened inline) is
+walked into nodes in topological order (:func:`graph_nodes`); its
+:class:`Wiring` says which tensors each step reads and writes. The forward
+pass fills a map tensor -> value; the backward pass starts each output with
+its rows of the identity, sums the signals of a tensor read by several steps,
+and skips the branches that hold no wanted variable.
 """
 
 from dataclasses import dataclass, field
@@ -404,11 +412,6 @@ class Plan:
     def __post_init__(self):
         if self.wiring is None:
             self.wiring = Wiring.chain(len(self.steps))
-
-    @property
-    def is_chain(self):
-        """Whether each step reads the one before and the last is the output."""
-        return self.wiring == Wiring.chain(len(self.steps))
 
     @property
     def top(self):

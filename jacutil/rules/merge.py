@@ -84,10 +84,11 @@ class MergeRule(Rule):
         self.n_inputs = len(shapes)
 
     def _forward(self, a):
-        return self.layer(list(a)), self._saved(list(a))
+        y = self.layer(list(a))
+        return y, self._saved(list(a), y)
 
-    def _saved(self, inputs):
-        """What ``_signals`` needs of the inputs (nothing by default)."""
+    def _saved(self, inputs, y):
+        """What ``_signals`` needs of the inputs and output (nothing by default)."""
         return None
 
     def _backward(self, saved, delta, wanted, need_signal):
@@ -138,7 +139,7 @@ class MultiplyRule(MergeRule):
 
     name = "multiply"
 
-    def _saved(self, inputs):
+    def _saved(self, inputs, y):
         return inputs
 
     def _signals(self, saved, delta):
@@ -157,8 +158,7 @@ class _ExtremumRule(MergeRule):
     goes to the first input that attains it, as TensorFlow's gradient of
     ``maximum(maximum(a_1, a_2), a_3)`` sends it on ties."""
 
-    def _saved(self, inputs):
-        extremum = self.layer(inputs)
+    def _saved(self, inputs, extremum):
         taken = tf.zeros_like(extremum, dtype=tf.bool)
         masks = []
         for a in inputs:
@@ -199,7 +199,7 @@ class ConcatenateRule(MergeRule):
         if self.axis == 0:
             raise NoRule("it concatenates along the samples")
 
-    def _saved(self, inputs):
+    def _saved(self, inputs, y):
         return [
             a.shape[self.axis] if a.shape[self.axis] is not None
             else tf.shape(a)[self.axis]
