@@ -119,6 +119,30 @@ def concatenate_on_time():
     return keras.Model(x, _dense(1)(layers.Flatten(dtype=F64)(h))), np.zeros((3, 2))
 
 
+def ids_and_floats():
+    """Token ids (Embedding) and floats (Dense), as a dict, joined."""
+    ids = keras.Input((4,), dtype="int32", name="ids")
+    floats = keras.Input((3,), dtype=F64, name="floats")
+    embedded = layers.Flatten(dtype=F64)(layers.Embedding(7, 2, dtype=F64)(ids))
+    h = layers.Concatenate(dtype=F64)([embedded, _dense(3, "tanh")(floats)])
+    return keras.Model({"ids": ids, "floats": floats}, _dense(2)(h)), {
+        "ids": np.zeros(4),
+        "floats": np.zeros(3),
+    }
+
+
+def sequential_holding_a_graph():
+    """A Sequential whose middle layer is a functional residual block."""
+    inner_x = keras.Input((5,), dtype=F64)
+    block = keras.Model(
+        inner_x, layers.Add(dtype=F64)([inner_x, _dense(5, "tanh")(inner_x)])
+    )
+    model = keras.Sequential(
+        [keras.Input((3,), dtype=F64), _dense(5), block, _dense(2)]
+    )
+    return model, np.zeros(3)
+
+
 GRAPHS = {
     "residual_mlp": (residual_mlp, "add"),
     "two_heads": (two_heads, "dense+tanh"),
@@ -131,6 +155,8 @@ GRAPHS = {
     "conv_residual": (conv_residual, "add"),
     "ops_between_layers": (ops_between_layers, "autodiff (Add"),
     "concatenate_on_time": (concatenate_on_time, "concatenate"),
+    "ids_and_floats": (ids_and_floats, "embedding"),
+    "sequential_holding_a_graph": (sequential_holding_a_graph, "add"),
 }
 
 
@@ -141,6 +167,8 @@ def _model_and_batch(name, n_samples=5, seed=0):
     x = tf.nest.map_structure(
         lambda leaf: rng.normal(size=(n_samples, *np.shape(leaf))), like
     )
+    if isinstance(x, dict) and "ids" in x:
+        x["ids"] = rng.integers(0, 7, size=x["ids"].shape).astype("int32")
     return model, x
 
 

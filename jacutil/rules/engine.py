@@ -280,15 +280,23 @@ def graph_nodes(model):
     return _GraphWalk(model).run()
 
 
+def _declared(model, nest, flat):
+    """A model's inputs (or outputs) in ``tf.nest.flatten`` order: from the
+    nest it declares, or (a Sequential never called) its flat list."""
+    for attribute in (nest, flat):
+        try:
+            return tf.nest.flatten(getattr(model, attribute))
+        except (AttributeError, ValueError) as error:
+            reason = error
+    raise NotAGraph(f"its {flat} are not known ({reason})")
+
+
 class _GraphWalk:
     """Walks a model's graph from its outputs to its inputs (:func:`graph_nodes`)."""
 
     def __init__(self, model):
-        try:
-            self.inputs = tf.nest.flatten(model.input)
-            self.outputs = tf.nest.flatten(model.output)
-        except (AttributeError, ValueError) as error:
-            raise NotAGraph(f"its inputs and outputs are not known ({error})") from None
+        self.inputs = _declared(model, "input", "inputs")
+        self.outputs = _declared(model, "output", "outputs")
         self.alias = {}  # id of a Keras tensor -> the tensor it stands for
         self.opened = set()  # ids of the nested models opened
         self.model_input_ids = {id(t) for t in self.inputs}
