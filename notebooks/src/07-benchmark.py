@@ -52,6 +52,7 @@ paths = None  # None: every path; or a list of names from bench.PATHS
 other_sizes = [100]  # numbers of samples for the CNN and the LSTM
 other_paths = ["compiled_batch", "compiled", "rules", "jacobian", "jax",
                "torch"]
+peer_row_sizes = [1000]  # numbers of samples of the per-sample gradient rows
 n_check = 4  # samples in the correctness checks
 seed = 0
 
@@ -326,6 +327,38 @@ for name in ["cnn", "lstm"]:
 # writing the result, is the limit. Compare the `layer rules` row with the
 # autodiff rows: the rules do that arithmetic once per sample and output,
 # with no tape over the model.
+
+# %% [markdown]
+# ## Beyond the Jacobian: per-sample gradients, norms, branched models
+#
+# What users do with J is often smaller: the gradient of each sample's own
+# loss (DP-SGD clips it, notebook 09), or only its norm. A training loop
+# calls these once per step, so each row times the call a user repeats:
+# one warm-up call (its time is the `first call` column: the trace), then
+# the median of the calls after it. Then the Jacobian of two functional
+# models with branches, a residual MLP (`Add` skips) and a two-head model,
+# which the layer rules now walk as graphs. The peers join when installed
+# (`make bench-peers` runs these rows at n = 1,000 and 10,000 too).
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+gradient_rows = [name for name in bench.peer_rows.TASKS
+                 if not name.startswith("jacobian")]
+jacobian_rows = ["jacobian-mlp", "jacobian-residual", "jacobian-two_head"]
+for names, at in [(gradient_rows, peer_row_sizes), (jacobian_rows, None)]:
+    rows = bench.run_peer_rows(names, sizes=at, repeats=repeats, seed=seed,
+                               log=lambda *a: None)
+    display(Markdown(bench.peer_rows_table(rows)))
+    for row in rows["rows"]:
+        print(bench.peer_rows.proof_line(row, rows["kinds"]))
+
+# %% [markdown]
+# Compare `jacutil` with `first call` in each row: the first call traces
+# the graph for this model and loss; every later call with the same loss
+# function reuses it. Pass the same function each step (not a new
+# `lambda`): a new function is a new graph. The `x fastest peer` column is
+# the ratio to the faster of JAX and PyTorch where they ran (below 1:
+# jacutil is faster).
 
 # %% [markdown]
 # ## Scaling slopes
