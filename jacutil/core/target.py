@@ -52,8 +52,14 @@ class Target:
 
     @property
     def n_params(self):
-        """m, the number of parameters (an ``int``)."""
-        return count_params(self.variables)
+        """m, the number of parameters (an ``int``; counted once per list of
+        variables: a call of a small model must not pay for it again)."""
+        key = tuple(map(id, self.variables))
+        counted = self.__dict__.get("_n_params")
+        if counted is None or counted[0] != key:
+            counted = (key, count_params(self.variables))
+            self.__dict__["_n_params"] = counted
+        return counted[1]
 
     def forward(self, x):
         """The outputs of batch ``x`` as rows: (n_samples, n_outputs).
