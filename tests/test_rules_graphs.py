@@ -143,6 +143,33 @@ def sequential_holding_a_graph():
     return model, np.zeros(3)
 
 
+class Bilinear(layers.Layer):
+    """``a * (b @ W)``: a custom layer of two inputs holding a variable."""
+
+    def build(self, input_shape):
+        width = input_shape[1][-1]
+        self.w = self.add_weight(shape=(width, width), initializer="glorot_uniform")
+
+    def call(self, inputs):
+        a, b = inputs
+        return a * keras.ops.matmul(b, self.w)
+
+
+class Gate(layers.Layer):
+    """``a * sigmoid(b)``, called with two positional tensors."""
+
+    def call(self, a, b):
+        return a * keras.ops.sigmoid(b)
+
+
+def custom_layers_of_two_inputs():
+    x = keras.Input((4,), dtype=F64)
+    a, b = _dense(3, "tanh")(x), _dense(3)(x)
+    h = Bilinear(dtype=F64)([a, b])
+    h = Gate(dtype=F64)(h, b)
+    return keras.Model(x, _dense(2)(h)), np.zeros(4)
+
+
 GRAPHS = {
     "residual_mlp": (residual_mlp, "add"),
     "two_heads": (two_heads, "dense+tanh"),
@@ -157,6 +184,7 @@ GRAPHS = {
     "concatenate_on_time": (concatenate_on_time, "concatenate"),
     "ids_and_floats": (ids_and_floats, "embedding"),
     "sequential_holding_a_graph": (sequential_holding_a_graph, "add"),
+    "custom_layers_of_two_inputs": (custom_layers_of_two_inputs, "no rule for Gate"),
 }
 
 
