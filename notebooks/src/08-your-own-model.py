@@ -406,8 +406,10 @@ class ScaleRule(ju.rules.Rule):
 # Prove it alone before any model uses it. `check_rule` builds the layer in
 # float64 on a few random samples and compares the rule with autodiff in
 # random directions: `vjp` (the blocks against the tape's gradients),
-# `jvp` (against forward mode), `signal` (the signal at the input). Each
-# number is the largest relative error:
+# `jvp` (against forward mode), `signal` (the signal at the input),
+# `norms` (the per-sample gradient norms that DP clipping uses, against the
+# blocks' own: a rule may compute them without the blocks, notebook 09).
+# Each number is the largest relative error:
 
 # %%
 print(ju.testing.check_rule(Scale(dtype="float64"), ScaleRule,
