@@ -349,8 +349,11 @@ for names, at in [(gradient_rows, peer_row_sizes), (jacobian_rows, None)]:
     rows = bench.run_peer_rows(names, sizes=at, repeats=repeats, seed=seed,
                                log=lambda *a: None)
     display(Markdown(bench.peer_rows_table(rows)))
-    for row in rows["rows"]:
-        print(bench.peer_rows.proof_line(row, rows["kinds"]))
+    proofs = [bench.peer_rows.proof_line(row, rows["kinds"])
+              for row in rows["rows"] if row["peers"]]
+    print("\n".join(proofs) or "JAX and PyTorch are not installed here: "
+          "make bench-peers times them beside these rows, each checked "
+          "against jacutil first.")
 
 # %% [markdown]
 # Compare `jacutil` with `first call` in each row: the first call traces
