@@ -1,6 +1,7 @@
 """The hand-derived path of ``07-benchmark``: the layer rules, Dense only.
 
-A chain of Dense layers has its per-sample Jacobian written down by hand:
+A network of Dense layers (a chain, or a graph of them: residual ``Add``
+skips, two heads) has its per-sample Jacobian written down by hand:
 each kernel's columns are an outer product of the layer's input and the
 back-propagated signal (``jacutil.rules.blocks``). That derivation is the
 Dense rule (``jacutil.rules.dense.DenseRule``); this module adds no formula
@@ -48,7 +49,7 @@ def dense_plan(model, target):
 class DenseJacobian:
     """A reusable, compiled, hand-derived ``jac(x)``: see ``compiled_dense_jacobian``.
 
-    It is ``compiled_jacobian(model, method="rules")`` kept to Dense chains
+    It is ``compiled_jacobian(model, method="rules")`` kept to Dense networks
     (``plan``), or ``compiled_jacobian(model)`` where they do not apply.
     ``fallback`` is None on the hand-derived path, or why it does not apply.
 
@@ -126,7 +127,7 @@ def compiled_dense_jacobian(
     retrace (``jac.trace_count``); with ``jit_compile=True``, batches are
     padded as in ``compiled_jacobian``. ``jac(x)`` returns a read-only
     (n_samples, n_outputs, n_params) array in ``flat_params`` order;
-    ``jac(x, copy=True)`` a writable one. A model that is not a chain of
+    ``jac(x, copy=True)`` a writable one. A model that is not a network of
     Dense layers on a flat input gets the compiled per-sample autodiff stage
     instead (``jac.fallback`` says why); so does one whose rules differ from
     autodiff on the samples checked (up to 8, spread over the first batch of
