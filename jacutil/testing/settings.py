@@ -101,6 +101,7 @@ def _normalization():
         Setting(layers.LayerNormalization, (4,)),
         Setting(layers.LayerNormalization, (3, 4), {"center": False}),
         Setting(layers.LayerNormalization, (4,), {"scale": False}),
+        Setting(layers.LayerNormalization, (3, 4), {"axis": [-2, -1]}),
         Setting(layers.BatchNormalization, (4,)),
         Setting(layers.BatchNormalization, (3, 3, 2), {"scale": False}),
     ]
