@@ -133,3 +133,19 @@ def test_a_new_loss_function_is_a_new_graph_with_its_own_numbers():
     mae = ju.per_sample_gradients(model, keras.losses.mean_absolute_error, x, y)
     assert not np.allclose(mse, mae)
     np.testing.assert_allclose(mse, one_at_a_time(model, x, y, None), rtol=1e-9)
+
+
+def test_norms_on_the_rules_run_under_xla_up_to_a_size_and_agree():
+    from jacutil.fitting.loss_gradients import XLA_NORMS_ROWS
+
+    model = ju.question_mlp(hidden=(8,), seed=6, dtype="float64")
+    x, y = ju.regression_data(XLA_NORMS_ROWS + 3, seed=6)
+    for n, under_xla in [(5, True), (XLA_NORMS_ROWS + 3, False)]:
+        norms, choice = ju.per_sample_gradient_norms(
+            model, LOSS, x[:n], y[:n], explain=True
+        )
+        assert choice.formulation.endswith("under XLA") == under_xla
+        G = ju.per_sample_gradients(model, LOSS, x[:n], y[:n])
+        np.testing.assert_allclose(norms, np.linalg.norm(G, axis=1), rtol=1e-10)
+    expected = np.linalg.norm(one_at_a_time(model, x[:5], y[:5], None), axis=1)
+    np.testing.assert_allclose(norms[:5], expected, rtol=1e-9)

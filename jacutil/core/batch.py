@@ -55,8 +55,17 @@ def pad_with_last(x, n_rows):
     """
 
     def pad(t):
-        extra = n_rows - tf.shape(t)[0]
-        return tf.concat([t, tf.repeat(t[-1:], extra, axis=0)], axis=0)
+        rows = t.shape[0]
+        if rows is not None and rows >= n_rows:
+            return t
+        # tf.tile, not tf.repeat: repeat is a dozen small ops, which cost
+        # milliseconds when run eagerly before every padded call
+        if rows is None:  # traced: the count is a tensor
+            extra = n_rows - tf.shape(t)[0]
+            multiples = tf.concat([[extra], tf.ones([t.shape.rank - 1], tf.int32)], 0)
+        else:
+            multiples = [n_rows - rows] + [1] * (t.shape.rank - 1)
+        return tf.concat([t, tf.tile(t[-1:], multiples)], axis=0)
 
     return tf.nest.map_structure(pad, x)
 

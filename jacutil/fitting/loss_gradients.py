@@ -42,6 +42,7 @@ from ..core.guards import JacobianError
 from ..core.target import watched
 from ..rules.engine import LogitsNotOnRules
 from ..rules.registry import LogitsSignal
+from ..stages.compiled import bucket_size
 
 
 def _losses(loss_fn, y, prediction, n):
@@ -145,6 +146,17 @@ class _NeedsXla(Exception):
 
 
 WHAT = ("gradients", "norms")
+# The norms on the layer rules are a few small products per layer: up to this
+# many rows, XLA fuses them into one kernel and a call costs about a third of
+# the same graph without XLA (the question's MLP at n = 1,000; measured with
+# make bench-peers). Larger batches run without XLA: its products are slower
+# there, and each new size would compile again.
+XLA_NORMS_ROWS = 1024
+XLA_ERRORS = (
+    tf.errors.InvalidArgumentError,
+    tf.errors.UnimplementedError,
+    tf.errors.InternalError,
+)
 # How the compiled function computes, tried in this order (the first that
 # traces and runs is kept for that input shape).
 MODES = ("rules", "vectorized", "vectorized under XLA", "tf.map_fn over samples")
@@ -180,6 +192,7 @@ class LossGradients:
         self.formulation = None  # how the last call computed, in words
         self._functions = {}  # (what, mode, x and y signatures) -> tf.function
         self._mode = {}  # (what, x and y signatures) -> the mode that works
+        self._without_xla = set()  # keys whose norms XLA could not compile
 
     @property
     def loss_fn(self):
@@ -187,7 +200,7 @@ class LossGradients:
         return self._loss()
 
     def __call__(self, x, y, what="gradients"):
-        """Gradients (n, m) or norms (n,) of a checked batch, as a tensor.
+        """Gradients (n, m) or norms (n,) of a checked batch.
 
         Args:
             x: a batch checked by ``as_batch``.
@@ -195,7 +208,7 @@ class LossGradients:
             what: ``"gradients"`` or ``"norms"``.
 
         Returns:
-            A tensor of shape (n, m) or (n,).
+            A read-only NumPy view of TensorFlow's result, shape (n, m) or (n,).
         """
         rows = int(n_samples(x))
         if rows == 1:  # pfor fails on some graphs with one sample (TF 2.21)
@@ -203,6 +216,13 @@ class LossGradients:
         key = (what, _signature_key(x), _signature_key(y))
         if key not in self._mode:
             self._mode[key] = self._first_mode(x)
+        if self._norms_under_xla(key, rows):
+            try:
+                result = self._under_xla(key, x, y, rows)
+                self.formulation = self.jac.plan.describe() + ", under XLA"
+                return result
+            except XLA_ERRORS:  # XLA cannot compile it: the graph without XLA
+                self._without_xla.add(key)
         while True:
             mode = self._mode[key]
             try:
@@ -217,7 +237,22 @@ class LossGradients:
         self.formulation = (
             self.jac.plan.describe() if self._mode[key] == "rules" else self._mode[key]
         )
-        return result[:rows]
+        return np.asarray(result)[:rows]  # a view: no eager slicing op
+
+    def _norms_under_xla(self, key, rows):
+        return (
+            key[0] == "norms"
+            and self._mode[key] == "rules"
+            and rows <= XLA_NORMS_ROWS
+            and key not in self._without_xla
+        )
+
+    def _under_xla(self, key, x, y, rows):
+        """The rules' norms compiled by XLA, the batch padded to a power of
+        two (one compile per size, at most ``log2(XLA_NORMS_ROWS)``)."""
+        padded = bucket_size(rows, XLA_NORMS_ROWS)
+        x, y = pad_with_last(x, padded), pad_with_last(y, padded)
+        return np.asarray(self._function("norms", "rules under XLA", x, y)(x, y))[:rows]
 
     def _first_mode(self, x):
         if self.jac.checked_plan(x) is not None:
@@ -246,9 +281,9 @@ class LossGradients:
         def traced(x, y):
             self.trace_count += 1  # Python side effect: runs once per trace
             signal = _signal(self.loss_fn, y)
-            if mode == "rules" and what == "norms":
+            if mode.startswith("rules") and what == "norms":
                 return tf.sqrt(plan.squared_norms(x, signal)[:, 0])
-            if mode == "rules":
+            if mode.startswith("rules"):
                 return plan.tensor(x, signal)[:, 0]
             G = _autodiff_gradients(
                 self.target,
@@ -264,8 +299,8 @@ class LossGradients:
         return quiet_function(
             traced,
             input_signature=specs,
-            jit_compile=mode == "vectorized under XLA",
-            autograph=mode != "rules" or plan.user_code,
+            jit_compile=mode.endswith("under XLA"),
+            autograph=not mode.startswith("rules") or plan.user_code,
         )
 
 
@@ -306,7 +341,7 @@ def _run(model, loss_fn, x, y, what, options):
     chunk_size = rows if working <= budget else max(1, budget // per_sample)
     if chunk_size >= rows:
         out = job(batch, y, what)
-        out = out.numpy() if options["copy"] else np.asarray(out)
+        out = np.array(out) if options["copy"] else out
     else:
         width = () if what == "norms" else (target.n_params,)
         out = np.empty((rows, *width), np.dtype(target.dtype))
@@ -409,8 +444,9 @@ def per_sample_gradient_norms(
 
     On the layer rules, each layer's share comes from its input and its
     output signal without forming the gradient where the rule knows how
-    (Dense: ``|a|^2 |delta|^2``; see ``Rule.backward_norms``); otherwise the
-    norms of the per-sample gradients, in the same graph. Compiled once per
+    (Dense: ``|a|^2 |delta|^2``; see ``Rule.backward_norms``), compiled by
+    XLA up to ``XLA_NORMS_ROWS`` samples a call; otherwise the norms of the
+    per-sample gradients, in the same graph. Compiled once per
     model and loss function, as :func:`per_sample_gradients`. Introduced in
     ``09-matrix-free``.
 
