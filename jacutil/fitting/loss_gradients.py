@@ -146,11 +146,12 @@ class _NeedsXla(Exception):
 
 
 WHAT = ("gradients", "norms")
-# The norms on the layer rules are a few small products per layer: up to this
-# many rows, XLA fuses them into one kernel and a call costs about a third of
-# the same graph without XLA (the question's MLP at n = 1,000; measured with
-# make bench-peers). Larger batches run without XLA: its products are slower
-# there, and each new size would compile again.
+# The norms on Dense layers (``Rule.fast_under_xla``) are a few small products
+# per layer: up to this many rows, XLA fuses them, and a call costs about a
+# third of the same graph without XLA (the question's MLP at n = 1,000).
+# Larger batches run without XLA: its products are slower there, and each new
+# size would compile again. Convolutions and recurrences are about 2x slower
+# under XLA at any size (the bench's CNN and LSTM): they never use it.
 XLA_NORMS_ROWS = 1024
 XLA_ERRORS = (
     tf.errors.InvalidArgumentError,
@@ -245,6 +246,11 @@ class LossGradients:
             and self._mode[key] == "rules"
             and rows <= XLA_NORMS_ROWS
             and key not in self._without_xla
+            and all(
+                step.fast_under_xla
+                for step in self.jac.plan.steps
+                if step.variables or step.runs_user_code
+            )
         )
 
     def _under_xla(self, key, x, y, rows):

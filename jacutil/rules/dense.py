@@ -30,6 +30,7 @@ class DenseRule(Rule):
     """
 
     name = "dense"
+    fast_under_xla = True  # its norms: |a|^2 |delta|^2, fused by XLA
 
     def __init__(self, layer):
         super().__init__(layer)

@@ -264,6 +264,8 @@ class Rule(abc.ABC):
       one signal shared by every sample, when it writes no blocks.
     - ``runs_user_code``: it calls code that is not ours (autograph matters).
     - ``takes_logits_signal``: ``_backward`` takes a :class:`LogitsSignal`.
+    - ``fast_under_xla``: its norms are a few small products that XLA fuses
+      (measured faster under XLA; convolutions and recurrences are slower).
     - ``several_inputs``: the layer takes a list of inputs (a merge, e.g.
       ``Add``): ``a`` is that list, ``need_signal`` a list of bools (one per
       input) and the signal below a list (None where not needed).
@@ -277,6 +279,7 @@ class Rule(abc.ABC):
     shared_signal: bool = False
     runs_user_code: bool = False
     takes_logits_signal: bool = False
+    fast_under_xla: bool = False
     several_inputs: bool = False
 
     def __init__(self, layer):
