@@ -53,6 +53,8 @@ other_sizes = [100]  # numbers of samples for the CNN and the LSTM
 other_paths = ["compiled_batch", "compiled", "rules", "jacobian", "jax",
                "torch"]
 peer_row_sizes = [1000]  # numbers of samples of the per-sample gradient rows
+jacobian_row_sizes = None  # the same for the Jacobian rows (None: 100 for
+                           # the MLP, 2,000 for the residual and two-head)
 n_check = 4  # samples in the correctness checks
 seed = 0
 
@@ -345,7 +347,8 @@ for name in ["cnn", "lstm"]:
 gradient_rows = [name for name in bench.peer_rows.TASKS
                  if not name.startswith("jacobian")]
 jacobian_rows = ["jacobian-mlp", "jacobian-residual", "jacobian-two_head"]
-for names, at in [(gradient_rows, peer_row_sizes), (jacobian_rows, None)]:
+for names, at in [(gradient_rows, peer_row_sizes),
+                  (jacobian_rows, jacobian_row_sizes)]:
     rows = bench.run_peer_rows(names, sizes=at, repeats=repeats, seed=seed,
                                log=lambda *a: None)
     display(Markdown(bench.peer_rows_table(rows)))
