@@ -197,11 +197,31 @@ def shut_down_kernels(url):
         )
 
 
+MENU_TIMEOUT_S = 120
+
+
 def menu(page, top, item):
-    """Click a command in JupyterLab's menu bar, as a learner would."""
-    page.locator(".lm-MenuBar-itemLabel", has_text=top).first.click()
-    entry = page.locator(".lm-Menu-itemLabel").get_by_text(item, exact=True)
-    entry.first.click()
+    """Click a command in JupyterLab's menu bar, as a learner would - once
+    JupyterLab enables it.
+
+    A notebook's commands stay disabled until its panel is the current
+    widget and its session is set up; on a loaded machine that comes after
+    the page looks ready, and a click on a disabled entry does nothing (the
+    run that then "never started": every prompt still ``[ ]:``). So the menu
+    is opened until the entry is enabled, then clicked.
+    """
+    deadline = time.monotonic() + MENU_TIMEOUT_S
+    while True:
+        page.locator(".lm-MenuBar-itemLabel", has_text=top).first.click()
+        enabled = page.locator(".lm-Menu-item:not(.lm-mod-disabled)")
+        entry = enabled.locator(".lm-Menu-itemLabel").get_by_text(item, exact=True)
+        if entry.count():
+            entry.first.click()
+            return
+        page.keyboard.press("Escape")
+        if time.monotonic() > deadline:
+            pytest.fail(f"{top} > {item} stayed disabled for {MENU_TIMEOUT_S} s")
+        time.sleep(0.5)
 
 
 def wait_until_run(page, panel):

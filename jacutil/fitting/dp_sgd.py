@@ -25,7 +25,9 @@ installs with ``requirements.lock`` by pip's resolver (see
 :data:`INSTALL_HINT`), so it is an optional extra installed without its pins.
 """
 
+import logging
 import math
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -105,6 +107,21 @@ def _rows(data):
 
 def _take(data, index):
     return tf.nest.map_structure(lambda a: tf.gather(a, index), data)
+
+
+@contextmanager
+def _quiet_absl():
+    """dp-accounting's RDP accountant logs a WARNING for each order whose
+    series does not converge ("Excluding this order from the epsilon
+    computation"): the epsilon it returns is still a valid bound, taken over
+    the other orders, so the warning tells a learner nothing to act on."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 class DPSGD:
@@ -435,5 +452,6 @@ class DPSGD:
             ledger = dpa.rdp.RdpAccountant()
         else:
             ledger = dpa.pld.PLDAccountant()
-        ledger.compose(self.dp_event())
-        return float(ledger.get_epsilon(delta))
+        with _quiet_absl():
+            ledger.compose(self.dp_event())
+            return float(ledger.get_epsilon(delta))
