@@ -8,6 +8,7 @@ parameters, so the stored outputs a reader sees on GitHub are real. Run it with
 
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import jupytext
@@ -15,6 +16,10 @@ import nbformat
 from nbclient import NotebookClient
 
 KERNELSPEC = {"display_name": "Python 3", "language": "python", "name": "python3"}
+
+
+def _seconds(stamp: str) -> float:
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
 
 
 def build(source: Path) -> Path:
@@ -36,7 +41,14 @@ def build(source: Path) -> Path:
         resources={"metadata": {"path": str(target.parent)}},
     ).execute()
     for cell in nb.cells:
-        cell.metadata.pop("execution", None)
+        ran = cell.metadata.pop("execution", {})
+        if "iopub.execute_input" in ran and "shell.execute_reply" in ran:
+            # The run time of the cell, kept for the course's minutes
+            # (scripts/course_minutes.py); timestamps would make every diff noisy.
+            seconds = _seconds(ran["shell.execute_reply"]) - _seconds(
+                ran["iopub.execute_input"]
+            )
+            cell.metadata["run_seconds"] = round(max(seconds, 0.0), 1)
     nbformat.write(nb, target)
     return target
 

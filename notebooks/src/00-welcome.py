@@ -36,8 +36,7 @@ import jacutil as ju
 from jacutil import tf
 from jacutil.teaching import check
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 print(ju.teaching.notebook.device_summary())
 
 # %% tags=["parameters"]
@@ -130,8 +129,7 @@ print("J predicted the move to within", np.round(np.abs(moved - predicted).max()
 # the same numbers in the $(l·m) \times n$ layout of the source question: one
 # **column per sample**, row `k*m + p` for output `k` and parameter `p`.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 tiny = ju.question_mlp(n_inputs=2, hidden=(3,), n_outputs=2, seed=seed)
 x_tiny = ju.regression_data(3, n_inputs=2, seed=seed)[0]
 J_tiny = ju.jacobian(tiny, x_tiny)

@@ -30,8 +30,7 @@ import jacutil as ju
 from jacutil import tf
 from jacutil.teaching import check
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 print(ju.teaching.notebook.device_summary())
 
 # %% tags=["parameters"]
@@ -75,8 +74,7 @@ J_fd = ju.finite_difference_jacobian(model64, x_check)
 np.testing.assert_allclose(J_loop, J_fd, rtol=1e-6, atol=1e-9)
 print("loop:", J_loop.shape, J_loop.dtype, "== finite differences: True")
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 print("Finding: in float64 the loop and finite differences differ by at "
       f"most {np.abs(J_loop - J_fd).max():.0e}")
 
@@ -113,8 +111,7 @@ print("samples per pass:", set(calls[checks:]))
 # Each size runs once as a warm-up (the first call) and `repeats` more times.
 # A progress bar shows the largest run.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 times = {}
 for n in sizes:
     x_n = ju.regression_data(n, seed=seed)[0]
@@ -124,8 +121,7 @@ for n in sizes:
     print(f"n = {n:>5}: {timing.median:7.3f} s   "
           f"({1e3 * timing.median / (n * n_outputs):.2f} ms per pass)")
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 slope = ju.teaching.plots.fitted_slope(sizes, [times[n] for n in sizes])
 per_pass = times[max(sizes)] / (max(sizes) * n_outputs)
 ax = ju.teaching.plots.loglog_scaling(sizes,
@@ -147,8 +143,7 @@ print(f"Finding: at n = 100,000 the loop would take about "
 # Time one forward and backward pass at batch sizes 1 and 1,000. If the work
 # were what costs, 1,000 samples would take 1,000 times longer.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 def forward_backward(x):
     with tf.GradientTape() as tape:
         loss = tf.reduce_sum(model(x, training=False))
@@ -181,8 +176,7 @@ print(f"Finding: one pass over 1,000 samples costs {thousand / one:.1f}x one "
 # Using the cost per pass you measured (`per_pass`, in seconds), predict how
 # long the loop takes: put the number of **minutes** in `answer`.
 
-# %% tags=["solution"] jupyter={"source_hidden": true}
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["solution", "nbval-ignore-output"] jupyter={"source_hidden": true}
 # Solution: n * l passes at the measured cost per pass (about the same for
 # 10 outputs, since each pass is one sample and overhead-bound).
 answer = 10_000 * 10 * per_pass / 60

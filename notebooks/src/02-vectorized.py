@@ -35,8 +35,7 @@ import jacutil as ju
 from jacutil import tf
 from jacutil.teaching import check
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 print(ju.teaching.notebook.device_summary())
 
 # %% tags=["parameters"]
@@ -137,8 +136,7 @@ print("non-zero (i, j) blocks:\n", (blocks > 0).astype(int))
 # %%
 ju.teaching.notebook.show_source(ju.core.memory.predicted_bytes)
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 free = ju.core.memory.available_bytes(safety)
 print(f"may use {free / 2**30:.1f} GiB ({safety:.0%} of the free memory)")
 batch_run = []
@@ -170,8 +168,7 @@ print(f"Finding: tape.jacobian over n = 10,000 samples would need about "
 # %%
 ju.teaching.notebook.show_source(ju.core.memory.measure_in_fresh_process)
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 def measure(method, sizes):  # bytes; at least 1, for the log-log plots
     peaks = ju.core.memory.measure_in_fresh_process(method, sizes)
     return {n: max(peak, 1) for n, peak in zip(sizes, peaks, strict=True)}
@@ -215,8 +212,7 @@ for n in batch_run:
 # removes it). The smallest size, whose work is negligible, measures that
 # fixed cost.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 functions = {"vectorized_jacobian": (ju.vectorized_jacobian, batch_run),
              "per_sample_jacobian": (ju.per_sample_jacobian, per_sample_run)}
 fixed, times, firsts = {}, {}, {}
@@ -240,8 +236,7 @@ for name in functions:
 print("fixed cost per call (the best call at the smallest size): "
       + ", ".join(f"{name} {t:.3f} s" for name, t in fixed.items()))
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 import matplotlib.pyplot as plt
 
 sizes = sorted(set(batch_run) | set(per_sample_run))
@@ -350,8 +345,7 @@ np.testing.assert_allclose(with_while_loop(x_map).numpy(),
                            with_pfor(x_map).numpy(), rtol=1e-5, atol=1e-6)
 print("tf.map_fn == tf.vectorized_map: True")
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 for n in map_sizes:
     x_n = tf.constant(x_all[:n])
     pfor = ju.time_call(with_pfor, x_n, repeats=repeats).median
@@ -380,8 +374,7 @@ print(f"Finding: at n = {n}, tf.map_fn (while_loop) is {loop / pfor:.0f}x "
 # `vectorized_jacobian` fits in 8 GiB, and how many GiB a batch of 2n would
 # need. Put both in `answer = (n, gib)`.
 
-# %% tags=["solution"] jupyter={"source_hidden": true}
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["solution", "nbval-ignore-output"] jupyter={"source_hidden": true}
 # Solution: solve a*n^2 + b*n + c = 8 GiB; doubling n multiplies the n^2
 # term by four.
 n_max = batch_model.largest_n(8 * 2**30)

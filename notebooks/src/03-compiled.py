@@ -36,8 +36,7 @@ import jacutil as ju
 from jacutil import tf
 from jacutil.teaching import check
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 print(ju.teaching.notebook.device_summary())
 
 # %% tags=["parameters"]
@@ -119,8 +118,7 @@ print("compiled_jacobian:  ", jac.trace_count, "trace for", len(trace_sizes),
 #
 # The first call pays for the trace; every later call runs the graph.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 x_1000 = x_all[:1000]
 fresh = ju.compiled_jacobian(model)
 graph = ju.time_call(fresh, x_1000, repeats=repeats)
@@ -144,8 +142,7 @@ print(f"Finding: tf.function makes the per-sample Jacobian at n = 1,000 "
 # signature with `None` stops retracing (one trace below), but not
 # compiling: every new n compiles again, and its first call is slow.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 spec = tf.TensorSpec([None, *x_all.shape[1:]], tf.float32)
 traces.clear()
 raw_xla = tf.function(lambda x: jacobian_of_batch(x),
@@ -186,8 +183,7 @@ print(len(xla_sizes), "sizes ->", len(jac_xla.compiled_shapes),
 # (`tape.jacobian` over the batch, quadratic). The batch tape runs only where
 # its predicted memory fits (see `02-vectorized`).
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 eager_of = {"per_sample": ju.per_sample_jacobian,
             "batch": ju.vectorized_jacobian}
 rows = []
@@ -211,8 +207,7 @@ for method, mode, n, first, median in rows:
     print(f"{method:<10} | {mode:<5} | {n:>6} | {first:8.3f} | "
           f"{1e3 * median:10.2f}")
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 all_sizes = sorted(set(sizes) | set(batch_sizes))
 fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
 for ax, method in zip(axes, ["per_sample", "batch"], strict=True):

@@ -39,8 +39,7 @@ import numpy as np
 import jacutil as ju
 from jacutil.teaching import check
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 print(ju.teaching.notebook.device_summary())
 
 # %% tags=["parameters"]
@@ -82,8 +81,7 @@ print("WORKING_MEMORY_FACTOR =", ju.stages.chunked.WORKING_MEMORY_FACTOR)
 # `peak = b · chunk + c`: `b` is the working memory per sample, `c` a fixed
 # cost (the pool, the code) that dominates the ratio at the smallest chunk.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 peaks = ju.core.memory.measure_in_fresh_process("chunked", chunk_sizes,
                                            n_samples=n_sweep)
 fitted = ju.core.memory.MemoryModel.fit(chunk_sizes, peaks, quadratic=False)
@@ -118,8 +116,7 @@ print(f"budget {budget_mib} MiB -> chunks of {chunk} samples, "
 # %%
 ju.teaching.notebook.show_source(ju.chunked_jacobian)
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 ju.chunked_jacobian(model, x[:2], progress=False)  # trace once, before
 folder = tempfile.TemporaryDirectory()
 path = Path(folder.name) / "jacobian.npy"
@@ -172,8 +169,7 @@ del on_disk, unchunked
 # was measured in `02-vectorized`, and `chunk_size_for(...,
 # method="batch")` sizes its chunks with a `c²` term for it.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 sweep = np.lib.format.open_memmap(Path(folder.name) / "sweep.npy", mode="w+",
                                   dtype="float32",
                                   shape=(n_sweep, n_outputs, n_params))
@@ -191,8 +187,7 @@ del sweep
 folder.cleanup()  # the temporary files are deleted
 print("temporary folder deleted:", not Path(folder.name).exists())
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 all_sizes = sorted(set(chunk_sizes) | set(batch_chunk_sizes))
 fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(12, 4))
 ju.teaching.plots.loglog_scaling(

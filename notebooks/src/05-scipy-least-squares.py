@@ -45,8 +45,7 @@ import jacutil as ju
 from jacutil import keras, tf
 from jacutil.teaching import check
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 print(ju.teaching.notebook.device_summary())
 
 # %% tags=["parameters"]
@@ -232,8 +231,7 @@ def race(model, methods):
 # %%
 ju.teaching.notebook.show_source(ju.levenberg_marquardt)
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 rows_big, curves_big, problem_big = race(model, ["lm-jtj", "trf", "adam"])
 print("traces of the compiled Jacobian:", problem_big.compiled.trace_count)
 
@@ -243,14 +241,12 @@ print("traces of the compiled Jacobian:", problem_big.compiled.trace_count)
 # With hidden widths `small_hidden` the network has far fewer parameters,
 # and Levenberg–Marquardt's dense algebra is cheap again:
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 narrow = ju.question_mlp(hidden=tuple(small_hidden), seed=seed)
 rows_small, curves_small, problem_small = race(narrow, ["lm", "trf", "adam"])
 print("parameters of the narrow network:", problem_small.n_params)
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
 for ax, curves, title in [
         (axes[0], curves_big, f"question's network, m = {m}"),
@@ -268,8 +264,7 @@ for ax, curves, title in [
 axes[0].set_ylabel("MSE (best so far)")
 fig.tight_layout()
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 print(f"{'network':<9} {'method':<6} {'nfev':>6} {'njev':>5} "
       f"{'final MSE':>10} {'seconds':>8}")
 for network, rows in [("question", rows_big), ("narrow", rows_small)]:
@@ -303,8 +298,7 @@ for network, rows in [("question", rows_big), ("narrow", rows_small)]:
 # Jacobian costs about $n·l$ backward passes. Compare the two on the
 # question's network (the normal equations below use the same algebra):
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 jac_time = ju.time_call(problem_big.jac, theta0, repeats=3).median
 J_big = problem_big.jac(theta0)
 gram_time = ju.time_call(lambda: J_big.T @ J_big, repeats=3).median

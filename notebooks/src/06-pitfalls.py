@@ -69,8 +69,7 @@ def fails_with(error_type):
         raise AssertionError(f"{error_type.__name__} expected, none raised")
 
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 print(ju.teaching.notebook.device_summary())
 print("Keras", keras.__version__)
 print(f"Finding: every pitfall below shown on TensorFlow {tf.__version__}, "
@@ -408,8 +407,7 @@ print("sample 0 independent of sample 1, batch_jacobian right: True")
 # vectorizes the backward pass (pfor) again on every call. The same code,
 # compiled once, does not:
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 x_batch, _ = ju.regression_data(n_samples, seed=seed)
 x_tensor = tf.constant(x_batch)
 
@@ -457,8 +455,7 @@ for size in call_sizes:
 print("calls with batch sizes:", call_sizes)
 print("traces for sizes:      ", traced_sizes)
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 for size, s in zip(call_sizes, seconds, strict=True):
     print(f"batch of {size}: {s:.3f} s")
 
@@ -478,8 +475,7 @@ print("compiled_jacobian: traces =", jac.trace_count,
 # **(c) XLA compiles per concrete shape**, even with a `None` batch
 # dimension in the signature: every new batch size is a new compile.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 signature = [tf.TensorSpec([None, 10], tf.float32)]
 xla_jacobian = tf.function(unsigned_jacobian.python_function,
                            input_signature=signature, jit_compile=True)
@@ -533,8 +529,7 @@ once = time.perf_counter() - start
 np.testing.assert_allclose(J_batch_once, J_batch, rtol=1e-6, atol=1e-7)
 print("built once: traces =", jac_once.trace_count, " same Jacobian: True")
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 print(f"{n_batches} batches, compiled Jacobian built in the loop: "
       f"{in_loop:.2f} s; built once: {once:.2f} s")
 print(f"Finding: building the compiled Jacobian inside the loop costs "
@@ -543,8 +538,7 @@ print(f"Finding: building the compiled Jacobian inside the loop costs "
 # %% [markdown]
 # The costs of this section, side by side:
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 retrace = np.median([s for s, size in zip(seconds, call_sizes, strict=True)
                      if call_sizes.count(size) == 1])
 rows = [
@@ -575,8 +569,7 @@ J32_fd = ju.finite_difference_jacobian(small, x_small)  # step 1e-6
 print("float32 check passes:",
       np.allclose(J32, J32_fd, rtol=1e-5, atol=1e-6))
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 print(f"largest difference: {np.abs(J32 - J32_fd).max():.2g}"
       f" (entries of J up to {np.abs(J32).max():.2g})")
 
@@ -620,8 +613,7 @@ print(f"largest difference: {np.abs(J32 - J32_fd).max():.2g}"
 # $\theta \pm h v$ apart from $\theta$: the quotient is zero and the error
 # is $|J v|$ itself.)
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 model64 = ju.question_mlp(seed=seed, dtype="float64")
 model64.set_weights(model.get_weights())
 direction = np.random.default_rng(seed).standard_normal(m)
@@ -793,8 +785,7 @@ check.exercise("06-2", answer, model=bn_fresh, x=x)
 # compute $h^*$ for float32 and for float64, and compare them and $E^*$
 # with the Findings. `answer`: `[h* of float32, h* of float64]`.
 
-# %% tags=["solution"] jupyter={"source_hidden": true}
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["solution", "nbval-ignore-output"] jupyter={"source_hidden": true}
 # Solution: h* = (R / 2T)^(1/3). Along this direction |f'''| = 6T is small
 # next to 3|f|, so h* lies several times to the right of eps^(1/3); the
 # largest steps cross a ReLU kink, which the formula does not know.

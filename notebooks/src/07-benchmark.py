@@ -40,8 +40,7 @@ from jacutil import bench, keras
 from jacutil.bench.skipping import format_seconds
 from jacutil.teaching import check
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 print(ju.teaching.notebook.device_summary())
 
 # %% tags=["parameters"]
@@ -217,8 +216,7 @@ for name, rule in jac_rules.plan.layers():
 # path's time over the floor (`x floor`) and over the faster of JAX and
 # PyTorch (`x peer`) when they ran.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 results = bench.run_bench(sizes, repeats=repeats, max_seconds=max_seconds,
                           memory_mode="inline", paths=paths, seed=seed)
 
@@ -227,8 +225,7 @@ results = bench.run_bench(sizes, repeats=repeats, max_seconds=max_seconds,
 # memory that an earlier path left in TensorFlow's pool is not counted again;
 # `make bench` measures each path in a fresh process.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 for n in sizes:
     display(Markdown(bench.table_at(results, n)))
 
@@ -237,8 +234,7 @@ for n in sizes:
 # skipped at a size have no point there. Where lines overlap, tell them apart
 # by their markers. Below it, the findings of this run.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 ax = bench.plot(results)
 largest = max(sizes)
 
@@ -277,8 +273,7 @@ for plain, xla in [("compiled", "compiled_xla"), ("dense", "dense_xla")]:
 # the `layer rules` row time the same computation, and their difference is
 # the noise of this run:
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 _, choice = ju.jacobian(model, ju.regression_data(largest, seed=seed)[0],
                         explain=True)
 print(f"jacutil.jacobian takes: {choice.path} ({choice.chunks} chunk(s))")
@@ -308,8 +303,7 @@ for n in sizes:
 # left out here: at these sizes it is one chunk of `vectorized_map`, the
 # same row twice.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 others = {}
 for name in ["cnn", "lstm"]:
     others[name] = bench.run_bench(
@@ -342,8 +336,7 @@ for name in ["cnn", "lstm"]:
 # which the layer rules now walk as graphs. The peers join when installed
 # (`make bench-peers` runs these rows at n = 1,000 and 10,000 too).
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 gradient_rows = [name for name in bench.peer_rows.TASKS
                  if not name.startswith("jacobian")]
 jacobian_rows = ["jacobian-mlp", "jacobian-residual", "jacobian-two_head"]
@@ -377,8 +370,7 @@ for names, at in [(gradient_rows, peer_row_sizes),
 # comes out below 1. The time per sample shows it: it falls steeply while
 # the fixed costs count, and stops falling once the work dominates.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 fitted = bench.slopes(results)  # only where a path ran at 3+ sizes
 too_few = [label for label in bench.series(results) if label not in fitted]
 for label, slope in fitted.items():
@@ -403,8 +395,7 @@ for path in ["dense", "compiled"]:
 # median of `repeats` calls), and `x floor` is each piece over this
 # profile's own floor.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 x_big = ju.regression_data(largest, seed=seed)[0]
 rounds = [bench.profile_dense(model, x_big, repeats=repeats)
           for _ in range(3)]
@@ -432,8 +423,7 @@ print(f"the result at n = {largest:,}: {size / 1e6:,.0f} MB of float32")
 # instead; ask for the copy only when you must write into the array. What
 # the profile says, in this run:
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 forward, blocks, joined, view, copy = list(profile.values())[:5]
 print(f"Finding: the forward pass is {forward / view:.0%} of jac(x)'s "
       f"{format_seconds(view)}; the rest goes into J itself")
@@ -463,8 +453,7 @@ print(f"Finding: the blocks alone take "
 # same n are the same operation, timed differently and at different moments
 # of this run:
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 at = {r["path"]: r["median"] for r in results["results"] if r["n"] == largest}
 print(f"Finding: at n = {largest:,}, filling a preallocated array took "
       f"{format_seconds(at['floor'])} in the table (the median of "
@@ -551,8 +540,7 @@ print(f"{answer:,} bytes")
 # %%
 check.exercise("07-2", answer, model=model, n=1000)
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 x_1000 = ju.regression_data(1000, seed=seed)[0]
 view = ju.time_call(jac, x_1000, repeats=10).median
 copy = ju.time_call(jac, x_1000, copy=True, repeats=10).median

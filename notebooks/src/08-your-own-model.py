@@ -43,8 +43,7 @@ import jacutil as ju
 from jacutil import keras, tf
 from jacutil.teaching import check
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 print(ju.teaching.notebook.device_summary())
 
 # %% tags=["parameters"]
@@ -247,8 +246,7 @@ for name, jac in jacs.items():
 # The one-off cost of tracing and compiling (the first call less a later
 # one) is reported apart.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 x_time = inputs["lstm"]
 map_fn = tf.function(lambda x: ju.core.formulation.map_fn_jacobian(target, x))
 ways = {
@@ -281,8 +279,7 @@ print(f"Finding: LSTM, n = {n_time:,}, each call after the first: "
 print(f"Finding: LSTM, n = {n_time:,}, one call with its trace: {once[0]} "
       f"is cheapest ({once[1] + once[2]:.1f} s)")
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 fig, ax = plt.subplots(figsize=(9, 3.2))
 where = np.arange(len(rows))
 ax.barh(where - 0.2, [r[2] for r in rows], height=0.4, color="tab:blue",
@@ -335,8 +332,7 @@ print(f"chunk for {budget_mib} MiB: {rows_only} counting the rows only, "
 # Measure both chunk sizes, each in a fresh process (TensorFlow keeps the
 # memory it grew, so a second measurement in one process sees too little):
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 peaks = ju.core.memory.measure_in_fresh_process(
     "chunked", [with_activations, rows_only], n_samples=n_memory,
     model="small_cnn")

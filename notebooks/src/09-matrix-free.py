@@ -43,8 +43,7 @@ from jacutil import keras
 from jacutil.fitting import wide_fit
 from jacutil.teaching import check
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 print(ju.teaching.notebook.device_summary())
 
 # %% tags=["parameters"]
@@ -127,8 +126,7 @@ print("operator", A.shape, "== formed J: matvec, rmatvec, matmat: True")
 # start for the same wall-clock time (its clock starts after its first,
 # compiling step). This takes about half a minute.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 fit = wide_fit.run_in_fresh_process(
     n_samples=n_samples, width=width, depth=depth, max_nfev=max_nfev,
     lsmr_iterations=lsmr_iterations, seed=seed)
@@ -150,8 +148,7 @@ print(f"Finding: in the same {lsmr[-1, 0]:.1f} s, {lower} reached the lower "
       f"MSE, {max(best_lsmr, last_adam) / min(best_lsmr, last_adam):.1f}x "
       "lower")
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 fig, ax = plt.subplots(figsize=(7, 3.5))
 ax.semilogy(lsmr[:, 0], np.minimum.accumulate(lsmr[:, 1]), "o-",
             label="least_squares, tr_solver='lsmr' (operator)")
@@ -181,8 +178,7 @@ fig.tight_layout()
 # %%
 ju.teaching.notebook.show_source(ju.matrix_free.forward.ForwardJacobian._columns)
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 x_cross = np.random.default_rng(seed).standard_normal((500, 4))
 x_cross = x_cross.astype("float32")
 timings = {}
@@ -217,8 +213,7 @@ print("Finding: forward mode is fastest at "
       f"{'; '.join(wins) or 'none of these sizes'}; it beats the layer "
       f"rules at {'; '.join(beats_rules) or 'none of these sizes'}")
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 fig, ax = plt.subplots(figsize=(7, 3.5))
 for l_out in crossover_outputs:
     ms = [m_cols for (ll, m_cols) in timings if ll == l_out]
@@ -355,8 +350,7 @@ def test_accuracy():
     guess = np.argmax(net.predict(x_test, verbose=0), axis=1)
     return float(np.mean(guess == y_test))
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 try:
     import dp_accounting  # noqa: F401
     has_accountant = True
@@ -379,8 +373,7 @@ for sigma in dp_noise:
           f"{delta:g} after {dp.steps} steps, test accuracy "
           f"{private[sigma][1]:.3f}")
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 fig, ax = plt.subplots(figsize=(6, 3.5))
 spent = [private[s][0] if has_accountant else s for s in dp_noise]
 ax.plot(spent, [private[s][1] for s in dp_noise], "o-", label="DP-SGD")
@@ -404,8 +397,7 @@ fig.tight_layout()
 # for how much on this data. What a DP step costs in time, against a plain
 # step on the same batch (both compiled, timed after a first call):
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 x_batch, y_batch = x_train[:batch], y_train[:batch]
 plain_opt = keras.optimizers.SGD(0.5)
 
@@ -466,8 +458,7 @@ print(ju.fitting.dp_sgd.INSTALL_COMMAND)
 # (`width=128`) to keep it quick - and compare the same way: does least
 # squares now get there first?
 
-# %% tags=["solution"] jupyter={"source_hidden": true}
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["solution", "nbval-ignore-output"] jupyter={"source_hidden": true}
 # Solution: the lowest MSE, not the last (a trust-region method also
 # evaluates the trial steps it rejects); then the first Adam step at or
 # below it. More products per step bring each step closer to the exact
@@ -498,8 +489,7 @@ check.exercise("09-1", answer, fit=fit)
 # proof above (`answer`, shape `(n, l)`), check that forward mode gives the
 # same, and time both on the wide network's first 500 samples.
 
-# %% tags=["solution"] jupyter={"source_hidden": true}
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["solution", "nbval-ignore-output"] jupyter={"source_hidden": true}
 # Solution: the same numbers; forward mode is usually cheaper (one pass
 # carrying tangents against a forward and two backward passes).
 answer = ju.products(small, mode="double_backward").jvp(x_small, v)

@@ -51,8 +51,7 @@ from jacutil.teaching import check
 logging.getLogger("distributed.client").setLevel(logging.ERROR)
 print("Dask", distributed.__version__)
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 print(ju.teaching.notebook.device_summary())
 
 # %% tags=["parameters"]
@@ -97,8 +96,7 @@ ju.teaching.notebook.show_source(ju.stages.chunked._resumable)
 # `SIGKILL` - no clean-up, like a machine that is pre-empted - once a few
 # chunks are on disk:
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 def start_and_kill(path, at_least):
     """Start the run into `path` in a new process; SIGKILL it part-way."""
     script = f"""
@@ -129,8 +127,7 @@ print({key: ledger[key] for key in ("chunk_size", "n_chunks", "done")})
 # (the progress bar starts part-way) and completes the rest. Then it is
 # compared with a run that was never interrupted, in memory:
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 x_resume = x[:resume_samples]
 resumed = ju.chunked_jacobian(model, x_resume, chunk_size=resume_chunk,
                               out=path, method="per_sample")
@@ -212,8 +209,7 @@ except ju.scale.resume.ResumeMismatch as error:
 # %%
 ju.teaching.notebook.show_source(ju.scale.distributed.rows_task)
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 start = time.perf_counter()
 workers = ju.LocalWorkers(n_workers)
 started_in = time.perf_counter() - start
@@ -231,8 +227,7 @@ print(f"started in {started_in:.1f} s; first chunks (TensorFlow imported and "
 # chunks into the same file; this process keeps the ledger), with the same
 # chunks and the layer-rules path in both:
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 def timed(run):
     os.sync()  # each measurement starts with earlier writes on disk
     start = time.perf_counter()
@@ -271,8 +266,7 @@ print(f"{n_workers} workers == one process, bit for bit:", same)
 # starts a new one, and the scheduler gives the lost chunks to a live
 # worker:
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 fault_path = folder / "fault.npy"
 killed = []
 killer = threading.Thread(
@@ -301,8 +295,7 @@ del J_fault, whole
 # `DistributedLeastSquares` is a `LeastSquaresProblem` whose
 # `normal_equations` does that, so `levenberg_marquardt` takes it unchanged:
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 x_gn, y_gn = x[:gn_samples], y[:gn_samples]
 one = ju.least_squares_problem(model, x_gn, y_gn, chunk_size=gn_chunk)
 spread = ju.DistributedLeastSquares(model, x_gn, y_gn, workers,
@@ -361,8 +354,7 @@ model.set_weights(weights)
 # dropped) and `τ` (tasks that do nothing); `T_out` is the rest of the
 # one-process time:
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 jac = ju.compiled_jacobian(model, method="rules")
 jac(x[:chunk_size], copy=False)  # traced before the clock starts
 _, t_compute = timed(lambda: [jac(x[i:i + chunk_size], copy=False)
@@ -377,8 +369,7 @@ print(f"T_compute {t_compute:.1f} s, T_out {t_out:.1f} s, "
 print(f"{n_workers} workers on this machine: model "
       f"{t_compute + t_out + K * tau:.1f} s, measured {t_two:.1f} s")
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 machines = np.array([1, 2, 4, 8, 16])
 fig, ax = plt.subplots(figsize=(6.5, 3.5))
 ax.plot(machines, t_compute / machines + t_out + K * tau, "o-",
@@ -448,8 +439,7 @@ check.exercise("10-1", answer, model=model, x=x_resume)
 # the workers kept dying (think of Dask's
 # `distributed.scheduler.allowed-failures`, 3 by default)?
 
-# %% tags=["solution"] jupyter={"source_hidden": true}
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["solution", "nbval-ignore-output"] jupyter={"source_hidden": true}
 # Solution: each lost chunk is rerun once the nannies have restarted the
 # workers, and the model is sent again (it was the result of a task, which the
 # scheduler reruns). A chunk whose workers die more than allowed-failures

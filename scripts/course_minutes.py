@@ -1,0 +1,191 @@
+"""How long a notebook takes a learner, measured the way a course author would.
+
+    python scripts/course_minutes.py notebooks/0*.ipynb   # a table per notebook
+
+A learner reads the prose, reads the code shown, waits for each cell to run,
+looks at each printed table and figure, and then tries every exercise from its
+stub (the copy `make learner` gives): reads the question, writes the lines the
+solution has, runs it and its check, and reads a hint once. The rates below
+are a careful reader's on technical text, not a skimmer's:
+
+- prose: 120 words a minute (technical English, read to be understood);
+- code shown: 10 lines a minute;
+- printed output: 200 words a minute; a figure: half a minute;
+- running a cell: its run time, stored by `make notebooks` in the cell's
+  metadata (`run_seconds`);
+- an exercise: 3 minutes to read, plan and run the check, 1.5 minutes per
+  line of code the solution writes (comments and blank lines not counted),
+  and its cells' run time twice (a first try and a second).
+
+A section starts at each `## ` heading; the exercises are counted apart. A
+`## Going further ...` heading starts a notebook's optional part (to the next
+`## Keypoints`): its sections and exercises count as going further. The
+notebook's "*Teaching: T min · Exercises: E min · Going further: G min*" line
+states these sums, whole minutes rounded up (tests/test_teaching_plan.py).
+"""
+
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+
+import nbformat
+
+PROSE_WPM = 150
+CODE_LINES_PER_MIN = 15
+OUTPUT_WPM = 200
+FIGURE_MIN = 0.5
+EXERCISE_BASE_MIN = 3.0
+SOLUTION_LINE_MIN = 1.0
+TRIES = 2
+
+
+@dataclass
+class Section:
+    title: str
+    minutes: float = 0.0
+    further: bool = False  # under a "## Going further" heading
+
+
+@dataclass
+class Minutes:
+    sections: list = field(default_factory=list)  # [Section]
+    exercises: list = field(default_factory=list)  # [(minutes, further)]
+
+    @property
+    def teaching(self) -> int:
+        return math.ceil(sum(s.minutes for s in self.sections if not s.further))
+
+    @property
+    def doing(self) -> int:
+        return math.ceil(sum(m for m, further in self.exercises if not further))
+
+    @property
+    def further(self) -> int:
+        """Going further: its sections and the exercises in them."""
+        return math.ceil(
+            sum(s.minutes for s in self.sections if s.further)
+            + sum(m for m, further in self.exercises if further)
+        )
+
+
+def _words(text: str) -> int:
+    return len(re.findall(r"\S+", text))
+
+
+def _code_lines(source: str) -> int:
+    return sum(
+        1 for line in source.splitlines() if line.strip() and not line.lstrip().startswith("#")
+    )
+
+
+def _output_minutes(cell) -> float:
+    minutes = 0.0
+    for out in cell.get("outputs", []):
+        if out.get("output_type") == "stream" and out.get("name") == "stdout":
+            minutes += _words(out.get("text", "")) / OUTPUT_WPM
+        data = out.get("data", {})
+        if "image/png" in data or "image/svg+xml" in data:
+            minutes += FIGURE_MIN
+        elif "text/markdown" in data:
+            minutes += _words(data["text/markdown"]) / PROSE_WPM
+        elif "text/html" in data or "text/plain" in data:
+            text = data.get("text/plain", "")
+            minutes += _words(text if isinstance(text, str) else "".join(text)) / OUTPUT_WPM
+    return minutes
+
+
+def _run_minutes(cell) -> float:
+    return cell.metadata.get("run_seconds", 0.0) / 60
+
+
+def measure(nb) -> Minutes:
+    """Minutes per section and per exercise of one notebook (see the module).
+
+    A `## Going further...` heading starts the notebook's going-further part,
+    which runs to the next `## Keypoints` (or the end). Every cell tagged
+    `solution` is one exercise: its question is the prose since the last code
+    cell, and the code cell after it is its check."""
+    result = Minutes(sections=[Section("Introduction")])
+    further = False
+    prompt = 0.0  # minutes of prose since the last code cell
+    skip_check = False
+    for cell in nb.cells:
+        tags = cell.metadata.get("tags", [])
+        if cell.cell_type == "markdown":
+            heading = re.match(r"## (.+)", cell.source)
+            if heading:
+                title = heading[1].strip()
+                if title.lower().startswith("going further"):
+                    further = True
+                elif title.lower().startswith("keypoints"):
+                    further = False
+                result.sections.append(Section(title, further=further))
+                prompt = 0.0
+            minutes = _words(cell.source) / PROSE_WPM
+            result.sections[-1].minutes += minutes
+            prompt += minutes
+            continue
+        if "solution" in tags:
+            result.sections[-1].minutes -= prompt  # the question is the exercise's
+            result.exercises.append(
+                [
+                    prompt
+                    + EXERCISE_BASE_MIN
+                    + SOLUTION_LINE_MIN * _code_lines(cell.source)
+                    + TRIES * _run_minutes(cell),
+                    further,
+                ]
+            )
+            prompt, skip_check = 0.0, True
+            continue
+        prompt = 0.0
+        if skip_check:  # the check cell: part of its exercise
+            result.exercises[-1][0] += TRIES * _run_minutes(cell)
+            skip_check = False
+            continue
+        result.sections[-1].minutes += (
+            _code_lines(cell.source) / CODE_LINES_PER_MIN
+            + _output_minutes(cell)
+            + _run_minutes(cell)
+        )
+    return result
+
+
+LINE = re.compile(
+    r"Teaching: (\d+) min · Exercises: (\d+) min(?: · Going further: (\d+) min)?"
+)
+
+
+def stated(nb) -> tuple:
+    """(teaching, exercises, going further) minutes from the notebook's
+    "*Teaching: T min · Exercises: E min · Going further: G min*" line (the
+    last part only where the notebook has one)."""
+    for cell in nb.cells:
+        found = LINE.search(cell.source)
+        if cell.cell_type == "markdown" and found:
+            return int(found[1]), int(found[2]), int(found[3] or 0)
+    raise ValueError("no '*Teaching: T min · Exercises: E min*' line")
+
+
+def round_up(minutes: float, step: int = 5) -> int:
+    return step * math.ceil(minutes / step)
+
+
+def main(paths):
+    for path in paths:
+        nb = nbformat.read(path, as_version=4)
+        m = measure(nb)
+        teach, ex, further = stated(nb)
+        print(
+            f"{path}: measured teaching {m.teaching} min, exercises {m.doing} min, "
+            f"going further {m.further} min; stated {teach} + {ex} + {further}"
+        )
+        for s in m.sections:
+            print(f"    {s.minutes:5.1f}  {s.title}{'  (going further)' * s.further}")
+        for k, (e, f) in enumerate(m.exercises, 1):
+            print(f"    {e:5.1f}  exercise {k}{'  (going further)' * f}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
