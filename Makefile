@@ -13,7 +13,7 @@ export TF_CPP_MIN_LOG_LEVEL := 2
 export JUPYTER_PREFER_ENV_PATH := 1
 export PYDEVD_DISABLE_FILE_VALIDATION := 1
 
-.PHONY: setup run test lint notebooks lab learner site lock clean bench bench-peers fuzz
+.PHONY: setup run test lint notebooks minutes lab learner site lock clean bench bench-peers fuzz
 
 setup: $(STAMP)
 
@@ -69,6 +69,12 @@ lint: setup
 # outputs of one top-to-bottom run with the default parameters.
 notebooks: setup
 	$(BIN)/python scripts/build_notebooks.py $(if $(ONLY),$(ONLY),notebooks/src/*.py)
+	$(BIN)/python scripts/course_minutes.py --write $(NOTEBOOKS)
+
+# Each notebook's minutes, measured (scripts/course_minutes.py), written into
+# README's plan and INSTRUCTORS.md (make notebooks does it after a build).
+minutes: setup
+	$(BIN)/python scripts/course_minutes.py --write $(NOTEBOOKS)
 
 lab: setup
 	$(BIN)/jupyter lab notebooks

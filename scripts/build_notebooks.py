@@ -13,6 +13,7 @@ from pathlib import Path
 
 import jupytext
 import nbformat
+from course_minutes import LINE, measure
 from nbclient import NotebookClient
 
 KERNELSPEC = {"display_name": "Python 3", "language": "python", "name": "python3"}
@@ -49,8 +50,26 @@ def build(source: Path) -> Path:
                 ran["iopub.execute_input"]
             )
             cell.metadata["run_seconds"] = round(max(seconds, 0.0), 1)
+    state_minutes(nb, source)
     nbformat.write(nb, target)
     return target
+
+
+def state_minutes(nb, source: Path) -> None:
+    """Write the measured minutes (scripts/course_minutes.py) into the
+    notebook's "*Teaching: ... min*" line, in the notebook and in its source."""
+    m = measure(nb)
+    line = f"Teaching: {m.teaching} min · Exercises: {m.doing} min" + (
+        f" · Going further: {m.further} min" if m.further else ""
+    )
+    for cell in nb.cells:
+        if cell.cell_type == "markdown" and LINE.search(cell.source):
+            cell.source = LINE.sub(line, cell.source, count=1)
+            break
+    else:
+        raise ValueError(f"{source}: no '*Teaching: T min · Exercises: E min*' line")
+    text = source.read_text()
+    source.write_text(LINE.sub(line, text, count=1))
 
 
 def main(paths):

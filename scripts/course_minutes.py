@@ -1,6 +1,11 @@
 """How long a notebook takes a learner, measured the way a course author would.
 
-    python scripts/course_minutes.py notebooks/0*.ipynb   # a table per notebook
+    python scripts/course_minutes.py notebooks/[0-9]*.ipynb   # a table per notebook
+    python scripts/course_minutes.py --write notebooks/[0-9]*.ipynb   # make minutes
+
+`--write` puts the figures where a reader plans with them: README's plan (the
+core path and going further) and INSTRUCTORS.md's heading and section minutes
+of each notebook; tests/test_teaching_plan.py checks that they are current.
 
 A learner reads the prose, reads the code shown, waits for each cell to run,
 looks at each printed table and figure, and then tries every exercise from its
@@ -28,6 +33,7 @@ import math
 import re
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import nbformat
 
@@ -38,6 +44,11 @@ FIGURE_MIN = 0.5
 EXERCISE_BASE_MIN = 3.0
 SOLUTION_LINE_MIN = 1.0
 TRIES = 2
+
+
+LINE = re.compile(
+    r"Teaching: (\d+) min · Exercises: (\d+) min(?: · Going further: (\d+) min)?"
+)
 
 
 @dataclass
@@ -74,9 +85,8 @@ def _words(text: str) -> int:
 
 
 def _code_lines(source: str) -> int:
-    return sum(
-        1 for line in source.splitlines() if line.strip() and not line.lstrip().startswith("#")
-    )
+    lines = (line.strip() for line in source.splitlines())
+    return sum(1 for line in lines if line and not line.startswith("#"))
 
 
 def _output_minutes(cell) -> float:
@@ -91,7 +101,8 @@ def _output_minutes(cell) -> float:
             minutes += _words(data["text/markdown"]) / PROSE_WPM
         elif "text/html" in data or "text/plain" in data:
             text = data.get("text/plain", "")
-            minutes += _words(text if isinstance(text, str) else "".join(text)) / OUTPUT_WPM
+            text = text if isinstance(text, str) else "".join(text)
+            minutes += _words(text) / OUTPUT_WPM
     return minutes
 
 
@@ -122,7 +133,9 @@ def measure(nb) -> Minutes:
                     further = False
                 result.sections.append(Section(title, further=further))
                 prompt = 0.0
-            minutes = _words(cell.source) / PROSE_WPM
+            # the minutes line itself is not read as prose: the figures it
+            # states must not change the count they come from
+            minutes = _words(LINE.sub("", cell.source)) / PROSE_WPM
             result.sections[-1].minutes += minutes
             prompt += minutes
             continue
@@ -152,11 +165,6 @@ def measure(nb) -> Minutes:
     return result
 
 
-LINE = re.compile(
-    r"Teaching: (\d+) min · Exercises: (\d+) min(?: · Going further: (\d+) min)?"
-)
-
-
 def stated(nb) -> tuple:
     """(teaching, exercises, going further) minutes from the notebook's
     "*Teaching: T min · Exercises: E min · Going further: G min*" line (the
@@ -172,7 +180,112 @@ def round_up(minutes: float, step: int = 5) -> int:
     return step * math.ceil(minutes / step)
 
 
+ROOT = Path(__file__).resolve().parent.parent
+CORE = ("00", "01", "02", "03", "04", "05")  # the question answered, in order
+CORE_LIMIT = 180  # minutes, exercises included
+PLAN = re.compile(r"<!-- plan: .*?<!-- /plan -->", re.DOTALL)
+MARK = "<!-- plan: made by `make minutes` (scripts/course_minutes.py); do not edit -->"
+
+
+def hours(minutes: int) -> str:
+    return f"{minutes // 60} h {minutes % 60} min"
+
+
+def title(nb) -> str:
+    """The notebook's title without its number: "The nested loop, ..."."""
+    first = nb.cells[0].source.splitlines()[0]
+    return re.sub(r"^#\s*\d+\s*·\s*", "", first).strip()
+
+
+def readme_plan(books) -> str:
+    """README's plan: the core path with start times, then going further."""
+    core = [(p, m, t) for p, m, t in books if p.stem[:2] in CORE]
+    more = [(p, m, t) for p, m, t in books if p.stem[:2] not in CORE]
+    core_total = sum(m.teaching + m.doing for _, m, _ in core)
+    lines = [
+        MARK,
+        f"**The core path** ({hours(core_total)}): the question answered, from the "
+        "loop to a Keras model fitted by SciPy. Teaching and one exercise a "
+        "notebook; each notebook's optional part is going further.",
+        "",
+        "| start | notebook | teaching | exercises | minutes |",
+        "|---|---|---|---|---|",
+    ]
+    start = 0
+    for path, m, name in core:
+        minutes = m.teaching + m.doing
+        lines.append(
+            f"| {start // 60}:{start % 60:02d} | `{path.stem}` — {name} "
+            f"| {m.teaching} | {m.doing} | {minutes} |"
+        )
+        start += minutes
+    further = [(f"`{p.stem}` — its going-further part", m.further) for p, m, _ in core]
+    further += [(f"`{p.stem}` — {name}", m.teaching + m.doing) for p, m, name in more]
+    further = [(what, minutes) for what, minutes in further if minutes]
+    further_total = sum(minutes for _, minutes in further)
+    lines += [
+        "",
+        f"**Going further** ({hours(further_total)}), in any order after the core:",
+        "",
+        "| notebook | minutes |",
+        "|---|---|",
+        *(f"| {what} | {minutes} |" for what, minutes in further),
+        "",
+        f"Everything, every exercise included: {hours(core_total + further_total)}.",
+        "<!-- /plan -->",
+    ]
+    return "\n".join(lines)
+
+
+def instructors_notes(text: str, books) -> str:
+    """INSTRUCTORS.md: each notebook's heading states its minutes, and the line
+    after it the minutes of each section and exercise."""
+    for path, m, _ in books:
+        heading = f"## {path.stem} ({m.teaching} + {m.doing} min" + (
+            f"; going further {m.further} min)" if m.further else ")"
+        )
+        sections = ", ".join(
+            f"{s.title} {math.ceil(s.minutes)}" for s in m.sections if s.minutes >= 0.5
+        )
+        exercises = ", ".join(
+            f"{math.ceil(e)}{' (going further)' * f}" for e, f in m.exercises
+        )
+        detail = f"- Minutes measured per section: {sections}; exercises: {exercises}."
+        pattern = re.compile(
+            rf"^## {re.escape(path.stem)} \(.*\)\n"
+            r"(- Minutes measured per section:.*\n)?",
+            re.MULTILINE,
+        )
+        replacement = heading + "\n" + detail + "\n"
+        text, found = pattern.subn(lambda _, r=replacement: r, text)
+        if not found:
+            raise ValueError(f"INSTRUCTORS.md has no '## {path.stem} (...)' heading")
+    return text
+
+
+def books_of(paths):
+    out = []
+    for path in map(Path, paths):
+        nb = nbformat.read(path, as_version=4)
+        out.append((path, measure(nb), title(nb)))
+    return out
+
+
+def write(paths) -> None:
+    books = books_of(paths)
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    if not PLAN.search(text):
+        raise ValueError("README.md has no '<!-- plan: ... <!-- /plan -->' block")
+    readme.write_text(PLAN.sub(lambda _: readme_plan(books), text))
+    notes = ROOT / "INSTRUCTORS.md"
+    notes.write_text(instructors_notes(notes.read_text(), books))
+
+
 def main(paths):
+    if paths and paths[0] == "--write":
+        write(paths[1:])
+        return
     for path in paths:
         nb = nbformat.read(path, as_version=4)
         m = measure(nb)

@@ -6,13 +6,13 @@ time and figure count, and the lines it printed that start with "Finding:".
 """
 
 import base64
-import re
 import sys
 import time
 from pathlib import Path
 
 import nbformat
 import papermill
+from course_minutes import stated
 from nbconvert import HTMLExporter
 
 BUILD = Path("build")
@@ -30,15 +30,6 @@ def findings(nb):
             for line in out.get("text", "").splitlines():
                 if line.startswith("Finding:"):
                     yield line[len("Finding:") :].strip()
-
-
-def teaching_minutes(nb):
-    """(teaching, exercises) minutes from the notebook's "*Teaching: ...*" line."""
-    for cell in nb.cells:
-        found = re.search(r"Teaching: (\d+) min · Exercises: (\d+) min", cell.source)
-        if cell.cell_type == "markdown" and found:
-            return int(found[1]), int(found[2])
-    raise ValueError("no '*Teaching: N min · Exercises: M min*' line")
 
 
 def save_figures(nb, stem):
@@ -82,7 +73,7 @@ def main(paths):
     for notebook in map(Path, paths):
         print(f"running {notebook} ...", flush=True)
         seconds, error, figures, found = run(notebook)
-        minutes += sum(teaching_minutes(nbformat.read(notebook, as_version=4)))
+        minutes += sum(stated(nbformat.read(notebook, as_version=4)))
         status = "FAILED" if error else "ok"
         failed += bool(error)
         lines.append(
@@ -96,7 +87,7 @@ def main(paths):
         f"\n{len(paths) - failed} of {len(paths)} notebooks ran; executed copies in "
         f"{BUILD}/executed, HTML in {BUILD}/html, figures in {BUILD}/figures"
     )
-    print(f"Teaching and every exercise: {minutes // 60} h {minutes % 60} min")
+    print(f"Every notebook, every exercise: {minutes // 60} h {minutes % 60} min")
     return 1 if failed else 0
 
 

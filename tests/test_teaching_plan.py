@@ -1,42 +1,93 @@
-"""README's 3-hour plan adds up, names real notebooks, and its total of every
-notebook's minutes is the sum of their "Teaching · Exercises" lines."""
+"""The course's minutes are measured and stated where a reader plans with them.
 
-import re
+scripts/course_minutes.py measures each stored notebook (prose, code, output,
+run time, exercises tried from their stubs); `make notebooks` writes the figures
+into each notebook's "*Teaching · Exercises*" line, and `make minutes` into
+README's plan and INSTRUCTORS.md. These tests keep all three true, and the core
+path (the question answered: 00 to 05) within 3 hours, exercises included."""
+
+import math
 import sys
 from pathlib import Path
 
 import nbformat
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 BOOKS = sorted((ROOT / "notebooks").glob("[0-9]*.ipynb"))
 sys.path.insert(0, str(ROOT / "scripts"))
-from run_notebooks import teaching_minutes  # noqa: E402
-
-ROW = re.compile(r"^\| (\d):(\d\d) \| (.+?) \| (\d+) \|$", re.MULTILINE)
+import course_minutes as cm  # noqa: E402
 
 
-def plan():
+@pytest.fixture(scope="module")
+def books():
+    return cm.books_of(BOOKS)
+
+
+@pytest.mark.parametrize("book", BOOKS, ids=lambda p: p.stem)
+def test_each_notebook_states_its_measured_minutes(book):
+    nb = nbformat.read(book, as_version=4)
+    m = cm.measure(nb)
+    assert cm.stated(nb) == (m.teaching, m.doing, m.further), (
+        f"{book.stem} states {cm.stated(nb)}, measured "
+        f"{(m.teaching, m.doing, m.further)}: rebuild it (make notebooks ONLY=...)"
+    )
+
+
+def test_the_core_path_fits_in_three_hours(books):
+    core = [m for p, m, _ in books if p.stem[:2] in cm.CORE]
+    assert len(core) == len(cm.CORE)
+    total = sum(m.teaching + m.doing for m in core)
+    assert total <= cm.CORE_LIMIT, f"the core path takes {cm.hours(total)}"
+
+
+def test_readme_plan_is_the_measured_one(books):
     text = (ROOT / "README.md").read_text()
-    section = text[text.index("**A 3-hour plan**") :]
-    rows = ROW.findall(section)
-    return [(60 * int(h) + int(m), what, int(n)) for h, m, what, n in rows]
+    block = cm.PLAN.search(text)
+    assert block, "README.md has lost its plan block"
+    assert block[0] == cm.readme_plan(books), "README's plan is stale: make minutes"
 
 
-def test_the_plan_runs_three_hours_without_gaps():
-    rows = plan()
-    assert rows and rows[0][0] == 0
-    for (start, _, minutes), (following, _, _) in zip(rows, rows[1:], strict=False):
-        assert start + minutes == following
-    assert rows[-1][0] + rows[-1][2] == 180
-
-
-def test_the_plan_names_every_notebook():
-    named = " ".join(what for _, what, _ in plan())
+def test_readme_plan_names_every_notebook_once_and_adds_up(books):
+    plan = cm.readme_plan(books)
     for book in BOOKS:
-        assert f"`{book.stem}`" in named, f"{book.stem} is not in the 3-hour plan"
+        assert f"`{book.stem}` — " in plan
+    total = sum(m.teaching + m.doing + m.further for _, m, _ in books)
+    assert f"Everything, every exercise included: {cm.hours(total)}." in plan
 
 
-def test_the_stated_total_is_the_sum_of_the_notebooks():
-    total = sum(sum(teaching_minutes(nbformat.read(b, as_version=4))) for b in BOOKS)
-    text = (ROOT / "README.md").read_text()
-    assert f"{total // 60} h {total % 60} min" in text
+def test_instructor_notes_state_the_measured_minutes(books):
+    text = (ROOT / "INSTRUCTORS.md").read_text()
+    assert cm.instructors_notes(text, books) == text, (
+        "INSTRUCTORS.md's minutes are stale: make minutes"
+    )
+
+
+def test_an_exercise_and_a_going_further_part_are_counted_apart():
+    nb = nbformat.v4.new_notebook()
+    md, code = nbformat.v4.new_markdown_cell, nbformat.v4.new_code_cell
+    words = " ".join(["word"] * 150)  # a minute of prose
+    nb.cells = [
+        md("# 99 · A title\n*Teaching: 1 min · Exercises: 1 min*"),
+        md(f"## A section\n{words}"),
+        code("x = 1\n" * 15, metadata={"run_seconds": 60.0}),  # 1 + 1 minutes
+        md("## Exercises\n" + words),
+        code("answer = 1\n", metadata={"tags": ["solution"]}),
+        code("check()", metadata={"run_seconds": 30.0}),
+        md("## Going further: more\n" + words),
+        md(words),
+        code("answer = 2\nanswer += 1\n", metadata={"tags": ["solution"]}),
+        code("check()"),
+        md("## Keypoints\n" + words),
+    ]
+    m = cm.measure(nb)
+    prose = [cm._words(cm.LINE.sub("", c.source)) / cm.PROSE_WPM for c in nb.cells[:]]
+    # title, the section, its 15 lines of code and a minute of running, keypoints;
+    # the figures of the title's minutes line are not prose
+    assert m.teaching == math.ceil(prose[0] + prose[1] + 1 + 1 + prose[10])
+    # the question (the Exercises heading and prose), 3 minutes, one line,
+    # the check's 30 s run twice
+    assert m.doing == math.ceil(prose[3] + 3 + 1 + 1)
+    # the going-further heading's prose is its section's; the question after
+    # it, 3 minutes and two lines are the exercise's
+    assert m.further == math.ceil(prose[6] + prose[7] + 3 + 2)
