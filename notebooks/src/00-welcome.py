@@ -11,16 +11,19 @@
 #
 # **Questions**
 # - What is the Jacobian of a network's outputs with respect to its parameters, sample by sample?
-# - What shape does it have, and what layout does a SciPy optimizer want?
+# - What shape does it have, and which layouts do the layout question and
+#   SciPy's `least_squares` want?
 # - How is this collection organised, and how do I run it?
 #
 # **Objectives**
+# - Name the two questions this collection answers: the loop question and
+#   the layout question.
 # - Compute a per-sample Jacobian with `ju.jacobian` and read its shape `(n, l, m)`.
 # - Ask `ju.jacobian` which path it took, and why.
-# - Convert it to the `(l·m) × n` layout of the source question and back.
+# - Convert it to the `(l·m) × n` layout of the layout question and back.
 # - Find the notebook for each stage, and run them all with `make run`.
 #
-# *Teaching: 10 min · Exercises: 10 min*
+# *Teaching: 16 min · Exercises: 7 min · Going further: 16 min*
 
 # %% [markdown]
 # ## Setup
@@ -44,6 +47,25 @@ n_samples = 4  # samples in the batch
 seed = 0  # seeds the weights and the data
 
 # %% [markdown]
+# ## The two questions
+#
+# This collection grew from two questions asked on Stack Exchange (and
+# reposted, with answers, in Chinese). Every notebook calls them by these
+# two names:
+#
+# - **The loop question**: *How to compute the Jacobian matrix efficiently
+#   in TensorFlow, and speed up my slow code?* Its code loops over samples
+#   and outputs, one gradient at a time, and is slow. Its network is our
+#   running example, its loop is `01-nested-loop`, and the mistakes in its
+#   popular answers are `06-pitfalls`.
+# - **The layout question**: *An efficient per-sample Jacobian of a
+#   network's outputs with respect to its trainable variables, for an
+#   external SciPy optimizer.* It wants the Jacobian as an $(l·m) \times n$
+#   matrix, one column per sample (`to_lm_by_n` below). SciPy's
+#   `least_squares` itself wants another layout, $(n·l) \times m$;
+#   `05-scipy-least-squares` fits with it.
+
+# %% [markdown]
 # ## The object we compute
 #
 # A network $f$ maps one sample $x_i$ to $l$ outputs. Its trainable variables,
@@ -53,15 +75,8 @@ seed = 0  # seeds the weights and the data
 # $$J[i, k, p] = \frac{\partial f(x_i)_k}{\partial \theta_p}, \qquad
 # J \in \mathbb{R}^{n \times l \times m}.$$
 #
-# This collection grew from two questions asked on Stack Exchange (and
-# reposted, with answers, in Chinese): *How to compute the Jacobian matrix
-# efficiently in TensorFlow, and speed up my slow code?* - a nested loop over
-# samples and variables - and *An efficient per-sample Jacobian of a network's
-# outputs with respect to its trainable variables, for an external SciPy
-# optimizer* - which wants an $(l·m) \times n$ matrix. "The source question"
-# in these notebooks is the first; its answers' mistakes are notebook 06.
-#
-# Our running example is the network of the source question:
+# Our running example is the network of
+# [the loop question](#The-two-questions):
 # 10 inputs → Dense 64 (ReLU) → Dense 32 (ReLU) → Dense 2.
 
 # %%
@@ -126,8 +141,9 @@ print("J predicted the move to within", np.round(np.abs(moved - predicted).max()
 #
 # A tiny network (2 inputs → 3 hidden → 2 outputs, so $m = 17$) makes every
 # entry visible. Left: `J` as $n$ blocks of $l \times m$, one per sample. Right:
-# the same numbers in the $(l·m) \times n$ layout of the source question: one
-# **column per sample**, row `k*m + p` for output `k` and parameter `p`.
+# the same numbers in the $(l·m) \times n$ layout of
+# [the layout question](#The-two-questions): one **column per sample**, row
+# `k*m + p` for output `k` and parameter `p`.
 
 # %% tags=["nbval-ignore-output"]
 tiny = ju.question_mlp(n_inputs=2, hidden=(3,), n_outputs=2, seed=seed)
@@ -150,6 +166,10 @@ axes[1].set_title("(l*m) x n")
 axes[1].set_xlabel("sample i")
 axes[1].set_ylabel("row k*m + p")
 fig.tight_layout()
+print(f"Finding: left, {len(J_tiny)} blocks of {J_tiny.shape[1]} x "
+      f"{J_tiny.shape[2]}, one per sample; right, the same {J_tiny.size} "
+      f"numbers as a {M_tiny.shape[0]} x {M_tiny.shape[1]} matrix, one column "
+      f"per sample; derivatives from {J_tiny.min():.2f} to {J_tiny.max():.2f}")
 
 # %%
 print("J_tiny:", J_tiny.shape, " -> to_lm_by_n:", M_tiny.shape)
@@ -157,8 +177,9 @@ print("J_tiny:", J_tiny.shape, " -> to_lm_by_n:", M_tiny.shape)
 # %% [markdown]
 # ## The layouts, as code
 #
-# `to_lm_by_n` and `from_lm_by_n` convert between the two; the index rule is
-# checked below for every entry. SciPy's `least_squares` takes yet another
+# `to_lm_by_n` and `from_lm_by_n` convert between `J` and the layout
+# question's matrix; the index rule is checked below for every entry.
+# SciPy's `least_squares` takes yet another
 # layout: one row per residual (sample `i`, output `k`), one column per
 # parameter, an $(n·l) \times m$ matrix - a plain `reshape`.
 
@@ -275,6 +296,11 @@ print(answer, built, answer == built)
 check.exercise("00-1", answer)
 
 # %% [markdown]
+# ## Going further: the Jacobian's columns
+#
+# Two more exercises, for those with time left: where a layer's columns lie
+# in `J`, and what freezing a layer removes.
+#
 # **2.** The last layer computes $f_k = \sum_j h_j W_{jk} + b_k$. What is
 # $\partial f_k / \partial b_{k'}$ for every pair $(k, k')$? Write it as an
 # `l × l` matrix `answer`, then find the last layer's bias in `J` (its last
@@ -318,6 +344,7 @@ check.exercise("00-3", answer)
 #   `explain=True` says which and why.
 # - The parameter axis follows `flat_params(model)`: each variable flattened,
 #   in `trainable_variables` order.
-# - `to_lm_by_n` gives the `(l·m) × n` matrix of the source question (one column
-#   per sample); SciPy's `least_squares` wants `J.reshape(n*l, m)`.
+# - `to_lm_by_n` gives the `(l·m) × n` matrix of the layout question (one
+#   column per sample); SciPy's `least_squares` wants `J.reshape(n*l, m)`,
+#   an `(n·l) × m` matrix.
 # - Next, `01-nested-loop`: the slow way, and why it is slow.
