@@ -26,7 +26,7 @@ from ..core.batch import n_samples, signature_key, take
 from ..core.formulation import pfor_log
 from ..core.target import watched
 from .autodiff import AutodiffRule
-from .merge import MERGE_RULES, merge_rule_for
+from .merge import MERGE_RULES
 from .registry import Blocks, LogitsSignal, Wanted, rule_for
 
 # Left to the compiled per-sample stage: pfor unrolls their time loop
@@ -584,7 +584,7 @@ def _step_for(node, dtype):
     if getattr(layer, "mask_zero", False) or isinstance(layer, keras.layers.Masking):
         return None, f"layer {layer.name!r} makes a mask (the rules ignore masks)"
     if type(layer) in MERGE_RULES:
-        rule, why = merge_rule_for(layer)
+        rule, why = rule_for(layer, MERGE_RULES)
         if rule is not None and not _takes_its_inputs_as_a_list(node):
             rule, why = None, "called with more than the list of its inputs"
     else:

@@ -36,24 +36,6 @@ def merge_rule(layer_type):
     return add
 
 
-def merge_rule_for(layer):
-    """``(rule, None)`` for a merge layer, or ``(None, reason)``.
-
-    Args:
-        layer: a Keras layer.
-
-    Returns:
-        ``(Rule, None)`` or ``(None, reason)``, the reason a ``str``.
-    """
-    rule = MERGE_RULES.get(type(layer))
-    if rule is None:
-        return None, f"no rule for {type(layer).__name__}"
-    try:
-        return rule(layer), None
-    except NoRule as reason:
-        return None, str(reason)
-
-
 def _input_shapes(layer):
     """Each input's per-sample shape, as the layer was called in its model."""
     try:

@@ -513,16 +513,19 @@ def _shown(shape):
     return "(" + ", ".join("?" if d is None else str(d) for d in dims) + ")"
 
 
-def rule_for(layer):
+def rule_for(layer, table=None):
     """``(rule, None)`` for ``layer``, or ``(None, reason)`` when it has none.
 
     Args:
         layer: a Keras layer.
+        table: the registry to look in, from layer type to rule class; by
+            default ``RULES`` (one-input layers; merge layers have
+            ``jacutil.rules.merge.MERGE_RULES``).
 
     Returns:
         ``(Rule, None)`` or ``(None, reason)``, the reason a ``str``.
     """
-    rule = RULES.get(type(layer))
+    rule = (RULES if table is None else table).get(type(layer))
     if rule is None:
         return None, f"no rule for {type(layer).__name__}"
     try:
