@@ -58,6 +58,7 @@ from .peer_rows import (
     peer_ratio,
     peer_rows_markdown,
     peer_rows_table,
+    proof_line,
     run_peer_rows,
     run_task,
 )
@@ -76,6 +77,7 @@ from .report import (
     table_at,
 )
 from .runner import Result, build_paths, max_abs_diff, run_bench
+from .skipping import format_seconds
 
 __all__ = [
     "FLOOR",
@@ -95,6 +97,7 @@ __all__ = [
     "count_outputs",
     "default_paths",
     "fill_floor",
+    "format_seconds",
     "flat_data",
     "jacobian_shape",
     "machine_summary",
@@ -110,6 +113,7 @@ __all__ = [
     "preallocated",
     "profile_dense",
     "profile_table",
+    "proof_line",
     "ratios",
     "residual_mlp",
     "run_bench",

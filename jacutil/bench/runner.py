@@ -18,7 +18,7 @@ from .floor import FLOOR, FLOOR_NEW, LABELS, fill_floor, preallocated, write_flo
 from .fresh import measure_in_fresh_process
 from .machine import machine_summary
 from .paths import MODELS, PATHS, REFERENCE, default_paths, jacobian_shape
-from .skipping import format_seconds, quadratic_bytes, skip_reason
+from .skipping import format_seconds, memory_guard, quadratic_bytes, skip_reason
 
 
 @dataclass
@@ -36,6 +36,10 @@ class Result:
         predicted: seconds of one call, predicted where skipped.
         max_abs_diff: the largest absolute difference of its J from the
             reference's at this n (0 for the reference), or None.
+        predicted_peak: for a quadratic path, the peak bytes predicted
+            before it ran (or was skipped) at n; None otherwise.
+        free: for a quadratic path, the machine's free bytes then; the
+            path runs only where ``predicted_peak`` is below half of it.
     """
 
     path: str
@@ -47,6 +51,8 @@ class Result:
     skipped: str | None = None
     predicted: float | None = None  # seconds of one call, where skipped
     max_abs_diff: float | None = None  # |J - the reference's J|, largest
+    predicted_peak: int | None = None  # bytes, quadratic paths (skipping.py)
+    free: int | None = None  # free bytes when predicted_peak was checked
 
 
 def _first_call(jac, x, watch_memory):
@@ -227,18 +233,30 @@ def run_bench(
         done += time_floors(jacobian_shape(network, x, n), repeats, inline)
         reference = []  # the reference's J at this n, once it has run
         for name, jac in built.items():
+            guard = memory_guard(done, name, n, model, per_n2)
             predicted, reason = skip_reason(
-                done, name, n, repeats, max_seconds, model, per_n2
+                done, name, n, repeats, max_seconds, model, per_n2, guard
             )
             label = PATHS[name].label
             if reason:
-                done.append(Result(name, n, skipped=reason, predicted=predicted))
+                peak, free = guard
+                done.append(
+                    Result(
+                        name,
+                        n,
+                        skipped=reason,
+                        predicted=predicted,
+                        predicted_peak=peak,
+                        free=free,
+                    )
+                )
                 log(f"n = {n:>6,}  {label:<45} skipped: {reason}")
                 continue
             # the quadratic paths watch memory even here: it guards larger n
             watch = inline or PATHS[name].exponent == 2
             check = partial(_check, reference=reference, name=name, n=n)
             result = _timed(name, n, jac, x, repeats, watch, check)
+            result.predicted_peak, result.free = guard
             done.append(result)
             log(
                 f"n = {n:>6,}  {label:<45} {format_seconds(result.median):>9}"

@@ -99,18 +99,57 @@ def quadratic_bytes(network, x):
 
 
 def available():
-    """Half of the memory that is free now, in bytes.
+    """Half of the memory that is free now, in bytes: the most a quadratic
+    path may be predicted to need (see :func:`memory_guard`).
+
+    Returns:
+        An ``int``.
+    """
+    return free_memory() // 2
+
+
+def free_memory():
+    """The machine's available memory now, in bytes (``psutil``).
 
     Returns:
         An ``int``.
     """
     import psutil
 
-    return int(0.5 * psutil.virtual_memory().available)
+    return int(psutil.virtual_memory().available)
 
 
-def skip_reason(done, path, n, repeats, max_seconds, model="mlp", per_n2=None):
+def memory_guard(done, path, n, model="mlp", per_n2=None):
+    """``(predicted peak bytes, free bytes)`` of a quadratic path at n.
+
+    The rule: a quadratic path runs at n only where its predicted peak
+    (:func:`predicted_peak`) is below half of the memory free now.
+
+    Args:
+        done: the :class:`~.runner.Result` objects so far.
+        path: the path's name.
+        n: the number of samples.
+        model: a name in ``MODELS``.
+        per_n2: bytes per n**2 of the path, or None.
+
+    Returns:
+        A tuple of two ints, or ``(None, None)`` for a linear path.
+    """
+    if PATHS[path].exponent != 2:
+        return None, None
+    peak = predicted_peak(done, path, n, model, per_n2)
+    return (None if peak is None else int(peak)), free_memory()
+
+
+def skip_reason(
+    done, path, n, repeats, max_seconds, model="mlp", per_n2=None, guard=None
+):
     """``(predicted seconds of one call, why it is skipped or None)``.
+
+    Memory first, for a quadratic path (:func:`memory_guard`): skipped where
+    its predicted peak is above half the free memory. Then time: skipped
+    where the first call and ``repeats`` more, each taking the predicted
+    seconds, would exceed ``max_seconds``.
 
     Args:
         done: the :class:`~.runner.Result` objects so far.
@@ -120,19 +159,22 @@ def skip_reason(done, path, n, repeats, max_seconds, model="mlp", per_n2=None):
         max_seconds: the most seconds all the calls at n may take.
         model: a name in ``MODELS``.
         per_n2: bytes per n**2 of a quadratic path, or None.
+        guard: ``memory_guard``'s answer if the caller already has it.
 
     Returns:
         A tuple ``(seconds or None, reason or None)``.
     """
     predicted = predict(done, path, n)
-    if PATHS[path].exponent == 2:  # memory first: it is the real limit
-        peak = predicted_peak(done, path, n, model, per_n2)
-        free = available()
-        if peak is not None and peak > free:
-            return predicted, (
-                f"out of memory: needs about {peak / 2**30:.0f} GiB, "
-                f"{free / 2**30:.0f} GiB free"
-            )
-    if predicted is not None and predicted * (repeats + 1) > max_seconds:
-        return predicted, f"predicted {repeats + 1} x {format_seconds(predicted)}"
+    peak, free = guard or memory_guard(done, path, n, model, per_n2)
+    if peak is not None and peak > free // 2:  # memory first: the real limit
+        return predicted, (
+            f"out of memory: predicted peak {peak / 2**30:.1f} GiB > half of "
+            f"the {free / 2**30:.1f} GiB free"
+        )
+    calls = repeats + 1
+    if predicted is not None and predicted * calls > max_seconds:
+        return predicted, (
+            f"predicted {calls} calls x {format_seconds(predicted)} = "
+            f"{format_seconds(calls * predicted)} > {format_seconds(max_seconds)}"
+        )
     return predicted, None
