@@ -18,7 +18,11 @@ def test_05_1_method_for_few_residuals():
     for method in ("trf", "dogbox"):  # both accept it, as the check does
         least_squares(few.fun, few.theta0, jac=few.jac, method=method, max_nfev=2)
         assert check.verdict("05-1", method).correct
-    assert check.verdict("05-1", " TRF").correct
+    for spelling in ("TRF", " trf", "'trf'", "Dogbox"):  # SciPy refuses them
+        with pytest.raises(ValueError):
+            least_squares(few.fun, few.theta0, jac=few.jac, method=spelling)
+        assert not check.verdict("05-1", spelling).correct
+        assert "exactly" in hint("05-1", spelling)
     message = hint("05-1", "lm")
     assert "MINPACK" in message and "at least as many residuals" in message
     assert "string" in hint("05-1", 2)

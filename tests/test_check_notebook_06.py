@@ -68,7 +68,7 @@ def curve():
 
 
 def best_steps(model, x, direction):
-    """h* = (3 eps |f| / |f'''|)^(1/3), f''' by third differences."""
+    """h* = (3 eps |f| / |f'''|)^(1/3) of float16, 32 and 64, and eps |f|."""
     theta = ju.flat_params(model)
 
     def f(t):
@@ -79,24 +79,28 @@ def best_steps(model, x, direction):
     third = (f(2 * h) - 2 * f(h) + 2 * f(-h) - f(-2 * h)) / (2 * h**3)
     size = np.abs(f(0.0)).max()
     ju.set_flat_params(model, theta)
-    eps = np.array([np.finfo(np.float32).eps, np.finfo(np.float64).eps])
-    return (3 * eps * size / np.abs(third).max()) ** (1 / 3)
+    eps = np.array([np.finfo(t).eps for t in (np.float16, np.float32, np.float64)])
+    return (3 * eps * size / np.abs(third).max()) ** (1 / 3), eps * size
 
 
-def test_06_3_best_steps(curve):
+def test_06_3_best_step_float16(curve):
     model, x, direction = curve
     context = {"model": model, "x": x, "direction": direction}
-    steps = best_steps(*curve)
-    assert check.verdict("06-3", steps, **context).correct
-    assert check.verdict("06-3", steps * 1.3, **context).correct  # constants
-    eps = np.array([np.finfo(np.float32).eps, np.finfo(np.float64).eps])
-    message = hint("06-3", eps ** (1 / 3), **context)
+    steps, R = best_steps(*curve)
+    right = np.array([steps[0], 1.5 * R[0] / steps[0]])
+    assert check.verdict("06-3", right, **context).correct
+    assert check.verdict("06-3", right * [1.3, 1 / 1.3], **context).correct
+    message = hint("06-3", [np.finfo(np.float16).eps ** (1 / 3), 1.0], **context)
     assert "eps ** (1/3)" in message and f"{steps[0]:.1e}" not in message
-    assert "order" in hint("06-3", steps[::-1], **context)
-    assert "too small" in hint("06-3", steps / 3, **context)
-    assert "cube root" in hint("06-3", steps[1] * np.array([eps[0] / eps[1], 1]),
+    # float32's or float64's best step, as the Findings print them
+    assert "float32's" in hint("06-3", [steps[1], 1.5 * R[1] / steps[1]],
                                **context)
+    assert "float64's" in hint("06-3", [steps[2], 1.5 * R[2] / steps[2]],
+                               **context)
+    assert "too small" in hint("06-3", right / [3, 1], **context)
+    assert "3/2 R/h*" in hint("06-3", [steps[0], R[0] / steps[0]], **context)
     assert "(2,)" in hint("06-3", steps[0], **context)
+    assert "positive" in hint("06-3", [steps[0], -1.0], **context)
     theta = ju.flat_params(model)
-    check.verdict("06-3", steps, **context)
+    check.verdict("06-3", right, **context)
     np.testing.assert_array_equal(ju.flat_params(model), theta)  # put back

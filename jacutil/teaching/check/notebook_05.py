@@ -14,13 +14,18 @@ def method_for_few_residuals(answer):
     if not isinstance(answer, str):
         raise Hint("expected the method's name, a string: what you pass to "
                    "least_squares as method=.")
+    if answer in ("trf", "dogbox"):
+        return
     name = answer.strip().strip("'\"").lower()
     if name == "lm":
         raise Hint("run it and read SciPy's error: MINPACK's "
                    "Levenberg-Marquardt needs at least as many residuals as "
                    "parameters (n*l >= m), and here there are fewer.")
     if name in ("trf", "dogbox"):
-        return
+        # least_squares compares method= with its names as they are
+        raise Hint(f"least_squares(method={answer!r}) raises a ValueError: "
+                   "it takes the name exactly as its documentation writes "
+                   "it - lower case, no spaces, no quotes inside the string.")
     raise Hint(f"{answer!r} is not a method of least_squares: see the "
                "method= argument of its documentation.")
 

@@ -120,40 +120,44 @@ def _constants(model, x, direction):
 
 
 @checks("06-3")
-def best_steps(answer, model, x, direction):
-    """h* = (3 eps |f| / |f'''|)^(1/3) for float32 and float64."""
-    answered(answer, "[h* for float32, h* for float64]: two steps")
-    steps = as_array(answer, "the two steps", (2,),
-                     "(2,): [h* for float32, h* for float64]")
+def best_step_float16(answer, model, x, direction):
+    """float16's h* = (3 eps |f| / |f'''|)^(1/3) and E* = 3/2 eps |f| / h*."""
+    answered(answer, "[h*, E*] of float16: its best step and its error there")
+    h, error = as_array(answer, "[h*, E*]", (2,),
+                        "(2,): [h* of float16, E* of float16]")
     size, third = _constants(model, x, direction)
-    eps = np.array([np.finfo(np.float32).eps, np.finfo(np.float64).eps])
-    expected = (3 * eps * size / third) ** (1 / 3)
-    if np.allclose(steps, eps ** (1 / 3), rtol=0.2):
-        raise Hint("those are eps ** (1/3): the best step with |f| and |f'''| "
-                   "set to 1. Measure the two constants and minimise "
-                   "R/h + T h**2 with them.")
-    if steps[0] < steps[1]:
-        raise Hint("float32's step should be the larger: its rounding error "
-                   "is about 10**9 times float64's. The order is [float32, "
-                   "float64].")
-    if np.any(steps <= 0):
-        raise Hint("a step is a positive length h.")
-    ratio = steps[0] / steps[1]
-    right_ratio = (eps[0] / eps[1]) ** (1 / 3)
-    if abs(np.log(ratio / (eps[0] / eps[1]))) < np.log(2):
-        raise Hint("your steps differ by the ratio of the epsilons; the "
-                   "minimum of R/h + T h**2 sits at the cube root of R/(2T).")
-    if abs(np.log(ratio / right_ratio)) > np.log(1.5):
-        raise Hint("the two steps should differ by (eps32 / eps64) ** (1/3): "
-                   "the same constants |f| and T, only eps changes.")
-    for name, value, right in zip(("float32", "float64"), steps, expected,
-                                  strict=True):
-        factor = value / right
-        if abs(np.log(factor)) > np.log(1.5):
-            size = "large" if factor > 1 else "small"
-            factor = max(factor, 1 / factor)
-            raise Hint(f"your {name} step is too {size}, by a factor of about "
-                       f"{factor:.2g}. Check the constants: R = eps |f| with "
-                       "|f| the largest output, T = error / h**2 where the "
-                       "float64 curve rises as h**2; and where the derivative "
-                       "of R/h + T h**2 is zero.")
+    eps = {name: float(np.finfo(name).eps)
+           for name in ("float16", "float32", "float64")}
+
+    def best(name):
+        return (3 * eps[name] * size / third) ** (1 / 3)
+
+    def near(value, right, factor=1.5):
+        return abs(np.log(value / right)) <= np.log(factor)
+
+    if h <= 0 or error <= 0:
+        raise Hint("a step h* and an error E* are positive numbers.")
+    if np.isclose(h, eps["float16"] ** (1 / 3), rtol=0.2):
+        raise Hint("that h* is eps ** (1/3): the rule of thumb, with |f| and "
+                   "|f'''| set to 1. Measure the two constants on the curves "
+                   "and minimise R/h + T h**2 with them.")
+    for other in ("float32", "float64"):
+        if near(h, best(other)):
+            raise Hint(f"that h* is {other}'s. Only epsilon changes: take "
+                       "np.finfo('float16').eps in R = eps |f|, with the same "
+                       "|f| and T.")
+    if not near(h, best("float16")):
+        factor = h / best("float16")
+        size_word = "large" if factor > 1 else "small"
+        raise Hint(f"your h* is too {size_word}, by a factor of about "
+                   f"{max(factor, 1 / factor):.2g}. Check the constants: "
+                   "R = eps |f| with |f| the largest output, T = error / h**2 "
+                   "where the float64 curve rises as h**2; h* = (R / 2T)**(1/3)"
+                   " is where the derivative of R/h + T h**2 is zero.")
+    rounding = eps["float16"] * size / h  # R / h* at the learner's h*
+    if near(error, rounding, 1.2):
+        raise Hint("E* is R/h* + T h*^2, both terms: at h* the truncation "
+                   "term is half the rounding one, so E* = 3/2 R/h*.")
+    if not near(error, 1.5 * rounding, 1.2):
+        raise Hint("h* is right; E* is the error at h*: R/h* + T h*^2, "
+                   "which is 3/2 R/h* with R = eps |f| of float16.")
