@@ -7,21 +7,45 @@ from what the repository holds, so that they never drift from it:
 
 - index.md: README.md, each notebook's name linked to its page and each
   ``jacutil`` name to its entry in the API reference;
-- notebooks/NN-*.ipynb: a copy of every notebooks/NN-*.ipynb, in order, with
-  each solution (a cell tagged ``solution``) collapsed into a "Show solution"
-  dropdown, live progress-bar widgets dropped (a static page cannot draw them)
-  and a box that downloads the notebook and its learner copy (made here by
-  scripts/make_learner.py);
+- notebooks/NN-*.ipynb: a copy of every notebooks/NN-*.ipynb, in order, shown
+  as JupyterLab shows it (``site_notebook``):
+  - each solution (a cell tagged ``solution``) collapsed into a "Show
+    solution" dropdown;
+  - a progress bar (a tqdm.auto widget, which a static page cannot draw) as
+    its final text, ``100%|##########| 1000/1000 [00:12<00:00]``, read from
+    the widget state stored in the notebook's metadata (the output's own
+    text/plain is the bar's first state, 0%, and is used only when the state
+    is missing);
+  - what a cell printed on stderr (TensorFlow's and Python's warnings) in a
+    warning box; a carriage return overwrites its line, as in JupyterLab;
+  - each figure's alt text made from the ``Finding:`` lines its cell printed
+    (else the last sentence of the markdown above it; the build lists those);
+  - no nbval plumbing: ``# NBVAL_...`` lines and ``nbval-*`` tags dropped;
+  - a box that downloads the notebook and its learner copy (made here by
+    scripts/make_learner.py), with links that open it in Colab or Binder;
 - instructors.md: INSTRUCTORS.md;
 - api.rst: autodoc of every public function, class and module in
-  ``jacutil.__all__``.
+  ``jacutil.__all__``, and of every further jacutil name that a notebook
+  source (notebooks/src) uses: ``check.exercise``, ``ju.bench.run_bench``,
+  ``ju.core.guards.RETRACE_LIMIT``.
+
+Every page's footer has the licences (LICENSE, copied into the site) and a
+"Report a problem with this page" link to the repository's issue form
+(.github/ISSUE_TEMPLATE/problem.yml); the repository is pyproject.toml's
+[project.urls] Repository (website/conf.py).
 
 Sphinx warnings are errors (-W, with --keep-going to list them all).
 
-    python scripts/build_site.py [--out build/site]
+    python scripts/build_site.py [--out build/site] [--notebooks NN-name.ipynb ...]
+
+``--notebooks`` builds the site with those notebooks only (a quick look at one
+page; tests/test_site.py builds a page from a made-up notebook that way).
 """
 
 import argparse
+import ast
+import copy
+import html
 import importlib
 import inspect
 import pkgutil
@@ -30,6 +54,7 @@ import shutil
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import nbformat
@@ -83,30 +108,217 @@ def markdown_page(source, page_of, api_names, copied):
     for image in re.findall(r"!\[[^\]]*\]\(([^)\s]+)", text):
         if "://" not in image:
             copied.add(image)
+
+    def repository_file(match):
+        """[CITATION.cff](CITATION.cff): a file of the repository, not a page,
+        linked on GitHub."""
+        path = match[2]
+        kind = "tree" if (ROOT / path).is_dir() else "blob"
+        return f"{match[1]}({repository()}/{kind}/main/{path})"
+
+    text = re.sub(
+        r"((?<!!)\[[^\]]*\])\((?!#|[a-z]+:|/)([^)\s#]+)\)",
+        lambda m: m[0] if not (ROOT / m[2]).exists() else repository_file(m),
+        text,
+    )
     return link_names(text, page_of, api_names)
 
 
-def site_notebook(copy, book, learner_name, api_names):
-    """The notebook as its page shows it (the repository's file is not changed)."""
-    nb = nbformat.read(copy, as_version=4)
-    others = {b.stem: b.name for b in BOOKS if b != book}
-    for cell in nb.cells:
+def overwrite_returns(text):
+    """Text as a terminal (and JupyterLab) shows it: a carriage return goes
+    back to the line's start, so what follows the last one stays."""
+    lines = []
+    for line in text.split("\n"):
+        parts = line.rstrip("\r").split("\r")
+        lines.append(parts[-1])
+    return "\n".join(lines)
+
+
+PROGRESS_LINE = re.compile(r"\d+%\|")  # tqdm's "100%|####| 8/8 [...]"
+
+
+def widget_final_text(view, state):
+    """A tqdm.auto progress bar's last text, from the notebook's widget state:
+    an HBox of an HTML label (``chunks: 100%``), a progress bar and an HTML
+    count (``8/8 [00:01<00:00, 7.9it/s]``). None if the state lacks it."""
+    model = state.get(view.get("model_id", ""))
+    if not model:
+        return None
+    parts = []
+    for child in model.get("state", {}).get("children", []) or [view["model_id"]]:
+        child = state.get(str(child).removeprefix("IPY_MODEL_"), {})
+        values = child.get("state", {})
+        if child.get("model_name", "").endswith("ProgressModel"):
+            top = values.get("max") or 0
+            done = min(max((values.get("value") or 0) / top, 0), 1) if top else 0
+            parts.append("█" * round(done * 10) + " " * (10 - round(done * 10)))
+        elif "value" in values:
+            parts.append(html.unescape(str(values["value"])))
+    if not parts:
+        return None
+    text = "|".join(parts).replace(" ", " ").replace("​", "")
+    return re.sub(r"\|\s+", "| ", text).strip()
+
+
+def text_output(kind, text):
+    """A display output that the page shows as a styled block of text."""
+    if kind == "progress":
+        body = f'<div class="output-progress"><pre>{html.escape(text)}</pre></div>'
+    else:
+        body = (
+            '<div class="admonition warning output-warning" role="note">'
+            '<p class="admonition-title">Warning (printed on stderr)</p>'
+            f"<pre>{html.escape(text)}</pre></div>"
+        )
+    return nbformat.v4.new_output(
+        "display_data", data={"text/html": body, "text/plain": text}
+    )
+
+
+def stderr_outputs(text):
+    """What a cell printed on stderr: progress bars as their final text, the
+    rest (warnings) in warning boxes, in the order printed."""
+    runs = []
+    for line in overwrite_returns(text).split("\n"):
+        kind = "progress" if PROGRESS_LINE.search(line) else "warning"
+        if runs and runs[-1][0] == kind:
+            runs[-1][1].append(line)
+        else:
+            runs.append((kind, [line]))
+    return [
+        text_output(kind, "\n".join(lines).strip("\n"))
+        for kind, lines in runs
+        if "".join(lines).strip()
+    ]
+
+
+def shown_outputs(outputs, widget_state):
+    """A cell's outputs as JupyterLab shows them (see the module's docstring)."""
+    shown = []
+    for output in outputs:
+        data = output.get("data", {})
+        if WIDGET_VIEW in data:
+            text = widget_final_text(data[WIDGET_VIEW], widget_state)
+            text = text or overwrite_returns(data.get("text/plain", "")).strip()
+            if text:
+                shown.append(text_output("progress", text))
+        elif output.get("output_type") == "stream":
+            output = copy.deepcopy(output)
+            if (
+                shown
+                and shown[-1].get("output_type") == "stream"
+                and shown[-1].get("name") == output.get("name")
+            ):
+                shown[-1]["text"] += output["text"]  # one stream, as printed
+            else:
+                shown.append(output)
+        else:
+            shown.append(output)
+    final = []
+    for output in shown:
+        if output.get("output_type") == "stream":
+            text = overwrite_returns(output["text"])
+            if output.get("name") == "stderr":
+                final += stderr_outputs(output["text"])
+                continue
+            output["text"] = text
+        final.append(output)
+    return final
+
+
+NBVAL_LINE = re.compile(r"^[ \t]*#[ \t]*NBVAL_\w*[ \t]*$\n?", re.M)
+
+
+def plain_sentences(markdown):
+    """A markdown cell's prose as plain sentences (no code, math marks, links)."""
+    text = re.sub(
+        r"^```.*?^```[ \t]*$|^:::.*?^:::[ \t]*$", " ", markdown, flags=re.M | re.S
+    )
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", text)  # links: their text
+    text = re.sub(r"^[ \t]*(#+|[-*]|\d+\.)[ \t]+", "", text, flags=re.M)
+    text = re.sub(r"<[^>]+>|`|\*\*|(?<!\w)\*|\*(?!\w)|\$", "", text)
+    text = re.sub(r"\s+", " ", text).strip()
+    return [s for s in re.split(r"(?<=[.!?])\s+(?=[A-Z0-9(])", text) if s.strip()]
+
+
+def figure_alt(cell, above):
+    """A figure's alt text: what its cell found (its ``Finding:`` lines), else
+    the last sentence of the nearest markdown cell above it (``above``).
+    Returns (alt, whether it came from Finding: lines)."""
+    findings = [
+        line.strip().removeprefix("Finding:").strip()
+        for output in cell.outputs
+        if output.get("output_type") == "stream"
+        for line in overwrite_returns(output.get("text", "")).split("\n")
+        if line.strip().startswith("Finding:")
+    ]
+    if findings:
+        return "Figure: " + "; ".join(f.rstrip(" .;") for f in findings) + ".", True
+    sentences = plain_sentences(above) if above else []
+    if not sentences:
+        return "Figure", False
+    return "Figure: " + re.sub(r"[:;,]$", ".", sentences[-1]), False
+
+
+# Figures whose cell printed no Finding: line ("NN-name: cell N"), for the
+# build's log (their alt text is the markdown's last sentence above them).
+FIGURES_WITHOUT_FINDING = []
+
+
+def site_notebook(copy_path, book, learner_name, api_names, books=None, links=None):
+    """The notebook as its page shows it (the repository's file is not changed).
+
+    ``links``: the notebook's Colab and Binder addresses, if the repository is
+    known (see ``cloud_links``)."""
+    nb = nbformat.read(copy_path, as_version=4)
+    books = BOOKS if books is None else books
+    others = {b.stem: b.name for b in books if b != book}
+    widget_state = (
+        nb.metadata.get("widgets", {})
+        .get("application/vnd.jupyter.widget-state+json", {})
+        .get("state", {})
+    )
+    above = ""
+    for index, cell in enumerate(nb.cells):
         if cell.cell_type == "markdown":
             cell.source = link_names(cell.source, others, api_names)
+            above = cell.source
         if cell.cell_type != "code":
             continue
-        cell.outputs = [o for o in cell.outputs if WIDGET_VIEW not in o.get("data", {})]
-        tags = cell.metadata.get("tags", [])
+        cell.source = NBVAL_LINE.sub("", cell.source)
+        tags = [t for t in cell.metadata.get("tags", []) if not t.startswith("nbval")]
+        if "tags" in cell.metadata:
+            cell.metadata["tags"] = tags
+        if any("image/png" in o.get("data", {}) for o in cell.outputs):
+            alt, found = figure_alt(cell, above)
+            mystnb = cell.metadata.setdefault("mystnb", {})
+            mystnb.setdefault("image", {})["alt"] = alt
+            if not found:
+                first = next((ln for ln in cell.source.splitlines() if ln.strip()), "")
+                FIGURES_WITHOUT_FINDING.append(f"{book.stem}: cell {index} ({first})")
+        cell.outputs = shown_outputs(cell.outputs, widget_state)
         if "solution" in tags:
             cell.metadata["tags"] = [*tags, "hide-cell"]
             cell.metadata.setdefault("mystnb", {}).update(SOLUTION_PROMPTS)
+    nb.metadata.pop("widgets", None)
+    cloud = ""
+    if links:
+        cloud = (
+            f"- [Open in Colab]({links['colab']}) or "
+            f"[Launch on Binder]({links['binder']}): run it in your browser, "
+            "nothing to install (in Colab, first run "
+            f'`%pip install "jacutil @ git+{links["repository"]}"` in a new '
+            "cell; Binder installs the repository's environment.yml, which takes "
+            "a few minutes the first time).\n"
+        )
     box = nbformat.v4.new_markdown_cell(
         ":::{admonition} Run it yourself\n"
         ":class: tip download-notebook\n"
         f"- {{download}}`{book.name} <../{FILES}/{book.name}>`: this notebook, "
         "with its outputs and solutions;\n"
         f"- {{download}}`{learner_name} <../{FILES}/{learner_name}>`: the learner "
-        "copy, outputs cleared and each solution an empty stub (`make learner`).\n"
+        "copy, outputs cleared and each solution an empty stub (`make learner`);\n"
+        f"{cloud}"
         "\n"
         "Open either in JupyterLab (`make lab` in a clone of the repository).\n"
         ":::"
@@ -118,6 +330,29 @@ def site_notebook(copy, book, learner_name, api_names):
     ]
     nb.cells.insert(titled[0] + 1 if titled else 0, box)
     return nb
+
+
+def repository():
+    """pyproject.toml's [project.urls] Repository, without a trailing slash."""
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        url = tomllib.load(f)["project"].get("urls", {}).get("Repository", "")
+    return url.rstrip("/").removesuffix(".git")
+
+
+def cloud_links(book):
+    """Where a notebook opens in Colab and on Binder, from the repository's URL
+    (GitHub's owner/name); None if it is not on GitHub."""
+    url = repository()
+    found = re.fullmatch(r"https://github\.com/([^/]+)/([^/]+)", url)
+    if not found:
+        return None
+    owner, name = found.groups()
+    path = f"notebooks/{book.name}"
+    return {
+        "repository": url,
+        "colab": f"https://colab.research.google.com/github/{owner}/{name}/blob/main/{path}",
+        "binder": f"https://mybinder.org/v2/gh/{owner}/{name}/HEAD?labpath={path}",
+    }
 
 
 def submodules(package):
@@ -236,7 +471,173 @@ def api_page():
                 else ["   :no-members:"]
             )
             lines += [""]
+    covered = covered_anchors(functions, classes, modules)
+    lines += notebook_entries(covered)
     return "\n".join(lines), documented
+
+
+def covered_anchors(functions, classes, modules):
+    """The anchors (HTML ids) the reference has before the notebooks' extra
+    names: jacutil.X, jacutil.X.method, module-jacutil.m, jacutil.m.f."""
+    import jacutil
+
+    found = {"module-jacutil"}
+    for n in functions + classes:
+        found.add(f"jacutil.{n}")
+        obj = getattr(jacutil, n)
+        if inspect.isclass(obj):
+            found |= {
+                f"jacutil.{n}.{m}"
+                for m, member in vars(obj).items()
+                if not m.startswith("_") and inspect.getdoc(member)
+            }
+    top = {id(getattr(jacutil, n)) for n in functions + classes}
+    for n in modules:
+        found.add(f"module-jacutil.{n}")
+        for name, module in submodules(getattr(jacutil, n)):
+            found.add(f"module-jacutil.{name}")
+            for m in public_callables(module):
+                if id(getattr(module, m)) not in top:
+                    found.add(f"jacutil.{name}.{m}")
+                    obj = getattr(module, m)
+                    if inspect.isclass(obj):
+                        found |= {
+                            f"jacutil.{name}.{m}.{a}"
+                            for a, member in vars(obj).items()
+                            if not a.startswith("_") and inspect.getdoc(member)
+                        }
+    return found
+
+
+def notebook_names():
+    """The dotted jacutil names the notebook sources (notebooks/src) use:
+    ``ju.a.b``, ``jacutil.a.b``, ``from jacutil.a import b`` and ``b.c``."""
+    found = set()
+    for source in sorted((ROOT / "notebooks" / "src").glob("[0-9]*.py")):
+        tree = ast.parse(source.read_text())
+        aliases = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.split(".")[0] == "jacutil":
+                        aliases[a.asname or "jacutil"] = (
+                            a.name if a.asname else "jacutil"
+                        )
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                if (node.module or "").split(".")[0] == "jacutil":
+                    for a in node.names:
+                        aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+                        found.add(f"{node.module}.{a.name}")
+        inner = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and id(node) not in inner:
+                parts, value = [], node
+                while isinstance(value, ast.Attribute):
+                    parts.insert(0, value.attr)
+                    value = value.value
+                if isinstance(value, ast.Name) and value.id in aliases:
+                    found.add(".".join([aliases[value.id], *parts]))
+    return found
+
+
+def entry_for(path):
+    """``(directive, target, anchors)``: how the API page documents a dotted
+    jacutil name, and the anchors any of which already does; None for a
+    private name, one that does not resolve, or TensorFlow's (``ju.tf.x``)."""
+    parts = path.split(".")
+    if any(p.startswith("_") for p in parts):
+        return None  # tests/test_api_coverage.py names it
+    obj, parent = importlib.import_module("jacutil"), None
+    for i, part in enumerate(parts[1:], start=1):
+        parent = obj
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            if not inspect.ismodule(parent):
+                return None
+            try:
+                obj = importlib.import_module(".".join(parts[: i + 1]))
+            except ImportError:
+                return None
+        if inspect.ismodule(obj) or inspect.isclass(obj):
+            if not _is_jacutil(obj):  # jacutil.tf, jacutil.keras: TensorFlow's
+                return "external", ".".join(parts[: i + 1]), set()
+            continue
+        parts = parts[: i + 1]
+        break
+    dotted = ".".join(parts)
+    if inspect.ismodule(obj):
+        return "automodule", obj.__name__, {f"module-{obj.__name__}"}
+    anchors = {dotted}
+    for o in [obj] + ([parent] if inspect.isclass(parent) else []):
+        if getattr(o, "__qualname__", None) and getattr(o, "__module__", None):
+            own = f"{o.__module__}.{o.__qualname__}"
+            anchors.add(own if o is obj else f"{own}.{parts[-1]}")
+    if inspect.isclass(parent):
+        return "automethod", dotted, anchors
+    if inspect.isclass(obj):
+        return "autoclass", dotted, anchors
+    if callable(obj):
+        return "autofunction", dotted, anchors
+    return (
+        "autodata",
+        f"{parent.__name__}.{parts[-1]}",
+        anchors | {f"{parent.__name__}.{parts[-1]}"},
+    )
+
+
+def _external_name(dotted):
+    obj = importlib.import_module("jacutil")
+    for part in dotted.split(".")[1:]:
+        obj = getattr(obj, part)
+    return getattr(obj, "__name__", dotted)
+
+
+def notebook_entries(covered):
+    """The reference's last section: every further jacutil name a notebook
+    uses (its module, function, class, method or constant), so that the
+    reference covers what the course calls."""
+    entries, external = {}, set()
+    for path in sorted(notebook_names()):
+        entry = entry_for(path)
+        if entry and entry[0] == "external":
+            external.add(entry[1])
+        elif entry and not entry[2] & covered:
+            entries.setdefault((entry[0], entry[1]), entry)
+            covered |= entry[2]
+    if not entries and not external:
+        return []
+    lines = [
+        "Further names the notebooks use",
+        "-------------------------------",
+        "",
+        "Functions, classes, methods and constants of ``jacutil``'s modules that a",
+        "notebook calls or reads, beyond the names above.",
+        "",
+    ]
+    if external:
+        lines += [
+            "TensorFlow's own, as ``jacutil`` imports them (TensorFlow's and Keras's",
+            "documentation describe them): "
+            + ", ".join(
+                f"``{name}`` (``{_external_name(name)}``)" for name in sorted(external)
+            )
+            + ".",
+            "",
+        ]
+    for kind, target in sorted(entries, key=lambda e: (e[1], e[0] != "automodule")):
+        lines.append(f".. {kind}:: {target}")
+        if kind == "automodule":
+            lines.append("   :no-members:")
+        elif kind == "autoclass":
+            lines.append("   :members:")
+        elif kind == "autodata":
+            module, name = target.rsplit(".", 1)
+            value = getattr(importlib.import_module(module), name)
+            if not isinstance(value, (int, float, str, bool)):
+                lines.append("   :no-value:")
+        lines.append("")
+    return lines
 
 
 def _is_jacutil(obj):
@@ -244,8 +645,11 @@ def _is_jacutil(obj):
     return (name or "").split(".")[0] == "jacutil"
 
 
-def generate(src):
-    """Write the page sources into ``src``."""
+def generate(src, books=None):
+    """Write the page sources into ``src`` (``books``: the notebooks, all of
+    notebooks/NN-*.ipynb unless given)."""
+    books = BOOKS if books is None else [Path(b).resolve() for b in books]
+    FIGURES_WITHOUT_FINDING.clear()
     if src.exists():
         shutil.rmtree(src)
     files = src / FILES
@@ -257,7 +661,7 @@ def generate(src):
 
     # Each notebook as it is now, its learner copy made from those same bytes
     # by make_learner.py (which writes build/learner/ under its working folder).
-    copies = [Path(shutil.copy(book, files / book.name)) for book in BOOKS]
+    copies = [Path(shutil.copy(book, files / book.name)) for book in books]
     work = src / "learner-work"
     work.mkdir()
     subprocess.run(
@@ -267,10 +671,12 @@ def generate(src):
         stdout=subprocess.DEVNULL,
     )
     page_of = {}
-    for book, copy in zip(BOOKS, copies, strict=True):
+    for book, stored in zip(books, copies, strict=True):
         learner_name = f"{book.stem}-learner.ipynb"
         shutil.move(work / "build" / "learner" / book.name, files / learner_name)
-        page = site_notebook(copy, book, learner_name, api_names)
+        page = site_notebook(
+            stored, book, learner_name, api_names, books, cloud_links(book)
+        )
         nbformat.write(page, src / "notebooks" / book.name)
         page_of[book.stem] = f"notebooks/{book.name}"
     shutil.rmtree(work)
@@ -299,13 +705,18 @@ def toctrees(page_of):
     )
 
 
-def build(out, src=None):
+def build(out, src=None, books=None):
     """Generate the sources and run Sphinx; returns Sphinx's exit status."""
     from sphinx.cmd.build import build_main
 
     out = Path(out).resolve()
     src = Path(src).resolve() if src else out.parent / f"{out.name}-src"
-    generate(src)
+    generate(src, books)
+    if FIGURES_WITHOUT_FINDING:
+        print(
+            "site: figures whose cell prints no Finding: line (alt text from "
+            "the markdown above): " + "; ".join(FIGURES_WITHOUT_FINDING)
+        )
     if out.exists():
         shutil.rmtree(out)
     return build_main(
@@ -329,9 +740,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(ROOT / "build" / "site"))
     parser.add_argument("--src", help="where the page sources go (default: OUT-src)")
+    parser.add_argument(
+        "--notebooks", nargs="+", help="only these notebooks (default: all)"
+    )
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    status = build(args.out, args.src)
+    status = build(args.out, args.src, args.notebooks)
     if status:
         raise SystemExit(status)
     print(f"site: {args.out}/index.html ({time.perf_counter() - start:.0f} s)")

@@ -15,9 +15,18 @@ test session, shared by pytest-xdist's workers), then checks it:
   no failed request and no request outside 127.0.0.1; search finds
   ``chunked_jacobian``; a solution opens when clicked. Screenshots go to
   build/screenshots/site/.
+The pages show what JupyterLab shows: a progress bar (a tqdm.auto widget) as
+its final text, a warning printed on stderr in a warning box, each figure with
+alt text from the ``Finding:`` lines its cell printed, and no nbval plumbing.
+Those are checked on the real notebooks and on a made-up one, built into a
+site of its own (``--notebooks``), that has each case, a warning included
+(no stored notebook prints one today). Every page has the licences and
+"Report a problem with this page"; every notebook page links Colab and Binder.
 Without Chromium or playwright the browser tests are skipped with a reason.
 """
 
+import base64
+import contextlib
 import dataclasses
 import fcntl
 import functools
@@ -29,6 +38,7 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 import urllib.error
 import urllib.request
 from html import unescape
@@ -38,6 +48,7 @@ from urllib.parse import unquote, urldefrag, urljoin, urlsplit
 
 import nbformat
 import pytest
+import yaml
 
 from tests.chromium import CHROMIUM, CHROMIUM_FLAGS
 
@@ -95,19 +106,25 @@ def is_external(url):
 # -- the site, built once ----------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def site(tmp_path_factory):
-    """(folder, seconds to build, Sphinx's output): one build for all workers."""
+def built(tmp_path_factory, name, *args):
+    """(folder, seconds to build, Sphinx's output) of build_site.py run once
+    per test session into NAME, shared by pytest-xdist's workers."""
     shared = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         shared = shared.parent
-    out, log = shared / "site", shared / "site-build.log"
-    with open(shared / "site.lock", "w") as lock:
+    out, log = shared / name, shared / f"{name}-build.log"
+    with open(shared / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not log.exists():
             start = time.perf_counter()
             run = subprocess.run(
-                [sys.executable, str(ROOT / "scripts" / "build_site.py"), "--out", out],
+                [
+                    sys.executable,
+                    str(ROOT / "scripts" / "build_site.py"),
+                    "--out",
+                    out,
+                    *[a(shared) if callable(a) else a for a in args],
+                ],
                 capture_output=True,
                 text=True,
             )
@@ -118,16 +135,29 @@ def site(tmp_path_factory):
     return out, float(seconds), output
 
 
+@pytest.fixture(scope="session")
+def site(tmp_path_factory):
+    """(folder, seconds to build, Sphinx's output): one build for all workers."""
+    return built(tmp_path_factory, "site")
+
+
+@pytest.fixture(scope="session")
+def made_up_site(tmp_path_factory):
+    """A site of one made-up notebook (``made_up_notebook``) that has a case of
+    everything a page must show as JupyterLab does."""
+    return built(tmp_path_factory, "made-up-site", "--notebooks", made_up_notebook)
+
+
 @dataclasses.dataclass
 class Served:
     url: str  # http://127.0.0.1:PORT/
     errors: list  # "404: /path" for every answer >= 400, as the server saw it
 
 
-@pytest.fixture(scope="module")
-def server(site):
-    """The built site on a free loopback port."""
-    handler = functools.partial(Handler, directory=str(site[0]))
+@contextlib.contextmanager
+def serving(folder):
+    """A built site on a free loopback port."""
+    handler = functools.partial(Handler, directory=str(folder))
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     httpd.errors = []
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
@@ -135,6 +165,19 @@ def server(site):
     yield Served(f"http://127.0.0.1:{httpd.server_address[1]}/", httpd.errors)
     httpd.shutdown()
     httpd.server_close()
+
+
+@pytest.fixture(scope="module")
+def server(site):
+    """The built site on a free loopback port."""
+    with serving(site[0]) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def made_up_server(made_up_site):
+    with serving(made_up_site[0]) as served:
+        yield served
 
 
 class Handler(http.server.SimpleHTTPRequestHandler):
@@ -337,6 +380,320 @@ def test_docstrings_render_without_markup_errors(site):
     )
 
 
+# -- as JupyterLab shows it: progress bars, warnings, figures, no nbval -------
+
+PNG = base64.b64encode(  # a 1 x 1 PNG, a figure that draws
+    bytes.fromhex(
+        "89504e470d0a1a0a0000000d4948445200000001000000010806000000"
+        "1f15c4890000000d49444154789c63f8cfc0f01f0005000201a5e3e5d2"
+        "0000000049454e44ae426082"
+    )
+).decode()
+MADE_UP_WARNING = (
+    "WARNING:tensorflow:5 out of the last 5 calls to <function f at 0x7f> "
+    "triggered tf.function retracing."
+)
+MADE_UP_FINDING = "the made-up line rises from 0 to 3 over 4 steps"
+MADE_UP_FALLBACK = "The square below has no finding line."
+MADE_UP_PROGRESS = "chunks: 100%|██████████| 8/8 [00:01<00:00, 7.90it/s]"
+
+
+def made_up_notebook(folder):
+    """99-made-up.ipynb in ``folder``: a nbval comment and tag, a progress-bar
+    widget with its state, a text progress bar and a warning on stderr, a figure
+    with its Finding: line and one without."""
+    view = "application/vnd.jupyter.widget-view+json"
+
+    def model(name, **state):
+        return {"model_name": name, "state": state}
+
+    state = {
+        "bar": model(
+            "HBoxModel",
+            children=["IPY_MODEL_left", "IPY_MODEL_progress", "IPY_MODEL_right"],
+        ),
+        "left": model("HTMLModel", value="chunks: 100%"),
+        "progress": model("FloatProgressModel", value=8.0, max=8.0),
+        "right": model(
+            "HTMLModel", value="\u20078/8\u2007[00:01&lt;00:00,\u20077.90it/s]"
+        ),
+    }
+    new = nbformat.v4
+    cells = [
+        new.new_markdown_cell("# A made-up notebook\n\nEvery case a page shows."),
+        new.new_code_cell(
+            "# NBVAL_IGNORE_OUTPUT\nprint('measured')",
+            metadata={"tags": ["nbval-ignore-output"]},
+            outputs=[new.new_output("stream", name="stdout", text="measured\n")],
+        ),
+        new.new_code_cell(
+            "for chunk in tqdm(chunks, desc='chunks'): pass",
+            outputs=[
+                new.new_output(
+                    "display_data",
+                    data={
+                        view: {
+                            "model_id": "bar",
+                            "version_major": 2,
+                            "version_minor": 0,
+                        },
+                        "text/plain": "chunks:   0%|          | 0/8 [00:00<?, ?it/s]",
+                    },
+                )
+            ],
+        ),
+        new.new_code_cell(
+            "f(1); f(2)",
+            outputs=[
+                new.new_output("stream", name="stderr", text=MADE_UP_WARNING + "\n"),
+                new.new_output(
+                    "stream",
+                    name="stderr",
+                    text="\r  0%|          | 0/4\r100%|##########| 4/4 [00:00<00:00]\n",
+                ),
+            ],
+        ),
+        new.new_code_cell(
+            "plt.plot([0, 1, 2, 3])",
+            outputs=[
+                new.new_output(
+                    "stream", name="stdout", text=f"Finding: {MADE_UP_FINDING}\n"
+                ),
+                new.new_output("display_data", data={"image/png": PNG}),
+            ],
+        ),
+        new.new_markdown_cell(f"A square. {MADE_UP_FALLBACK}"),
+        new.new_code_cell(
+            "plt.fill([0, 1, 1, 0], [0, 0, 1, 1])",
+            outputs=[new.new_output("display_data", data={"image/png": PNG})],
+        ),
+    ]
+    nb = new.new_notebook(cells=cells)
+    nb.metadata["widgets"] = {
+        "application/vnd.jupyter.widget-state+json": {
+            "state": state,
+            "version_major": 2,
+            "version_minor": 0,
+        }
+    }
+    path = Path(folder) / "99-made-up.ipynb"
+    nbformat.write(nb, path)
+    return str(path)
+
+
+def images(html):
+    """``[(src, alt)]`` of a page's figures (the notebook's image outputs)."""
+    return re.findall(r'<img alt="([^"]*)" src="([^"]*_images/[^"]*)"', html)
+
+
+def is_a_path(alt):
+    return bool(re.search(r"\.(png|jpe?g|svg)\b|_images/|[0-9a-f]{32}", alt)) or not alt
+
+
+def stored_findings(book):
+    """``[[finding, ...]]`` per figure cell of a stored notebook."""
+    nb = nbformat.read(book, as_version=4)
+    found = []
+    for cell in nb.cells:
+        if cell.cell_type == "code" and any(
+            "image/png" in o.get("data", {}) for o in cell.outputs
+        ):
+            text = "".join(o.get("text", "") for o in cell.outputs if "text" in o)
+            found.append(
+                [
+                    line.strip().removeprefix("Finding:").strip()
+                    for line in text.splitlines()
+                    if line.strip().startswith("Finding:")
+                ]
+            )
+    return found
+
+
+def test_every_figure_has_alt_text_from_its_findings(site):
+    out = site[0]
+    for book in BOOKS:
+        html = book_page(out, book).read_text()
+        shown = [unescape(alt) for alt, _ in images(html)]
+        findings = stored_findings(book)
+        assert len(shown) == sum(  # one <img> per image output
+            "image/png" in o.get("data", {})
+            for c in nbformat.read(book, as_version=4).cells
+            if c.cell_type == "code"
+            for o in c.outputs
+        ), f"{book.stem}: {shown}"
+        for alt in shown:
+            assert not is_a_path(alt), f"{book.stem}: a figure's alt text is {alt!r}"
+            assert alt.startswith("Figure"), alt
+        per_cell = iter(shown)
+        for cell_findings in findings:
+            alt = next(per_cell)
+            for finding in cell_findings:
+                assert words(finding) in words(alt), (
+                    f"{book.stem}: alt {alt!r} lacks the cell's finding {finding!r}"
+                )
+
+
+def widget_texts(book):
+    """``[(left, right)]``: each progress bar's final label and count, from the
+    widget state stored in the notebook."""
+    nb = nbformat.read(book, as_version=4)
+    state = (
+        nb.metadata.get("widgets", {})
+        .get("application/vnd.jupyter.widget-state+json", {})
+        .get("state", {})
+    )
+    found = []
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            view = output.get("data", {}).get(
+                "application/vnd.jupyter.widget-view+json"
+            )
+            if view:
+                assert view["model_id"] in state, (
+                    f"{book.stem}: a progress bar without its stored state"
+                )
+                children = state[view["model_id"]]["state"]["children"]
+                labels = [
+                    unescape(state[c.removeprefix("IPY_MODEL_")]["state"]["value"])
+                    .replace("\u2007", " ")
+                    .strip()
+                    for c in children
+                    if "HTML" in state[c.removeprefix("IPY_MODEL_")]["model_name"]
+                ]
+                found.append((labels[0], labels[-1]))
+    return found
+
+
+def progress_texts(html):
+    return [
+        unescape(re.sub(r"<[^>]+>", "", t))
+        for t in re.findall(r'class="output-progress"><pre>(.*?)</pre>', html, re.S)
+    ]
+
+
+def test_progress_bars_show_their_final_text(site):
+    out = site[0]
+    with_bars = [b for b in BOOKS if widget_texts(b)]
+    assert with_bars, "no notebook stores a progress bar"
+    for book in BOOKS:
+        html = book_page(out, book).read_text()
+        shown, stored = progress_texts(html), widget_texts(book)
+        assert len(shown) == len(stored), f"{book.stem}: {shown}"
+        for text, (left, right) in zip(shown, stored, strict=True):
+            assert text.startswith(f"{left}|") and text.endswith(f"| {right}"), text
+            assert re.search(r"\|█+ *\|", text), text
+        assert "widget-view+json" not in html, f"{book.stem}: a live widget"
+
+
+def test_no_nbval_plumbing_on_any_page(site):
+    out = site[0]
+    for path in pages(out):
+        html = path.read_text()
+        assert "NBVAL" not in html, f"{path.relative_to(out)} shows an NBVAL marker"
+        if "notebooks" in path.parts:
+            assert "nbval" not in html.lower(), (
+                f"{path.relative_to(out)} shows an nbval tag"
+            )
+
+
+def test_stderr_is_shown_in_warning_boxes(site):
+    out = site[0]
+    for book in BOOKS:
+        html = book_page(out, book).read_text()
+        assert 'class="output stderr' not in html, f"{book.stem}: raw stderr"
+
+
+def test_made_up_notebook_shows_as_in_jupyterlab(made_up_site):
+    out = made_up_site[0]
+    html = (out / "notebooks" / "99-made-up.html").read_text()
+    # the progress bar: its final text from the widget state, not its first
+    assert progress_texts(html)[0] == MADE_UP_PROGRESS
+    # a text progress bar on stderr: its last state, not a warning
+    assert progress_texts(html)[1] == "100%|##########| 4/4 [00:00<00:00]"
+    assert "0/8" not in html and "0/4" not in html
+    # the warning: in a warning box, once
+    boxes = re.findall(
+        r'<div class="admonition warning output-warning"[^>]*>(.*?)</div>', html, re.S
+    )
+    assert len(boxes) == 1 and MADE_UP_WARNING in unescape(boxes[0]), boxes
+    # figures: alt text from the Finding: line, else the markdown above
+    alts = [unescape(alt) for alt, _ in images(html)]
+    assert alts == [f"Figure: {MADE_UP_FINDING}.", f"Figure: {MADE_UP_FALLBACK}"]
+    # no nbval plumbing
+    assert "nbval" not in html.lower()
+    assert "measured" in html  # the cell itself is shown
+
+
+def repository():
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["project"]["urls"]["Repository"]
+
+
+def footer(html):
+    found = re.search(r'<div class="page-footer">(.*?)</div>', html, re.S)
+    return found[1] if found else ""
+
+
+def test_every_page_has_the_licences_and_a_problem_link(site):
+    out = site[0]
+    issue = f"{repository()}/issues/new?template=problem.yml&title="
+    for path in pages(out):
+        name = path.stem  # 01-nested-loop, api, index
+        text = footer(path.read_text())
+        page = Page(text)
+        plain = re.sub(r"\s+", " ", unescape(re.sub(r"<[^>]+>", "", text)))
+        where = path.relative_to(out)
+        assert "Text and notebooks: CC BY 4.0 · Code: MIT" in plain, (where, plain)
+        assert "https://creativecommons.org/licenses/by/4.0/" in page.links, where
+        licence = [h for h in page.links if h.endswith("LICENSE.txt")]
+        assert licence and (path.parent / licence[0]).resolve().is_file(), where
+        reports = [unescape(h) for h in page.links if h.startswith(issue)]
+        assert reports, f"{where}: no 'Report a problem with this page'"
+        title = unquote(urlsplit(reports[0]).query.split("title=")[1].split("&")[0])
+        assert name in title, (where, title)
+        assert "Report a problem with this page" in plain, where
+    assert (out / "LICENSE.txt").read_text() == (ROOT / "LICENSE").read_text()
+
+
+def test_every_notebook_page_opens_in_colab_and_binder(site):
+    out = site[0]
+    owner_repo = urlsplit(repository()).path.strip("/")
+    for book in BOOKS:
+        html = book_page(out, book).read_text()
+        links = Page(html).links
+        colab = (
+            f"https://colab.research.google.com/github/{owner_repo}/blob/main/"
+            f"notebooks/{book.name}"
+        )
+        binder = f"https://mybinder.org/v2/gh/{owner_repo}/HEAD?labpath=notebooks/{book.name}"
+        assert colab in links, f"{book.stem}: no Open in Colab link"
+        assert binder in links, f"{book.stem}: no Launch on Binder link"
+        for url, text in [(colab, "Open in Colab"), (binder, "Launch on Binder")]:
+            anchor = re.search(rf'href="{re.escape(url)}"[^>]*>(.*?)</a>', html, re.S)
+            assert anchor and anchor[1].strip() == text, (book.stem, anchor)
+
+
+def test_issue_form_asks_for_the_notebook_and_the_cell():
+    folder = ROOT / ".github" / "ISSUE_TEMPLATE"
+    form = yaml.safe_load((folder / "problem.yml").read_text())
+    assert form["name"] == "Report a problem with this page"
+    fields = {f.get("id"): f for f in form["body"] if f.get("id")}
+    assert {"notebook", "cell", "expected", "happened", "versions"} <= set(fields)
+    notebook = fields["notebook"]
+    assert notebook["type"] == "dropdown"
+    options = notebook["attributes"]["options"]
+    missing = [b.stem for b in BOOKS if b.stem not in options]
+    assert not missing, f"problem.yml's notebook list lacks {missing}"
+    assert len(options) == len(set(options))
+    for name in ["notebook", "cell", "expected", "happened"]:
+        assert fields[name]["validations"]["required"] is True, name
+    assert "device_summary()" in fields["versions"]["attributes"]["description"]
+    config = yaml.safe_load((folder / "config.yml").read_text())
+    assert isinstance(config["blank_issues_enabled"], bool)
+    for link in config.get("contact_links", []):
+        assert {"name", "url", "about"} <= set(link)
+
+
 # -- in the browser ----------------------------------------------------------
 
 
@@ -356,8 +713,8 @@ def browser():
         chromium.close()
 
 
-@pytest.fixture
-def page(browser, server):
+@contextlib.contextmanager
+def watched_tab(browser, server):
     """A page that records console errors, failed and outside requests, 4xx/5xx."""
     context = browser.new_context(viewport={"width": 1280, "height": 900})
     tab = context.new_page()
@@ -384,6 +741,18 @@ def page(browser, server):
     context.close()
 
 
+@pytest.fixture
+def page(browser, server):
+    with watched_tab(browser, server) as tab:
+        yield tab
+
+
+@pytest.fixture
+def made_up_page(browser, made_up_server):
+    with watched_tab(browser, made_up_server) as tab:
+        yield tab
+
+
 def trouble(tab, server):
     """What went wrong since the page opened, in the browser or at the server."""
     return tab.problems + server.errors[tab.served_from :]
@@ -401,6 +770,11 @@ def expected(book):
         # an error output only where the notebook says it raises on purpose
         "errors": sum(o.output_type == "error" for c in raising for o in c.outputs),
         "solutions": sum("solution" in c.metadata.get("tags", []) for c in code),
+        "progress": sum(
+            "application/vnd.jupyter.widget-view+json" in o.get("data", {})
+            for c in code
+            for o in c.outputs
+        ),
         "title": next(
             m[1]
             for c in nb.cells
@@ -452,8 +826,17 @@ def test_reader_walks_every_notebook_in_order(page, server):
         )
         assert len(sizes) == want["figures"], f"{book.stem}: figures {sizes}"
         assert all(w > 0 for w in sizes), f"{book.stem}: a figure is not drawn {sizes}"
+        alts = figures.evaluate_all("imgs => imgs.map(i => i.alt)")
+        assert not [a for a in alts if is_a_path(a)], f"{book.stem}: alt {alts}"
         assert page.locator("article .output.traceback").count() == want["errors"]
+        # stderr: only in warning boxes (or as a progress bar's final text)
         assert not page.locator("article .output.stderr").count()
+        bars = page.locator("article .output-progress")
+        assert bars.count() == want["progress"], f"{book.stem}: progress bars"
+        for i in range(bars.count()):
+            assert bars.nth(i).is_visible()
+            assert re.search(r"100%\|█+\| (\d+)/\1 ", bars.nth(i).inner_text())
+        assert "NBVAL" not in page.locator("body").inner_text()
         assert page.locator("details:has(.cell_input)").count() == want["solutions"]
         shoot(page, book.stem)
         if want["figures"]:
@@ -490,3 +873,94 @@ def test_a_solution_opens_when_clicked(page, server):
     solution.scroll_into_view_if_needed()
     shoot(page, "solution-open")
     assert not trouble(page, server)
+
+
+SHOW_ALT = """img => {
+    const label = document.createElement('p');
+    label.className = 'alt-shown';
+    label.textContent = 'alt text: ' + img.alt;
+    label.style.cssText = 'border: 2px dashed #c33; padding: 4px 8px; ' +
+        'font: 14px sans-serif; background: #fff8e0; color: #222;';
+    img.after(label);
+}"""
+
+
+@in_browser
+def test_figures_progress_bars_and_no_markers_as_seen(page, server):
+    """Screenshots for a reader's eye: a figure with its alt text shown under it
+    (the page does not show alt text; this test writes it there), a progress
+    bar's final text, and a notebook's once-marked cell without its marker."""
+    book = next(b for b in BOOKS if stored_findings(b) and any(stored_findings(b)))
+    page.goto(urljoin(server.url, f"notebooks/{book.stem}.html"))
+    wait_for_math(page)
+    figure = page.locator("article .cell_output img").first
+    alt = figure.get_attribute("alt")
+    assert alt and not is_a_path(alt), alt
+    figure.evaluate(SHOW_ALT)
+    figure.scroll_into_view_if_needed()
+    page.locator(".alt-shown").scroll_into_view_if_needed()
+    shoot(page, f"{book.stem}-figure-alt")
+
+    book = next(b for b in BOOKS if widget_texts(b))
+    page.goto(urljoin(server.url, f"notebooks/{book.stem}.html"))
+    bar = page.locator("article .output-progress").first
+    bar.scroll_into_view_if_needed()
+    page.evaluate("window.scrollBy(0, 150)")
+    assert bar.is_visible() and "100%" in bar.inner_text()
+    shoot(page, f"{book.stem}-progress")
+
+    book = next(b for b in BOOKS if b.stem.startswith("01"))
+    nb = nbformat.read(book, as_version=4)
+    marked = [
+        i
+        for i, c in enumerate(c for c in nb.cells if c.cell_type == "code")
+        if "NBVAL" in c.source
+        or any(t.startswith("nbval") for t in c.metadata.get("tags", []))
+    ]
+    page.goto(urljoin(server.url, f"notebooks/{book.stem}.html"))
+    if marked:
+        cell = page.locator("article .cell_input").nth(marked[0])
+        cell.scroll_into_view_if_needed()
+        page.evaluate("window.scrollBy(0, -120)")
+    assert "NBVAL" not in page.locator("body").inner_text()
+    assert not page.locator("[class*=nbval]").count()
+    shoot(page, f"{book.stem}-no-nbval")
+    assert not trouble(page, server)
+
+
+@in_browser
+def test_a_warning_is_styled_as_a_warning(made_up_page, made_up_server):
+    page = made_up_page
+    page.goto(urljoin(made_up_server.url, "notebooks/99-made-up.html"))
+    box = page.locator("article .output-warning")
+    assert box.count() == 1
+    assert box.is_visible()
+    assert box.locator(".admonition-title").inner_text().startswith("Warning")
+    assert "triggered tf.function retracing" in box.inner_text()
+    # the theme's warning colour, as a warning admonition of the theme has it
+    colours = box.evaluate(
+        """box => {
+        const probe = document.createElement('div');
+        probe.style.color = 'var(--pst-color-warning)';
+        document.body.append(probe);
+        const warning = getComputedStyle(probe).color;
+        probe.remove();
+        const style = getComputedStyle(box);
+        return {warning, border: style.borderLeftColor,
+                plain: getComputedStyle(
+                    document.querySelector('.output.stream, .cell_output')
+                ).borderLeftColor};
+        }"""
+    )
+    assert colours["border"] == colours["warning"], colours
+    assert colours["border"] != colours["plain"], colours
+    # the progress bar and the figures of the made-up page, as the real ones
+    assert page.locator(".output-progress").first.inner_text() == MADE_UP_PROGRESS
+    alts = page.locator("article .cell_output img").evaluate_all(
+        "imgs => imgs.map(i => i.alt)"
+    )
+    assert alts == [f"Figure: {MADE_UP_FINDING}.", f"Figure: {MADE_UP_FALLBACK}"]
+    assert "NBVAL" not in page.locator("body").inner_text()
+    box.scroll_into_view_if_needed()
+    shoot(page, "made-up-warning")
+    assert not trouble(page, made_up_server)

@@ -8,7 +8,9 @@ the theme's fonts and icons are its own files.
 """
 
 import importlib.util
+import shutil
 import sys
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,6 +22,15 @@ project = next(
     if line.startswith("# ")
 )
 html_title = project
+
+# The repository (pyproject.toml's [project.urls] Repository): every page's
+# "Report a problem with this page" link opens its issue form.
+with open(ROOT / "pyproject.toml", "rb") as _f:
+    repository = (
+        tomllib.load(_f)["project"]["urls"]["Repository"]
+        .rstrip("/")
+        .removesuffix(".git")
+    )
 
 # napoleon: the docstrings' Args:, Returns: and Examples: sections
 extensions = [
@@ -61,11 +72,17 @@ html_theme_options = {
     "use_fullscreen_button": False,
     "navigation_with_keys": False,
     "navbar_persistent": [],  # search is in the sidebar (and Ctrl+K)
-    "footer_content_items": [],
+    # every page: the licences and "Report a problem with this page"
+    "footer_content_items": ["page-footer.html"],
     "footer_start": [],
     "footer_end": [],
 }
-html_context = {"default_mode": "auto"}  # light or dark, as the reader's system
+html_context = {
+    "default_mode": "auto",  # light or dark, as the reader's system
+    "repository": repository,
+    "licence_text": "https://creativecommons.org/licenses/by/4.0/",
+}
+templates_path = ["_templates"]
 html_static_path = ["_static", str(_mathjax / "static")]
 html_css_files = ["site.css"]
 html_favicon = "_static/favicon.svg"  # else browsers ask for /favicon.ico: a 404
@@ -73,3 +90,14 @@ html_copy_source = False
 html_show_sourcelink = False
 html_show_sphinx = False
 html_permalinks_icon = "#"
+
+
+def _copy_licence(app, exception):
+    """LICENSE in the site as LICENSE.txt (the footer links it; a browser
+    shows a .txt file, where it would download a file without a suffix)."""
+    if exception is None and app.builder.format == "html":
+        shutil.copyfile(ROOT / "LICENSE", Path(app.outdir) / "LICENSE.txt")
+
+
+def setup(app):
+    app.connect("build-finished", _copy_licence)
