@@ -925,6 +925,10 @@ def test_figures_progress_bars_and_no_markers_as_seen(page, server):
     assert "NBVAL" not in page.locator("body").inner_text()
     assert not page.locator("[class*=nbval]").count()
     shoot(page, f"{book.stem}-no-nbval")
+    footer = page.locator(".page-footer")
+    footer.scroll_into_view_if_needed()
+    assert "Report a problem with this page" in footer.inner_text()
+    shoot(page, f"{book.stem}-footer")
     assert not trouble(page, server)
 
 

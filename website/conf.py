@@ -43,7 +43,10 @@ exclude_patterns = ["_files", ".doctrees", "learner-work"]
 
 # Notebooks: the stored outputs, never executed here.
 nb_execution_mode = "off"
-nb_merge_streams = True  # a cell's printed lines in one block
+# A cell's printed lines: scripts/build_site.py joins consecutive ones into one
+# block, as JupyterLab does; myst-nb's merging would also pull lines printed
+# after a progress bar or a warning up above it.
+nb_merge_streams = False
 nb_render_markdown_format = "myst"  # Markdown outputs with tables
 nb_ipywidgets_js = {}  # no widget scripts from a CDN, even if a notebook asks
 myst_enable_extensions = ["dollarmath", "amsmath", "colon_fence"]
