@@ -597,10 +597,23 @@ def test_no_nbval_plumbing_on_any_page(site):
 
 
 def test_stderr_is_shown_in_warning_boxes(site):
+    """Every cell that printed a warning on stderr has a warning box (today no
+    stored notebook does: the made-up notebook's test sees one)."""
     out = site[0]
     for book in BOOKS:
         html = book_page(out, book).read_text()
         assert 'class="output stderr' not in html, f"{book.stem}: raw stderr"
+        warned = 0
+        for cell in nbformat.read(book, as_version=4).cells:
+            text = "".join(
+                o.get("text", "")
+                for o in cell.get("outputs", [])
+                if o.get("name") == "stderr"
+            )
+            lines = [ln.split("\r")[-1] for ln in text.splitlines()]
+            warned += any(ln.strip() and not re.search(r"\d+%\|", ln) for ln in lines)
+        boxes = html.count('class="admonition warning output-warning"')
+        assert boxes >= warned and (boxes == 0) == (warned == 0), (book.stem, boxes)
 
 
 def test_made_up_notebook_shows_as_in_jupyterlab(made_up_site):
