@@ -262,6 +262,9 @@ def resolve_target(model, variables=None, training=False, x=None):
     (optional) builds a Keras model that has not run yet.
 
     The target refers to the model weakly: whoever calls it holds the model.
+    The stages build their target with it. Introduced in notebook
+    ``02-vectorized`` (a hand-written ``tf.map_fn`` Jacobian uses the
+    target's ``forward`` and ``variables``); ``03-compiled`` uses it again.
 
     Args:
         model: a Keras model, or a callable ``f(x)``.
@@ -329,7 +332,9 @@ def stack_columns(jacobians, variables, n_rows):
     ``jacobians[j]`` has shape (n_rows, n_outputs, *variables[j].shape), or is
     ``None`` when the outputs do not use that variable: its true derivative is
     zero. When *every* one is ``None`` nothing is connected, and that is an
-    error, not a Jacobian of zeros.
+    error, not a Jacobian of zeros. The stages join their blocks with it.
+    Introduced in notebook ``02-vectorized`` (it joins the blocks of a
+    hand-written ``tf.map_fn`` Jacobian).
 
     Args:
         jacobians: one tensor (or None) per variable, shape

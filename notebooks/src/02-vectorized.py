@@ -23,7 +23,7 @@
 # - Predict the memory of a size before running it, and refuse a size that
 #   would not fit.
 #
-# *Teaching: 20 min · Exercises: 15 min*
+# *Teaching: 27 min · Exercises: 7 min · Going further: 15 min*
 
 # %% [markdown]
 # ## Setup
@@ -246,6 +246,13 @@ def on(values):
     return [values.get(n, np.nan) for n in sizes]
 
 
+def nearer(slope):
+    """Which growth a fitted slope is nearer: n (1) or n^2 (2)."""
+    if np.isnan(slope):
+        return "no slope"
+    return "nearer n^2 than n" if slope > 1.5 else "nearer n than n^2"
+
+
 def fit(values):
     """Log-log slope of values (a dict by n), and the range of n it spans."""
     ns = [n for n in sorted(values) if values[n] > 0]
@@ -270,7 +277,8 @@ for name in functions:
         {n: p / 2**20 for n, p in peaks[name].items()})
     findings.append(
         f"Finding: {name}: time above its fixed {fixed[name]:.2f} s ~ "
-        f"n^{slope_t:.2f} ({range_t}); memory ~ n^{slope_m:.2f} ({range_m})")
+        f"n^{slope_t:.2f} ({range_t}, {nearer(slope_t)}); memory ~ "
+        f"n^{slope_m:.2f} ({range_m}, {nearer(slope_m)})")
 ju.teaching.plots.loglog_scaling(sizes, time_series, ax=ax_t, slopes=False)
 for line, label in zip(ax_t.get_lines(), time_series, strict=True):
     line.set_color("C0" if label.startswith("vec") else "C1")
@@ -301,18 +309,46 @@ print(f"Finding: at n = {n_top:,}: vectorized_jacobian "
 # that its solid line stays nearly flat until its largest sizes. The dashed
 # lines subtract the fixed cost and leave the work, at each method's three
 # largest sizes, where the work is largest: the Findings fit their slopes
-# there. The batch tape's work grows like n² (a slope near 2). The
-# per-sample Jacobian's grows like n: its slope is near 1, but it scatters
-# more from run to run, because even at its largest size its work is not
-# much larger than the fixed cost it is taken from (timings on a busy
-# machine scatter; rerun the timing cell to see by how much). Memory has no
-# fixed cost to subtract, so its slopes are fitted over all sizes (right
-# panel): near 2 and 1 again. The per-sample Jacobian's memory is a few
-# copies of its result, `n · l · m · 4` bytes (the last Finding but one
-# says how many).
+# there and say whether each is nearer 1 (time proportional to n) or 2
+# (proportional to n²). The analysis above predicts 2 for the batch tape
+# and 1 for the per-sample Jacobian. The per-sample slope scatters more
+# from run to run, because even at its largest size its work is not much
+# larger than the fixed cost it is taken from (timings on a busy machine
+# scatter; rerun the timing cell to see by how much). Memory has no fixed
+# cost to subtract, so its slopes are fitted over all sizes (right panel).
+# The per-sample Jacobian's memory is a few copies of its result,
+# `n · l · m · 4` bytes (the last Finding but one says how many).
 
 # %% [markdown]
-# ## pfor against a `while_loop`
+# ## Exercises
+#
+# Each exercise ends with a check: put your answer in `answer` and run the
+# check's cell. It says "correct", or gives a hint (never the answer).
+#
+# **1.** The memory model fitted in this notebook, `batch_model`, predicts
+# `a·n² + b·n + c` bytes (`batch_model.quadratic`, `.linear`, `.constant`;
+# `batch_model.predict(n)`). Find the largest batch n for which
+# `vectorized_jacobian` fits in 8 GiB, and how many GiB a batch of 2n would
+# need. Put both in `answer = (n, gib)`.
+
+# %% tags=["solution", "nbval-ignore-output"] jupyter={"source_hidden": true}
+# Solution: solve a*n^2 + b*n + c = 8 GiB; doubling n multiplies the n^2
+# term by four.
+n_max = batch_model.largest_n(8 * 2**30)
+answer = (n_max, batch_model.predict(2 * n_max) / 2**30)
+print(f"largest n in 8 GiB: {n_max:,}; 2n needs {answer[1]:.1f} GiB")
+
+# %%
+check.exercise("02-1", answer, batch_model=batch_model)
+
+# %% [markdown]
+# ## Going further: pfor against a `while_loop`
+#
+# Optional: how much pfor gains over running the same per-sample function
+# in a loop. This section writes that loop by hand with two documented
+# helpers of `jacutil.core.target`: `resolve_target` (the model's forward
+# pass and variables) and `stack_columns` (one block per variable, joined
+# into `(n, l, m)`).
 #
 # `tf.vectorized_map` turns the per-sample function into batched operations
 # (pfor). `tf.map_fn` runs the same function in a `while_loop`, one sample
@@ -352,39 +388,20 @@ for n in map_sizes:
     loop = ju.time_call(with_while_loop, x_n, repeats=repeats).median
     print(f"n = {n:>4}: vectorized_map {1e3 * pfor:7.1f} ms   "
           f"map_fn {1e3 * loop:7.1f} ms   ratio {loop / pfor:5.1f}")
-print(f"Finding: at n = {n}, tf.map_fn (while_loop) is {loop / pfor:.0f}x "
-      "slower than tf.vectorized_map (pfor)")
+print(f"Finding: at n = {n}, tf.map_fn (while_loop) takes {loop / pfor:.1f}x "
+      "the time of tf.vectorized_map (pfor)")
 
 # %% [markdown]
 # The `while_loop` pays one small step per sample, like the Python loop of
 # `01` but without Python. pfor does one batched operation per step of the
-# function for all samples. pfor wins whenever the function can be
-# vectorized; `tf.vectorized_map(..., fallback_to_while_loop=True)` (the
-# default) falls back to a loop for operations it cannot convert.
+# function for all samples. Read the ratio in the Finding: above 1, pfor is
+# the faster (the table gives the ratio at each size).
+# `tf.vectorized_map(..., fallback_to_while_loop=True)` (the default) falls
+# back to a loop for operations it cannot convert.
 
 # %% [markdown]
-# ## Exercises
+# ## Going further: the last layer's columns
 #
-# Each exercise ends with a check: put your answer in `answer` and run the
-# check's cell. It says "correct", or gives a hint (never the answer).
-#
-# **1.** The memory model fitted in this notebook, `batch_model`, predicts
-# `a·n² + b·n + c` bytes (`batch_model.quadratic`, `.linear`, `.constant`;
-# `batch_model.predict(n)`). Find the largest batch n for which
-# `vectorized_jacobian` fits in 8 GiB, and how many GiB a batch of 2n would
-# need. Put both in `answer = (n, gib)`.
-
-# %% tags=["solution", "nbval-ignore-output"] jupyter={"source_hidden": true}
-# Solution: solve a*n^2 + b*n + c = 8 GiB; doubling n multiplies the n^2
-# term by four.
-n_max = batch_model.largest_n(8 * 2**30)
-answer = (n_max, batch_model.predict(2 * n_max) / 2**30)
-print(f"largest n in 8 GiB: {n_max:,}; 2n needs {answer[1]:.1f} GiB")
-
-# %%
-check.exercise("02-1", answer, batch_model=batch_model)
-
-# %% [markdown]
 # **2.** Take the Jacobian with respect to the last layer's variables only
 # (`variables=model.layers[-1].trainable_variables`) on `x_check`, with both
 # functions, and check that they agree. Which columns of the full
@@ -418,7 +435,9 @@ check.exercise("02-2", answer, model=model, x=x_check)
 #   conversion): subtract it, or compile it away, before reading a slope.
 # - `tf.vectorized_map` of a one-sample Jacobian (`per_sample_jacobian`, the
 #   counterpart of `vmap(jacrev)`) differentiates each sample through itself:
-#   linear in n. pfor beats a `while_loop` (`tf.map_fn`).
+#   linear in n.
+# - Going further: pfor against a `while_loop` (`tf.map_fn`) running the
+#   same per-sample function, timed.
 # - Measure memory as resident memory, in a fresh process; predict a size
 #   before running it.
 # - Next, `03-compiled`: remove the fixed cost of eager mode with
