@@ -21,10 +21,12 @@
 # - Compute a Jacobian larger than the budget into a memory-mapped `.npy`,
 #   chunk by chunk, with a progress bar, and prove it equal to the
 #   unchunked result.
-# - Plot peak memory (per-sample chunks) and time (both vectorizations)
-#   against the chunk size.
 #
-# *Teaching: 15 min · Exercises: 15 min*
+# *Going further* (optional, after the exercise): peak memory and time
+# against the chunk size, for both vectorizations inside a chunk; a
+# Jacobian written in two runs, as after a restart.
+#
+# *Teaching: 17 min · Exercises: 10 min · Going further: 28 min*
 
 # %% [markdown]
 # ## Setup
@@ -155,7 +157,33 @@ print("chunked on disk", on_disk.shape, "== unchunked: True")
 del on_disk, unchunked
 
 # %% [markdown]
-# ## Peak memory and time against the chunk size
+# ## Exercises
+#
+# Each exercise ends with a check: put your answer in `answer` and run the
+# check's cell. It says "correct", or gives a hint (never the answer).
+#
+# **1.** Your budget is 16 MiB and the model is in float64. What chunk size
+# does `chunk_size_for` give? Run `chunked_jacobian` with that chunk size
+# on a float64 copy of the model (`ju.question_mlp(seed=seed,
+# dtype="float64")` with `model`'s weights) for the first 300 samples,
+# `x[:300]`. Put both in `answer = (chunk, J)`: the chunk size (a number)
+# and the float64 Jacobian, shape `(300, l, m)`; the check compares J with
+# `per_sample_jacobian`.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# Solution: float64 doubles the bytes per sample, so the chunk halves.
+model64 = ju.question_mlp(seed=seed, dtype="float64")
+model64.set_weights(model.get_weights())
+c64 = ju.chunk_size_for(16 * 2**20, n_outputs, n_params, 8)
+J64 = ju.chunked_jacobian(model64, x[:300].astype("float64"),
+                          chunk_size=c64, progress=False)
+answer = (c64, J64)
+
+# %%
+check.exercise("04-1", answer, model=model, x=x[:300])
+
+# %% [markdown]
+# ## Going further: peak memory and time against the chunk size
 #
 # Left: the peak memory of the per-sample chunks, measured above, and the
 # fitted line `b · chunk + c`: memory grows linearly with the chunk (on
@@ -216,35 +244,6 @@ print(f"Finding: n = {n_sweep:,}: per-sample chunks of {best} take "
 # Pick the chunk from the budget: beyond a few hundred samples a larger chunk
 # buys little time and costs memory in proportion. The per-sample method is
 # the default inside a chunk; the batch tape is quadratic in the chunk.
-
-# %% [markdown]
-# ## Exercises
-#
-# Each exercise ends with a check: put your answer in `answer` and run the
-# check's cell. It says "correct", or gives a hint (never the answer).
-#
-# **1.** Your budget is 16 MiB and the model is in float64. What chunk size
-# does `chunk_size_for` give? Run `chunked_jacobian` with that budget on a
-# float64 copy of the model (`ju.question_mlp(seed=seed, dtype="float64")`
-# with `model`'s weights) for the first 300 samples, `x[:300]`, and check it
-# against `per_sample_jacobian`. Put both in `answer = (chunk, J)`: the
-# chunk size (a number) and the float64 Jacobian, shape `(300, l, m)`.
-
-# %% tags=["solution"] jupyter={"source_hidden": true}
-# Solution: float64 doubles the bytes per sample, so the chunk halves.
-model64 = ju.question_mlp(seed=seed, dtype="float64")
-model64.set_weights(model.get_weights())
-x64 = x[:300].astype("float64")
-c64 = ju.chunk_size_for(16 * 2**20, n_outputs, n_params, 8)
-J64 = ju.chunked_jacobian(model64, x64, memory_budget=16 * 2**20,
-                          progress=False)
-np.testing.assert_allclose(J64, ju.per_sample_jacobian(model64, x64),
-                           rtol=1e-10, atol=1e-12)
-answer = (c64, J64)
-print("chunk size:", c64, " J:", J64.shape, J64.dtype, " equal: True")
-
-# %%
-check.exercise("04-1", answer, model=model, x=x[:300])
 
 # %% [markdown]
 # **2.** A long job can stop half-way. Fill a memory-mapped file with the
