@@ -625,19 +625,77 @@ def notebook_entries(covered):
             + ".",
             "",
         ]
-    for kind, target in sorted(entries, key=lambda e: (e[1], e[0] != "automodule")):
-        lines.append(f".. {kind}:: {target}")
-        if kind == "automodule":
-            lines.append("   :no-members:")
-        elif kind == "autoclass":
-            lines.append("   :members:")
-        elif kind == "autodata":
-            module, name = target.rsplit(".", 1)
-            value = getattr(importlib.import_module(module), name)
-            if not isinstance(value, (int, float, str, bool)):
-                lines.append("   :no-value:")
-        lines.append("")
+    groups = {}
+    for kind, target in entries:
+        module = target if kind == "automodule" else target.rsplit(".", 1)[0]
+        if kind == "automethod":  # jacutil.x.Class.method: in jacutil.x
+            module = module.rsplit(".", 1)[0]
+        groups.setdefault(module, []).append((kind, target))
+    for module, members in sorted(groups.items()):
+        title = f"In ``{module}``"
+        lines += [title, "~" * len(title), ""]
+        for kind, target in sorted(members, key=lambda e: (e[0] != "automodule", e[1])):
+            if kind == "autodata":
+                lines += constant_entry(target)
+                continue
+            lines.append(f".. {kind}:: {target}")
+            if kind == "automodule":
+                lines.append("   :no-members:")
+            elif kind == "autoclass":
+                lines.append("   :members:")
+            lines.append("")
     return lines
+
+
+def constant_entry(target):
+    """A module's constant as ``py:data``, its value (or type) and the comment
+    the source gives it (autodoc's autodata would show ``int``'s docstring)."""
+    module_name, name = target.rsplit(".", 1)
+    module = importlib.import_module(module_name)
+    value = getattr(module, name)
+    lines = [f".. py:data:: {name}", f"   :module: {module_name}"]
+    if isinstance(value, (int, float, str, bool)):
+        lines.append(f"   :value: {value!r}")
+    else:
+        lines.append(f"   :type: {type(value).__name__}")
+    note = source_comment(module, name)
+    return lines + ["", *(f"   {line}" for line in note), ""]
+
+
+def source_comment(module, name):
+    """The comment on a constant's line, or the comment lines just above it,
+    as text (``["Traces of one compiled Jacobian before note_trace warns."]``)."""
+    try:
+        text = inspect.getsource(module)
+    except (OSError, TypeError):
+        return []
+    source = text.splitlines()
+    lines = [
+        node.lineno - 1
+        for node in ast.parse(text).body
+        if isinstance(node, (ast.Assign, ast.AnnAssign))
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(target, ast.Name) and target.id == name
+    ]
+    if not lines:
+        return []
+    i = lines[0]
+    after = re.search(r"#\s*(.+)$", source[i])
+    if after and "noqa" not in after[1]:
+        note = after[1]
+    else:
+        above = []
+        for previous in reversed(source[:i]):
+            if not previous.lstrip().startswith("#"):
+                break
+            above.insert(0, previous.lstrip().lstrip("#").strip())
+        note = " ".join(above)
+    if not note:
+        return []
+    if re.match(r"[a-z]+\b(?![_.(])", note):
+        note = note[0].upper() + note[1:]
+    note = re.sub(r"([*`|_\\])", r"\\\1", note)  # no markup: as written
+    return [note if note.endswith(".") else f"{note}."]
 
 
 def _is_jacutil(obj):
