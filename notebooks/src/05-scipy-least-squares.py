@@ -13,23 +13,24 @@
 # - What exactly does `scipy.optimize.least_squares` need from a network,
 #   and in which layout?
 # - How do Levenberg–Marquardt (`"lm"`), trust-region (`"trf"`) and Adam
-#   compare on the same start, and what does each iteration cost?
-# - How do I combine the Jacobian with a derivative computed outside
-#   TensorFlow, and take a Gauss–Newton step when J does not fit in memory?
+#   compare on the same start, and where does each one's time go?
 #
 # **Objectives**
 # - Turn `(model, x, y)` into `fun`, `jac` and `theta0` with
 #   `least_squares_problem`, and prove `jac` against the earlier stages.
-# - Fit with `"lm"`, `"trf"` and Adam from the same weights; read loss
-#   against time, `nfev` and `njev`.
-# - Relate SciPy's `(n·l) × m` layout to the question's `(l·m) × n`.
-# - Apply the chain rule by a matrix product, checked by finite differences.
-# - Take one damped Gauss–Newton step from `JᵀJ` and `Jᵀr` summed chunk by
-#   chunk, and check it against the step from the full J.
-# - Fit the question's network with Levenberg–Marquardt built on those
-#   chunked normal equations, where SciPy's `"lm"` is too slow.
+# - Fit with Levenberg–Marquardt, `"trf"` and Adam from the same weights;
+#   read loss against time, `nfev` and `njev`, and the noise floor of the
+#   data.
+# - Fit the loop question's network with Levenberg–Marquardt built on
+#   chunked normal equations, where SciPy's `"lm"` is too slow, and measure
+#   where its time goes.
 #
-# *Teaching: 25 min · Exercises: 15 min*
+# *Going further* (optional, after the exercise): SciPy's `"lm"` on a
+# narrow network; the layout question's `(l·m) × n` matrix against
+# SciPy's `(n·l) × m`; the chain rule with a derivative computed outside
+# TensorFlow; one Gauss–Newton step without holding J; two more exercises.
+#
+# *Teaching: 24 min · Exercises: 11 min · Going further: 40 min*
 
 # %% [markdown]
 # ## Setup
@@ -50,10 +51,11 @@ print(ju.teaching.notebook.device_summary())
 
 # %% tags=["parameters"]
 n_samples = 2000  # samples to fit: n*l = 4000 residuals
+noise = 0.05  # standard deviation of the noise on y
 small_hidden = [16, 8]  # hidden widths of the narrow network of the race
 trf_max_nfev = 20  # residual evaluations allowed to method="trf"
 lm_max_nfev = 25  # residual evaluations allowed to method="lm"
-lm_steps = 12  # trial steps of levenberg_marquardt (question's network)
+lm_steps = 12  # trial steps of levenberg_marquardt (loop question's network)
 lm_damping = 10.0  # its starting damping lambda
 lsmr_maxiter = 10  # inner iterations of TRF's lsmr solver, per step
 adam_epochs = 30  # passes over the data for Adam
@@ -64,7 +66,7 @@ gn_chunk = 100  # samples per chunk of J in that check
 seed = 0
 
 # %%
-x, y = ju.regression_data(n_samples, seed=seed)
+x, y = ju.regression_data(n_samples, seed=seed, noise=noise)
 model = ju.question_mlp(seed=seed)
 n, l = y.shape
 m = ju.flat_params(model).size
@@ -87,20 +89,24 @@ print(f"one QR factorisation of the (n*l) x m matrix: 2*n*l*m**2 = "
 #
 # Row `i*l + k` is sample `i`, output `k` - exactly `J.reshape(n*l, m)` of
 # the `(n, l, m)` Jacobian of the earlier notebooks, with no transpose.
-# `least_squares_problem` builds the three from a model and data. `jac`
-# runs `chunked_jacobian` of `04`, whose one compiled function is reused by
-# every call, so nothing is retraced.
+# (That is SciPy's layout, not the layout question's $(l·m) \times n$ of
+# [`00-welcome`](00-welcome.ipynb#The-two-questions): the going-further
+# part relates the two.) `least_squares_problem` builds the three from a
+# model and data; its `fun` and `jac`:
 
 # %%
-ju.teaching.notebook.show_source(ju.LeastSquaresProblem)
+ju.teaching.notebook.show_source(ju.LeastSquaresProblem.fun)
+ju.teaching.notebook.show_source(ju.LeastSquaresProblem.jac)
 
 # %% [markdown]
-# Check `jac` against the per-sample Jacobian of `02`, and `fun` against
-# the model's own outputs. `fun` and `jac` run the model itself, so each
-# call first writes its `theta` into the model's variables: after a call at
-# another `theta` the model holds that one, and `set_params(theta0)` puts
-# the start back. A solver's last call need not be at its solution, which is
-# why the fits below end with `set_params(result.x)`.
+# `jac` runs `chunked_jacobian` of `04`, whose one compiled function is
+# reused by every call, so nothing is retraced. Check `jac` against the
+# per-sample Jacobian of `02`, and `fun` against the model's own outputs.
+# `fun` and `jac` run the model itself, so each call first writes its
+# `theta` into the model's variables: after a call at another `theta` the
+# model holds that one, and `set_params(theta0)` puts the start back. A
+# solver's last call need not be at its solution, which is why the fits
+# below end with `set_params(result.x)`.
 
 # %%
 problem = ju.least_squares_problem(model, x, y)
@@ -122,33 +128,46 @@ print("traces after two calls at different theta:",
 # %% [markdown]
 # ## Three optimizers, one start
 #
-# We fit the data with `method="trf"`, `method="lm"` and Adam, each starting
+# We fit the data with `method="trf"`, Levenberg–Marquardt and Adam, each
 # from the same weights. Each logs the mean squared error
-# $\mathrm{MSE} = \lVert r \rVert^2 / (n·l)$ against wall-clock time: SciPy's
-# at every call of `fun` (we plot the best so far: a trial step that SciPy
-# rejects raises it), Adam's after every epoch. Times include each method's
-# first call (tracing).
+# $\mathrm{MSE} = \lVert r \rVert^2 / (n·l)$ against wall-clock time, first
+# call (tracing) included: at every call of `fun` (we plot the best so far,
+# since a rejected trial step raises it), or after every epoch for Adam.
 #
-# `"trf"` (trust region reflective) runs with `tr_solver="lsmr"`: lsmr is an
-# iterative least-squares solver that needs only products of J with vectors
-# (`lsmr_maxiter` of them per step), never a factorisation of J. `"lm"` is
-# Levenberg-Marquardt from MINPACK, the Fortran library SciPy wraps: it
-# factorises the whole $(n·l) \times m$ matrix at every step, which costs
-# about $2 n l m^2$ operations - more on that below.
-#
-# Each method runs to its own cap (`trf_max_nfev`, `lm_max_nfev`, Adam's
-# epochs; the parameters cell): the end of each line is what it did within
-# its budget, not the best it can do. Compare the lines at the same time on
-# the x axis.
+# `"trf"` (trust region reflective) runs with `tr_solver="lsmr"`, an
+# iterative solver that needs only products of J with vectors
+# (`lsmr_maxiter` per step), never a factorisation of J. Each method runs to
+# its own cap (the parameters cell): the end of a line is what it did within
+# its budget, not the best it can do. `TimedProblem` adds up the seconds a
+# fit spends in `fun` and `normal_equations`, for later.
 
 # %%
-COLORS = {"lm": "tab:blue", "trf": "tab:orange", "adam": "tab:green",
-          "lm-jtj": "tab:purple"}
 SCIPY_OPTIONS = {
     "trf": {"max_nfev": trf_max_nfev, "tr_solver": "lsmr",
             "tr_options": {"maxiter": lsmr_maxiter}},
     "lm": {"max_nfev": lm_max_nfev},
 }
+
+
+class TimedProblem:
+    """problem, adding up the seconds of fun and normal_equations."""
+
+    def __init__(self, problem):
+        self.problem, self.theta0 = problem, problem.theta0
+        self.set_params = problem.set_params
+        self.seconds = {"fun": 0.0, "normal_equations": 0.0}
+
+    def timed(self, name, theta):
+        start = time.perf_counter()
+        result = getattr(self.problem, name)(theta)
+        self.seconds[name] += time.perf_counter() - start
+        return result
+
+    def fun(self, theta):
+        return self.timed("fun", theta)
+
+    def normal_equations(self, theta):
+        return self.timed("normal_equations", theta)
 
 
 def fit_scipy(problem, method, log, start):
@@ -179,11 +198,16 @@ def fit_adam(model, log, start):
     return steps, None, log[-1][1]
 
 
+lm_seconds = {}  # where levenberg_marquardt's time went
+
+
 def fit_lm_jtj(problem, log):
-    """jacutil's levenberg_marquardt from problem.theta0."""
-    result = ju.levenberg_marquardt(problem, max_steps=lm_steps,
+    """jacutil's levenberg_marquardt from problem.theta0, its parts timed."""
+    timed = TimedProblem(problem)
+    result = ju.levenberg_marquardt(timed, max_steps=lm_steps,
                                     damping=lm_damping)
     log.extend(map(tuple, result["history"][1:]))
+    lm_seconds.update(timed.seconds)
     return result["n_fev"], result["n_jev"], result["history"][-1, 1]
 
 
@@ -210,124 +234,172 @@ def race(model, methods):
 
 
 # %% [markdown]
-# ### The question's network: 10 → 64 → 32 → 2
+# SciPy's own `method="lm"` is Levenberg–Marquardt from MINPACK, the
+# Fortran library SciPy wraps: every step factorises the whole
+# $(n·l) \times m$ matrix, the $2 n l m^2$ operations printed at the start,
+# as plain loops on one core. On this network it stays out of the race (it
+# runs on a narrow network in the going-further part).
 #
-# With the $m$ parameters of this network, one MINPACK step factorises the
-# whole $(n·l) \times m$ matrix: the $2 n l m^2$ operations printed at the
-# start, run as plain loops on one core - far more than the Jacobian itself
-# (below, `J.T @ J`, work of the same order done by a fast BLAS, is timed
-# against the Jacobian). So on this network SciPy's `"lm"` stays out of the
-# race.
-#
-# Levenberg–Marquardt itself does not need that factorisation.
-# `levenberg_marquardt` (`"lm-jtj"` below) solves the same damped system
-# from the normal equations: `normal_equations` sums the $m \times m$
-# matrix $J^\top J$ and $J^\top r$ chunk by chunk, and each step is one
-# Cholesky solve of size $m$, whatever $n$. A step that lowers the MSE is
-# kept and the damping $\lambda$ shrinks; a step that does not is undone
-# and $\lambda$ grows, re-using $J^\top J$ without a new Jacobian. The
-# damping is Marquardt's: $\lambda\,\mathrm{diag}(J^\top J)$.
-
-# %%
-ju.teaching.notebook.show_source(ju.levenberg_marquardt)
+# Levenberg–Marquardt does not need that factorisation.
+# `levenberg_marquardt` (`"lm-jtj"`) solves the same damped system from the
+# normal equations: `normal_equations` sums the $m \times m$ matrix
+# $J^\top J$ and $J^\top r$ chunk by chunk, and each step is one Cholesky
+# solve of size $m$, whatever $n$. A step that lowers the MSE is kept and
+# the damping $\lambda$ shrinks; one that does not is undone and $\lambda$
+# grows, re-using $J^\top J$. The damping is Marquardt's,
+# $\lambda\,\mathrm{diag}(J^\top J)$: each parameter damped in proportion
+# to its own curvature, so the step does not depend on the parameters'
+# scales.
 
 # %% tags=["nbval-ignore-output"]
 rows_big, curves_big, problem_big = race(model, ["lm-jtj", "trf", "adam"])
 print("traces of the compiled Jacobian:", problem_big.compiled.trace_count)
 
 # %% [markdown]
-# ### A narrow network of the same shape, where LM fits
-#
-# With hidden widths `small_hidden` the network has far fewer parameters,
-# and Levenberg–Marquardt's dense algebra is cheap again:
+# The dashed line is the noise in `y`: its variance, `noise**2`, is the
+# MSE of the true function itself. A fit that ends below it on the data it
+# was fitted to has begun to fit the noise too - with thousands of
+# parameters and a few thousand residuals, it can. The Finding names the
+# methods that did so in this run.
 
 # %% tags=["nbval-ignore-output"]
-narrow = ju.question_mlp(hidden=tuple(small_hidden), seed=seed)
-rows_small, curves_small, problem_small = race(narrow, ["lm", "trf", "adam"])
-print("parameters of the narrow network:", problem_small.n_params)
-
-# %% tags=["nbval-ignore-output"]
-fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-for ax, curves, title in [
-        (axes[0], curves_big, f"question's network, m = {m}"),
-        (axes[1], curves_small,
-         f"narrow network, m = {problem_small.n_params}")]:
+def show_race(network, rows, curves):
+    """Best MSE so far against time, the noise line, a Finding, a table."""
+    fig, ax = plt.subplots(figsize=(6, 4))
     for method, log in curves.items():
         best = np.minimum.accumulate(log[:, 1])
-        ax.semilogy(log[:, 0], best, "o-", ms=3, label=method,
-                    color=COLORS[method])
-    ax.axhline(0.05**2, ls="--", color="gray", label="noise in y")
-    ax.set_title(title)
-    ax.set_xlabel("wall-clock seconds")
+        ax.semilogy(log[:, 0], best, "o-", ms=3, label=method)
+    ax.axhline(noise**2, ls="--", color="gray", label="noise in y")
+    ax.set(title=network, xlabel="wall-clock seconds", ylabel="MSE")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-axes[0].set_ylabel("MSE (best so far)")
-fig.tight_layout()
-
-# %% tags=["nbval-ignore-output"]
-print(f"{'network':<9} {'method':<6} {'nfev':>6} {'njev':>5} "
-      f"{'final MSE':>10} {'seconds':>8}")
-for network, rows in [("question", rows_big), ("narrow", rows_small)]:
+    plt.show()
+    below = [row[0] for row in rows if row[3] < noise**2]
+    print(f"Finding: {network}: " + "; ".join(
+        f"{method} ends at MSE {mse:.4f} after {seconds:.1f} s"
+        for method, _, _, mse, seconds in rows)
+        + f"; below the noise line ({noise**2:.4f}): "
+        + (", ".join(below) or "none"))
+    print(f"{'method':<6} {'nfev':>6} {'njev':>5} {'final MSE':>10} "
+          f"{'seconds':>8}")
     for method, nfev, njev, mse, seconds in rows:
         njev = "-" if njev is None else njev
-        print(f"{network:<9} {method:<6} {nfev:>6} {njev:>5} {mse:>10.5f} "
-              f"{seconds:>8.2f}")
-for network, rows in [("question", rows_big), ("narrow", rows_small)]:
-    print(f"Finding: {network} network: " + "; ".join(
-        f"{method} MSE {mse:.4f} in {seconds:.1f} s"
-        for method, _, _, mse, seconds in rows))
+        print(f"{method:<6} {nfev:>6} {njev:>5} {mse:>10.5f} {seconds:>8.2f}")
+
+
+show_race(f"loop question's network, m = {m}", rows_big, curves_big)
 
 # %% [markdown]
 # For SciPy's methods, `nfev` and `njev` count the calls of `fun` and `jac`.
 # For Adam, `nfev` counts mini-batch gradient steps; for `lm-jtj`, `nfev` is
-# its trial steps plus the start, and `njev` the times it summed the normal
-# equations. Read the plot as a race to a given loss. The least-squares
-# methods use the Jacobian of all residuals at every step, so each step is
-# costly but goes far; Adam's steps are cheap and many. Which line is lowest
-# at a given time is the answer for this run; the table above gives where
-# each ended. `lm-jtj` forms and solves an $m \times m$ system at every
-# step: few steps, each expensive. The dashed line is the noise in `y`
-# (standard deviation 0.05): a fit below it is learning the noise.
+# its trial steps plus the start, and `njev` the systems it summed. The
+# least-squares methods use the Jacobian of all residuals at every step, so
+# each step is costly but goes far; Adam's steps are cheap and many. Which
+# line is lowest at a given time is the answer for this run. `lm-jtj` takes
+# few steps, each expensive: where does its time go?
 
 # %% [markdown]
-# ## Why LM is costly for wide networks
+# ## Where Levenberg–Marquardt's time goes
 #
-# SciPy's layout stacks the residuals: $(n·l) \times m$. MINPACK reduces
-# that matrix to a triangle at every Jacobian ($\approx 2 n l m^2$
-# operations) and solves for the damping with more $O(m^3)$ work. The
-# Jacobian costs about $n·l$ backward passes. Compare the two on the
-# question's network (the normal equations below use the same algebra):
+# `TimedProblem` measured the seconds `lm-jtj` spent in `fun` and in
+# `normal_equations`; what is left of its total is the steps' Cholesky
+# solves of the damped $m \times m$ system and the bookkeeping. Inside
+# `normal_equations`, each system needs one Jacobian of all $n$ samples and
+# the products $J^\top J$ and $J^\top r$. We time one Jacobian (`jac`, the
+# same compiled function and chunks) and one $J^\top J$ alone, and split
+# `normal_equations` with them:
 
 # %% tags=["nbval-ignore-output"]
 jac_time = ju.time_call(problem_big.jac, theta0, repeats=3).median
 J_big = problem_big.jac(theta0)
-gram_time = ju.time_call(lambda: J_big.T @ J_big, repeats=3).median
-print(f"jac: {jac_time:.3f} s   J.T @ J ({J_big.shape[0]} x {m}): "
+gram_time = ju.time_call(np.matmul, J_big.T, J_big, repeats=1).median
+del J_big
+print(f"one jac: {jac_time:.3f} s;  one J.T @ J ({n * l} x {m}): "
       f"{gram_time:.3f} s")
-print(f"Finding: at m = {m}, J.T @ J alone costs {gram_time / jac_time:.1f}x "
-      "the Jacobian; LM's factorisation costs more")
+method, nfev, njev, mse, total = rows_big[0]  # the lm-jtj row
+jacobians = njev * jac_time
+parts = [
+    (f"{njev} Jacobians ({njev} x one jac)", jacobians),
+    (f"J.T @ J, J.T @ r of {njev} systems (the rest of them)",
+     lm_seconds["normal_equations"] - jacobians),
+    (f"{nfev} evaluations of fun", lm_seconds["fun"]),
+    (f"{lm_steps} Cholesky solves and the rest",
+     total - lm_seconds["normal_equations"] - lm_seconds["fun"]),
+]
+for what, seconds in parts:
+    print(f"{what:<48} {seconds:7.2f} s {100 * seconds / total:4.0f} %")
+print(f"{'total (the table above)':<48} {total:7.2f} s")
+share = {what.split(" (")[0]: 100 * seconds / total for what, seconds in parts}
+print(f"Finding: lm-jtj's {total:.1f} s: " + "; ".join(
+    f"{what} {percent:.0f} %" for what, percent in share.items()))
 
 # %% [markdown]
-# Our `levenberg_marquardt` does work of the same order, about $n l m^2$
-# for $J^\top J$, but as one matrix product per chunk, which BLAS runs
-# blocked and on every core, plus one $m \times m$ Cholesky ($m^3/3$) per
-# trial step. MINPACK's QR of the whole $(n·l) \times m$ matrix runs as
-# plain column-by-column loops on one core. The price of the normal
-# equations is precision: they square J's condition number, which float64
-# and the damping absorb here.
+# Compare the Jacobians' share with the rest in the Finding. The dense
+# algebra on them - $J^\top J$ (about $n l m^2$ operations per system) and a
+# Cholesky factorisation ($m^3/3$) per trial step - grows as $m^2$ and $m^3$,
+# while the Jacobian grows as $m$: at thousands of parameters the algebra,
+# not the Jacobian, sets the pace. Our `levenberg_marquardt` runs that algebra as one matrix product per
+# chunk, which BLAS runs blocked and on every core; MINPACK's QR of the
+# whole $(n·l) \times m$ matrix runs as plain column-by-column loops on one
+# core, which is why SciPy's `"lm"` sat out on this network. The price of
+# the normal equations is precision: they square J's condition number,
+# which float64 and the damping absorb here.
 
 # %% [markdown]
-# ## The layout of the source question
+# ## Exercises
 #
-# The source question wanted an $(l·m) \times n$ matrix: one **column** per
-# sample, row `k*m + p`. SciPy wants $(n·l) \times m$: one **row** per
-# residual. Same numbers, different order. `to_lm_by_n` makes the question's
-# layout from the `(n, l, m)` array, which is SciPy's matrix reshaped:
+# Each exercise ends with a check: put your answer in `answer` and run the
+# check's cell. It says "correct", or gives a hint (never the answer).
+#
+# **1.** Fit a narrow network, `ju.question_mlp(hidden=(16, 8),
+# seed=seed)`, to only ten samples, `x[:10]` and `y[:10]`, so that there are fewer residuals than parameters
+# ($n·l < m$), with `method="lm"`. What does SciPy say? Which method of
+# `least_squares` still works? Put its name in `answer` (a string, exactly
+# as you would pass it to `method=`).
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# Solution: MINPACK's LM refuses an underdetermined problem; "trf" (and
+# "dogbox") accept it - with more parameters than residuals they can fit
+# the data exactly.
+tiny = ju.question_mlp(hidden=(16, 8), seed=seed)  # 330 parameters
+few = ju.least_squares_problem(tiny, x[:10], y[:10])  # 20 residuals
+try:
+    least_squares(few.fun, few.theta0, jac=few.jac, method="lm")
+except ValueError as error:
+    print("lm:", error)
+answer = "trf"
+
+# %%
+check.exercise("05-1", answer)
+
+# %% [markdown]
+# ## Going further: SciPy's `"lm"` on a narrow network
+#
+# With hidden widths `small_hidden` the network has far fewer parameters,
+# and MINPACK's dense algebra is cheap again: SciPy's `"lm"` joins the
+# race.
+
+# %% tags=["nbval-ignore-output"]
+narrow = ju.question_mlp(hidden=tuple(small_hidden), seed=seed)
+rows_small, curves_small, problem_small = race(narrow, ["lm", "trf", "adam"])
+show_race(f"narrow network, m = {problem_small.n_params}", rows_small,
+          curves_small)
+
+# %% [markdown]
+# ## The layout question
+#
+# The layout question of [`00-welcome`](00-welcome.ipynb#The-two-questions)
+# wants an $(l·m) \times n$ matrix for a SciPy optimizer: one **column** per
+# sample, row `k*m + p`. SciPy's `least_squares` wants $(n·l) \times m$: one
+# **row** per residual. Same numbers, different order. `to_lm_by_n` makes
+# the layout question's matrix from the `(n, l, m)` array, which is SciPy's
+# matrix reshaped:
 
 # %%
 J3 = J0.reshape(n, l, m)  # SciPy's matrix as (n, l, m): a view, no copy
 M = ju.to_lm_by_n(J3)
-print("SciPy:", J0.shape, "  (n, l, m):", J3.shape, "  question:", M.shape)
+print("SciPy:", J0.shape, "  (n, l, m):", J3.shape,
+      "  layout question:", M.shape)
 rng = np.random.default_rng(seed)
 i, k, p = rng.integers(n), rng.integers(l), rng.integers(m)
 print("M[k*m + p, i] == jac[i*l + k, p]:",
@@ -335,8 +407,8 @@ print("M[k*m + p, i] == jac[i*l + k, p]:",
 
 # %% [markdown]
 # The gradient of SciPy's cost $\tfrac12\lVert r\rVert^2$ is $J^\top r$ in
-# SciPy's layout. In the question's layout the same sum runs over columns,
-# one block of $m$ rows per output:
+# SciPy's layout. In the layout question's $(l·m) \times n$ the same sum
+# runs over columns, one block of $m$ rows per output:
 
 # %%
 grad_scipy = J0.T @ r0
@@ -422,9 +494,19 @@ print(f"chain rule == finite differences along {len(directions)} directions")
 # $\delta = -J^\top (J J^\top + \lambda I)^{-1} r$ (with fewer residuals
 # than parameters, that system is the smaller one).
 #
+# Note the damping: $\lambda I$ here, Levenberg's, where
+# `levenberg_marquardt` above damps with Marquardt's
+# $\lambda\,\mathrm{diag}(J^\top J)$. The second route holds for
+# $\lambda I$ only - it rests on
+# $(J^\top J + \lambda I)\,J^\top = J^\top (J J^\top + \lambda I)$ - and
+# with $\lambda I$ a large $\lambda$ turns the step into
+# $-J^\top r / \lambda$, a short gradient-descent step (exercise 3).
+# Marquardt's scaling is what an optimizer wants, since it does not depend
+# on the parameters' units; the algebra of the step is the same.
+#
 # Summing pays only when the residuals outnumber the parameters,
 # $n·l > m$: below that, $J^\top J$ is larger than J itself. This check is
-# small, so compare the sizes printed below and then the last line, which
+# small, so compare the sizes printed below, and then the last line, which
 # gives J at $n$ = 100,000, where the sums save almost everything.
 
 # %%
@@ -444,48 +526,25 @@ step_full = -J_full.T @ np.linalg.solve(
 np.testing.assert_allclose(step_chunked, step_full, rtol=1e-6, atol=1e-9)
 print(f"{int(np.ceil(n_gn / gn_chunk))} chunks of {gn_chunk} samples; "
       "step from chunks == step from full J: True")
+before = np.mean(gn.fun(theta64) ** 2)
+after = np.mean(gn.fun(theta64 + step_chunked) ** 2)
+print(f"MSE before the step {before:.4f}, after {after:.4f}")
+gn.set_params(theta64)
 print(f"J held: one chunk, {gn_chunk * l * m * 8 / 2**20:.1f} MiB, instead "
       f"of {n_res * m * 8 / 2**20:.1f} MiB; JtJ: {m * m * 8 / 2**20:.1f} MiB")
 print(f"at n = 100,000 the whole J would need "
       f"{100_000 * l * m * 8 / 2**30:.1f} GiB; JtJ stays the same size")
 
-before = np.mean(gn.fun(theta64) ** 2)
-after = np.mean(gn.fun(theta64 + step_chunked) ** 2)
-print(f"MSE before the step {before:.4f}, after {after:.4f}")
-gn.set_params(theta64)
-
 # %% [markdown]
-# ## Exercises
-#
-# Each exercise ends with a check: put your answer in `answer` and run the
-# check's cell. It says "correct", or gives a hint (never the answer).
-#
-# **1.** Fit the narrow network to only a few samples, so that there are
-# fewer residuals than parameters ($n·l < m$), with `method="lm"`. What does
-# SciPy say? Which method of `least_squares` still works? Put its name in
-# `answer` (a string, as you would pass it to `method=`).
-
-# %% tags=["solution"] jupyter={"source_hidden": true}
-# Solution: MINPACK's LM refuses an underdetermined problem; "trf" (and
-# "dogbox") accept it - with more parameters than residuals they can fit
-# the data exactly.
-tiny = ju.question_mlp(hidden=tuple(small_hidden), seed=seed)
-n_few = ju.flat_params(tiny).size // (2 * l)
-few = ju.least_squares_problem(tiny, x[:n_few], y[:n_few])
-print("residuals:", n_few * l, " parameters:", few.n_params)
-try:
-    least_squares(few.fun, few.theta0, jac=few.jac, method="lm")
-except ValueError as error:
-    print("lm:", error)
-fit = least_squares(few.fun, few.theta0, jac=few.jac, method="trf",
-                    max_nfev=5)
-print("trf runs, status:", fit.status)
-answer = "trf"
+# `levenberg_marquardt`, the `"lm-jtj"` of the race, takes this step with
+# Marquardt's damping, again and again, and adapts $\lambda$:
 
 # %%
-check.exercise("05-1", answer)
+ju.teaching.notebook.show_source(ju.levenberg_marquardt)
 
 # %% [markdown]
+# Two more exercises, on the normal equations.
+#
 # **2.** Adam minimises the mean squared error,
 # $\mathrm{MSE} = \lVert r \rVert^2/(n·l)$. Write its gradient in terms of
 # $J$ and $r$, compute it from `normal_equations` of the float64 network
@@ -538,13 +597,17 @@ check.exercise("05-3", answer, JtJ=JtJ, Jtr=Jtr)
 # - `least_squares_problem(model, x, y)` gives SciPy `fun`, `jac` and
 #   `theta0` in float64; its `jac` reuses one compiled Jacobian and never
 #   retraces. Write the solution back with `set_params(result.x)`.
-# - SciPy's Jacobian is `J.reshape(n*l, m)`: row `i*l + k`. The source
-#   question's `(l·m) × n` is `to_lm_by_n(J)`: the same numbers, transposed.
-# - A derivative computed outside TensorFlow joins the Jacobian by one
-#   product: `einsum("ik,ikp->p", G, J)`.
-# - `JᵀJ` and `Jᵀr` add up over chunks, so a Gauss–Newton step never needs
-#   the whole J in memory.
+# - SciPy's Jacobian is `J.reshape(n*l, m)`: row `i*l + k`. The layout
+#   question's `(l·m) × n` is `to_lm_by_n(J)`: the same numbers, in another
+#   order.
+# - A fit that ends below the noise floor of the data (`noise**2` here) is
+#   fitting the noise.
 # - With thousands of parameters the optimizer's own dense algebra, not the
-#   Jacobian, is the cost of SciPy's `"lm"`: use `"trf"` with
-#   `tr_solver="lsmr"`, or `levenberg_marquardt`, which solves the damped
-#   normal equations ($m \times m$, from chunks) instead.
+#   Jacobian, is the cost of Levenberg–Marquardt: SciPy's `"lm"` factorises
+#   the whole `(n·l) × m` matrix on one core; `levenberg_marquardt` solves
+#   the damped normal equations ($m \times m$, summed from chunks) with
+#   BLAS; `"trf"` with `tr_solver="lsmr"` needs only products with J.
+# - Going further: a derivative computed outside TensorFlow joins the
+#   Jacobian by one product, `einsum("ik,ikp->p", G, J)`; `JᵀJ` and `Jᵀr`
+#   add up over chunks, so a Gauss–Newton step never needs the whole J in
+#   memory.
