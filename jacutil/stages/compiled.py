@@ -115,8 +115,21 @@ class CompiledJacobian:
             )
         return self.activations[key]
 
-    def _build(self, x):
-        """A ``tf.function`` for batches like ``x``: any n, the same features."""
+    def build(self, x):
+        """A ``tf.function`` for batches like ``x``: any n, the same features.
+
+        Its input signature (``jacutil.core.batch.signature``) keeps the
+        shapes and dtypes of ``x`` but makes the batch dimension ``None``, so
+        one trace serves every number of samples; ``trace_count`` counts the
+        traces. :meth:`tensor` builds one per input signature and keeps it.
+        Introduced in notebook ``03-compiled``.
+
+        Args:
+            x: a checked batch (its per-sample shapes and dtypes count).
+
+        Returns:
+            A ``tf.function`` ``x -> J``, J of shape (n, l, m).
+        """
 
         def traced(x):
             self.trace_count += 1  # Python side effect: runs once per trace
@@ -154,7 +167,7 @@ class CompiledJacobian:
         key = signature_key(x)
         if key not in self._functions:
             self.checked_plan(x)
-            self._functions[key] = self._build(x)
+            self._functions[key] = self.build(x)
         n_rows = n_samples(x)
         if n_rows == 1:  # pfor fails on some graphs with one sample (TF 2.21)
             pad_to = 2
@@ -217,7 +230,7 @@ class CompiledJacobian:
         self.pfor_failed = first_line(error)
         if not (self.formulation or "").startswith("tf.map_fn"):  # said once
             warn_sample_by_sample(self.pfor_failed, stacklevel=5)
-        self._functions = {key: self._build(x)}
+        self._functions = {key: self.build(x)}
         return self._functions[key](x)
 
     def __call__(self, x, *, copy=True):

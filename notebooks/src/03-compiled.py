@@ -14,7 +14,8 @@
 #   cost, and how does `tf.function` remove it?
 # - Why does a `tf.function` retrace when the number of samples changes, and
 #   how does an input signature stop it?
-# - What does XLA (`jit_compile=True`) add, and why must the batch be padded?
+# - What does XLA (`jit_compile=True`) add, and why must the batch be padded
+#   (going further)?
 #
 # **Objectives**
 # - Prove `compiled_jacobian` equal to `per_sample_jacobian` of `02`.
@@ -23,7 +24,7 @@
 # - Compare eager, graph and XLA for both vectorizations, as a table and a
 #   plot.
 #
-# *Teaching: 20 min · Exercises: 15 min*
+# *Teaching: 18 min · Exercises: 10 min · Going further: 15 min*
 
 # %% [markdown]
 # ## Setup
@@ -63,10 +64,11 @@ target = ju.core.target.resolve_target(model)  # its forward pass and variables
 # of `02` is wrapped in a `tf.function` (a Python function turned into a
 # graph: [TensorFlow words](00-welcome.ipynb#TensorFlow-words)) whose input
 # signature - the shapes and dtypes it accepts - has the batch dimension
-# `None`: one graph serves every n.
+# `None`: one graph serves every n. `CompiledJacobian.build` makes that
+# `tf.function`:
 
 # %%
-ju.teaching.notebook.show_source(ju.stages.compiled.CompiledJacobian._build)
+ju.teaching.notebook.show_source(ju.stages.compiled.CompiledJacobian.build)
 
 # %%
 jac = ju.compiled_jacobian(model)
@@ -134,49 +136,6 @@ print(f"Finding: tf.function makes the per-sample Jacobian at n = 1,000 "
 # the graph did it once, while tracing.
 
 # %% [markdown]
-# ## XLA compiles once per shape
-#
-# `jit_compile=True` hands the graph to XLA (a compiler:
-# [TensorFlow words](00-welcome.ipynb#TensorFlow-words)), which fuses
-# operations and compiles machine code **for one concrete shape**. The
-# signature with `None` stops retracing (one trace below), but not
-# compiling: every new n compiles again, and its first call is slow.
-
-# %% tags=["nbval-ignore-output"]
-spec = tf.TensorSpec([None, *x_all.shape[1:]], tf.float32)
-traces.clear()
-raw_xla = tf.function(lambda x: jacobian_of_batch(x),
-                      input_signature=[spec], jit_compile=True)
-for n in xla_sizes:
-    timing = ju.time_call(raw_xla, tf.constant(x_all[:n]), repeats=1)
-    print(f"n = {n:>3}: first call {timing.first:.2f} s (compile), "
-          f"then {1e3 * timing.median:.2f} ms")
-print("traces:", len(traces))
-
-# %% [markdown]
-# The cure is to show XLA few shapes: pad the batch with copies of its last
-# sample to the next power of two (at least two: `tf.vectorized_map` fails
-# on some models when it is given a single sample), up to `block_size` samples
-# (`compiled_jacobian(..., block_size=1024)` by default; a larger batch runs
-# in blocks of `block_size`, the last one padded to its own power of two),
-# and cut the padded rows off the result. Each sample's rows depend on that
-# sample only, so the padding changes nothing (copies, not zeros: a model
-# that takes a log is not finite at zero):
-
-# %%
-ju.teaching.notebook.show_source(ju.stages.compiled.CompiledJacobian.tensor)
-
-# %%
-jac_xla = ju.compiled_jacobian(model, jit_compile=True)
-for n in xla_sizes:
-    J_xla = jac_xla(x_all[:n])
-np.testing.assert_allclose(J_xla, ju.per_sample_jacobian(model, x_all[:n]),
-                           rtol=1e-5, atol=1e-6)
-print(len(xla_sizes), "sizes ->", len(jac_xla.compiled_shapes),
-      "XLA shapes:", sorted(jac_xla.compiled_shapes),
-      "; traces:", jac_xla.trace_count)
-
-# %% [markdown]
 # ## Eager, graph and XLA, for both vectorizations
 #
 # `method="per_sample"` (`tf.vectorized_map`, linear) and `method="batch"`
@@ -220,28 +179,45 @@ for ax, method in zip(axes, ["per_sample", "batch"], strict=True):
     ax.set_title(f'method="{method}" (steady state)')
 fig.tight_layout()
 best = {(m, mo, n): med for m, mo, n, _, med in rows}
-n_big = max(sizes)
-print(f"Finding: per-sample Jacobian at n = {n_big:,}: eager "
-      f"{best['per_sample', 'eager', n_big]:.3f} s, graph "
-      f"{best['per_sample', 'graph', n_big]:.3f} s, XLA "
-      f"{best['per_sample', 'XLA', n_big]:.3f} s")
-n_mid = max(n for m, _, n, _, _ in rows if m == "batch")
-print(f"Finding: batch tape at n = {n_mid:,}: eager "
-      f"{best['batch', 'eager', n_mid]:.3f} s, graph "
-      f"{best['batch', 'graph', n_mid]:.3f} s, XLA "
-      f"{best['batch', 'XLA', n_mid]:.3f} s")
+
+
+def growth(slope):
+    """A fitted log-log slope in words."""
+    if slope < 0.75:
+        return "flatter than n"
+    return "about n" if slope < 1.5 else "about n^2 or steeper"
+
+
+for method in ["per_sample", "batch"]:
+    ran = sorted({n for m, _, n, _, _ in rows if m == method})
+    fastest = {n: min(["eager", "graph", "XLA"],
+                      key=lambda mode, n=n: best[method, mode, n])
+               for n in ran}
+    print(f"Finding: {method}, fastest mode: " + "; ".join(
+        f"n = {n:,} {fastest[n]} ({1e3 * best[method, fastest[n], n]:.1f} ms)"
+        for n in ran))
+    if len(ran) >= 3:
+        fitted = {mode: ju.teaching.plots.fitted_slope(
+            ran, [best[method, mode, n] for n in ran])
+            for mode in ["eager", "graph", "XLA"]}
+        print(f"Finding: {method}, slopes over n = {ran[0]:,} to "
+              f"{ran[-1]:,}: " + "; ".join(
+                  f"{mode} {slope:.2f} ({growth(slope)})"
+                  for mode, slope in fitted.items()))
 
 # %% [markdown]
-# Compiling removes the fixed cost of eager mode (the eager lines stay flat
-# until the work outgrows it, as in `02`). Read the slopes of the graph and
-# XLA lines in the legends: about 1 or below for the per-sample Jacobian,
-# now fast at every n (a compiled call keeps a small fixed cost, which
-# flattens the smallest sizes), and near 2 for the batch tape, whatever
-# runs it: no compiler removes work that is computed and thrown away.
-# Whether XLA beats the plain graph depends on the machine: compare the
-# graph and XLA columns of the Findings above - on a small CPU XLA can
-# lose, and for the batch tape it can be slower than eager. Its first call
-# (the compile) costs far more, once per shape.
+# Read the Findings. The first of each pair names the fastest mode at each
+# n; the second gives each line's fitted slope in words. `02` predicts the
+# work: linear in n for the per-sample Jacobian, quadratic for the batch
+# tape, whatever runs it - no compiler removes work that is computed and
+# thrown away. A fixed cost per call pulls a slope below that prediction
+# where the work is still small: eager mode's fixed cost most of all (its
+# line stays flat until the work outgrows it, as in `02`), a compiled
+# call's much less. Which of graph and XLA wins, and at which n, depends on
+# the machine and its load: on a small CPU XLA can lose to the plain graph,
+# and even to eager at some sizes. XLA's first call (the compile, in the
+# table's first column) costs far more, once per shape: the going-further
+# part below shows why, and how padding keeps the shapes few.
 
 # %% [markdown]
 # ## Exercises
@@ -249,6 +225,73 @@ print(f"Finding: batch tape at n = {n_mid:,}: eager "
 # Each exercise ends with a check: put your answer in `answer` and run the
 # check's cell. It says "correct", or gives a hint (never the answer).
 #
+# **2.** `tf.function(..., reduce_retracing=True)` is another way to stop
+# retracing without a signature. Wrap `jacobian_of_batch` with it, call it
+# on each size of `trace_sizes`, and count its traces (`traces` records
+# them). Put the number of traces in `answer`, and explain it.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# Solution: the second new shape makes TensorFlow trace a general graph with
+# a None batch dimension, which then serves every later size: 2 traces.
+# (TensorFlow's WARNING counts the traces of jacobian_of_batch by every
+# tf.function that wraps it: no_signature's five come first.)
+traces.clear()
+relaxed = tf.function(jacobian_of_batch, reduce_retracing=True)
+for n in trace_sizes:
+    relaxed(tf.constant(x_all[:n]))
+answer = len(traces)
+print(answer, "traces; traced batch sizes:", traces)
+
+# %%
+check.exercise("03-2", answer, sizes=trace_sizes)
+
+# %% [markdown]
+# ## Going further: XLA compiles once per shape
+#
+# Why XLA's first call at each n is slow, and how `compiled_jacobian` pads
+# the batch so that XLA sees only a few shapes.
+#
+# `jit_compile=True` hands the graph to XLA (a compiler:
+# [TensorFlow words](00-welcome.ipynb#TensorFlow-words)), which fuses
+# operations and compiles machine code **for one concrete shape**. The
+# signature with `None` stops retracing (one trace below), but not
+# compiling: every new n compiles again, and its first call is slow.
+
+# %% tags=["nbval-ignore-output"]
+spec = tf.TensorSpec([None, *x_all.shape[1:]], tf.float32)
+traces.clear()
+raw_xla = tf.function(lambda x: jacobian_of_batch(x),
+                      input_signature=[spec], jit_compile=True)
+for n in xla_sizes:
+    timing = ju.time_call(raw_xla, tf.constant(x_all[:n]), repeats=1)
+    print(f"n = {n:>3}: first call {timing.first:.2f} s (compile), "
+          f"then {1e3 * timing.median:.2f} ms")
+print("traces:", len(traces))
+
+# %% [markdown]
+# The cure is to show XLA few shapes: pad the batch with copies of its last
+# sample to the next power of two (at least two: `tf.vectorized_map` fails
+# on some models when it is given a single sample), up to `block_size` samples
+# (`compiled_jacobian(..., block_size=1024)` by default; a larger batch runs
+# in blocks of `block_size`, the last one padded to its own power of two),
+# and cut the padded rows off the result. Each sample's rows depend on that
+# sample only, so the padding changes nothing (copies, not zeros: a model
+# that takes a log is not finite at zero):
+
+# %%
+ju.teaching.notebook.show_source(ju.stages.compiled.CompiledJacobian.tensor)
+
+# %%
+jac_xla = ju.compiled_jacobian(model, jit_compile=True)
+for n in xla_sizes:
+    J_xla = jac_xla(x_all[:n])
+np.testing.assert_allclose(J_xla, ju.per_sample_jacobian(model, x_all[:n]),
+                           rtol=1e-5, atol=1e-6)
+print(len(xla_sizes), "sizes ->", len(jac_xla.compiled_shapes),
+      "XLA shapes:", sorted(jac_xla.compiled_shapes),
+      "; traces:", jac_xla.trace_count)
+
+# %% [markdown]
 # **1.** With `block_size=64`, which batch shapes does XLA compile when `jac`
 # is called once with every batch size from 1 to 200? Predict them from the
 # padding rule above, then check with `compiled_shapes` (use a small
@@ -269,27 +312,6 @@ print(answer)
 
 # %%
 check.exercise("03-1", answer, sizes=range(1, 201), block_size=64)
-
-# %% [markdown]
-# **2.** `tf.function(..., reduce_retracing=True)` is another way to stop
-# retracing without a signature. Wrap `jacobian_of_batch` with it, call it
-# on each size of `trace_sizes`, and count its traces (`traces` records
-# them). Put the number of traces in `answer`, and explain it.
-
-# %% tags=["solution"] jupyter={"source_hidden": true}
-# Solution: the second new shape makes TensorFlow trace a general graph with
-# a None batch dimension, which then serves every later size: 2 traces.
-# (TensorFlow's WARNING counts the traces of jacobian_of_batch by every
-# tf.function that wraps it: no_signature's five come first.)
-traces.clear()
-relaxed = tf.function(jacobian_of_batch, reduce_retracing=True)
-for n in trace_sizes:
-    relaxed(tf.constant(x_all[:n]))
-answer = len(traces)
-print(answer, "traces; traced batch sizes:", traces)
-
-# %%
-check.exercise("03-2", answer, sizes=trace_sizes)
 
 # %% [markdown]
 # ## Keypoints
