@@ -15,18 +15,13 @@
 # - Which path should I use, and when?
 #
 # **Objectives**
-# - Derive the per-sample Jacobian of a Dense network by hand and prove it
-#   equal to autodiff and to finite differences.
-# - Run the benchmark of `make bench` on a small scale and read its table:
-#   ratios to the loop, to the fastest path, to the *write floor* and, when
-#   they are installed, to JAX and PyTorch.
-# - Extend the hand derivation to every layer: a rule per layer type
-#   (`jacutil.rules`), proved equal to finite differences on a CNN.
-# - Compare the same paths on a CNN and an LSTM, where the hand-derived
-#   Dense path does not apply but the layer rules do.
+# - Derive the per-sample Jacobian of a Dense network by hand, and a rule
+#   per layer type (`jacutil.rules`); prove both equal to finite differences.
+# - Run `make bench` on a small scale and read its table: ratios to the
+#   loop, the fastest path and the *write floor*.
 # - Explain where the fastest path's time goes, and choose a path for a job.
 #
-# *Teaching: 20 min · Exercises: 15 min*
+# *Teaching: 30 min · Exercises: 15 min*
 
 # %% [markdown]
 # ## Setup
@@ -37,23 +32,21 @@ from IPython.display import Markdown, display
 
 import jacutil as ju
 from jacutil import bench, keras
-from jacutil.bench.skipping import format_seconds
+from jacutil.bench import format_seconds
 from jacutil.teaching import check
 
 # %% tags=["nbval-ignore-output"]
 print(ju.teaching.notebook.device_summary())
 
 # %% tags=["parameters"]
-sizes = [100, 1000, 3000]  # numbers of samples the benchmark runs (the MLP)
+sizes = [100, 1000, 3000]  # numbers of samples (the MLP)
 repeats = 3  # timed runs after the first, per path and size
 max_seconds = 10  # skip a path at a size if all its runs would take longer
-paths = None  # None: every path; or a list of names from bench.PATHS
+paths = ["loop", "vectorized", "compiled_batch", "compiled", "compiled_xla",
+         "dense", "rules", "jacobian", "jax", "torch"]  # None: all of PATHS
 other_sizes = [100]  # numbers of samples for the CNN and the LSTM
-other_paths = ["compiled_batch", "compiled", "rules", "jacobian", "jax",
-               "torch"]
-peer_row_sizes = [1000]  # numbers of samples of the per-sample gradient rows
-jacobian_row_sizes = None  # the same for the Jacobian rows (None: 100 for
-                           # the MLP, 2,000 for the residual and two-head)
+other_paths = ["compiled", "rules", "jacobian", "jax", "torch"]
+peer_row_sizes = [1000]  # samples of the per-sample gradient rows
 n_check = 4  # samples in the correctness checks
 seed = 0
 
@@ -91,29 +84,17 @@ ju.teaching.notebook.show_source(ju.rules.dense.DenseRule._forward)
 ju.teaching.notebook.show_source(ju.rules.dense.DenseRule._backward)
 
 # %% [markdown]
-# The outer product itself, for every sample and output at once: a batch of
-# $(p, 1) \times (1, q)$ matrix products, which write the block faster on a
-# CPU than a broadcast multiply.
-
-# %%
-ju.teaching.notebook.show_source(ju.rules.blocks.outer_blocks)
-
-# %% [markdown]
-# `compiled_dense_jacobian(model)` is the layer rules of `jacutil.rules`
-# (more below) restricted to Dense: it runs when every layer of a chain
-# gets the Dense rule and the input is one flat (n_samples, n_features)
-# array, in a `tf.function` with a `None` batch dimension. One copy of the
-# formulas serves both. On the first batch of each input shape it checks the
-# rule against autodiff on up to 8 samples spread over the batch. Any other
-# model, or one that fails the check, gets the autodiff per-sample stage,
-# and `jac.fallback` says why.
+# `compiled_dense_jacobian(model)` runs this rule for a chain of Dense
+# layers on flat inputs, in a `tf.function` with a `None` batch dimension,
+# and checks it against autodiff on a few samples of the first batch of each
+# shape. Any other model, or one that fails the check, gets the autodiff
+# per-sample stage, and `jac.fallback` says why.
 
 # %% [markdown]
 # ## Is it right?
 #
-# In float64 against finite differences, on a smaller network of the same
-# kind with three outputs (finite differences need two forward passes per
-# parameter); then on the question's network in float32 against the autodiff
+# In float64 against finite differences on a smaller network of the same
+# kind; then on the question's network in float32 against the autodiff
 # per-sample stage of notebook 02.
 
 # %%
@@ -135,53 +116,35 @@ print("compiled, float32 == per_sample_jacobian: True")
 print("fallback:", jac.fallback)
 
 # %% [markdown]
-# A convolution is not a Dense layer, so the same call falls back:
-
-# %%
-conv = keras.Sequential([
-    keras.Input((6, 6, 1)),
-    keras.layers.Conv2D(2, 3, activation="tanh"),
-    keras.layers.Flatten(),
-    keras.layers.Dense(2),
-])
-x_conv = np.random.default_rng(seed).standard_normal((3, 6, 6, 1))
-jac_conv = ju.compiled_dense_jacobian(conv)
-np.testing.assert_allclose(jac_conv(x_conv.astype("float32")),
-                           ju.per_sample_jacobian(conv, x_conv),
-                           rtol=1e-5, atol=1e-6)
-print("fallback:", jac_conv.fallback)
-
-# %% [markdown]
 # ## Beyond Dense: a rule per layer
 #
-# The Dense derivation generalizes. Every layer that has weights computes, at
-# some positions, a product of its input with its kernel: one position for
-# Dense, every output pixel for a convolution (its input there is the
-# **patch** under the kernel), every time step for a recurrent layer. So
-# each layer's block is the same outer product of its input and the signal at
-# its output, summed over positions; and the signal below it is the signal
-# times the transposed kernel. `jacutil.rules` holds one **rule** per layer
-# type (Dense, Conv1D/Conv2D, Embedding, LayerNormalization, BatchNorm and
-# Dropout in inference mode, reshapes, activation layers, LSTM/GRU/SimpleRNN
-# by back-propagation through time); a layer without one passes the signal
-# through by autodiff. Here is the convolution's backward step:
+# Every layer with weights multiplies its input by its kernel at some
+# positions: once for Dense, at every output pixel for a convolution (its
+# input there is the **patch** under the kernel), at every time step for a
+# recurrent layer. So each layer's block is the same outer product of input
+# and signal, summed over positions. `jacutil.rules` holds one **rule** per
+# layer type (Dense, convolutions, Embedding, normalization, reshapes,
+# activations, recurrent layers by back-propagation through time); a layer
+# without one passes the signal through by autodiff. The convolution's
+# backward step:
 
 # %%
 ju.teaching.notebook.show_source(ju.rules.conv.ConvRule._backward)
 
 # %% [markdown]
 # `compiled_jacobian(model, method="rules")` runs them, and says which rule
-# each layer got; the convolution above, in float64, against finite
+# each layer got; a small convolution in float64, against finite
 # differences:
 
 # %%
+keras.utils.set_random_seed(seed)
 conv64 = keras.Sequential([
     keras.Input((6, 6, 1), dtype="float64"),
     keras.layers.Conv2D(2, 3, activation="tanh", dtype="float64"),
     keras.layers.Flatten(dtype="float64"),
     keras.layers.Dense(2, dtype="float64"),
 ])
-conv64.set_weights([w.astype("float64") for w in conv.get_weights()])
+x_conv = np.random.default_rng(seed).standard_normal((3, 6, 6, 1))
 jac_rules = ju.compiled_jacobian(conv64, method="rules")
 np.testing.assert_allclose(jac_rules(x_conv),
                            ju.finite_difference_jacobian(conv64, x_conv),
@@ -197,81 +160,83 @@ for name, rule in jac_rules.plan.layers():
 # %% [markdown]
 # ## The benchmark
 #
-# `make bench` runs every path at n = 100, 1,000 and 10,000 in one process;
-# here a smaller run of the same code, at the sizes of the parameters cell.
-# Each path's first call (trace, compile) is timed apart, then `repeats`
-# more give the median; each result is checked against the compiled
-# per-sample stage before it is timed. A path is skipped where its predicted
-# time is too long (`max_seconds`), or (the quadratic `tape.jacobian`) where
-# its predicted memory does not fit. JAX (`jit(vmap(jacrev))`) and PyTorch
-# (`torch.func.vmap(jacrev)`) join when installed (`make bench-peers`):
-# `jacutil.peers` rebuilds the Keras model from its weights in each library,
-# and the run checks their Jacobians against ours like any other path.
+# `make bench` times every path in one process, at n = 100, 1,000 and
+# 10,000, and measures each path's peak memory apart, in a fresh process per
+# path. Here the same code at the sizes of the parameters cell, with memory
+# measured in this process (`memory_mode="inline"`, see below), and the
+# table of the largest size. Each path's first call (trace, compile) is
+# timed apart, then `repeats` more give the median, after a check against
+# the compiled per-sample stage. The **write floor** (`x floor`) is filling
+# a preallocated array of J's shape: whatever computes J writes its
+# n · l · m numbers at least once. `x peer` compares with JAX and PyTorch
+# when installed (`make bench-peers`).
 #
-# The **write floor** (the *floor*, `x floor`) is the time to fill a
-# preallocated array of the Jacobian's shape, `out.fill(1.0)`: whatever
-# computes J writes its n · l · m numbers at least once. Beside it, the time
-# to allocate and write a new one, `np.full((n, l, m), 1.0)`, which any
-# function that returns a new Jacobian also pays. Each table gives every
-# path's time over the floor (`x floor`) and over the faster of JAX and
-# PyTorch (`x peer`) when they ran.
+# A path is skipped at a size where its first call and `repeats` more, at
+# its predicted time per call (from the sizes it ran at), would exceed
+# `max_seconds`; or, for the quadratic `tape.jacobian` paths, where its
+# predicted peak memory is above half the memory free.
 
 # %% tags=["nbval-ignore-output"]
 results = bench.run_bench(sizes, repeats=repeats, max_seconds=max_seconds,
-                          memory_mode="inline", paths=paths, seed=seed)
+                          memory_mode="inline", paths=paths, seed=seed,
+                          log=lambda *a: None)
+largest = max(sizes)
+display(Markdown(bench.table_at(results, largest)))
 
 # %% [markdown]
-# Peak memory here is measured in this process (`memory_mode="inline"`), so
-# memory that an earlier path left in TensorFlow's pool is not counted again;
-# `make bench` measures each path in a fresh process.
+# The `peak memory` column is what each first call added, in this process,
+# above the level just before it. TensorFlow keeps the memory it grew in a
+# pool and reuses it, so a path run after another one grew the pool reads
+# too little, down to nothing. A fresh process has no such pool: here are
+# the quadratic paths measured both ways, then the memory rule with this
+# run's values:
 
 # %% tags=["nbval-ignore-output"]
+quadratic = [r for r in results["results"] if r["predicted_peak"]]
+for name in sorted({r["path"] for r in quadratic}):
+    ran = [r for r in quadratic if r["path"] == name and r["median"]]
+    fresh = bench.measure_in_fresh_process(name, [r["n"] for r in ran], seed)
+    for r, peak in zip(ran, fresh, strict=True):
+        print(f"Finding: {results['labels'][name]}, n = {r['n']:,}: peak "
+              f"{peak / 2**20:,.0f} MiB in a fresh process, "
+              f"{r['peak'] / 2**20:,.0f} MiB in this one")
 for n in sizes:
-    display(Markdown(bench.table_at(results, n)))
+    r = min((r for r in quadratic if r["n"] == n), key=lambda r: r["free"],
+            default=None)
+    if r:
+        verdict = ("above: skipped" if r["predicted_peak"] > r["free"] / 2
+                   else "below: allowed")
+        print(f"n = {n:,}: predicted peak {r['predicted_peak'] / 2**30:.2f} "
+              f"GiB, half the free memory {r['free'] / 2**31:.1f} GiB: "
+              f"{verdict}")
+print(f"memory.predicted_bytes({largest:,}), notebook 02's model: "
+      f"{ju.core.memory.predicted_bytes(largest) / 2**30:.2f} GiB")
 
 # %% [markdown]
-# The plot has one line per path, the two floors in black; paths that were
-# skipped at a size have no point there. Where lines overlap, tell them apart
-# by their markers. Below it, the findings of this run.
+# A size runs only where its predicted peak, the largest of notebook 02's
+# model and the peaks measured at smaller n scaled by n², is below half the
+# free memory. The plot has one line per path, the floors in black.
 
 # %% tags=["nbval-ignore-output"]
 ax = bench.plot(results)
-largest = max(sizes)
 
 
-def peer_finding(results):
-    """One line per n: jacutil's best path against the floor and the peer."""
-    for row in bench.summary(results):
-        best = results["labels"][row["best"]]
-        line = (f"Finding: n = {row['n']:,}, jacutil's fastest is {best}, "
-                f"{row['per_floor']:.1f}x the floor")
-        if row["per_peer"]:
-            line += f", {row['per_peer']:.2f}x the faster peer"
-        print(line)
-
-
-peer_finding(results)
-share = bench.ratios(results, largest)
-fastest = min(share, key=lambda p: share[p].fastest)
-print(f"Finding: at n = {largest:,} the fastest of all paths is "
-      f"{results['labels'][fastest]}, {share[fastest].floor:.1f}x the floor")
-if "compiled" in share and "dense" in share:
-    gain = share["compiled"].fastest / share["dense"].fastest
-    print(f"Finding: at n = {largest:,} hand-derived is {gain:.1f}x faster "
-          "than vectorized_map (tf.function)")
-for plain, xla in [("compiled", "compiled_xla"), ("dense", "dense_xla")]:
-    for n in sizes:
-        at = bench.ratios(results, n)
-        if plain in at and xla in at:
-            print(f"Finding: n = {n:,}, {results['labels'][xla]} takes "
-                  f"{at[xla].fastest / at[plain].fastest:.2f}x the time "
-                  "of the same path without XLA")
+for row in bench.summary(results):  # jacutil's fastest path at each n
+    peer = f", {row['per_peer']:.2f}x the peer" if row["per_peer"] else ""
+    print(f"Finding: MLP, n = {row['n']:,}, the fastest jacutil path is "
+          f"{results['labels'][row['best']]}, {row['per_floor']:.1f}x the "
+          f"floor{peer}")
+for n in sizes:
+    at = bench.ratios(results, n)
+    if "compiled" in at and "compiled_xla" in at:
+        print(f"Finding: MLP, n = {n:,}, vectorized_map with XLA takes "
+              f"{at['compiled_xla'].fastest / at['compiled'].fastest:.2f}x "
+              "the time without XLA")
 
 # %% [markdown]
-# How much of a difference between two rows is real? `jacutil.jacobian`
-# picks its path for this model; when that is the layer rules, its row and
-# the `layer rules` row time the same computation, and their difference is
-# the noise of this run:
+# When `jacutil.jacobian` picks the layer rules, its row and the `layer
+# rules` row time the same computation: their gap is this run's noise, and
+# rows closer than it are a tie.
 
 # %% tags=["nbval-ignore-output"]
 _, choice = ju.jacobian(model, ju.regression_data(largest, seed=seed)[0],
@@ -282,26 +247,16 @@ for n in sizes:
     if choice.path == "layer rules" and "rules" in at and "jacobian" in at:
         apart = max(at["rules"].fastest, at["jacobian"].fastest) / min(
             at["rules"].fastest, at["jacobian"].fastest)
-        print(f"Finding: n = {n:,}, the same computation timed twice: "
+        print(f"Finding: MLP, n = {n:,}, the same computation timed twice: "
               f"{apart:.2f}x apart")
-
-# %% [markdown]
-# Read the ratios with that in mind: rows closer than the noise (the
-# hand-derived path, the layer rules and `jacutil.jacobian` all do the same
-# outer products here) are a tie, whatever their order in this run.
 
 # %% [markdown]
 # ## A CNN and an LSTM
 #
-# The same run on the two models of notebook 08: the small CNN
-# (`small_cnn`: two convolutions with 3-by-3 kernels, then Dense) and the
-# LSTM (`sequence_lstm`: LSTM(16), then Dense). The hand-derived Dense path
-# does not apply to them; the layer rules do (patches for the convolutions,
-# back-propagation through time for the LSTM), beside the autodiff paths and
-# the peers when installed. The LSTM is unrolled for `vectorized_map`
-# (notebook 08 says why), and so it is in the peers. `chunked_jacobian` is
-# left out here: at these sizes it is one chunk of `vectorized_map`, the
-# same row twice.
+# The same run on a CNN and an LSTM: the CNN is notebook 08's (`small_cnn`);
+# the LSTM has notebook 08's layers (`sequence_lstm`) but longer sequences
+# than 08's default (its label gives the steps). The hand-derived Dense
+# path does not apply; the layer rules do.
 
 # %% tags=["nbval-ignore-output"]
 others = {}
@@ -312,169 +267,110 @@ for name in ["cnn", "lstm"]:
         log=lambda *a: None)
     print(others[name]["model_label"])
     for n in other_sizes:
-        display(Markdown(bench.table_at(others[name], n)))
-    peer_finding(others[name])
+        at = bench.ratios(others[name], n)
+        print(f"Finding: {name.upper()}, n = {n:,}: " + ", ".join(
+            f"{others[name]['labels'][p]} {r.floor:.0f}x the floor"
+            for p, r in sorted(at.items(), key=lambda item: item[1].floor)))
 
 # %% [markdown]
-# Each finding prints how far the best path is above the floor; each
-# table's first line prints the size of its Jacobian, of the same order as
-# the MLP's. Where the best path sits much further above the floor than on
-# the MLP, the arithmetic (convolutions, the recurrence step by step), not
-# writing the result, is the limit. Compare the `layer rules` row with the
-# autodiff rows: the rules do that arithmetic once per sample and output,
-# with no tape over the model.
+# Where the best path sits much further above the floor than on the MLP,
+# the arithmetic (convolutions, the recurrence step by step), not writing
+# J, is the limit.
 
 # %% [markdown]
-# ## Beyond the Jacobian: per-sample gradients, norms, branched models
+# ## Beyond the Jacobian: per-sample gradients
 #
-# What users do with J is often smaller: the gradient of each sample's own
-# loss (DP-SGD clips it, notebook 09), or only its norm. A training loop
-# calls these once per step, so each row times the call a user repeats:
-# one warm-up call (its time is the `first call` column: the trace), then
-# the median of the calls after it. Then the Jacobian of two functional
-# models with branches, a residual MLP (`Add` skips) and a two-head model,
-# which the layer rules now walk as graphs. The peers join when installed
-# (`make bench-peers` runs these rows at n = 1,000 and 10,000 too).
+# Often a user needs less than J: each sample's own gradient (DP-SGD clips
+# it, notebook 09), once per training step. Each row times the call a user
+# repeats: one warm-up call (`first call`, the trace), then the median.
+# (`make bench-peers` adds their norms, and the Jacobian of models with
+# branches.)
 
 # %% tags=["nbval-ignore-output"]
-gradient_rows = [name for name in bench.peer_rows.TASKS
-                 if not name.startswith("jacobian")]
-jacobian_rows = ["jacobian-mlp", "jacobian-residual", "jacobian-two_head"]
-for names, at in [(gradient_rows, peer_row_sizes),
-                  (jacobian_rows, jacobian_row_sizes)]:
-    rows = bench.run_peer_rows(names, sizes=at, repeats=repeats, seed=seed,
-                               log=lambda *a: None)
-    display(Markdown(bench.peer_rows_table(rows)))
-    proofs = [bench.peer_rows.proof_line(row, rows["kinds"])
-              for row in rows["rows"] if row["peers"]]
-    print("\n".join(proofs) or "JAX and PyTorch are not installed here: "
-          "make bench-peers times them beside these rows, each checked "
-          "against jacutil first.")
+gradient_rows = [name for name in bench.TASKS if name.startswith("grad")]
+rows = bench.run_peer_rows(gradient_rows, sizes=peer_row_sizes,
+                           repeats=repeats, seed=seed, log=lambda *a: None)
+display(Markdown(bench.peer_rows_table(rows)))
+proofs = [bench.proof_line(row, rows["kinds"])
+          for row in rows["rows"] if row["peers"]]
+print("\n".join(proofs) or "JAX and PyTorch are not installed here.")
 
 # %% [markdown]
-# Compare `jacutil` with `first call` in each row: the first call traces
-# the graph for this model and loss; every later call with the same loss
-# function reuses it. Pass the same function each step (not a new
-# `lambda`): a new function is a new graph. The `x fastest peer` column is
-# the ratio to the faster of JAX and PyTorch where they ran (below 1:
-# jacutil is faster).
+# The first call traces a graph for this model and loss; later calls with
+# the same loss function reuse it, so pass the same function each step, not
+# a new `lambda`.
 
 # %% [markdown]
 # ## Scaling slopes
 #
-# The slope of log(time) against log(n): 1 is linear, 2 quadratic. It is
-# fitted over every size a path ran at, and printed only where that is
-# three sizes or more: two points always lie on a line, so a slope from two
-# says nothing about its shape. At small n the fast paths still pay fixed
-# costs (dispatch, small kernels) on every call; where those count, a slope
-# comes out below 1. The time per sample shows it: it falls steeply while
-# the fixed costs count, and stops falling once the work dominates.
+# The slope of log(time) against log(n): 1 is linear, 2 quadratic, fitted
+# only where a path ran at three sizes or more (two points always lie on a
+# line). At small n the fast paths still pay fixed costs per call, which
+# pull a slope below 1.
 
 # %% tags=["nbval-ignore-output"]
 fitted = bench.slopes(results)  # only where a path ran at 3+ sizes
-too_few = [label for label in bench.series(results) if label not in fitted]
-for label, slope in fitted.items():
-    print(f"{label:<45} slope {slope:4.2f}")
-if too_few:
-    print("no slope (ran at fewer than three sizes):", "; ".join(too_few))
-for path in ["dense", "compiled"]:
-    if path in results["labels"]:
-        row = bench.series(results)[results["labels"][path]]
-        each = ", ".join(f"{format_seconds(t / n)} at n = {n:,}"
-                         for n, t in zip(results["sizes"], row, strict=True)
-                         if t)
-        print(f"Finding: {results['labels'][path]}, time per sample: {each}")
+print("; ".join(f"{label}: {slope:.2f}" for label, slope in fitted.items()))
+floors = {r["n"]: r["median"] for r in results["results"]
+          if r["path"] == "floor"}
+mb = 2 * ju.flat_params(model).size * 4 / 1e6  # MB of J per sample
+print(f"Finding: the write floor's slope is "
+      f"{fitted[results['labels']['floor']]:.2f}; its time per MB of J: "
+      + ", ".join(f"{format_seconds(t / (n * mb))} at n = {n:,} "
+                  f"({n * mb:,.1f} MB)" for n, t in floors.items()))
+
+# %% [markdown]
+# The write floor does the same work per number at every n: its slope
+# would be 1 if every megabyte cost the same. A small array can stay in the
+# CPU's caches, a large one goes to main memory and costs more per byte (a
+# slope above 1): its time per MB shows which happened.
 
 # %% [markdown]
 # ## Where the time goes
 #
-# Time the hand-derived path piece by piece at the largest n, in this
-# process after the benchmark. Each piece includes the ones above it; the
-# two floors are timed again beside it. Noise on a shared machine only ever
-# adds time, so each piece keeps the fastest of three profiles (each the
-# median of `repeats` calls), and `x floor` is each piece over this
-# profile's own floor.
+# The hand-derived path piece by piece at the largest n. Each piece runs
+# the code of the one above it and more: the forward pass; the column blocks
+# (outer products writing J's n · l · m numbers once); the blocks joined by
+# `tf.concat` (writing them again); the read-only view `jac(x)` returns;
+# and `jac(x, copy=True)`, a writable copy. Each piece is timed apart: the
+# fastest of three profiles (each the median of `repeats` calls), and the
+# slowest, which shows the noise.
 
 # %% tags=["nbval-ignore-output"]
 x_big = ju.regression_data(largest, seed=seed)[0]
 rounds = [bench.profile_dense(model, x_big, repeats=repeats)
           for _ in range(3)]
 profile = {piece: min(r[piece] for r in rounds) for piece in rounds[0]}
+slowest = {piece: max(r[piece] for r in rounds) for piece in rounds[0]}
 floor = profile["floor: fill a preallocated array"]
 rows = [f"**Where the hand-derived path's time goes, n = {largest:,}**", "",
-        "| piece | fastest of 3 | x floor |", "|---|---:|---:|"]
+        "| piece | fastest of 3 | slowest of 3 | x floor |",
+        "|---|---:|---:|---:|"]
 for piece, seconds in profile.items():
     rows.append(f"| {piece} | {format_seconds(seconds)} | "
-                f"{seconds / floor:.1f} |")
+                f"{format_seconds(slowest[piece])} | {seconds / floor:.1f} |")
 display(Markdown("\n".join(rows)))
 
-# %%
-size = largest * 2 * ju.flat_params(model).size * 4
-print(f"the result at n = {largest:,}: {size / 1e6:,.0f} MB of float32")
-
-# %% [markdown]
-# The pieces: the forward pass and the back-propagated signals (tiny
-# matrices); the **outer products**, which write the column blocks, n · l · m
-# numbers (the size printed above) in all (timed here one layer at a time,
-# each from its own plan, so nothing joins them); `tf.concat`, which joins the
-# blocks into one tensor, writing every number a second time; and the NumPy
-# view that `jac(x)` returns. `.numpy()` or `jac(x, copy=True)` would copy it
-# a third time: `jac(x)` hands back a read-only view of TensorFlow's buffer
-# instead; ask for the copy only when you must write into the array. What
-# the profile says, in this run:
-
 # %% tags=["nbval-ignore-output"]
-forward, blocks, joined, view, copy = list(profile.values())[:5]
+pieces = list(profile)[:5]  # each piece runs the one above it and more
+names = ["forward", "blocks", "joined", "jac(x)", "jac(x, copy=True)"]
+forward, view = profile[pieces[0]], profile[pieces[3]]
 print(f"Finding: the forward pass is {forward / view:.0%} of jac(x)'s "
-      f"{format_seconds(view)}; the rest goes into J itself")
-print(f"Finding: in floors (one write of J, {format_seconds(floor)}): "
-      f"the column blocks {blocks / floor:.1f}, joined {joined / floor:.1f},"
-      f" jac(x) {view / floor:.1f}, jac(x, copy=True) {copy / floor:.1f}")
-
-
-def added(seconds):
-    """A piece's extra time in floors, or noise where it is not positive."""
-    return f"{seconds / floor:.1f} floors" if seconds > 0 else "within noise"
-
-
-print(f"Finding: the blocks alone take "
-      f"{'more' if blocks > floor else 'less'} time than one write of J; "
-      f"the join adds {added(joined - blocks)}, the copy "
-      f"{added(copy - view)}")
+      f"{format_seconds(view)}")
+steps = []
+for k in range(1, 5):
+    added = profile[pieces[k]] - profile[pieces[k - 1]]
+    noise = max(slowest[p] - profile[p] for p in pieces[k - 1:k + 1])
+    steps.append(f"{names[k]} {1e3 * added:+.1f} ms ("
+                 f"{'beyond' if abs(added) > noise else 'within'} the "
+                 f"noise, {1e3 * noise:.1f} ms)")
+print("Finding: each piece minus the one above:", "; ".join(steps))
 
 # %% [markdown]
-# So the time goes into producing J, not into the network: the outer
-# products that write it once, the join that writes it again, and a copy
-# if you ask for one, each compared with one write of J by the findings.
-# Fewer passes over J is what makes a path fast here; past that, the floor
-# is the limit no path can pass.
-#
-# The floor in the profile and the floor in the benchmark's table at the
-# same n are the same operation, timed differently and at different moments
-# of this run:
-
-# %% tags=["nbval-ignore-output"]
-at = {r["path"]: r["median"] for r in results["results"] if r["n"] == largest}
-print(f"Finding: at n = {largest:,}, filling a preallocated array took "
-      f"{format_seconds(at['floor'])} in the table (the median of "
-      f"{repeats} right after it was allocated) and {format_seconds(floor)} "
-      "in the profile (the fastest of 3 profiles); a new array (np.full) "
-      f"{format_seconds(at['floor_new'])} and "
-      f"{format_seconds(profile['floor, new array: np.full'])}")
-out = bench.preallocated((largest, 2, ju.flat_params(model).size))
-fills = ju.time_call(bench.fill_floor, out, repeats=10)
-print(f"Finding: the same fill on a new array, once and then 10 times more: "
-      f"{format_seconds(fills.first)}, then "
-      f"{format_seconds(min(fills.times))} to "
-      f"{format_seconds(max(fills.times))}")
-
-# %% [markdown]
-# On a shared machine the same fill varies from call to call, and so does
-# every row of every table: compare each path with the floor of its own
-# table (the `x floor` column does), and trust a difference only where it is
-# larger than the noise. The new array (`np.full`) does the fill's work and
-# must also find its memory: where the allocator has to ask the system for
-# fresh pages, that costs more than the fill.
+# A piece that reads faster than the one above it, or adds less than the
+# noise (the spread of its profiles), is a tie in this run. The blocks, the
+# join and the copy are each a pass over J: fewer passes make a path fast,
+# and the floor is the limit.
 
 # %% [markdown]
 # ## Which path, when
@@ -489,11 +385,9 @@ print(f"Finding: the same fill on a new array, once and then 10 times more: "
 # | one small batch, once | `per_sample_jacobian` | no compile to wait for |
 # | never | `loop_jacobian`, `vectorized_jacobian` for large n | overhead per pass; n² memory |
 #
-# XLA (`jit_compile=True`) pays a compile per padded batch size (a power of
-# two, up to `block_size`), and on this small
-# network on a CPU it is no reliable gain over the plain `tf.function`: the
-# XLA findings above say, size by size, where it won and where it lost in
-# this run. Measure before you switch it on.
+# XLA (`jit_compile=True`) pays a compile per padded batch size, and on this
+# small network on a CPU it is no reliable gain: the XLA findings above say
+# where it won and where it lost in this run. Measure before you use it.
 
 # %% [markdown]
 # ## Exercises
@@ -553,19 +447,12 @@ print(f"n = 1,000: jac(x) {format_seconds(view)}, jac(x, copy=True) "
 # %% [markdown]
 # ## Keypoints
 #
-# - Measure every path in one run, after a warm-up, with the first call
-#   apart, and compare ratios, not absolute times on a shared machine; a
-#   difference smaller than the noise (the same path timed twice) is a tie.
-# - For Dense networks the per-sample Jacobian can be written down: outer
-#   products of each layer's input and its back-propagated signal. It equals
-#   autodiff and is among the fastest paths. The same outer products, summed
-#   over positions, give a rule per layer type (`jacutil.rules`):
-#   convolutions, embeddings, normalization, recurrent layers.
-# - Near the limit the cost is writing n · l · m numbers: avoid extra copies
-#   (joins, `.numpy()`) and compare with the write floor.
-# - Fit a slope over three sizes or more; two points always lie on a line.
+# - Time every path in one run, the first call apart, and compare ratios; a
+#   difference smaller than the noise is a tie. Measure memory in a fresh
+#   process: a pooled allocator hides what an earlier call grew.
+# - A Dense layer's block of J is an outer product of its input and the
+#   back-propagated signal; summed over positions, a rule per layer type.
+# - Near the limit the cost is writing n · l · m numbers: avoid extra
+#   passes over J and compare with the write floor.
 # - The nested loop and the batch-wide `tape.jacobian` are never the answer
 #   at scale: one is overhead-bound, the other quadratic in memory.
-# - JAX and PyTorch compute the same Jacobian from the same weights; the
-#   `x peer` column says how far each path is from the faster of them, on
-#   this machine, at each n.
