@@ -9,19 +9,19 @@ from tests.check_hints import hint
 
 
 def test_01_1_minutes_for_a_colleague():
-    per_pass = 0.009  # seconds per forward+backward pass
-    right = 10_000 * 10 * per_pass / 60  # 15 minutes
-    assert check.verdict("01-1", right, per_pass=per_pass).correct
-    assert check.verdict("01-1", 1.2 * right, per_pass=per_pass).correct
-    assert "per output" in hint("01-1", right / 10, per_pass=per_pass)
-    assert "l = 10" in hint("01-1", right / 5, per_pass=per_pass)
-    assert "seconds" in hint("01-1", right * 60, per_pass=per_pass)
-    assert "hours" in hint("01-1", right / 60, per_pass=per_pass)
-    assert "twice" in hint("01-1", 2 * right, per_pass=per_pass)
-    message = hint("01-1", right * 7, per_pass=per_pass)
+    per_row = 0.009  # seconds per row of the loop
+    right = 10_000 * 10 * per_row / 60  # 15 minutes
+    assert check.verdict("01-1", right, per_row=per_row).correct
+    assert check.verdict("01-1", 1.2 * right, per_row=per_row).correct
+    assert "per output" in hint("01-1", right / 10, per_row=per_row)
+    assert "l = 10" in hint("01-1", right / 5, per_row=per_row)
+    assert "seconds" in hint("01-1", right * 60, per_row=per_row)
+    assert "hours" in hint("01-1", right / 60, per_row=per_row)
+    assert "twice" in hint("01-1", 2 * right, per_row=per_row)
+    message = hint("01-1", right * 7, per_row=per_row)
     assert "too large" in message and "15" not in message
-    assert "one number" in hint("01-1", "a while", per_pass=per_pass)
-    assert not check.verdict("01-1", None, per_pass=per_pass).answered
+    assert "one number" in hint("01-1", "a while", per_row=per_row)
+    assert not check.verdict("01-1", None, per_row=per_row).answered
 
 
 @pytest.fixture(scope="module")

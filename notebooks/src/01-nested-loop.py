@@ -10,15 +10,16 @@
 # # 01 · The nested loop, and why it is slow
 #
 # **Questions**
-# - What does the loop of the source question compute, and is it right?
+# - What does the loop of the loop question compute, and is it right?
 # - How does its time grow with the number of samples, and where does it go?
 #
 # **Objectives**
 # - Read `loop_jacobian` and prove it against finite differences in float64.
 # - Count its forward and backward passes: n · l of each.
-# - Measure its time at growing n and explain it by a fixed cost per pass.
+# - Measure its time at growing n and split the cost of one row into its
+#   parts.
 #
-# *Teaching: 15 min · Exercises: 15 min*
+# *Teaching: 19 min · Exercises: 6 min · Going further: 21 min*
 
 # %% [markdown]
 # ## Setup
@@ -42,13 +43,15 @@ seed = 0
 # %% [markdown]
 # ## The loop
 #
-# This is the code of the source question (*How to compute the Jacobian
-# matrix efficiently in TensorFlow, and speed up my slow code?*, named in
-# `00-welcome`), written with `tf.GradientTape` (a recorder of operations:
+# This is the code of
+# [the loop question](00-welcome.ipynb#The-two-questions) (*How to compute
+# the Jacobian matrix efficiently in TensorFlow, and speed up my slow
+# code?*), written with `tf.GradientTape` (a recorder of operations:
 # [TensorFlow words](00-welcome.ipynb#TensorFlow-words)): for every sample
 # `i` and every output `k`, record the forward pass of that one sample on a
 # fresh tape and ask for the gradient of `f(x_i)[k]` with respect to every
-# variable. The gradients, flattened and joined, are row `J[i, k, :]`.
+# variable. The gradients, flattened and joined, are row `J[i, k, :]`. One
+# row costs one forward and one backward pass on one sample.
 
 # %%
 ju.teaching.notebook.show_source(ju.loop_jacobian)
@@ -119,29 +122,32 @@ for n in sizes:
                           progress=n == max(sizes))
     times[n] = timing.median
     print(f"n = {n:>5}: {timing.median:7.3f} s   "
-          f"({1e3 * timing.median / (n * n_outputs):.2f} ms per pass)")
+          f"({1e3 * timing.median / (n * n_outputs):.2f} ms per row of J)")
 
 # %% tags=["nbval-ignore-output"]
 slope = ju.teaching.plots.fitted_slope(sizes, [times[n] for n in sizes])
-per_pass = times[max(sizes)] / (max(sizes) * n_outputs)
+per_row = times[max(sizes)] / (max(sizes) * n_outputs)  # seconds
 ax = ju.teaching.plots.loglog_scaling(sizes,
                              {"loop_jacobian": [times[n] for n in sizes]})
 ax.set_title("The nested loop: time grows linearly with n")
-print(f"Finding: the loop grows like n^{slope:.2f}; "
-      f"{1e3 * per_pass:.1f} ms per forward+backward pass")
+print(f"Finding: the loop's time grows like n^{slope:.2f}; at "
+      f"n = {max(sizes):,} each row of J (one sample's forward and backward "
+      f"pass, with the loop around them) costs {1e3 * per_row:.1f} ms")
 print(f"Finding: at n = 100,000 the loop would take about "
-      f"{per_pass * 100_000 * n_outputs / 60:.0f} minutes")
+      f"{per_row * 100_000 * n_outputs / 60:.0f} minutes")
 
 # %% [markdown]
-# The slope in the Finding is close to 1: time is proportional to n. That
+# Read the slope in the Finding: near 1 means time proportional to n. That
 # sounds fine until you look at the constant, also in the Finding:
-# milliseconds for each pass over a *single* sample.
+# milliseconds for each row, and each row is a pass over a *single* sample.
 
 # %% [markdown]
 # ## Where the time goes
 #
-# Time one forward and backward pass at batch sizes 1 and 1,000. If the work
-# were what costs, 1,000 samples would take 1,000 times longer.
+# Time one bare forward and backward pass (a tape, the forward pass, one
+# gradient) at batch sizes 1 and 1,000, keeping the fastest of 20 calls
+# (the one least disturbed by other programs). If the work were what costs,
+# 1,000 samples would take 1,000 times longer.
 
 # %% tags=["nbval-ignore-output"]
 def forward_backward(x):
@@ -150,21 +156,92 @@ def forward_backward(x):
     return tape.gradient(loss, model.trainable_variables)
 
 
+def best_ms(fn, *args, repeats=20):  # the fastest call: the least disturbed
+    return 1e3 * min(ju.time_call(fn, *args, repeats=repeats).times)
+
+
 x_1000 = ju.regression_data(1000, seed=seed)[0]
-one = ju.time_call(forward_backward, x_1000[:1], repeats=20).median
-thousand = ju.time_call(forward_backward, x_1000, repeats=20).median
-print(f"1 sample: {1e3 * one:.2f} ms   "
-      f"1,000 samples: {1e3 * thousand:.2f} ms   ratio {thousand / one:.1f}")
-print(f"Finding: one pass over 1,000 samples costs {thousand / one:.1f}x one "
-      "sample's pass, not 1,000x")
+one = best_ms(forward_backward, x_1000[:1])
+thousand = best_ms(forward_backward, x_1000)
+print(f"1 sample: {one:.2f} ms   "
+      f"1,000 samples: {thousand:.2f} ms   ratio {thousand / one:.1f}")
+print(f"Finding: one bare pass over 1,000 samples costs {thousand / one:.1f}x "
+      "one sample's pass, not 1,000x")
 
 # %% [markdown]
 # Read the Finding: a pass over 1,000 samples costs nowhere near 1,000 passes
-# over one. The loop's time is **overhead**: Python, the dispatch of every
+# over one. The time is **overhead**: Python, and the dispatch of every
 # operation one at a time (*eager execution*:
-# [TensorFlow words](00-welcome.ipynb#TensorFlow-words)), a new tape per
-# row. The arithmetic itself is almost free. The next stages keep the work
-# and drop the overhead: they hand TensorFlow the whole batch at once.
+# [TensorFlow words](00-welcome.ipynb#TensorFlow-words)). The arithmetic
+# itself is almost free.
+#
+# Compare this bare pass with the cost of one row of the loop (the Finding
+# of the timing above): the difference is what the loop adds around the
+# pass. To see where it goes, rebuild one row step by step and time each
+# step on one sample (the fastest of 50 calls): a fresh tape with the
+# forward pass, its outputs sliced
+# on the tape (`tf.unstack`, below); then the backward pass of one output;
+# then flattening the gradients and joining them into a row of NumPy.
+# Whatever `loop_jacobian` spends beyond that, per row, is the loop's own
+# bookkeeping (the fastest of 3 runs on `n_row` samples; a single run, as in
+# the timing above, also pays for whatever else the machine was doing): its
+# Python loop, and the eager operations a general function
+# adds to every row (it calls the model through a wrapper, adds two axes to
+# each gradient, joins them with `stack_columns`, which also fills in
+# variables the outputs do not use, and copies the row into `J`).
+
+# %% tags=["nbval-ignore-output"]
+x_1 = x_1000[:1]
+variables = model.trainable_variables
+
+
+def record():  # a fresh tape; one sample's outputs, sliced on the tape
+    with tf.GradientTape() as tape:
+        y = tf.unstack(model(x_1, training=False)[0])
+    return tape, y
+
+
+def record_gradient():
+    tape, y = record()
+    return tape.gradient(y[0], variables)
+
+
+def record_gradient_row():
+    flat = [tf.reshape(g, [-1]) for g in record_gradient()]
+    return tf.concat(flat, 0).numpy()
+
+
+n_row = min(100, max(sizes))  # samples: the loop's time per row
+totals = {
+    "tape, forward pass, slice": best_ms(record, repeats=50),
+    "+ backward pass of one output": best_ms(record_gradient, repeats=50),
+    "+ flatten, join, to NumPy": best_ms(record_gradient_row, repeats=50),
+    "+ the loop's bookkeeping": best_ms(ju.loop_jacobian, model,
+                                        x_1000[:n_row], repeats=3)
+    / (n_row * n_outputs),
+}
+parts, before = {}, 0.0
+print(f"{'one row, step by step':<32} {'total ms':>9} {'step ms':>8}")
+for name, total in totals.items():
+    parts[name] = total - before
+    print(f"{name:<32} {total:9.2f} {parts[name]:8.2f}")
+    before = total
+row_ms = totals["+ the loop's bookkeeping"]
+passes = totals["+ backward pass of one output"]
+print(f"Finding: a row of loop_jacobian costs {row_ms:.2f} ms against "
+      f"{one:.2f} ms for one bare pass; its tape, forward and backward "
+      f"pass take {passes:.2f} ms, and flattening, joining and the loop's "
+      f"bookkeeping the other {row_ms - passes:.2f} ms (the single run at "
+      f"n = {max(sizes):,} above: {1e3 * per_row:.2f} ms a row)")
+
+# %% [markdown]
+# Read the table from the top: each line adds one step, and the last column
+# is what that step costs (on a busy machine a small step can come out near
+# zero, or below). The first two steps are the bare pass again; the last
+# two are what the loop adds to every row, and the Finding sums them. Every
+# step is a handful of eager operations on one sample, so each pays its
+# dispatch, and the row pays all of them, n · l times. The next stages keep the work and drop the overhead: they hand
+# TensorFlow the whole batch at once.
 
 # %% [markdown]
 # ## Exercises
@@ -173,23 +250,48 @@ print(f"Finding: one pass over 1,000 samples costs {thousand / one:.1f}x one "
 # check's cell. It says "correct", or gives a hint (never the answer).
 #
 # **1.** A colleague has n = 10,000 samples and a network with l = 10 outputs.
-# Using the cost per pass you measured (`per_pass`, in seconds), predict how
-# long the loop takes: put the number of **minutes** in `answer`.
+# Using the cost of one row of the loop that you measured (`per_row`, in
+# seconds), predict how long the loop takes: put the number of **minutes**
+# in `answer`.
 
 # %% tags=["solution", "nbval-ignore-output"] jupyter={"source_hidden": true}
-# Solution: n * l passes at the measured cost per pass (about the same for
-# 10 outputs, since each pass is one sample and overhead-bound).
-answer = 10_000 * 10 * per_pass / 60
+# Solution: n * l rows at the measured cost per row (about the same for
+# 10 outputs, since each row is one sample and overhead-bound).
+answer = 10_000 * 10 * per_row / 60
 print(f"about {answer:.0f} minutes")
 
 # %%
-check.exercise("01-1", answer, per_pass=per_pass)
+check.exercise("01-1", answer, per_row=per_row)
+
+# %% [markdown]
+# ## Going further: one forward pass per sample
+#
+# The loop records a fresh forward pass for every row, although one sample's
+# forward pass yields all its `l` outputs. A tape can serve them all if it
+# is persistent, and if the outputs are **sliced on the tape**: a tape
+# differentiates only what it recorded, so `y[k]` taken after the `with`
+# block is a new tensor the tape never saw, and its gradient is `None`.
+# Slice inside the block (`tf.unstack(y)` gives every output at once, as
+# `loop_jacobian` does):
+
+# %%
+x_one = x_check[:1].astype("float32")
+with tf.GradientTape(persistent=True) as tape:
+    y = model(x_one, training=False)[0]
+    outputs = tf.unstack(y)  # sliced on the tape
+late = y[0]  # sliced after the block: the tape did not record it
+print("sliced on the tape, gradient is None:",
+      tape.gradient(outputs[0], variables)[0] is None)
+print("sliced after the block, gradient is None:",
+      tape.gradient(late, variables)[0] is None)
+del tape
 
 # %% [markdown]
 # **2.** Halve the work: open one *persistent* tape per sample
 # (`tf.GradientTape(persistent=True)`, which answers more than one `gradient`
 # call: [TensorFlow words](00-welcome.ipynb#TensorFlow-words)), run the
-# forward pass once, and take the gradient of each output from it. Put the
+# forward pass once, slice its outputs on the tape, and take the gradient
+# of each output from it. Put the
 # Jacobian your loop computes for `model` on `x_check` in `answer`: an array
 # of shape (n, l, m), as `loop_jacobian` returns. The check compares it with
 # `loop_jacobian`.
@@ -225,6 +327,8 @@ check.exercise("01-2", answer, model=model, x=x_check)
 # - The loop is correct: it matches float64 finite differences.
 # - It runs n · l forward and n · l backward passes, each on a single sample.
 # - Its time is linear in n, but the constant is large: milliseconds of
-#   overhead per pass, while the arithmetic of a whole batch costs little more
+#   overhead per row, while the arithmetic of a whole batch costs little more
 #   than one sample's.
+# - A tape differentiates only what it recorded: slice outputs inside the
+#   `with` block.
 # - Next, `02-vectorized`: one tape for the whole batch.

@@ -8,26 +8,26 @@ COLLEAGUE_SAMPLES, COLLEAGUE_OUTPUTS = 10_000, 10
 
 
 @checks("01-1")
-def minutes_for_a_colleague(answer, per_pass):
-    """n * l passes of one sample each, at the measured cost per pass."""
+def minutes_for_a_colleague(answer, per_row):
+    """n * l rows, one sample each, at the measured cost of one row."""
     minutes = as_number(answer, "the predicted time in minutes")
-    expected = COLLEAGUE_SAMPLES * COLLEAGUE_OUTPUTS * float(per_pass) / 60
+    expected = COLLEAGUE_SAMPLES * COLLEAGUE_OUTPUTS * float(per_row) / 60
     if minutes <= 0:
         raise Hint("a time in minutes is a positive number.")
     ratio = minutes / expected
     if 1 / 1.5 <= ratio <= 1.5:
         return
     near = {
-        1 / COLLEAGUE_OUTPUTS: "that is one pass per sample: the loop runs one "
-        "pass per sample AND per output, n * l of them.",
+        1 / COLLEAGUE_OUTPUTS: "that is one row per sample: the loop runs one "
+        "row per sample AND per output, n * l of them.",
         2 / COLLEAGUE_OUTPUTS: "that counts l = 2 outputs, the outputs of this "
         "notebook's network: the colleague's network has l = 10.",
-        2.0: "that counts each pass twice: `per_pass` already holds one "
-        "forward AND one backward pass.",
+        2.0: "that counts each row twice: `per_row` already holds one "
+        "forward AND one backward pass, and the loop's bookkeeping.",
         60.0: "that looks like seconds: divide by 60 for minutes.",
         1 / 60: "that looks like hours: the question asks for minutes.",
-        1000.0: "that looks like milliseconds or a `per_pass` in ms: "
-        "`per_pass` is in seconds; the question asks for minutes.",
+        1000.0: "that looks like milliseconds or a `per_row` in ms: "
+        "`per_row` is in seconds; the question asks for minutes.",
         60_000.0: "that looks like milliseconds: the question asks for minutes.",
     }
     for factor, hint in near.items():
@@ -36,8 +36,8 @@ def minutes_for_a_colleague(answer, per_pass):
     size = "too large" if ratio > 1 else "too small"
     raise Hint(
         f"your time is {size}, by a factor of about {max(ratio, 1 / ratio):.2g}. "
-        "Count the passes (samples x outputs) and multiply by the time of one "
-        "pass (`per_pass`, in seconds)."
+        "Count the rows (samples x outputs) and multiply by the time of one "
+        "row (`per_row`, in seconds)."
     )
 
 
