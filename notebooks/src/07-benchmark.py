@@ -69,19 +69,14 @@ seed = 0
 # the kernel's columns followed by the bias's, in `flat_params` order.
 #
 # This derivation is written once in `jacutil`: the **Dense rule**. Its
-# forward step computes the layer and keeps what the backward step needs,
-# the input $a$ and the slope $\sigma'(z)$:
+# forward step computes the layer and keeps the input $a$ and the slope
+# $\sigma'(z)$; its backward step multiplies the signal by the slope,
+# writes the layer's block of columns, and passes $\delta W^\top$ to the
+# layer below. The block is written by `kernel_and_bias`, which appends the
+# column of ones and takes the outer products for every sample and output:
 
 # %%
-ju.teaching.notebook.show_source(ju.rules.dense.DenseRule._forward)
-
-# %% [markdown]
-# Its backward step multiplies the signal by the slope, writes the layer's
-# block of columns (`kernel_and_bias` appends the column of ones), and
-# passes $\delta W^\top$ to the layer below:
-
-# %%
-ju.teaching.notebook.show_source(ju.rules.dense.DenseRule._backward)
+ju.teaching.notebook.show_source(ju.rules.blocks.kernel_and_bias)
 
 # %% [markdown]
 # `compiled_dense_jacobian(model)` runs this rule for a chain of Dense
@@ -125,13 +120,9 @@ print("fallback:", jac.fallback)
 # and signal, summed over positions. `jacutil.rules` holds one **rule** per
 # layer type (Dense, convolutions, Embedding, normalization, reshapes,
 # activations, recurrent layers by back-propagation through time); a layer
-# without one passes the signal through by autodiff. The convolution's
-# backward step:
-
-# %%
-ju.teaching.notebook.show_source(ju.rules.conv.ConvRule._backward)
-
-# %% [markdown]
+# without one passes the signal through by autodiff. The convolution's rule
+# calls the same `kernel_and_bias`, with the patches as the input `a`.
+#
 # `compiled_jacobian(model, method="rules")` runs them, and says which rule
 # each layer got; a small convolution in float64, against finite
 # differences:
