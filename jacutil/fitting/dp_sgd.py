@@ -203,7 +203,7 @@ class DPSGD:
         self._steps_at = {}  # sampling rate -> steps taken at it
         self._checked_losses = False
         self.trace_count = 0
-        self._compiled_step = tf.function(self._step, autograph=False)
+        self._compiled_step = tf.function(self.clipped_noisy_update, autograph=False)
 
     @property
     def steps(self):
@@ -212,8 +212,12 @@ class DPSGD:
 
     # -- one step ---------------------------------------------------------------
 
-    def _step(self, x, y, weights, denominator):
-        """Compiled: the clipped sum by one backward pass, the noise, the update."""
+    def clipped_noisy_update(self, x, y, weights, denominator):
+        """Compiled: the clipped sum by one backward pass, the noise, the update.
+
+        ``weights`` are each sample's min(1, C / |g_i|) from the norms, so that
+        one backward pass of the weighted loss gives the sum of the clipped
+        gradients. ``step`` calls it compiled; notebook 09 shows it."""
         self.trace_count += 1
         with tf.GradientTape() as tape:
             prediction = self.model(x, training=False)

@@ -54,8 +54,11 @@ class ForwardJacobian:
         self.trace_count = 0
         self._functions = {}
 
-    def _columns(self, x, tangents):
-        """(n, l, c): the JVPs of batch x along the c rows of ``tangents``."""
+    def jvp_columns(self, x, tangents):
+        """(n, l, c): the JVPs of batch x along the c rows of ``tangents``.
+
+        With the unit vectors as tangents, c columns of J at once: what each
+        pass of ``forward_jacobian`` compiles (notebook 09 shows it)."""
         self.trace_count += 1
         variables = self.target.variables
         tracked = [watched(v) for v in variables]
@@ -98,12 +101,12 @@ class ForwardJacobian:
         key = signature_key(x)
         if key not in self._functions:
             specs = [signature(x), tf.TensorSpec([columns, m], self.target.dtype)]
-            function = quiet_function(self._columns, input_signature=specs)
+            function = quiet_function(self.jvp_columns, input_signature=specs)
             graph = function.get_concrete_function().graph
             if onednn_hazards(graph.get_operations()):  # see core.formulation
                 self.trace_count -= 1  # that trace never runs: the XLA one does
                 function = quiet_function(
-                    self._columns, input_signature=specs, jit_compile=True
+                    self.jvp_columns, input_signature=specs, jit_compile=True
                 )
             self._functions[key] = function
         out = np.empty((int(n_samples(x)), n_outputs, m), self.target.dtype)

@@ -100,7 +100,10 @@ class Products:
         with unrolled(recurrent_layers(self.target)):
             yield
 
-    def _jvp(self, x, v):
+    def forward_chunk(self, x, v):
+        """``J @ v`` for one chunk ``x``, by forward mode: one forward pass that
+        carries the tangent ``v`` (split per variable) beside the values.
+        Traced once per chunk shape by ``jvp``; notebook 09 shows it."""
         self.trace_count += 1
         tracked = [watched(w) for w in self.variables]
         with self._traced(), new_ops() as created:
@@ -129,7 +132,10 @@ class Products:
         refuse_shape_preserving_max_pools(created)
         return or_zeros(outer.gradient(score, u), y)
 
-    def _vjp(self, x, u):
+    def reverse_chunk(self, x, u):
+        """``J.T @ u`` for one chunk ``x``, by reverse mode: one backward pass
+        started from ``u`` (the outputs' cotangents). Traced once per chunk
+        shape by ``vjp``; notebook 09 shows it."""
         self.trace_count += 1
         tracked = [watched(w) for w in self.variables]
         with self._traced(), tf.GradientTape() as tape:
@@ -142,9 +148,9 @@ class Products:
         key = (kind, signature_key(x))
         if key not in self._functions:
             method = {
-                "jvp": self._jvp,
+                "jvp": self.forward_chunk,
                 "jvp_double_backward": self._jvp_double_backward,
-                "vjp": self._vjp,
+                "vjp": self.reverse_chunk,
             }[kind]
             second = tf.TensorSpec(
                 [None, None] if kind == "vjp" else [self.n_params], self.target.dtype

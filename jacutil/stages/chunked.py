@@ -197,7 +197,7 @@ def chunked_jacobian(
     if is_path(out):
         record = run_record(jac, model, x, key)
         asked = chunk_size if explicit else None
-        return _resumable(jac, x, out, shape, record, asked, chunk_size, progress)
+        return resumable_chunks(jac, x, out, shape, record, asked, chunk_size, progress)
     if key is not None:
         raise ValueError(
             "key= names a resumable run, so it goes with out=path (a .npy "
@@ -240,8 +240,12 @@ def chunk_rows(jac, x, chunk_size, start):
     return jac.tensor(take(x, start, stop), pad_to)
 
 
-def _resumable(jac, x, path, shape, record, chunk_size, default, progress):
-    """Chunks into the ``.npy`` at ``path``, skipping those an earlier run finished."""
+def resumable_chunks(jac, x, path, shape, record, chunk_size, default, progress):
+    """Chunks into the ``.npy`` at ``path``, skipping those an earlier run finished.
+
+    What ``chunked_jacobian(..., out=path)`` runs (notebook 10 shows it): one
+    writer at a time, each chunk on disk before the ledger records it, and the
+    file checked again at the end."""
     with writer_lock(path):  # one writer at a time, for the whole run
         ledger, chunk_size = open_rows(
             path, shape, jac.target.dtype, record, chunk_size, default

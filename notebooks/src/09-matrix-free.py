@@ -91,8 +91,8 @@ print(f"m = {m_wide:,} parameters; J: {rows:,} x {m_wide:,} float64 = "
 # mode is one `tape.gradient` with `output_gradients=u`:
 
 # %%
-ju.teaching.notebook.show_source(ju.matrix_free.products.Products._jvp)
-ju.teaching.notebook.show_source(ju.matrix_free.products.Products._vjp)
+ju.teaching.notebook.show_source(ju.matrix_free.products.Products.forward_chunk)
+ju.teaching.notebook.show_source(ju.matrix_free.products.Products.reverse_chunk)
 
 # %% [markdown]
 # Proved on a small network against the formed J, in float64; then the same
@@ -184,7 +184,7 @@ print(f"Finding: training MSE against seconds; in the same "
 # l outputs:
 
 # %%
-ju.teaching.notebook.show_source(ju.matrix_free.forward.ForwardJacobian._columns)
+ju.teaching.notebook.show_source(ju.matrix_free.forward.ForwardJacobian.jvp_columns)
 
 # %% tags=["nbval-ignore-output"]
 x_cross = np.random.default_rng(seed).standard_normal((500, 4))
@@ -323,7 +323,7 @@ print("norms without the gradients == norms of the gradients: True")
 # optimizer; this is its compiled part:
 
 # %%
-ju.teaching.notebook.show_source(ju.DPSGD._step)
+ju.teaching.notebook.show_source(ju.DPSGD.clipped_noisy_update)
 
 # %% [markdown]
 # Proved on a copy of `small`: with no noise and `SGD(1.0)`, one DP-SGD

@@ -89,7 +89,7 @@ print(f"J for {n_samples:,} samples: {n_samples:,} x 2 x {m:,} float32 = "
 # whatever instant the run dies at, every chunk the ledger lists is complete:
 
 # %%
-ju.teaching.notebook.show_source(ju.stages.chunked._resumable)
+ju.teaching.notebook.show_source(ju.stages.chunked.resumable_chunks)
 
 # %% [markdown]
 # Now the drill. A fresh Python process starts the run, and is killed with
