@@ -6,7 +6,7 @@ from ..core._tf import keras
 
 
 def question_mlp(n_inputs=10, n_outputs=2, hidden=(64, 32), *, seed=0, dtype="float32"):
-    """The network of the source question: 10 -> Dense 64 relu -> 32 relu -> l.
+    """The network of the loop question: 10 -> Dense 64 relu -> 32 relu -> l.
 
     Weights are drawn from seeded initializers, so the same seed gives the same
     model in every run. With the defaults it has 2,850 parameters.
