@@ -1,4 +1,4 @@
-"""The benchmark: every path on each model, in one run (``make bench``).
+"""The benchmark: every path on each model, in one run (``make bench``)::
 
     python -m jacutil.bench                        # mlp, cnn, lstm
     python -m jacutil.bench --model mlp --sizes 100 1000 --repeats 5 --memory inline

@@ -215,7 +215,7 @@ class DPSGD:
     def clipped_noisy_update(self, x, y, weights, denominator):
         """Compiled: the clipped sum by one backward pass, the noise, the update.
 
-        ``weights`` are each sample's min(1, C / |g_i|) from the norms, so that
+        ``weights`` are each sample's ``min(1, C / |g_i|)`` from the norms, so that
         one backward pass of the weighted loss gives the sum of the clipped
         gradients. ``step`` calls it compiled; notebook 09 shows it."""
         self.trace_count += 1

@@ -293,6 +293,11 @@ ax.invert_yaxis()
 ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
 ax.set_title(f"LSTM(16) on {steps} steps: four ways to the same Jacobian")
 fig.tight_layout()
+print(f"Finding: the figure, log scale: per call at n = {n_time:,} (blue), "
+      f"from {1e3 * fastest[2]:.0f} ms ({fastest[0]}) to "
+      f"{1e3 * slowest[2]:.0f} ms ({slowest[0]}); trace and compile once "
+      f"(orange), longest for {max(rows, key=lambda r: r[1])[0]} "
+      f"({max(r[1] for r in rows):.1f} s)")
 
 # %% [markdown]
 # Unrolling makes the *first* call slower: its trace holds a copy of the
