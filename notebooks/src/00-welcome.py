@@ -253,19 +253,25 @@ print("d y / d x per sample:", tuple(J_input.shape),
 # %% [markdown]
 # ## How this collection works
 #
-# | notebook | stage | `jacutil` function |
-# |---|---|---|
-# | `00-welcome` | what we compute; the one call | `jacobian`, `to_lm_by_n` |
-# | `01-nested-loop` | the loop of the question | `loop_jacobian` |
-# | `02-vectorized` | one tape, `tape.jacobian`; `vectorized_map` | `vectorized_jacobian`, `per_sample_jacobian` |
-# | `03-compiled` | `tf.function` and XLA | `compiled_jacobian` |
-# | `04-chunked` | bounded memory | `chunked_jacobian` |
-# | `05-scipy-least-squares` | fit with SciPy | `least_squares_problem` |
-# | `06-pitfalls` | the popular answers' traps | `guards` |
-# | `07-benchmark` | every path side by side; layer rules | `compiled_dense_jacobian`, `rules` |
-# | `08-your-own-model` | CNNs, LSTMs, several inputs and heads | `split_outputs` |
-# | `09-matrix-free` | when J does not fit: products with J | `jvp`, `vjp`, `jacobian_operator` |
-# | `10-beyond-one-machine` | resumable runs; chunks on worker processes | `distributed_jacobian`, `LocalWorkers` |
+# | path | notebook | stage | `jacutil` function |
+# |---|---|---|---|
+# | core | `00-welcome` | what we compute; the one call | `jacobian`, `to_lm_by_n` |
+# | core | `01-nested-loop` | the loop of the loop question | `loop_jacobian` |
+# | core | `02-vectorized` | one tape, `tape.jacobian`; `vectorized_map` | `vectorized_jacobian`, `per_sample_jacobian` |
+# | core | `03-compiled` | `tf.function` and XLA | `compiled_jacobian` |
+# | core | `04-chunked` | bounded memory | `chunked_jacobian` |
+# | core | `05-scipy-least-squares` | fit with SciPy | `least_squares_problem` |
+# | further | `06-pitfalls` | the popular answers' traps | `guards` |
+# | further | `07-benchmark` | every path side by side; layer rules | `compiled_dense_jacobian`, `rules` |
+# | further | `08-your-own-model` | CNNs, LSTMs, several inputs and heads | `split_outputs` |
+# | further | `09-matrix-free` | when J does not fit: products with J | `jvp`, `vjp`, `jacobian_operator` |
+# | further | `10-beyond-one-machine` | resumable runs; chunks on worker processes | `distributed_jacobian`, `LocalWorkers` |
+#
+# The **core path**, 00 to 05, answers the question, from the loop to a
+# Keras model fitted by SciPy, in under 3 hours with one exercise a notebook.
+# Each core notebook ends with a "Going further" part, and 06 to 10 go
+# further still: read them in any order after the core. The README's plan
+# gives the minutes of each, measured.
 #
 # Each stage is proved equal to the previous one inside its notebook, then
 # timed. From the repository's root, `make run` executes every notebook and

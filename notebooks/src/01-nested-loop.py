@@ -19,7 +19,7 @@
 # - Measure its time at growing n and split the cost of one row into its
 #   parts.
 #
-# *Teaching: 19 min · Exercises: 6 min · Going further: 21 min*
+# *Teaching: 17 min · Exercises: 6 min · Going further: 21 min*
 
 # %% [markdown]
 # ## Setup

@@ -23,7 +23,7 @@
 # - Predict the memory of a size before running it, and refuse a size that
 #   would not fit.
 #
-# *Teaching: 27 min · Exercises: 7 min · Going further: 15 min*
+# *Teaching: 23 min · Exercises: 7 min · Going further: 15 min*
 
 # %% [markdown]
 # ## Setup

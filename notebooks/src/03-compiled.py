@@ -24,7 +24,7 @@
 # - Compare eager, graph and XLA for both vectorizations, as a table and a
 #   plot.
 #
-# *Teaching: 18 min · Exercises: 10 min · Going further: 15 min*
+# *Teaching: 16 min · Exercises: 10 min · Going further: 14 min*
 
 # %% [markdown]
 # ## Setup

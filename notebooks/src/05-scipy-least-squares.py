@@ -30,7 +30,7 @@
 # SciPy's `(n·l) × m`; the chain rule with a derivative computed outside
 # TensorFlow; one Gauss–Newton step without holding J; two more exercises.
 #
-# *Teaching: 24 min · Exercises: 11 min · Going further: 40 min*
+# *Teaching: 22 min · Exercises: 11 min · Going further: 39 min*
 
 # %% [markdown]
 # ## Setup

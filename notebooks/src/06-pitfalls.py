@@ -24,7 +24,7 @@
 # - Check a Jacobian against finite differences the way that settles it:
 #   in float64.
 #
-# *Teaching: 45 min · Exercises: 30 min*
+# *Teaching: 44 min · Exercises: 30 min*
 
 # %% [markdown]
 # ## Setup

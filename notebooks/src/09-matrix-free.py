@@ -29,7 +29,7 @@
 #   clipping each sample's gradient, and plot accuracy against the privacy
 #   spent (ε).
 #
-# *Teaching: 37 min · Exercises: 28 min*
+# *Teaching: 34 min · Exercises: 26 min*
 
 # %% [markdown]
 # ## Setup

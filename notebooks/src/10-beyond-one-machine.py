@@ -25,7 +25,7 @@
 # - Write down the cost model for N workers and put the 2-worker measurement
 #   beside it.
 #
-# *Teaching: 33 min · Exercises: 25 min*
+# *Teaching: 31 min · Exercises: 24 min*
 
 # %% [markdown]
 # ## Setup
