@@ -225,7 +225,7 @@ for method in ["per_sample", "batch"]:
 # Each exercise ends with a check: put your answer in `answer` and run the
 # check's cell. It says "correct", or gives a hint (never the answer).
 #
-# **2.** `tf.function(..., reduce_retracing=True)` is another way to stop
+# **1.** `tf.function(..., reduce_retracing=True)` is another way to stop
 # retracing without a signature. Wrap `jacobian_of_batch` with it, call it
 # on each size of `trace_sizes`, and count its traces (`traces` records
 # them). Put the number of traces in `answer`, and explain it.
@@ -243,7 +243,7 @@ answer = len(traces)
 print(answer, "traces; traced batch sizes:", traces)
 
 # %%
-check.exercise("03-2", answer, sizes=trace_sizes)
+check.exercise("03-1", answer, sizes=trace_sizes)
 
 # %% [markdown]
 # ## Going further: XLA compiles once per shape
@@ -292,7 +292,7 @@ print(len(xla_sizes), "sizes ->", len(jac_xla.compiled_shapes),
       "; traces:", jac_xla.trace_count)
 
 # %% [markdown]
-# **1.** With `block_size=64`, which batch shapes does XLA compile when `jac`
+# **2.** With `block_size=64`, which batch shapes does XLA compile when `jac`
 # is called once with every batch size from 1 to 200? Predict them from the
 # padding rule above, then check with `compiled_shapes` (use a small
 # network, `ju.question_mlp(hidden=(8,))`, to keep it quick). Put the sorted
@@ -311,7 +311,7 @@ answer = sorted(jac_64.compiled_shapes)
 print(answer)
 
 # %%
-check.exercise("03-1", answer, sizes=range(1, 201), block_size=64)
+check.exercise("03-2", answer, sizes=range(1, 201), block_size=64)
 
 # %% [markdown]
 # ## Keypoints

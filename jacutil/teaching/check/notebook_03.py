@@ -24,7 +24,7 @@ def xla_shapes(sizes, block_size):
     return shapes
 
 
-@checks("03-1")
+@checks("03-2")
 def shapes_xla_compiles(answer, sizes, block_size):
     """Powers of two up to block_size: larger batches run in blocks."""
     what = "the sorted list of batch shapes XLA compiles"
@@ -63,7 +63,7 @@ def shapes_xla_compiles(answer, sizes, block_size):
     )
 
 
-@checks("03-2")
+@checks("03-1")
 def traces_with_reduce_retracing(answer, sizes):
     """Count the traces of a tiny reduce_retracing tf.function over ``sizes``."""
     from ... import tf
