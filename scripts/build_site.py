@@ -476,6 +476,17 @@ def api_page():
     return "\n".join(lines), documented
 
 
+def member_anchors(prefix, obj):
+    """The anchors of a class's documented public members (none for a function)."""
+    if not inspect.isclass(obj):
+        return set()
+    return {
+        f"{prefix}.{m}"
+        for m, member in vars(obj).items()
+        if not m.startswith("_") and inspect.getdoc(member)
+    }
+
+
 def covered_anchors(functions, classes, modules):
     """The anchors (HTML ids) the reference has before the notebooks' extra
     names: jacutil.X, jacutil.X.method, module-jacutil.m, jacutil.m.f."""
@@ -484,13 +495,7 @@ def covered_anchors(functions, classes, modules):
     found = {"module-jacutil"}
     for n in functions + classes:
         found.add(f"jacutil.{n}")
-        obj = getattr(jacutil, n)
-        if inspect.isclass(obj):
-            found |= {
-                f"jacutil.{n}.{m}"
-                for m, member in vars(obj).items()
-                if not m.startswith("_") and inspect.getdoc(member)
-            }
+        found |= member_anchors(f"jacutil.{n}", getattr(jacutil, n))
     top = {id(getattr(jacutil, n)) for n in functions + classes}
     for n in modules:
         found.add(f"module-jacutil.{n}")
@@ -499,13 +504,7 @@ def covered_anchors(functions, classes, modules):
             for m in public_callables(module):
                 if id(getattr(module, m)) not in top:
                     found.add(f"jacutil.{name}.{m}")
-                    obj = getattr(module, m)
-                    if inspect.isclass(obj):
-                        found |= {
-                            f"jacutil.{name}.{m}.{a}"
-                            for a, member in vars(obj).items()
-                            if not a.startswith("_") and inspect.getdoc(member)
-                        }
+                    found |= member_anchors(f"jacutil.{name}.{m}", getattr(module, m))
     return found
 
 
