@@ -1,6 +1,9 @@
 """Beyond one process (10-beyond-one-machine).
 
 - ``resume``       the file and ledger that let a killed run resume
+- ``executors``    where chunks run: Dask (default) or a process pool
+- ``chunk_files``  a Jacobian as a folder of files, one per chunk
+- ``dask_arrays``  a dask.array in (x) and out (a lazy J), futures
 - ``credentials``  TLS credentials for workers on a cluster
 - ``workers``      ``LocalWorkers``: worker processes on this machine
 - ``distributed``  ``distributed_jacobian`` and ``DistributedLeastSquares``
@@ -11,8 +14,11 @@ from ..core._shared import lazy_modules
 __getattr__ = lazy_modules(
     __name__,
     {
+        "chunk_files",
         "credentials",
+        "dask_arrays",
         "distributed",
+        "executors",
         "resume",
         "workers",
     },

@@ -1,21 +1,30 @@
 """Chunks of the Jacobian on worker processes (notebook 10-beyond-one-machine).
 
-Dask's distributed scheduler hands each chunk to a worker process and, when a
-worker dies while it holds a chunk, gives that chunk to another: nothing is
-lost and nothing is computed twice into the result. The model travels as its
-Keras config and its weights (a Keras model does not pickle well), and each
-worker rebuilds it once per set of weights. Results come back to this process,
-which writes them - into memory, or into a resumable ``.npy`` with the same
-ledger as :func:`jacutil.chunked_jacobian` (``jacutil.scale.resume``).
+An executor (:mod:`jacutil.scale.executors`) runs each chunk: Dask's
+scheduler by default - when a worker dies while it holds a chunk, another
+gets it, and nothing is lost or computed twice into the result - or a
+process pool on this machine. The model travels as its Keras config and its
+weights (a Keras model does not pickle well), and each worker rebuilds it
+once per set of weights; the scheduler sees only ``pickle.loads``,
+``operator.call`` and bytes, so it needs neither jacutil nor TensorFlow.
 
-:class:`LocalWorkers` starts a scheduler and worker processes on this machine,
-listening on 127.0.0.1 only; on a cluster, pass a ``dask.distributed.Client``
-connected to its scheduler instead (``dask worker tcp://HOST:PORT`` on each
-machine, with jacutil installed there). With ``out=path`` each worker writes
-its rows into that file itself, so it must be on a file system that every
-worker sees at the same path; a worker that sees another file there fails
-(``jacutil.scale.resume.RunFileError``).
+Where the rows go (``out=``): back to this process, into memory or one
+resumable ``.npy`` that this process writes (the same ledger as
+:func:`jacutil.chunked_jacobian`); or into a folder of chunk files that the
+workers write themselves, one file per chunk (:mod:`jacutil.scale.chunk_files`:
+the layout for NFS and object stores, on a file system every worker sees at
+the same path). ``x`` may stay on the workers too: a ``dask.array`` or
+futures (:mod:`jacutil.scale.dask_arrays`).
+
+:class:`LocalWorkers` starts a scheduler and worker processes on this machine
+(127.0.0.1, TLS); on a cluster, pass a ``dask.distributed.Client`` connected
+to its scheduler instead (``docs/cluster.md``).
 """
+
+import functools
+import warnings
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -27,21 +36,30 @@ from ..core.cache import compiled_for
 from ..core.outputs import output_layout
 from ..fitting.scipy_bridge import LeastSquaresProblem
 from ..stages.chunked import chunked_jacobian
+from .chunk_files import open_chunk_folder, read_chunks, write_chunk
+from .dask_arrays import as_dask_array, blocks_by_samples, first_sample, is_dask_input
+from .executors import (
+    ChunkTimeoutError,
+    WorkersLostError,
+    as_arrived,
+    executor_for,
+)
 from .resume import (
     check_out,
-    check_run_file,
     fingerprint,
     open_rows,
     run_record,
     write_rows,
     writer_lock,
 )
-from .workers import LocalWorkers, WorkerStartError, client_of
+from .workers import LocalWorkers, WorkerStartError
 
 __all__ = [
+    "ChunkTimeoutError",
     "DistributedLeastSquares",
     "LocalWorkers",
     "WorkerStartError",
+    "WorkersLostError",
     "distributed_jacobian",
 ]
 
@@ -121,17 +139,6 @@ def _check_rebuilt(model, spec):
         )
 
 
-def _spec_task(spec):
-    return spec
-
-
-def _send(client, spec):
-    """The spec as the result of a task that holds it: every chunk depends on
-    it, and if each worker that had it dies, the scheduler runs the task
-    again (scattered data would be lost with the last worker holding it)."""
-    return client.submit(_spec_task, spec, pure=False)
-
-
 _rebuilt = {}  # on a worker: spec key -> model (the newest few)
 
 
@@ -161,37 +168,34 @@ def _model_from(spec):
     return model
 
 
-def rows_task(spec, x, options, path=None, start=0, token=None):
+def rows_task(spec, x, start=0, *, options, folder=None, token=None):
     """On a worker: the rows of one chunk, exactly as chunked_jacobian makes
-    them; returned, or written into the ``.npy`` at ``path`` (a file that
-    every worker sees) and flushed, when the driver keeps a ledger. Before
-    anything, the file must be the run's: its ledger carries ``token``.
+    them; returned, or written into their own file of the run's chunk
+    ``folder`` (after checking that the folder carries the run's ``token``).
 
     Args:
         spec: the model, as :func:`model_spec` makes it.
         x: the chunk's c samples, NumPy arrays (:func:`as_numpy`).
+        start: the chunk's first row.
         options: ``training``, ``jit_compile`` and ``method`` for
             :func:`jacutil.chunked_jacobian`.
-        path: the run's ``.npy`` (shape (n, l, m)), or None to return the rows.
-        start: the chunk's first row in that file.
-        token: the run's token, from the ledger beside ``path``.
+        folder: the run's chunk folder, or None to return the rows.
+        token: the run's token, from the folder's ``run.json``.
 
     Returns:
-        The rows, shape (c, l, m), or None when they were written to ``path``.
+        The rows, shape (c, l, m), or None when they were written to ``folder``.
     """
-    if path is not None:
-        check_run_file(path, token)
     model = _model_from(spec)
     rows = chunked_jacobian(
         model, x, chunk_size=int(n_samples(x)), progress=False, **options
     )
-    if path is None:
+    if folder is None:
         return rows
-    write_rows(path, start, rows)
+    write_chunk(folder, start, rows, token)
     return None
 
 
-def _normal_equations_task(spec, x, y, chunk_size, training):
+def _normal_equations_task(spec, x, y, *, chunk_size, training):
     """On a worker: ``J.T @ J`` and ``J.T @ r`` of one chunk."""
     model = _model_from(spec)
     problem = LeastSquaresProblem(
@@ -213,6 +217,65 @@ def as_numpy(x):
     return tf.nest.map_structure(np.asarray, x)
 
 
+class Prepared:
+    """What the driver knows of a run before any chunk: the compiled
+    Jacobian, the result's shape and dtype, one sample, and ``x`` (in
+    memory) or ``dask_x`` (on the workers)."""
+
+    def __init__(self, jac, x, dask_x, probe, n_rows):
+        self.jac, self.x, self.dask_x, self.probe = jac, x, dask_x, probe
+        self.n_rows = n_rows
+        layout = output_layout(jac.target, probe)
+        self.shape = (n_rows, layout.n_outputs, jac.target.n_params)
+        self.dtype = jac.target.dtype
+
+    def chunk(self, start, stop):
+        """Samples ``start:stop`` of an in-memory ``x``, as NumPy arrays."""
+        return as_numpy(take(self.x, start, stop))
+
+    def record(self, model):
+        """What identifies the run in a file (``resume.run_record``); a
+        ``dask.array`` x by its Dask token (its graph and data)."""
+        if self.dask_x is None:
+            return run_record(self.jac, model, self.x)
+        from dask.base import tokenize
+
+        token = np.frombuffer(tokenize(self.dask_x).encode(), np.uint8)
+        return run_record(self.jac, model, [token])
+
+
+def prepare(model, x, client, training, jit_compile, method):
+    """Check ``model`` and ``x`` on the driver (one sample of a ``dask.array``)
+    and compile the Jacobian that every chunk uses.
+
+    Args:
+        model: a Keras model.
+        x: the samples: arrays, or a ``dask.array`` / futures.
+        client: the Dask client (None for a process pool).
+        training, jit_compile, method: as in :func:`distributed_jacobian`.
+
+    Returns:
+        A :class:`Prepared`.
+    """
+    check_sendable(model)
+    dask_x = None
+    if is_dask_input(x):
+        if client is None:
+            raise TypeError(
+                "x is a dask.array or Dask futures: its blocks stay on Dask "
+                "workers, so workers must be a LocalWorkers or a "
+                "dask.distributed.Client (a process pool takes NumPy arrays "
+                "or an np.memmap)."
+            )
+        dask_x = as_dask_array(x, client)
+        x = first_sample(dask_x, client)
+    jac = compiled_for(model, None, training, jit_compile, method, x)
+    x = as_batch(x, jac.target)
+    probe = as_numpy(take(x, 0, 1))
+    n_rows = int(dask_x.shape[0]) if dask_x is not None else int(n_samples(x))
+    return Prepared(jac, None if dask_x is not None else x, dask_x, probe, n_rows)
+
+
 def distributed_jacobian(
     model,
     x,
@@ -225,105 +288,199 @@ def distributed_jacobian(
     jit_compile=False,
     method="rules",
     timeout=None,
+    deadline=None,
     on_chunk=None,
 ):
-    """Per-sample Jacobian with its chunks computed on Dask workers.
+    """Per-sample Jacobian with its chunks computed on workers.
 
-    ``workers``: a :class:`LocalWorkers` or a ``dask.distributed.Client``.
-    Chunks of ``chunk_size`` samples (default: n / (4 x workers); a resumed
-    file's own) are rows of the same compiled Jacobian as
-    :func:`jacutil.chunked_jacobian`, so the result equals it bit for bit.
-    ``out``: None (an array in memory), a NumPy array, or a ``.npy`` path that
-    is resumable as in ``chunked_jacobian`` - the same ledger, so a run
-    started in one process can be finished on workers. The workers write into
-    that file themselves: it must be on a file system that every worker sees
-    at the same path. A worker that dies mid-chunk has its chunk rerun
-    elsewhere.
-    ``timeout`` (seconds) bounds the wait for any one chunk; ``on_chunk(k)``
-    is called after chunk ``k`` is written (and recorded).
+    ``workers``: a :class:`LocalWorkers`, a ``dask.distributed.Client``, a
+    ``concurrent.futures.ProcessPoolExecutor`` or an executor
+    (:mod:`jacutil.scale.executors`). Chunks of ``chunk_size`` samples
+    (default: n / (4 x workers); a resumed run's own) are rows of the same
+    compiled Jacobian as :func:`jacutil.chunked_jacobian`, so the result
+    equals it bit for bit.
 
-    Returns ``out`` (an array, or the file opened read-only), shape
-    (n_samples, n_outputs, n_params). Introduced in ``10-beyond-one-machine``.
+    ``x``: arrays, or a ``dask.array`` (or Dask futures) whose blocks are
+    computed on the workers and never come to this process (one sample
+    does, to check the model).
+
+    ``out``: None (an array in memory), a NumPy array, a ``.npy`` path
+    (resumable as in ``chunked_jacobian``, the same ledger, written by this
+    process as rows arrive), or any other path: a folder of chunk files that
+    the workers write themselves (:mod:`jacutil.scale.chunk_files`; it must
+    be on a file system every worker sees at the same path), resumable too.
+
+    Two clocks, both off by default: ``timeout`` is the longest wait, in
+    seconds, for the next chunk to arrive; ``deadline`` bounds the whole
+    run. When one passes, or every worker has been gone for
+    ``executors.WORKERS_LOST_AFTER`` seconds, the run stops with
+    :class:`ChunkTimeoutError` or :class:`WorkersLostError`; the chunks that
+    arrived are kept (``error.out`` and ``error.done`` in memory; on disk,
+    where calling again resumes). ``on_chunk(k)`` is called after chunk
+    ``k`` is written (and recorded). Introduced in ``10-beyond-one-machine``.
 
     Args:
         model: a Keras model (workers rebuild it from its config).
-        x: the n samples.
-        workers: a :class:`LocalWorkers` or a ``dask.distributed.Client``.
+        x: the n samples (arrays, a ``dask.array`` or Dask futures).
+        workers: where chunks run (see above).
         chunk_size: samples per chunk (default n / (4 x workers)).
-        out: None, an array of shape (n, l, m), or a ``.npy`` path.
+        out: None, an array of shape (n, l, m), a ``.npy`` path or a folder.
         progress: show a progress bar over samples.
         training: run the model in training mode.
         jit_compile: compile with XLA.
         method: as in :func:`jacutil.compiled_jacobian` (default ``"rules"``).
-        timeout: seconds to wait for any one chunk.
+        timeout: seconds to wait for the next chunk (None: no limit).
+        deadline: seconds for the whole run (None: no limit).
         on_chunk: called with k after chunk k is written.
 
     Returns:
-        ``out`` (an array, or the file opened read-only), shape (n, l, m).
+        An array of shape (n, l, m): ``out``, the ``.npy`` opened read-only,
+        or, for a folder, a lazy ``dask.array`` of its chunk files
+        (:func:`jacutil.scale.chunk_files.read_chunks` reads one back).
+
+    Raises:
+        ChunkTimeoutError: a clock passed (the chunks that arrived are kept).
+        WorkersLostError: every worker was lost (the same).
     """
-    client = client_of(workers)
-    check_sendable(model)
-    jac = compiled_for(model, None, training, jit_compile, method, x)
-    x = as_batch(x, jac.target)
-    n_rows = int(n_samples(x))
-    shape = (n_rows, output_layout(jac.target, x).n_outputs, jac.target.n_params)
-    dtype = jac.target.dtype
-    asked = chunk_size
-    if chunk_size is None:
-        n_workers = max(1, len(client.scheduler_info()["workers"]))
-        chunk_size = ceil_div(n_rows, CHUNKS_PER_WORKER * n_workers)
-    options = {"training": training, "jit_compile": jit_compile, "method": method}
-    wait = (n_rows, progress, timeout, on_chunk)
-    if is_path(out):
-        record = run_record(jac, model, x)
-        with writer_lock(out):  # one writer at a time, for the whole run
-            ledger, chunk_size = open_rows(out, shape, dtype, record, asked, chunk_size)
-            where = (str(ledger.data_path.resolve()), ledger.token)
-            todo = ledger.todo()
-            futures = _submit(client, model, x, todo, chunk_size, options, where)
-            _collect(futures, None, ledger, chunk_size, *wait)
-            ledger.check_file()  # not changed or cut short while the run wrote
-            return np.load(out, mmap_mode="r")
-    out = np.empty(shape, dtype) if out is None else check_out(out, shape, dtype)
-    todo = range(ceil_div(n_rows, chunk_size))
-    futures = _submit(client, model, x, todo, chunk_size, options)
-    _collect(futures, out, None, chunk_size, *wait)
-    return out
+    executor = executor_for(workers)
+    client = getattr(executor, "client", None)
+    run = prepare(model, x, client, training, jit_compile, method)
+    _warn_threads(executor)
+    workers_now = max(1, executor.n_workers())
+    default = ceil_div(run.n_rows, CHUNKS_PER_WORKER * workers_now)
+    job = Job(executor, run, model, progress, timeout, deadline, on_chunk)
+    job.options = {"training": training, "jit_compile": jit_compile, "method": method}
+    if not is_path(out):
+        shape, dtype = run.shape, run.dtype
+        out = np.empty(shape, dtype) if out is None else check_out(out, shape, dtype)
+        size = chunk_size or default
+        futures = job.submit(range(ceil_div(run.n_rows, size)), size)
+
+        def write(k, rows):
+            out[k * size : k * size + len(rows)] = rows
+
+        job.collect(futures, write, 0, size, out)
+        return out
+    with writer_lock(out):  # one writer at a time, for the whole run
+        if Path(out).suffix == ".npy":
+            return _into_file(job, out, chunk_size, default)
+        return _into_folder(job, out, chunk_size, default)
 
 
-def _submit(client, model, x, todo, chunk_size, options, where=None):
-    """A task for each chunk in ``todo``: its rows returned, or, with ``where``
-    (the file's path and the run's token), written by the worker."""
-    spec = _send(client, model_spec(model, x))
-    futures = {}
-    for k in todo:
-        start = k * chunk_size
-        x_chunk = as_numpy(take(x, start, start + chunk_size))
-        into = () if where is None else (where[0], start, where[1])
-        task = client.submit(rows_task, spec, x_chunk, options, *into, pure=False)
-        futures[task] = k
-    return futures
+def _into_file(job, path, asked, default):
+    """Rows come back and this process writes them (one writer: no page of
+    the file is shared between machines)."""
+    run = job.run
+    record = run.record(job.model)
+    ledger, size = open_rows(path, run.shape, run.dtype, record, asked, default)
+    futures = job.submit(ledger.todo(), size)
+
+    def write(k, rows):
+        write_rows(path, k * size, rows)
+        ledger.done.add(k)
+        ledger.save(size)
+
+    kept = f"on disk in {Path(path).name}: {AGAIN}"
+    job.collect(futures, write, ledger.rows_done(size), size, kept)
+    ledger.check_file()  # not changed or cut short while the run wrote
+    return np.load(path, mmap_mode="r")
 
 
-def _collect(futures, out, ledger, chunk_size, n_rows, progress, timeout, on_chunk):
-    """Each chunk as it arrives: its rows written into ``out``, or, when the
-    workers wrote them into the file themselves, recorded in ``ledger``."""
-    from distributed import as_completed
+def _into_folder(job, path, asked, default):
+    """Each worker writes its chunk's own file; nothing comes back."""
+    run = job.run
+    record = run.record(job.model)
+    folder = open_chunk_folder(path, run.shape, run.dtype, record, asked, default)
+    where = {"folder": str(Path(path).resolve()), "token": folder.token}
+    futures = job.submit(folder.todo(), folder.chunk_size, where)
+    kept = f"in {Path(path).name}/: {AGAIN}"
+    job.collect(futures, None, folder.rows_done(), folder.chunk_size, kept)
+    return read_chunks(path, lazy=True)
 
-    done = 0 if ledger is None else ledger.rows_done(chunk_size)
-    with tqdm(total=n_rows, initial=done, disable=not progress, unit="sample") as bar:
-        for future in as_completed(futures, timeout=timeout):
-            k = futures.pop(future)
-            start = k * chunk_size
-            rows = future.result()
-            if ledger is None:
-                out[start : start + chunk_size] = rows
-            else:  # on disk and flushed by the worker
-                ledger.done.add(k)
-                ledger.save(chunk_size)
-            bar.update(min(chunk_size, n_rows - start))
-            if on_chunk is not None:
-                on_chunk(k)
+
+AGAIN = "call again with the same arguments to compute only the rest"
+
+
+class Job:
+    """One run of :func:`distributed_jacobian`: where its chunks run, what
+    they compute, and how the driver waits for them."""
+
+    def __init__(self, executor, run, model, progress, timeout, deadline, on_chunk):
+        self.executor, self.run, self.model = executor, run, model
+        self.progress, self.on_chunk = progress, on_chunk
+        self.clocks = {"timeout": timeout, "deadline": deadline}
+        self.options = {}
+
+    def submit(self, todo, chunk_size, where=None):
+        """A task for each chunk in ``todo``: ``rows_task(spec, samples, start)``,
+        writing into a chunk folder when ``where`` says so."""
+        executor, run = self.executor, self.run
+        task = functools.partial(rows_task, options=self.options, **(where or {}))
+        task = executor.share(task)
+        spec = executor.share(model_spec(self.model, run.probe))
+        if run.dask_x is not None:
+            blocks = blocks_by_samples(run.dask_x, chunk_size)
+            samples = executor.client.compute([blocks[k] for k in todo])
+        else:
+            samples = [
+                executor.share(run.chunk(k * chunk_size, (k + 1) * chunk_size))
+                for k in todo
+            ]
+        return {
+            executor.submit(task, spec, part, k * chunk_size): k
+            for k, part in zip(todo, samples, strict=True)
+        }
+
+    def collect(self, futures, write, done, chunk_size, kept):
+        """Each chunk as it arrives, written by ``write(k, rows)`` (None: the
+        worker wrote it). A clock that passes, or workers lost, stop the run
+        with an error that says where the chunks that arrived are (``kept``:
+        the array in memory, or a sentence)."""
+        n_rows, arrived = self.run.n_rows, set()
+        bar = tqdm(total=n_rows, initial=done, disable=not self.progress, unit="sample")
+        try:
+            for future in as_arrived(self.executor, futures, **self.clocks):
+                k = futures[future]
+                rows = _result(future)
+                if write is not None:
+                    write(k, rows)
+                arrived.add(k)
+                bar.update(min(chunk_size, n_rows - k * chunk_size))
+                if self.on_chunk is not None:
+                    self.on_chunk(k)
+        except (ChunkTimeoutError, WorkersLostError) as error:
+            in_memory = isinstance(kept, np.ndarray)
+            where = "in error.out (the chunks in error.done)" if in_memory else kept
+            raise type(error)(
+                f"{error}. The {len(arrived)} chunks that arrived are kept {where}.",
+                arrived,
+                kept if in_memory else None,
+            ) from None
+        finally:
+            bar.close()
+
+
+def _warn_threads(executor):
+    busy = {a: t for a, t in executor.threads().items() if t > 1}
+    if busy:
+        address, threads = next(iter(busy.items()))
+        warnings.warn(
+            f"{len(busy)} worker(s) run several threads (e.g. {address}: "
+            f"{threads}): TensorFlow already uses every core for one chunk, so "
+            "chunks at once compete (about 5 times slower, measured). Start "
+            "workers with --nthreads 1 (docs/cluster.md).",
+            stacklevel=3,
+        )
+
+
+def _result(future):
+    try:
+        return future.result()
+    except BrokenProcessPool as error:
+        raise WorkersLostError(
+            f"a process of the pool died ({error}): killed, or out of memory. "
+            "A process pool cannot rerun its chunk elsewhere (Dask workers can)"
+        ) from None
 
 
 class DistributedLeastSquares(LeastSquaresProblem):
@@ -347,7 +504,7 @@ class DistributedLeastSquares(LeastSquaresProblem):
     def __init__(self, model, x, y, workers, *, chunk_size=None, training=False):
         check_sendable(model)
         super().__init__(model, x, y, None, training, chunk_size, None, "formed")
-        self.client = client_of(workers)
+        self.executor = executor_for(workers)
         self._rows_y = self.y.reshape(self.n_samples, self.n_outputs)
 
     def normal_equations(self, theta, checkpoint=None):
@@ -371,23 +528,24 @@ class DistributedLeastSquares(LeastSquaresProblem):
                 "in one process."
             )
         self.set_params(theta)
-        spec = _send(self.client, model_spec(self.model, self.x))
+        run = self.executor
+        spec = run.share(model_spec(self.model, self.x))
+        task = run.share(
+            functools.partial(
+                _normal_equations_task,
+                chunk_size=self.chunk_size,
+                training=self._target.training,
+            )
+        )
         futures = []
         for k in range(self.n_chunks):
             start, stop = k * self.chunk_size, (k + 1) * self.chunk_size
-            futures.append(
-                self.client.submit(
-                    _normal_equations_task,
-                    spec,
-                    as_numpy(take(self.x, start, stop)),
-                    self._rows_y[start:stop],
-                    self.chunk_size,
-                    self._target.training,
-                    pure=False,
-                )
-            )
+            x_chunk = run.share(as_numpy(take(self.x, start, stop)))
+            y_chunk = run.share(self._rows_y[start:stop])
+            futures.append(run.submit(task, spec, x_chunk, y_chunk))
+        parts = {f: _result(f) for f in as_arrived(run, futures)}
         sums = (np.zeros((self.n_params, self.n_params)), np.zeros(self.n_params))
         for future in futures:  # in chunk order: the same sums as one process
-            for total, part in zip(sums, future.result(), strict=True):
+            for total, part in zip(sums, parts[future], strict=True):
                 total += part
         return sums

@@ -1,0 +1,254 @@
+"""A Jacobian as a folder of files, one per chunk (notebook 10-beyond-one-machine).
+
+For workers on several machines that share a file system (NFS, a parallel
+file system) or an object store mounted as one::
+
+    J/
+      run.json                      what is computed and this run's token
+      rows-000000000-000000250.npy  rows 0..250, written by the worker that
+      rows-000000250-000000500.npy  computed them
+      ...
+
+Each chunk is its own file, written under a temporary name, flushed and
+renamed into place, so no two machines ever write the same file or the same
+page (an NFS client writes back whole pages: two nodes writing the rows on
+either side of a page boundary of one file overwrite each other's), and a
+file that has its final name is complete. ``run.json`` is written by the
+driver, atomically; a worker writes only after it has read the run's token
+there, so a worker that sees another folder at that path (node-local
+scratch) fails loudly. Run again with the same arguments, the chunks whose
+files are complete are skipped. :func:`read_chunks` reads the folder back as
+one array (or a lazy ``dask.array``).
+"""
+
+import json
+import os
+import secrets
+import socket
+from pathlib import Path
+
+import numpy as np
+
+from ..core._shared import ceil_div
+from .resume import ResumeMismatch, RunFileError, _write_atomically, file_problem
+
+RUN_FILE = "run.json"
+RECORD_KEYS = ("fingerprint", "key", "shape", "dtype")
+
+
+def chunk_name(start, stop):
+    """The file name of rows ``start..stop``: ``rows-<start>-<stop>.npy``."""
+    return f"rows-{start:09d}-{stop:09d}.npy"
+
+
+def _read_run(folder):
+    path = Path(folder) / RUN_FILE
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise
+    except ValueError as error:
+        raise ResumeMismatch(
+            f"{path} cannot be read ({error}): it was changed or cut short "
+            f"outside a run. To start afresh, delete the folder {folder}."
+        ) from None
+
+
+class ChunkFolder:
+    """The folder of a run: its record, chunk size and token.
+
+    Args:
+        path: the folder.
+        state: what ``run.json`` holds.
+    """
+
+    def __init__(self, path, state):
+        self.path = Path(path)
+        self.state = state
+        self.shape = tuple(state["shape"])
+        self.dtype = np.dtype(state["dtype"])
+        self.chunk_size = int(state["chunk_size"])
+        self.n_chunks = ceil_div(self.shape[0], self.chunk_size)
+        self.token = state["token"]
+
+    def bounds(self, k):
+        """Rows ``(start, stop)`` of chunk ``k``."""
+        start = k * self.chunk_size
+        return start, min(start + self.chunk_size, self.shape[0])
+
+    def chunk_path(self, k):
+        """The file of chunk ``k``."""
+        return self.path / chunk_name(*self.bounds(k))
+
+    def problem(self, k):
+        """What is wrong with chunk ``k``'s file (a sentence), or None."""
+        start, stop = self.bounds(k)
+        return file_problem(
+            self.chunk_path(k), (stop - start, *self.shape[1:]), self.dtype
+        )
+
+    def todo(self):
+        """The chunks whose file is missing or not complete (a list of ints)."""
+        return [k for k in range(self.n_chunks) if self.problem(k) is not None]
+
+    def rows_done(self):
+        """The rows (samples) in complete chunk files."""
+        todo = set(self.todo())
+        done = [self.bounds(k) for k in range(self.n_chunks) if k not in todo]
+        return sum(stop - start for start, stop in done)
+
+
+def open_chunk_folder(path, shape, dtype, record, chunk_size, default_chunk_size):
+    """The folder at ``path`` for this run: resumed if its ``run.json`` is the
+    same computation's, made if it does not exist; a new token either way.
+    Call it holding :func:`jacutil.scale.resume.writer_lock` on ``path``.
+
+    Args:
+        path: the folder.
+        shape: the Jacobian's shape, (n, l, m).
+        dtype: its dtype.
+        record: what identifies the run (``resume.run_record``).
+        chunk_size: the chunk size asked for, or None (the earlier run's, or
+            ``default_chunk_size`` for a new folder).
+        default_chunk_size: the chunk size of a new folder.
+
+    Returns:
+        A :class:`ChunkFolder`.
+
+    Raises:
+        ResumeMismatch: the folder holds another computation, another chunk
+            size, or files that no run wrote.
+    """
+    path = Path(path)
+    state = {**record, "shape": list(shape), "dtype": str(np.dtype(dtype))}
+    try:
+        earlier = _read_run(path)
+    except FileNotFoundError:
+        earlier = None
+        if path.exists() and any(path.iterdir()):
+            raise ResumeMismatch(
+                f"{path} is a folder with files but no {RUN_FILE}: it was not "
+                "written by a run. Empty it or choose another path."
+            ) from None
+    if earlier is not None:
+        for key in RECORD_KEYS:
+            if earlier.get(key) != state.get(key):
+                what = (
+                    "other model weights, inputs x or options"
+                    if key == "fingerprint"
+                    else f"{key} {earlier.get(key)!r} (this run: {state.get(key)!r})"
+                )
+                raise ResumeMismatch(
+                    f"{path} was started with {what}, so its chunks cannot be "
+                    "mixed with this run's. Resume it with the same model "
+                    "weights, x and options; to start afresh, delete the "
+                    "folder, or write to another path."
+                )
+        if chunk_size is not None and chunk_size != earlier["chunk_size"]:
+            raise ResumeMismatch(
+                f"{path} was started with chunk_size={earlier['chunk_size']}; "
+                f"this run asks for {chunk_size}. Pass chunk_size="
+                f"{earlier['chunk_size']} (or leave it out) to resume it."
+            )
+        chunk_size = earlier["chunk_size"]
+    state["chunk_size"] = int(chunk_size or default_chunk_size)
+    state["token"] = secrets.token_hex(8)
+    path.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(state).encode()
+    _write_atomically(path / RUN_FILE, lambda file: file.write(text))
+    return ChunkFolder(path, state)
+
+
+def write_chunk(folder, start, rows, token):
+    """On a worker: rows ``start..`` into their own file of ``folder``, after
+    checking that the folder is the run's (its ``run.json`` carries
+    ``token``). Written under a temporary name, flushed, renamed.
+
+    Args:
+        folder: the run's folder (on a file system every worker sees).
+        start: the chunk's first row.
+        rows: its rows, shape (c, l, m).
+        token: the run's token.
+
+    Raises:
+        RunFileError: the folder is not the run's.
+    """
+    folder = Path(folder)
+    try:
+        state = _read_run(folder)
+        problem = None if state.get("token") == token else "another run's run.json"
+    except FileNotFoundError:
+        problem = f"no {RUN_FILE} in it"
+    except ResumeMismatch:
+        problem = f"its {RUN_FILE} cannot be read"
+    if problem is not None:
+        raise RunFileError(
+            f"the worker on {socket.gethostname()} sees another folder at "
+            f"{folder} than the run's: {problem}. Workers write their chunks "
+            "into the folder the driver made, so out= must be on a shared file "
+            "system that every worker sees at the same path (not a node-local "
+            "scratch directory), or out=None to send the rows back."
+        )
+    rows = np.ascontiguousarray(rows)
+    path = folder / chunk_name(start, start + len(rows))
+    _write_atomically(path, lambda file: np.lib.format.write_array(file, rows))
+    descriptor = os.open(folder, os.O_RDONLY)  # the rename itself, on disk
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def read_chunks(folder, *, lazy=False):
+    """The Jacobian in a chunk folder, as one array.
+
+    Args:
+        folder: a folder written by ``distributed_jacobian(..., out=folder)``.
+        lazy: return a ``dask.array`` whose blocks are the chunk files
+            (memory-mapped when computed) instead of reading them all now.
+
+    Returns:
+        A NumPy array (or a ``dask.array``) of shape (n, l, m).
+
+    Raises:
+        ResumeMismatch: a chunk is missing or incomplete (it says which,
+            and how to finish the run).
+    """
+    folder = Path(folder)
+    try:
+        chunks = ChunkFolder(folder, _read_run(folder))
+    except FileNotFoundError:
+        raise ResumeMismatch(
+            f"{folder} has no {RUN_FILE}: it is not a chunk folder of "
+            "distributed_jacobian (a single .npy is read with np.load)."
+        ) from None
+    missing = chunks.todo()
+    if missing:
+        shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
+        raise ResumeMismatch(
+            f"{len(missing)} of the {chunks.n_chunks} chunks in {folder} are "
+            f"missing or incomplete (chunks {shown}): the run did not finish. "
+            "Run distributed_jacobian again with the same arguments and "
+            "out= this folder: it computes only those."
+        )
+    paths = [chunks.chunk_path(k) for k in range(chunks.n_chunks)]
+    if not lazy:
+        out = np.empty(chunks.shape, chunks.dtype)
+        for k, path in enumerate(paths):
+            start, stop = chunks.bounds(k)
+            out[start:stop] = np.load(path, mmap_mode="r")
+        return out
+    import dask
+    import dask.array as da
+
+    blocks = [
+        da.from_delayed(
+            dask.delayed(np.load)(str(path), mmap_mode="r"),
+            shape=(stop - start, *chunks.shape[1:]),
+            dtype=chunks.dtype,
+        )
+        for path, (start, stop) in zip(
+            paths, map(chunks.bounds, range(chunks.n_chunks)), strict=True
+        )
+    ]
+    return da.concatenate(blocks)

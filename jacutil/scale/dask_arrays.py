@@ -1,0 +1,178 @@
+"""Data that stays on the workers: dask.arrays (notebook 10-beyond-one-machine).
+
+``x`` may be a ``dask.array`` (or a Dask future of an array, or a list of
+futures of blocks of samples): :func:`jacutil.distributed_jacobian` computes
+its blocks on the workers and hands each to the chunk that needs it; only
+one sample comes to the driver, to check the model. :func:`lazy_jacobian`
+returns J itself as a lazy ``dask.array`` chunked by samples - nothing runs
+until it is computed, persisted or stored (``.to_zarr``, ``.store``) - and
+:func:`jacobian_futures` starts every chunk now and returns one future each,
+for asynchronous use.
+
+Tasks reach the scheduler as ``pickle.loads`` and ``operator.call`` with
+bytes (as in :mod:`jacutil.scale.executors`): it needs nothing of ours.
+"""
+
+import functools
+import operator
+import pickle
+
+import numpy as np
+
+
+def is_dask_input(x):
+    """Whether ``x`` is a ``dask.array``, a Dask future, or a list of futures."""
+    try:
+        import dask.array as da
+        from distributed import Future
+    except ImportError:  # pragma: no cover - distributed is a dependency
+        return False
+    if isinstance(x, da.Array | Future):
+        return True
+    return (
+        isinstance(x, list | tuple)
+        and bool(x)
+        and all(isinstance(f, Future) for f in x)
+    )
+
+
+def as_dask_array(x, client):
+    """``x`` as a ``dask.array`` whose data stays where it is.
+
+    Args:
+        x: a ``dask.array``; a Dask future of an array; or a list of futures,
+            each a block of samples (arrays with the same trailing shape).
+        client: the ``dask.distributed.Client`` that holds the futures.
+
+    Returns:
+        A ``dask.array`` (samples first).
+
+    Raises:
+        ValueError: the number of samples is unknown (``nan`` chunks: call
+            ``x.compute_chunk_sizes()`` first).
+    """
+    import dask.array as da
+    from distributed import Future
+
+    if isinstance(x, Future):
+        x = [x]
+    if isinstance(x, list | tuple):
+        metas = client.gather(
+            [client.submit(operator.attrgetter("shape", "dtype"), f) for f in x]
+        )
+        x = da.concatenate(
+            [
+                da.from_delayed(f, shape=shape, dtype=dtype)
+                for f, (shape, dtype) in zip(x, metas, strict=True)
+            ]
+        )
+    if any(np.isnan(size) for size in x.shape):
+        raise ValueError(
+            f"x is a dask.array of unknown shape {x.shape}: call "
+            "x.compute_chunk_sizes() (or give its shape) first."
+        )
+    return x
+
+
+def first_sample(x, client):
+    """Sample 0 of a ``dask.array``, computed on the workers."""
+    return np.asarray(client.compute(x[:1]).result())
+
+
+def blocks_by_samples(x, chunk_size):
+    """``x`` cut into blocks of ``chunk_size`` samples: a list of ``dask.delayed``."""
+    rest = {axis: -1 for axis in range(1, x.ndim)}
+    return list(x.rechunk({0: chunk_size, **rest}).to_delayed().ravel())
+
+
+def lazy_jacobian(
+    model,
+    x,
+    *,
+    chunk_size,
+    training=False,
+    jit_compile=False,
+    method="rules",
+    client=None,
+):
+    """The per-sample Jacobian as a lazy ``dask.array``, chunked by samples.
+
+    Nothing runs until it is computed (``J.compute()``), persisted on the
+    workers (``client.persist(J)``) or stored (``J.to_zarr(...)``,
+    ``da.store``); each block is a chunk of :func:`jacutil.chunked_jacobian`
+    rows, equal to it bit for bit. Introduced in ``10-beyond-one-machine``.
+
+    Args:
+        model: a Keras model (the workers rebuild it from its config).
+        x: the n samples: an array, or ``dask.array`` / futures (then
+            ``client`` is needed).
+        chunk_size: samples per block.
+        training: run the model in training mode.
+        jit_compile: compile with XLA.
+        method: as in :func:`jacutil.compiled_jacobian`.
+        client: the ``dask.distributed.Client`` (needed for futures, and to
+            compute a ``dask.array`` x's first sample on the workers).
+
+    Returns:
+        A ``dask.array`` of shape (n, l, m).
+    """
+    import dask
+    import dask.array as da
+
+    from .distributed import model_spec, prepare, rows_task
+
+    chunk_size = int(chunk_size)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be at least 1; got {chunk_size}.")
+    run = prepare(model, x, client, training, jit_compile, method)
+    loads = dask.delayed(pickle.loads, pure=True)
+    options = {"training": training, "jit_compile": jit_compile, "method": method}
+    task = loads(pickle.dumps(functools.partial(rows_task, options=options)))
+    spec = loads(pickle.dumps(model_spec(model, run.probe)))
+    if run.dask_x is not None:
+        blocks = blocks_by_samples(run.dask_x, chunk_size)
+    else:
+        blocks = [
+            loads(pickle.dumps(run.chunk(k * chunk_size, (k + 1) * chunk_size)))
+            for k in range(-(-run.n_rows // chunk_size))
+        ]
+    call = dask.delayed(operator.call, pure=True)
+    parts = []
+    for k, block in enumerate(blocks):
+        start = k * chunk_size
+        rows = min(chunk_size, run.n_rows - start)
+        parts.append(
+            da.from_delayed(
+                call(task, spec, block, start),
+                shape=(rows, *run.shape[1:]),
+                dtype=run.dtype,
+            )
+        )
+    return da.concatenate(parts)
+
+
+def jacobian_futures(model, x, workers, *, chunk_size, **options):
+    """Start every chunk on the workers now; one future per chunk.
+
+    For asynchronous use: the driver goes on while the workers compute;
+    ``future.result()`` (or ``distributed.as_completed``) gives each chunk's
+    rows, shape (c, l, m), in sample order of the list. Introduced in
+    ``10-beyond-one-machine``.
+
+    Args:
+        model: a Keras model.
+        x: the n samples (an array, a ``dask.array`` or futures).
+        workers: a :class:`jacutil.LocalWorkers` or ``dask.distributed.Client``.
+        chunk_size: samples per chunk.
+        **options: ``training``, ``jit_compile``, ``method`` as in
+            :func:`lazy_jacobian`.
+
+    Returns:
+        A list of ``distributed.Future``, chunk k holding rows
+        ``k * chunk_size ...``.
+    """
+    from .workers import client_of
+
+    client = client_of(workers)
+    J = lazy_jacobian(model, x, chunk_size=chunk_size, client=client, **options)
+    return client.compute(list(J.to_delayed().ravel()))

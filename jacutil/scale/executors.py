@@ -1,0 +1,290 @@
+"""Where the chunks run: one interface, two backends (notebook 10-beyond-one-machine).
+
+An executor does five things, and :func:`jacutil.distributed_jacobian` needs
+no more: ``share(value)`` (data that many tasks read: the model), ``submit(fn,
+*args)`` (one chunk's task), ``wait(pending, seconds)`` (the finished ones),
+``cancel(futures)`` and ``n_workers()``. :func:`as_arrived` turns them into
+the loop that collects chunks, with its two clocks and its lost-workers rule.
+
+- :class:`DaskExecutor` (the default, for a ``dask.distributed.Client`` or a
+  :class:`jacutil.LocalWorkers`): a worker that dies has its chunks rerun
+  elsewhere. Every task reaches the scheduler as two functions of Python's
+  standard library, ``pickle.loads`` and ``operator.call``, and bytes, so
+  the scheduler unpickles nothing of ours: it needs neither jacutil nor
+  TensorFlow.
+- :class:`ProcessExecutor`: ``concurrent.futures.ProcessPoolExecutor`` on
+  this machine, for many cores and no cluster. A process that dies breaks
+  the pool (Python's rule): the run stops with :class:`WorkersLostError`,
+  and the chunks that arrived are kept.
+"""
+
+import concurrent.futures
+import operator
+import os
+import pickle
+import time
+
+POLL_SECONDS = 0.5  # how often the collecting loop looks at its clocks
+WORKERS_LOST_AFTER = 30.0  # seconds with no worker at all: the run stops
+
+
+class ChunkTimeoutError(TimeoutError):
+    """No chunk arrived within ``timeout``, or the run passed its ``deadline``.
+
+    ``done`` holds the chunks that arrived (their rows are kept: in ``out``,
+    in memory, or on disk, where the run resumes).
+    """
+
+    def __init__(self, message, done=(), out=None):
+        super().__init__(message)
+        self.done = sorted(done)
+        self.out = out
+
+
+class WorkersLostError(RuntimeError):
+    """Every worker was lost (or a process pool broke) before the run ended."""
+
+    def __init__(self, message, done=(), out=None):
+        super().__init__(message)
+        self.done = sorted(done)
+        self.out = out
+
+
+class DaskExecutor:
+    """Chunks as tasks on a Dask cluster.
+
+    Introduced in ``10-beyond-one-machine``.
+
+    Args:
+        client: a ``dask.distributed.Client``.
+    """
+
+    def __init__(self, client):
+        self.client = client
+
+    def share(self, value):
+        """A future of ``value``: a task that unpickles it on a worker (run
+        again if every worker holding it dies).
+
+        Args:
+            value: anything picklable (the model's spec, a chunk's samples).
+
+        Returns:
+            A ``distributed.Future``.
+        """
+        return self.client.submit(pickle.loads, pickle.dumps(value), pure=False)
+
+    def submit(self, fn, *args):
+        """Run ``fn(*args)`` on a worker; ``fn`` and ``args`` are futures of
+        :meth:`share` (or small plain values: ints, strings).
+
+        Returns:
+            A ``distributed.Future``.
+        """
+        return self.client.submit(operator.call, fn, *args, pure=False)
+
+    def wait(self, pending, seconds):
+        """The futures among ``pending`` that finished within ``seconds``.
+
+        Returns:
+            A set (empty when none did).
+        """
+        from distributed import wait
+
+        try:
+            return set(
+                wait(list(pending), timeout=seconds, return_when="FIRST_COMPLETED").done
+            )
+        except TimeoutError:
+            return set()
+
+    def cancel(self, futures):
+        """Cancel tasks that have not finished."""
+        self.client.cancel(list(futures))
+
+    def n_workers(self):
+        """The workers connected to the scheduler now."""
+        return len(self.client.nthreads())
+
+    def threads(self):
+        """``{worker address: threads}``."""
+        return dict(self.client.nthreads())
+
+
+class ProcessExecutor:
+    """Chunks in a ``concurrent.futures.ProcessPoolExecutor`` on this machine.
+
+    Processes are started with ``spawn`` (a forked TensorFlow is not safe),
+    each with ``threads`` TensorFlow threads; the first chunk in each imports
+    TensorFlow (seconds). Use it as a context manager, or call
+    :meth:`close`. Introduced in ``10-beyond-one-machine``.
+
+    Args:
+        max_workers: processes (default: one per 2 cores, at least 1).
+        threads: TensorFlow threads per process (default: the cores shared out).
+        pool: an existing ``ProcessPoolExecutor`` to use instead (then
+            ``max_workers`` and ``threads`` are its own, and :meth:`close`
+            leaves it open).
+    """
+
+    def __init__(self, max_workers=None, *, threads=None, pool=None):
+        cores = os.cpu_count() or 1
+        if pool is None:
+            import multiprocessing
+
+            self.max_workers = int(max_workers or max(1, cores // 2))
+            if self.max_workers < 1:
+                raise ValueError(f"max_workers must be at least 1; got {max_workers}.")
+            threads = int(threads or max(1, cores // self.max_workers))
+            # before TensorFlow is imported in the process: exec, a builtin,
+            # so that the initializer itself imports nothing of ours
+            setup = (
+                "import os; os.environ['TF_NUM_INTRAOP_THREADS'] = "
+                f"'{threads}'; os.environ['TF_NUM_INTEROP_THREADS'] = '1'; "
+                "os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')"
+            )
+            pool = concurrent.futures.ProcessPoolExecutor(
+                self.max_workers,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=exec,
+                initargs=(setup,),
+            )
+            self._owned = True
+        else:
+            self.max_workers = pool._max_workers
+            self._owned = False
+        self.pool = pool
+
+    def share(self, value):
+        """``value`` itself: it travels with each task."""
+        return value
+
+    def submit(self, fn, *args):
+        """Run ``fn(*args)`` in a process of the pool.
+
+        Returns:
+            A ``concurrent.futures.Future``.
+        """
+        return self.pool.submit(fn, *args)
+
+    def wait(self, pending, seconds):
+        """The futures among ``pending`` that finished within ``seconds``."""
+        return concurrent.futures.wait(
+            pending, timeout=seconds, return_when=concurrent.futures.FIRST_COMPLETED
+        ).done
+
+    def cancel(self, futures):
+        """Cancel tasks that have not started."""
+        for future in futures:
+            future.cancel()
+
+    def n_workers(self):
+        """The pool's processes (a broken pool has none)."""
+        return 0 if getattr(self.pool, "_broken", False) else self.max_workers
+
+    def threads(self):
+        """One thread per process: a pool runs one task at a time in each."""
+        return {}
+
+    def close(self):
+        """Stop the processes (if this executor started them); idempotent."""
+        if self._owned:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return f"ProcessExecutor({self.max_workers} processes)"
+
+
+def executor_for(workers):
+    """The executor behind ``workers``.
+
+    Args:
+        workers: a :class:`jacutil.LocalWorkers`, a ``dask.distributed.Client``,
+            a ``concurrent.futures.ProcessPoolExecutor``, or an executor
+            (:class:`DaskExecutor`, :class:`ProcessExecutor`).
+
+    Returns:
+        An executor.
+
+    Raises:
+        TypeError: ``workers`` is none of these (or is closed).
+    """
+    if isinstance(workers, DaskExecutor | ProcessExecutor):
+        return workers
+    if isinstance(workers, concurrent.futures.ProcessPoolExecutor):
+        return ProcessExecutor(pool=workers)
+    from .workers import client_of
+
+    try:
+        return DaskExecutor(client_of(workers))
+    except TypeError:
+        raise TypeError(
+            "workers must be a running jacutil.LocalWorkers, a "
+            "dask.distributed.Client, a concurrent.futures.ProcessPoolExecutor "
+            f"or a jacutil.scale.executors executor; got {workers!r}."
+        ) from None
+
+
+def as_arrived(executor, futures, *, timeout=None, deadline=None):
+    """Each future of ``futures`` as it finishes, in the order they finish.
+
+    Two clocks: ``timeout`` is the longest wait for the next chunk (it starts
+    again at each arrival), ``deadline`` the whole run's. When either passes,
+    or no worker has been connected for ``WORKERS_LOST_AFTER`` seconds (a
+    nanny restarts a killed worker within seconds; a lost cluster does not
+    come back), the rest are cancelled and the error says which.
+
+    Args:
+        executor: the executor that ran them.
+        futures: its futures.
+        timeout: seconds without a chunk arriving that end the run.
+        deadline: seconds for the whole run.
+
+    Yields:
+        The finished futures.
+
+    Raises:
+        ChunkTimeoutError: a clock passed (the caller adds what arrived).
+        WorkersLostError: no worker for ``WORKERS_LOST_AFTER`` seconds.
+    """
+    pending = set(futures)
+    started = last = time.monotonic()
+    without_workers = None
+    try:
+        while pending:
+            done = executor.wait(pending, POLL_SECONDS)
+            now = time.monotonic()
+            if done:
+                pending -= done
+                last = now
+                yield from done
+                continue
+            if timeout is not None and now - last > timeout:
+                raise ChunkTimeoutError(
+                    f"no chunk arrived within timeout={timeout:g} seconds "
+                    f"({len(pending)} chunks were still to come)"
+                )
+            if deadline is not None and now - started > deadline:
+                raise ChunkTimeoutError(
+                    f"the run passed its deadline={deadline:g} seconds with "
+                    f"{len(pending)} chunks still to come"
+                )
+            if executor.n_workers() > 0:
+                without_workers = None
+            elif without_workers is None:
+                without_workers = now
+            elif now - without_workers > WORKERS_LOST_AFTER:
+                raise WorkersLostError(
+                    f"no worker has been connected for {WORKERS_LOST_AFTER:g} "
+                    f"seconds ({len(pending)} chunks still to come): every "
+                    "worker was lost (killed, out of memory, its machine gone)"
+                )
+    finally:
+        if pending:
+            executor.cancel(pending)
