@@ -1,10 +1,43 @@
-"""A Dask scheduler and worker processes on 127.0.0.1 (notebook 10-beyond-one-machine).
+"""A Dask scheduler and worker processes on 127.0.0.1, over TLS (notebook
+10-beyond-one-machine).
 
 ``with LocalWorkers(2) as workers:`` starts ``dask scheduler`` and ``n`` times
 ``dask worker`` as separate processes - the same commands a cluster runs on
-its machines - listening on the loopback address only, on free ports. Each
-worker runs under a nanny that restarts it if it dies. Leaving the ``with``
-block (or ``close()``) stops every process it started, whatever happened.
+its machines - listening on the loopback address only, on free ports, with
+no dashboard (Dask's HTTP port answers ``/health`` only). Each worker runs
+under a nanny that restarts it if it dies.
+
+TLS: Dask's protocol is pickle, so whoever connects can run code on a
+worker. Every LocalWorkers writes a new certificate and key into its temporary
+folder (readable by you only; :mod:`jacutil.scale.credentials`), and the
+scheduler, the workers and its client all require them: ``address`` is
+``tls://127.0.0.1:PORT`` and ``security`` connects a second client
+(``Client(workers.address, security=workers.security)``). A client without
+them is refused.
+
+Leaving the ``with`` block (or ``close()``) stops every process it started,
+whatever happened, and removes the folder (logs and key). So does the end of
+the Python process that started them, however it ends - a normal exit
+without ``close()``, ``SIGTERM`` (Slurm, ``timeout``, a stopped Jupyter
+kernel), ``SIGKILL`` (an out-of-memory killer): within ``STOP_BOUND``
+seconds (10; measured: under one) every process is gone and the folder
+removed. How: the driver holds the write end of a pipe and each child (the
+scheduler and each nanny) its read end; ``jacutil/scale/parent_watch.py``,
+loaded by Dask as a ``--preload`` file (without importing ``jacutil`` or
+TensorFlow), reads it in a thread and, at end of file - the kernel closes
+the driver's end however it dies - sends ``SIGTERM`` to its process group,
+then ``SIGKILL`` after 5 seconds; the scheduler's removes the folder. A
+nanny's worker and resource tracker are in its group (and a worker exits at
+once when its nanny does: Dask's own pipe). A process that the driver forked
+without ``exec`` (``multiprocessing`` with ``fork``) holds the write end
+too: the processes then stop when it ends as well.
+
+Dask alone does not do this: the scheduler's ``--idle-timeout`` counts tasks,
+not connected clients, so it would stop a scheduler that a learner leaves
+open between two cells; a worker's ``--death-timeout`` only bounds its first
+connection; workers and nannies stop when their scheduler goes away, but the
+scheduler knows nothing of the process that started it.
+
 A scheduler or worker that does not come up within ``start_timeout`` seconds,
 or a port that is taken, is an error that says which and shows its log.
 """
@@ -22,6 +55,12 @@ from pathlib import Path
 
 HOST = "127.0.0.1"
 MARKER = "JACUTIL_LOCAL_WORKERS"  # in the environment of every process started
+# Loaded by Dask as a file: the scheduler never imports jacutil (TensorFlow).
+PARENT_WATCH = str(Path(__file__).with_name("parent_watch.py"))
+FD_VARIABLE = "JACUTIL_PARENT_FD"  # as in parent_watch.py (not imported here)
+FOLDER_VARIABLE = "JACUTIL_REMOVE_ON_EXIT"
+HTTP_ROUTES = '["distributed.http.health"]'  # read by Dask from the environment
+STOP_BOUND = 10.0  # seconds from the driver's end to nothing left (measured: 0.5)
 
 
 class WorkerStartError(RuntimeError):
@@ -67,12 +106,23 @@ def _stop(process, grace=5.0):
         pass
 
 
-def _stop_all(processes, logs=None):
-    """Stop every process; then remove the folder of their logs, if given."""
+def _close_fds(fds):
+    """Close and forget the descriptors in the list ``fds`` (each once)."""
+    while fds:
+        try:
+            os.close(fds.pop())
+        except OSError:
+            pass
+
+
+def _stop_all(processes, logs=None, pipe=()):
+    """Stop every process; then remove the folder of their logs, if given,
+    and close ``pipe`` (the driver's write end: nothing left to watch)."""
     for process in reversed(processes):
         _stop(process)
     if logs is not None:
         shutil.rmtree(logs, ignore_errors=True)
+    _close_fds(pipe)
 
 
 class LocalWorkers:
@@ -81,9 +131,14 @@ class LocalWorkers:
     ``threads``: TensorFlow threads per worker (default: the cores shared
     out). ``port``: the scheduler's (default: a free one). ``python``: the
     interpreter that runs them. ``client`` is the connected
-    ``dask.distributed.Client``. Introduced in ``10-beyond-one-machine``.
+    ``dask.distributed.Client``; ``address`` the scheduler's
+    (``tls://127.0.0.1:PORT``); ``security`` the ``distributed.Security``
+    that a second client needs. Introduced in ``10-beyond-one-machine``.
 
-    Use it as a context manager, or call :meth:`close`.
+    Use it as a context manager, or call :meth:`close`. If the Python
+    process that made it ends without either (a normal exit, ``SIGTERM``,
+    ``SIGKILL``), its processes stop and its folder is removed within
+    ``STOP_BOUND`` seconds (the module docstring says how).
 
     Args:
         n_workers: the worker processes (at least 1).
@@ -112,26 +167,47 @@ class LocalWorkers:
         self.n_workers = int(n_workers)
         self.threads = threads or max(1, (os.cpu_count() or 1) // self.n_workers)
         self.port = port or free_port()
-        self.address = f"tcp://{HOST}:{self.port}"
+        self.address = f"tls://{HOST}:{self.port}"
         self.start_timeout = float(start_timeout)
         self.python = python
         self.processes = []
         self.client = None
+        self.security = None
         self._logs = Path(tempfile.mkdtemp(prefix="jacutil-workers-"))
+        # Nothing is written: the children's watchdogs see the end of file
+        # when this write end closes, however this process ends. os.pipe()
+        # makes both ends non-inheritable: only pass_fds hands out the read end.
+        read_end, write_end = os.pipe()
+        self._watch_fd = read_end
+        self._pipe = [write_end]
         self._finalizer = weakref.finalize(
-            self, _stop_all, self.processes, self._logs
+            self, _stop_all, self.processes, self._logs, self._pipe
         )
         try:
+            from .credentials import security_from, write_credentials
+
+            write_credentials(self._logs / "credentials")
+            self.security = security_from(self._logs / "credentials")
             self._start()
         except BaseException:
             self.close()  # the error holds the tail of the log
             raise
+        finally:
+            os.close(read_end)  # the children hold it
 
     def _spawn(self, name, arguments):
         env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
         env["TF_NUM_INTRAOP_THREADS"] = str(self.threads)
         env["TF_NUM_INTEROP_THREADS"] = "1"
         env[MARKER] = self.address  # inherited by the nanny's worker: see leftovers()
+        # Dask always serves HTTP (with --no-dashboard too): /health only, not
+        # the scheduler's info pages (logs, call stacks) nor /metrics.
+        for role in ("SCHEDULER", "WORKER"):
+            env[f"DASK_DISTRIBUTED__{role}__HTTP__ROUTES"] = HTTP_ROUTES
+        env[FD_VARIABLE] = str(self._watch_fd)  # for parent_watch.py
+        env.pop(FOLDER_VARIABLE, None)
+        if name == "scheduler":  # its watchdog removes the folder
+            env[FOLDER_VARIABLE] = str(self._logs)
         command = [self.python, *arguments]
         with open(self._logs / f"{name}.log", "wb") as log:  # the child keeps it
             process = subprocess.Popen(
@@ -139,6 +215,7 @@ class LocalWorkers:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
+                pass_fds=(self._watch_fd,),  # the pipe's read end only
                 start_new_session=True,  # its own group: close() stops its children
             )
         process.name = name
@@ -167,18 +244,32 @@ class LocalWorkers:
                 "another port=, or leave it out to take a free one."
             )
         deadline = time.monotonic() + self.start_timeout
+        credentials = self._logs / "credentials"
+        tls = [
+            "--tls-ca-file",
+            str(credentials / "ca.pem"),
+            "--tls-cert",
+            str(credentials / "cert.pem"),
+            "--tls-key",
+            str(credentials / "key.pem"),
+        ]
         scheduler = self._spawn(
             "scheduler",
             [
                 "-m",
                 "distributed.cli.dask_scheduler",
+                "--protocol",
+                "tls",
                 "--host",
                 HOST,
                 "--port",
                 str(self.port),
+                *tls,
                 "--no-dashboard",
                 "--dashboard-address",
                 f"{HOST}:0",
+                "--preload",
+                PARENT_WATCH,
             ],
         )
         while not _port_taken(self.port):
@@ -191,8 +282,11 @@ class LocalWorkers:
                     "-m",
                     "distributed.cli.dask_worker",
                     self.address,
+                    "--protocol",
+                    "tls",
                     "--host",
                     HOST,
+                    *tls,
                     "--nthreads",
                     "1",
                     "--nworkers",
@@ -209,10 +303,12 @@ class LocalWorkers:
                     "0",
                     "--death-timeout",
                     str(int(self.start_timeout) + 1),
+                    "--preload-nanny",
+                    PARENT_WATCH,
                 ],
             )
         wait = max(1.0, deadline - time.monotonic())
-        self.client = Client(self.address, timeout=wait)
+        self.client = Client(self.address, security=self.security, timeout=wait)
         while len(self.client.scheduler_info()["workers"]) < self.n_workers:
             self._check_alive(deadline, f"{self.n_workers} Dask workers")
             time.sleep(0.1)
@@ -276,14 +372,14 @@ class LocalWorkers:
 
     def close(self):
         """Stop the client, the workers and the scheduler, and remove their
-        logs; idempotent."""
+        folder (logs and TLS key); idempotent."""
         if self.client is not None:
             try:
                 self.client.close(timeout=5)
             except Exception:  # noqa: BLE001 - closing: the processes go anyway
                 pass
             self.client = None
-        _stop_all(self.processes, self._logs)
+        _stop_all(self.processes, self._logs, self._pipe)
         self.processes.clear()
 
     def __enter__(self):
