@@ -115,24 +115,25 @@ def test_a_path_without_chunk_size(workers, tmp_path):
     assert state["chunk_size"] == 13 and state["done"] == [[0, 8]]  # 100 / (4 x 2)
 
 
-def test_workers_refuse_a_file_that_is_not_the_runs(workers, tmp_path, monkeypatch):
-    """The token the workers are given must be the one in the ledger they see."""
+def test_workers_refuse_a_folder_that_is_not_the_runs(workers, tmp_path, monkeypatch):
+    """The token the workers are given must be the one in the run.json they see
+    (a single .npy is written by this process: no worker writes into it)."""
     from jacutil.scale import distributed
 
-    real = distributed.open_rows
+    real = distributed.open_chunk_folder
 
     def other_token(*args):
-        ledger, chunk_size = real(*args)
-        ledger.token = "not-the-runs"
-        return ledger, chunk_size
+        folder = real(*args)
+        folder.token = "not-the-runs"
+        return folder
 
-    monkeypatch.setattr(distributed, "open_rows", other_token)
+    monkeypatch.setattr(distributed, "open_chunk_folder", other_token)
     model, (x, _) = ju.question_mlp(seed=2), ju.regression_data(40, seed=4)
     with pytest.raises(RunFileError, match="shared file system"):
         distributed_jacobian(
-            model, x, workers, chunk_size=10, out=tmp_path / "J.npy", progress=False
+            model, x, workers, chunk_size=10, out=tmp_path / "J", progress=False
         )
-    assert not np.load(tmp_path / "J.npy").any()  # no worker wrote a row
+    assert not list((tmp_path / "J").glob("rows-*"))  # no worker wrote a chunk
 
 
 REFUSED = {"custom_layer", "subclassed", "sequential_subclass", "shared_layer"}

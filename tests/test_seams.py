@@ -229,23 +229,25 @@ def test_item05_a_second_writer_is_refused(tmp_path):
     np.testing.assert_allclose(J, ju.chunked_jacobian(model, x, progress=False))
 
 
-def test_item06_a_worker_that_sees_another_file_fails(tmp_path):
+def test_item06_a_worker_that_sees_another_folder_fails(tmp_path):
     """A worker's own copy of ``out`` (node-local scratch) is not the run's."""
     from jacutil.scale.distributed import model_spec, rows_task
     from jacutil.scale.resume import RunFileError
 
     model, x = _mlp_run(40)
-    path = tmp_path / "J.npy"
-    ju.chunked_jacobian(model, x, out=path, chunk_size=10, progress=False)
-    token = json.loads((tmp_path / "J.npy.progress.json").read_text())["token"]
-    other = tmp_path / "node" / "J.npy"  # what another node sees at that path
-    other.parent.mkdir()
-    np.save(other, np.zeros((40, 2, ju.flat_params(model).size), "float32"))
+    run = tmp_path / "J"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps({"token": "the-runs"}))
+    other = tmp_path / "node" / "J"  # what another node sees at that path
+    other.mkdir(parents=True)
+    (other / "run.json").write_text(json.dumps({"token": "an-older-runs"}))
     spec = model_spec(model, x)
     options = {"training": False, "jit_compile": False, "method": "rules"}
+    rows_task(spec, x[:10], 0, options=options, folder=str(run), token="the-runs")
+    assert len(list(run.glob("rows-*.npy"))) == 1
     with pytest.raises(RunFileError, match="shared file system"):
-        rows_task(spec, x[:10], options, str(other), 0, token)
-    assert not np.load(other).any()
+        rows_task(spec, x[:10], 0, options=options, folder=str(other), token="the-runs")
+    assert not list(other.glob("rows-*"))
 
 
 def test_item08_chunked_to_a_path_without_chunk_size(tmp_path):
@@ -383,9 +385,20 @@ def test_item11_frozen_dense_with_a_lambda_activation(kind):
 # --- 12: the rest of the crashes ----------------------------------------------
 
 
-@pytest.mark.parametrize("activation", ["gelu", "silu", "elu", "selu", "softplus",
-                                        "hard_sigmoid", "mish", "log_softmax",
-                                        "softsign"])
+@pytest.mark.parametrize(
+    "activation",
+    [
+        "gelu",
+        "silu",
+        "elu",
+        "selu",
+        "softplus",
+        "hard_sigmoid",
+        "mish",
+        "log_softmax",
+        "softsign",
+    ],
+)
 def test_item12_forward_mode_with_keras_activations(activation):
     keras.utils.set_random_seed(12)
     model = keras.Sequential(

@@ -342,14 +342,31 @@ def distributed_jacobian(
         ChunkTimeoutError: a clock passed (the chunks that arrived are kept).
         WorkersLostError: every worker was lost (the same).
     """
+    options = {
+        "training": training,
+        "jit_compile": jit_compile,
+        "method": method,
+        "timeout": timeout,
+        "deadline": deadline,
+        "on_chunk": on_chunk,
+    }
     executor = executor_for(workers)
+    try:
+        return _distributed(executor, model, x, chunk_size, out, progress, options)
+    finally:
+        if executor is not workers and hasattr(executor, "close"):
+            executor.close()  # a wrapper made here (its pool stays open)
+
+
+def _distributed(executor, model, x, chunk_size, out, progress, options):
+    """:func:`distributed_jacobian` with its executor."""
     client = getattr(executor, "client", None)
-    run = prepare(model, x, client, training, jit_compile, method)
+    compile_options = [options[k] for k in ("training", "jit_compile", "method")]
+    run = prepare(model, x, client, *compile_options)
     _warn_threads(executor)
     workers_now = max(1, executor.n_workers())
     default = ceil_div(run.n_rows, CHUNKS_PER_WORKER * workers_now)
-    job = Job(executor, run, model, progress, timeout, deadline, on_chunk)
-    job.options = {"training": training, "jit_compile": jit_compile, "method": method}
+    job = Job(executor, run, model, progress, options)
     if not is_path(out):
         shape, dtype = run.shape, run.dtype
         out = np.empty(shape, dtype) if out is None else check_out(out, shape, dtype)
@@ -405,11 +422,13 @@ class Job:
     """One run of :func:`distributed_jacobian`: where its chunks run, what
     they compute, and how the driver waits for them."""
 
-    def __init__(self, executor, run, model, progress, timeout, deadline, on_chunk):
+    def __init__(self, executor, run, model, progress, options):
         self.executor, self.run, self.model = executor, run, model
-        self.progress, self.on_chunk = progress, on_chunk
-        self.clocks = {"timeout": timeout, "deadline": deadline}
-        self.options = {}
+        self.progress, self.on_chunk = progress, options["on_chunk"]
+        self.clocks = {"timeout": options["timeout"], "deadline": options["deadline"]}
+        self.options = {
+            key: options[key] for key in ("training", "jit_compile", "method")
+        }
 
     def submit(self, todo, chunk_size, where=None):
         """A task for each chunk in ``todo``: ``rows_task(spec, samples, start)``,
@@ -461,7 +480,8 @@ class Job:
 
 
 def _warn_threads(executor):
-    busy = {a: t for a, t in executor.threads().items() if t > 1}
+    threads = getattr(executor, "threads", dict)()
+    busy = {a: t for a, t in threads.items() if t > 1}
     if busy:
         address, threads = next(iter(busy.items()))
         warnings.warn(

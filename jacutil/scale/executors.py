@@ -22,8 +22,14 @@ import concurrent.futures
 import operator
 import os
 import pickle
+import shutil
+import tempfile
 import time
+import uuid
+import weakref
+from pathlib import Path
 
+INTERFACE = ("share", "submit", "wait", "cancel", "n_workers")
 POLL_SECONDS = 0.5  # how often the collecting loop looks at its clocks
 WORKERS_LOST_AFTER = 30.0  # seconds with no worker at all: the run stops
 
@@ -154,6 +160,11 @@ class ProcessExecutor:
             self.max_workers = pool._max_workers
             self._owned = False
         self.pool = pool
+        # results travel as files: a process killed while it sends a large
+        # result through the pool's pipe leaves half a message there, and the
+        # pool then waits for the rest forever (CPython's ProcessPoolExecutor)
+        self.results = Path(tempfile.mkdtemp(prefix="jacutil-pool-"))
+        self._remove = weakref.finalize(self, shutil.rmtree, self.results, True)
 
     def share(self, value):
         """``value`` itself: it travels with each task."""
@@ -165,7 +176,28 @@ class ProcessExecutor:
         Returns:
             A ``concurrent.futures.Future``.
         """
-        return self.pool.submit(fn, *args)
+        inner = self.pool.submit(result_in_file, str(self.results), fn, *args)
+        outer = concurrent.futures.Future()
+
+        outer.inner = inner
+
+        def arrived(done):
+            path = None if done.cancelled() or done.exception() else done.result()
+            try:
+                if outer.cancelled():
+                    return
+                if done.cancelled():
+                    outer.cancel()
+                elif path is None:
+                    outer.set_exception(done.exception())
+                else:
+                    outer.set_result(pickle.loads(Path(path).read_bytes()))
+            finally:
+                if path is not None:
+                    Path(path).unlink(missing_ok=True)
+
+        inner.add_done_callback(arrived)
+        return outer
 
     def wait(self, pending, seconds):
         """The futures among ``pending`` that finished within ``seconds``."""
@@ -176,6 +208,7 @@ class ProcessExecutor:
     def cancel(self, futures):
         """Cancel tasks that have not started."""
         for future in futures:
+            getattr(future, "inner", future).cancel()
             future.cancel()
 
     def n_workers(self):
@@ -187,9 +220,11 @@ class ProcessExecutor:
         return {}
 
     def close(self):
-        """Stop the processes (if this executor started them); idempotent."""
+        """Stop the processes (if this executor started them) and remove the
+        results' folder; idempotent."""
         if self._owned:
             self.pool.shutdown(wait=True, cancel_futures=True)
+        self._remove()
 
     def __enter__(self):
         return self
@@ -201,13 +236,26 @@ class ProcessExecutor:
         return f"ProcessExecutor({self.max_workers} processes)"
 
 
+def result_in_file(folder, fn, *args):
+    """In a pool's process: ``fn(*args)`` pickled into a file of ``folder``
+    (written under a temporary name, then renamed); returns its path, a
+    message short enough to go through a pipe in one write."""
+    data = pickle.dumps(fn(*args), protocol=pickle.HIGHEST_PROTOCOL)
+    path = Path(folder) / f"{os.getpid()}-{uuid.uuid4().hex}.pickle"
+    temporary = path.with_suffix(".tmp")
+    temporary.write_bytes(data)
+    os.replace(temporary, path)
+    return str(path)
+
+
 def executor_for(workers):
     """The executor behind ``workers``.
 
     Args:
         workers: a :class:`jacutil.LocalWorkers`, a ``dask.distributed.Client``,
-            a ``concurrent.futures.ProcessPoolExecutor``, or an executor
-            (:class:`DaskExecutor`, :class:`ProcessExecutor`).
+            a ``concurrent.futures.ProcessPoolExecutor``, or an executor:
+            :class:`DaskExecutor`, :class:`ProcessExecutor`, or any object
+            with the methods in ``INTERFACE`` (``threads()`` optional).
 
     Returns:
         An executor.
@@ -215,8 +263,8 @@ def executor_for(workers):
     Raises:
         TypeError: ``workers`` is none of these (or is closed).
     """
-    if isinstance(workers, DaskExecutor | ProcessExecutor):
-        return workers
+    if all(callable(getattr(workers, name, None)) for name in INTERFACE):
+        return workers  # ours, or any object with the five methods
     if isinstance(workers, concurrent.futures.ProcessPoolExecutor):
         return ProcessExecutor(pool=workers)
     from .workers import client_of
@@ -259,12 +307,13 @@ def as_arrived(executor, futures, *, timeout=None, deadline=None):
     try:
         while pending:
             done = executor.wait(pending, POLL_SECONDS)
+            pending -= done
+            yield from done
             now = time.monotonic()
             if done:
-                pending -= done
                 last = now
-                yield from done
-                continue
+            if not pending:
+                break
             if timeout is not None and now - last > timeout:
                 raise ChunkTimeoutError(
                     f"no chunk arrived within timeout={timeout:g} seconds "
@@ -275,7 +324,7 @@ def as_arrived(executor, futures, *, timeout=None, deadline=None):
                     f"the run passed its deadline={deadline:g} seconds with "
                     f"{len(pending)} chunks still to come"
                 )
-            if executor.n_workers() > 0:
+            if done or executor.n_workers() > 0:
                 without_workers = None
             elif without_workers is None:
                 without_workers = now

@@ -1,0 +1,363 @@
+"""Where chunks run (jacutil.scale.executors, chunk_files, dask_arrays): every
+backend and every output equal to one process bit for bit; clocks that stop a
+run keep what arrived; lost workers are an error in bounded time; a
+dask.array x never comes to the driver; the scheduler needs nothing of ours."""
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import jacutil as ju
+from jacutil.scale import executors
+from jacutil.scale.chunk_files import chunk_name, read_chunks, write_chunk
+from jacutil.scale.distributed import LocalWorkers, distributed_jacobian
+from jacutil.scale.executors import (
+    ChunkTimeoutError,
+    ProcessExecutor,
+    WorkersLostError,
+    as_arrived,
+)
+from jacutil.scale.resume import LEDGER_SUFFIX, ResumeMismatch, RunFileError
+from jacutil.scale.workers import free_port
+
+pytestmark = pytest.mark.xdist_group("workers")
+
+
+@pytest.fixture(scope="module")
+def workers():
+    with LocalWorkers(2, start_timeout=120) as running:
+        yield running
+
+
+def _run(n=400, seed=4):
+    model, (x, _) = ju.question_mlp(seed=2), ju.regression_data(n, seed=seed)
+    one = ju.chunked_jacobian(model, x, chunk_size=50, method="rules", progress=False)
+    return model, x, one
+
+
+# --- a test executor: tasks in threads, some held back ------------------------
+
+
+class HeldBack:
+    """The executor interface in threads; chunks from ``held`` on never end
+    (a stalled worker); ``threads`` as a Dask cluster would report them."""
+
+    def __init__(self, held=None, threads=None, workers=2):
+        self.pool = concurrent.futures.ThreadPoolExecutor(2)
+        self.held, self._threads, self.workers = held, threads or {}, workers
+
+    def share(self, value):
+        return value
+
+    def submit(self, fn, spec, samples, start):
+        if self.held is not None and start >= self.held:
+            return concurrent.futures.Future()  # never finishes
+        return self.pool.submit(fn, spec, samples, start)
+
+    def wait(self, pending, seconds):
+        return concurrent.futures.wait(
+            pending, seconds, concurrent.futures.FIRST_COMPLETED
+        ).done
+
+    def cancel(self, futures):
+        for future in futures:
+            future.cancel()
+
+    def n_workers(self):
+        return self.workers
+
+    def threads(self):
+        return self._threads
+
+
+def _at(seconds):
+    """Futures that finish at the given times."""
+    futures = [concurrent.futures.Future() for _ in seconds]
+    for future, at in zip(futures, seconds, strict=True):
+        finish = lambda f=future, at=at: f.cancelled() or f.set_result(at)  # noqa: E731
+        timer = threading.Timer(at, finish)
+        timer.daemon = True
+        timer.start()
+    return futures
+
+
+def test_timeout_is_the_wait_for_the_next_chunk_not_the_run():
+    """A run of 2.4 s whose chunks arrive 0.3 s apart passes timeout=1."""
+    started = time.monotonic()
+    arrived = list(
+        as_arrived(HeldBack(), _at([0.3 * k for k in range(1, 9)]), timeout=1)
+    )
+    assert len(arrived) == 8 and time.monotonic() - started > 2.3
+
+
+def test_deadline_bounds_the_whole_run():
+    started = time.monotonic()
+    with pytest.raises(ChunkTimeoutError, match="deadline=1 seconds with [3-6] chunks"):
+        list(as_arrived(HeldBack(), _at([0.3 * k for k in range(1, 9)]), deadline=1))
+    assert time.monotonic() - started < 2.0
+
+
+def test_a_stalled_chunk_stops_the_run_and_what_arrived_is_kept(tmp_path):
+    model, x, one = _run()
+    with pytest.raises(ChunkTimeoutError, match="timeout=1 seconds") as caught:
+        distributed_jacobian(
+            model, x, HeldBack(held=200), chunk_size=50, timeout=1, progress=False
+        )
+    assert caught.value.done == [0, 1, 2, 3]
+    np.testing.assert_array_equal(caught.value.out[:200], one[:200])
+    assert "kept in error.out" in str(caught.value)
+    # into a file: the arrived chunks are on disk, and a second run finishes it
+    path = tmp_path / "J.npy"
+    with pytest.raises(ChunkTimeoutError, match="kept on disk in J.npy"):
+        distributed_jacobian(
+            model,
+            x,
+            HeldBack(held=200),
+            out=path,
+            chunk_size=50,
+            timeout=1,
+            progress=False,
+        )
+    ledger = (tmp_path / ("J.npy" + LEDGER_SUFFIX)).read_text()
+    assert '"done": [[0, 4]]' in ledger
+    J = distributed_jacobian(model, x, HeldBack(), out=path, progress=False)
+    np.testing.assert_array_equal(J, one)
+
+
+def test_lost_workers_are_an_error_in_bounded_time(monkeypatch):
+    monkeypatch.setattr(executors, "WORKERS_LOST_AFTER", 1.0)
+    model, x, _ = _run(100)
+    started = time.monotonic()
+    with pytest.raises(WorkersLostError, match="no worker has been connected"):
+        distributed_jacobian(
+            model, x, HeldBack(held=0, workers=0), chunk_size=50, progress=False
+        )
+    assert time.monotonic() - started < 5
+
+
+def test_several_threads_per_worker_are_warned_about():
+    model, x, one = _run(100)
+    with pytest.warns(UserWarning, match="--nthreads 1"):
+        J = distributed_jacobian(
+            model, x, HeldBack(threads={"tls://w": 4}), chunk_size=50, progress=False
+        )
+    np.testing.assert_array_equal(J, one[:100])
+
+
+# --- a process pool -------------------------------------------------------------
+
+
+def test_a_process_pool_equals_one_process(tmp_path):
+    model, x, one = _run()
+    with ProcessExecutor(2, threads=1) as pool:
+        J = distributed_jacobian(model, x, pool, chunk_size=50, progress=False)
+        folder = distributed_jacobian(
+            model, x, pool, chunk_size=50, out=tmp_path / "J", progress=False
+        )
+    np.testing.assert_array_equal(J, one)
+    np.testing.assert_array_equal(folder.compute(), one)
+    np.testing.assert_array_equal(read_chunks(tmp_path / "J"), one)
+
+
+def test_a_killed_pool_process_is_workers_lost_with_arrivals_kept(tmp_path):
+    model, (x, _) = ju.question_mlp(seed=2), ju.regression_data(3000, seed=4)
+    pool = concurrent.futures.ProcessPoolExecutor(
+        1, mp_context=__import__("multiprocessing").get_context("spawn")
+    )
+    killed = []
+
+    def kill(k):
+        if k == 1:
+            pid = next(iter(pool._processes))
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    try:
+        with pytest.raises(WorkersLostError, match="process of the pool died"):
+            distributed_jacobian(
+                model,
+                x,
+                pool,
+                chunk_size=100,
+                out=tmp_path / "J.npy",
+                on_chunk=kill,
+                progress=False,
+            )
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    assert killed
+    done, of = ju.scale.resume.finished_chunks(tmp_path / "J.npy")
+    assert 2 <= done < of == 30
+
+
+# --- a folder of chunk files ----------------------------------------------------
+
+
+def test_a_chunk_folder_resumes_and_checks_each_file(workers, tmp_path):
+    model, x, one = _run()
+    folder = tmp_path / "J"
+    J = distributed_jacobian(
+        model, x, workers, chunk_size=50, out=folder, progress=False
+    )
+    np.testing.assert_array_equal(J.compute(), one)
+    files = sorted(p.name for p in folder.glob("rows-*.npy"))
+    assert files == [chunk_name(s, s + 50) for s in range(0, 400, 50)]
+    (folder / chunk_name(100, 150)).unlink()  # lost
+    with open(folder / chunk_name(300, 350), "r+b") as cut:  # cut short
+        cut.truncate(1000)
+    with pytest.raises(ResumeMismatch, match=r"2 of the 8 chunks .* \(chunks 2, 6\)"):
+        read_chunks(folder)
+    seen = []
+    again = distributed_jacobian(
+        model, x, workers, out=folder, on_chunk=seen.append, progress=False
+    )
+    assert sorted(seen) == [2, 6]
+    np.testing.assert_array_equal(again.compute(), one)
+    with pytest.raises(ResumeMismatch, match="other model weights, inputs x"):
+        distributed_jacobian(model, x[::-1], workers, out=folder, progress=False)
+
+
+def test_a_worker_that_sees_another_folder_fails(tmp_path):
+    other = tmp_path / "node" / "J"  # what another node sees at that path
+    other.mkdir(parents=True)
+    rows = np.zeros((5, 1, 3), "float32")
+    with pytest.raises(RunFileError, match="no run.json in it"):
+        write_chunk(other, 0, rows, "the-runs-token")
+    (other / "run.json").write_text('{"token": "another"}')
+    with pytest.raises(RunFileError, match="another run's run.json"):
+        write_chunk(other, 0, rows, "the-runs-token")
+    assert not list(other.glob("rows-*"))
+
+
+# --- data on the workers --------------------------------------------------------
+
+WIDE = 256  # inputs per sample: x is 8 MB, J 33 MB
+
+
+def _block(driver, block_info=None):
+    """Block k of x, made where it is computed: never on the driver."""
+    if os.getpid() == driver:
+        raise AssertionError("a block of x was computed on the driver")
+    k = block_info[None]["chunk-location"][0]
+    return np.random.default_rng(k).standard_normal((1000, WIDE), "float32")
+
+
+def test_a_dask_array_x_never_comes_to_the_driver(workers, tmp_path):
+    import dask.array as da
+
+    keras = ju.keras
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential(
+        [keras.Input((WIDE,)), keras.layers.Dense(4, "tanh"), keras.layers.Dense(1)]
+    )
+    x = da.map_blocks(
+        _block, os.getpid(), chunks=((1000,) * 8, (WIDE,)), dtype="float32"
+    )
+    tracemalloc.start()
+    J = distributed_jacobian(
+        model, x, workers, chunk_size=500, out=tmp_path / "J", progress=False
+    )
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < x.nbytes / 4, f"the driver held {peak:,} bytes of x's {x.nbytes:,}"
+    x_here = np.concatenate(
+        [
+            np.random.default_rng(k).standard_normal((1000, WIDE), "float32")
+            for k in range(8)
+        ]
+    )
+    one = ju.chunked_jacobian(model, x_here, chunk_size=500, progress=False)
+    np.testing.assert_array_equal(J.compute(), one)
+
+
+def test_lazy_jacobian_and_futures_equal_one_process(workers):
+    import dask.array as da
+
+    from jacutil.scale.dask_arrays import jacobian_futures, lazy_jacobian
+
+    model, x, one = _run()
+    client = workers.client
+    lazy = lazy_jacobian(
+        model, da.from_array(x, chunks=37), chunk_size=50, client=client
+    )
+    assert lazy.chunks[0] == (50,) * 8 and lazy.shape == one.shape
+    np.testing.assert_array_equal(client.compute(lazy).result(), one)
+    x_future = client.scatter(x)
+    futures = jacobian_futures(model, x_future, workers, chunk_size=50)
+    np.testing.assert_array_equal(np.concatenate(client.gather(futures)), one)
+
+
+# --- the scheduler needs nothing of ours ----------------------------------------
+
+BLOCKER = """
+import sys
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {"jacutil", "tensorflow", "keras", "tests"}:
+            raise ImportError(f"the scheduler imported {name}")
+sys.meta_path.insert(0, Refuse())
+from distributed.cli.dask_scheduler import main
+sys.argv = ["dask-scheduler", "--host", "127.0.0.1", "--port", PORT, "--no-dashboard"]
+main()
+"""
+
+
+def test_the_scheduler_needs_neither_jacutil_nor_tensorflow():
+    from distributed import Client
+
+    port = str(free_port())
+    address = f"tcp://127.0.0.1:{port}"
+    started = [
+        subprocess.Popen(
+            [sys.executable, "-c", BLOCKER.replace("PORT", repr(port))],
+            start_new_session=True,
+            stderr=subprocess.DEVNULL,
+        )
+    ]
+    try:
+        time.sleep(2)
+        worker = [
+            sys.executable,
+            "-m",
+            "distributed.cli.dask_worker",
+            address,
+            "--host",
+            "127.0.0.1",
+            "--nthreads",
+            "1",
+            "--no-dashboard",
+        ]
+        started.append(
+            subprocess.Popen(worker, start_new_session=True, stderr=subprocess.DEVNULL)
+        )
+        with Client(address, timeout=60) as client:
+            client.wait_for_workers(1, timeout=120)
+            model, x, one = _run(200)
+            J = distributed_jacobian(model, x, client, chunk_size=50, progress=False)
+            np.testing.assert_array_equal(J, one[:200])
+            y = ju.regression_data(200, seed=4)[1]
+            problem = ju.DistributedLeastSquares(model, x, y, client, chunk_size=50)
+            problem.normal_equations(problem.theta0)
+            imported = client.run_on_scheduler(
+                lambda: sorted(
+                    m
+                    for m in sys.modules
+                    if m.split(".")[0] in {"jacutil", "tensorflow", "keras"}
+                )
+            )
+            assert imported == []
+    finally:
+        for process in started:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait(30)
