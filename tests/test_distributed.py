@@ -183,7 +183,7 @@ def test_zoo_rebuilt_from_what_workers_receive(name):
         distributed.forget_models()
         spec = distributed.model_spec(model, x)
         options = {"training": False, "jit_compile": False, "method": "rules"}
-        return distributed.rows_task(spec, distributed.as_numpy(x), options)
+        return distributed.rows_task(spec, distributed.as_numpy(x), options=options)
 
     _zoo_rows(name, rows)
 
