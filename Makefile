@@ -40,8 +40,9 @@ test: setup lint
 	$(BIN)/python -m pytest notebooks --nbval --nbval-current-env \
 		--nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout 600 \
 		-n 2 --dist loadfile
-	$(BIN)/python -c "from jacutil.scale.workers import leftovers as l; \
-		assert not l(), f'processes left behind by LocalWorkers: {l()}'"
+	$(BIN)/python -c "from jacutil.scale.workers import leftovers as l, leftover_folders as f; \
+		assert not l(), f'processes left behind by LocalWorkers: {l()}'; \
+		assert not f(), f'folders left behind by LocalWorkers or a pool: {f()}'"
 
 # The generated-model test (tests/test_generated_models.py) for longer, with a
 # random seed: FUZZ_EXAMPLES examples per test (5 tests; a model example costs

@@ -24,6 +24,7 @@ from what the repository holds, so that they never drift from it:
   - a box that downloads the notebook and its learner copy (made here by
     scripts/make_learner.py), with links that open it in Colab or Binder;
 - instructors.md: INSTRUCTORS.md;
+- cluster.md: docs/cluster.md, the guide to running on a cluster;
 - api.rst: autodoc of every public function, class and module in
   ``jacutil.__all__``, and of every further jacutil name that a notebook
   source (notebooks/src) uses: ``check.exercise``, ``ju.bench.run_bench``,
@@ -62,7 +63,11 @@ import nbformat
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "website"
 BOOKS = sorted((ROOT / "notebooks").glob("[0-9]*.ipynb"))
-PAGES = {"README.md": "index.md", "INSTRUCTORS.md": "instructors.md"}
+PAGES = {
+    "README.md": "index.md",
+    "INSTRUCTORS.md": "instructors.md",
+    "docs/cluster.md": "cluster.md",
+}
 FILES = "_files"  # downloads; excluded from the pages in website/conf.py
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 SOLUTION_PROMPTS = {
@@ -758,7 +763,7 @@ def toctrees(page_of):
         "\n\n```{toctree}\n:hidden:\n:caption: Notebooks\n\n"
         f"{notebooks}\n```\n\n"
         "```{toctree}\n:hidden:\n:caption: Teaching and reference\n\n"
-        "instructors\napi\n```\n"
+        "instructors\ncluster\napi\n```\n"
     )
 
 

@@ -8,9 +8,11 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -155,6 +157,10 @@ def test_several_threads_per_worker_are_warned_about():
 # --- a process pool -------------------------------------------------------------
 
 
+def _pool_folders():
+    return list(Path(tempfile.gettempdir()).glob(f"jacutil-pool-{os.getpid()}-*"))
+
+
 def test_a_process_pool_equals_one_process(tmp_path):
     model, x, one = _run()
     with ProcessExecutor(2, threads=1) as pool:
@@ -165,6 +171,7 @@ def test_a_process_pool_equals_one_process(tmp_path):
     np.testing.assert_array_equal(J, one)
     np.testing.assert_array_equal(folder.compute(), one)
     np.testing.assert_array_equal(read_chunks(tmp_path / "J"), one)
+    assert not _pool_folders(), "the pool's results folder was left behind"
 
 
 def test_a_killed_pool_process_is_workers_lost_with_arrivals_kept(tmp_path):
@@ -194,6 +201,7 @@ def test_a_killed_pool_process_is_workers_lost_with_arrivals_kept(tmp_path):
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
     assert killed
+    assert not _pool_folders(), "the pool's results folder was left behind"
     done, of = ju.scale.resume.finished_chunks(tmp_path / "J.npy")
     assert 2 <= done < of == 30
 
@@ -303,6 +311,7 @@ def test_lazy_jacobian_and_futures_equal_one_process(workers):
 
 BLOCKER = """
 import sys
+import tempfile
 class Refuse:
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in {"jacutil", "tensorflow", "keras", "tests"}:

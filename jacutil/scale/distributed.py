@@ -264,8 +264,8 @@ def prepare(model, x, client, training, jit_compile, method):
             raise TypeError(
                 "x is a dask.array or Dask futures: its blocks stay on Dask "
                 "workers, so workers must be a LocalWorkers or a "
-                "dask.distributed.Client (a process pool takes NumPy arrays "
-                "or an np.memmap)."
+                "dask.distributed.Client (other executors, a process pool "
+                "among them, take NumPy arrays or an np.memmap)."
             )
         dask_x = as_dask_array(x, client)
         x = first_sample(dask_x, client)
@@ -487,7 +487,7 @@ def _warn_threads(executor):
         warnings.warn(
             f"{len(busy)} worker(s) run several threads (e.g. {address}: "
             f"{threads}): TensorFlow already uses every core for one chunk, so "
-            "chunks at once compete (about 5 times slower, measured). Start "
+            "chunks at once compete for the same cores and run slower. Start "
             "workers with --nthreads 1 (docs/cluster.md).",
             stacklevel=3,
         )

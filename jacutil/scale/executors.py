@@ -163,7 +163,7 @@ class ProcessExecutor:
         # results travel as files: a process killed while it sends a large
         # result through the pool's pipe leaves half a message there, and the
         # pool then waits for the rest forever (CPython's ProcessPoolExecutor)
-        self.results = Path(tempfile.mkdtemp(prefix="jacutil-pool-"))
+        self.results = Path(tempfile.mkdtemp(prefix=f"jacutil-pool-{os.getpid()}-"))
         self._remove = weakref.finalize(self, shutil.rmtree, self.results, True)
 
     def share(self, value):

@@ -173,7 +173,7 @@ class LocalWorkers:
         self.processes = []
         self.client = None
         self.security = None
-        self._logs = Path(tempfile.mkdtemp(prefix="jacutil-workers-"))
+        self._logs = Path(tempfile.mkdtemp(prefix=f"jacutil-workers-{os.getpid()}-"))
         # Nothing is written: the children's watchdogs see the end of file
         # when this write end closes, however this process ends. os.pipe()
         # makes both ends non-inheritable: only pass_fds hands out the read end.
@@ -416,6 +416,26 @@ def leftovers(address=None):
                 found.append(process)
         except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
             continue
+    return found
+
+
+def leftover_folders():
+    """Temporary folders of LocalWorkers and process pools
+    (``jacutil-workers-<pid>-…``, ``jacutil-pool-<pid>-…``) whose process has
+    ended: after a run, however it ended, none (``make test`` checks).
+
+    Returns:
+        A list of ``pathlib.Path``.
+    """
+    import psutil
+
+    found = []
+    for path in Path(tempfile.gettempdir()).glob("jacutil-*-*-*"):
+        kind, _, rest = path.name.removeprefix("jacutil-").partition("-")
+        pid = rest.partition("-")[0]
+        if kind in ("workers", "pool") and pid.isdigit():
+            if not psutil.pid_exists(int(pid)):
+                found.append(path)
     return found
 
 

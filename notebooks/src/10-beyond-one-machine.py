@@ -19,8 +19,11 @@
 # **Objectives**
 # - Interrupt a chunked run on purpose (`SIGKILL`), resume it, and prove the
 #   file equal to an uninterrupted run, bit for bit.
-# - Compute the same chunks on 2 Dask worker processes, prove the answer
-#   equal, then kill a worker mid-run and see the run complete.
+# - Compute the same chunks on 2 Dask worker processes (TLS, ending with
+#   this process), prove the answer equal, then kill a worker mid-run and
+#   see the run complete.
+# - Stop a run at a deadline and resume it; keep `x` and J on the workers
+#   (a `dask.array`, a folder of chunk files).
 # - Sum JᵀJ and Jᵀr on the workers for a Gauss–Newton step.
 # - Write down the cost model for N workers and put the 2-worker measurement
 #   beside it.
@@ -39,6 +42,7 @@ import threading
 import time
 from pathlib import Path
 
+import dask.array as da
 import distributed
 import matplotlib.pyplot as plt
 import numpy as np
@@ -62,6 +66,7 @@ resume_samples = 10_000  # samples of the interrupted run
 resume_chunk = 500  # its chunk size
 gn_samples = 3_000  # samples of the Gauss-Newton step
 gn_chunk = 500  # its chunk size
+deadline = 1.0  # seconds: the run stopped part-way on purpose
 seed = 0
 
 # %% [markdown]
@@ -198,14 +203,22 @@ except ju.scale.resume.ResumeMismatch as error:
 # chunks.
 #
 # `LocalWorkers` starts a scheduler and `n_workers` worker processes - the
-# same `dask scheduler` and `dask worker` commands a cluster runs -
-# listening on 127.0.0.1 only, and stops them all when the `with` block or
-# `close()` ends. A Keras model does not pickle well between processes, so
-# each worker rebuilds it from `model.to_json()` and the weights, and checks
-# on one sample that it computes what yours does. Writing into a file, a
-# worker first checks the run's random token in the ledger beside the file
-# it sees: a worker that sees another file at that path (a disk of its own
-# instead of the shared one) fails, rather than write rows nobody reads:
+# same `dask scheduler` and `dask worker` commands a cluster runs. They
+# listen on 127.0.0.1 only and speak TLS with a certificate made for this
+# run: Dask's messages are pickles, so whoever connects can run code, and
+# no other program on this machine can. They stop when the `with` block or
+# `close()` ends, and if this process is killed they stop on their own
+# within seconds: each one watches this process.
+#
+# A Keras model does not pickle well between processes, so each worker
+# rebuilds it from `model.to_json()` and the weights, and checks on one
+# sample that it computes what yours does. The scheduler only passes tasks
+# along: they reach it as bytes, so it needs neither jacutil nor
+# TensorFlow. Each chunk is this task on a worker. Writing into a folder of
+# chunk files (below), it first checks the run's random token in the
+# folder's `run.json`: a worker that sees another folder at that path (a
+# disk of its own instead of the shared one) fails, rather than write rows
+# nobody reads:
 
 # %%
 ju.teaching.notebook.show_source(ju.scale.distributed.rows_task)
@@ -219,14 +232,15 @@ start = time.perf_counter()
 ju.distributed_jacobian(model, warm_x, workers, progress=False)
 first_call = time.perf_counter() - start
 print(workers)
+print("every process speaks TLS:", workers.address.startswith("tls://"))
 print(f"started in {started_in:.1f} s; first chunks (TensorFlow imported and "
       f"the model rebuilt on each worker) in {first_call:.1f} s")
 
 # %% [markdown]
-# The measurement: the whole Jacobian into a file on disk, once by one
-# process (`chunked_jacobian`) and once by the workers (each writes its
-# chunks into the same file; this process keeps the ledger), with the same
-# chunks and the layer-rules path in both:
+# The measurement: the whole Jacobian onto disk, once by one process
+# (`chunked_jacobian`, into one `.npy`) and once by the workers, each
+# writing its own chunks into a folder of chunk files, with the same chunks
+# and the layer-rules path in both:
 
 # %% tags=["nbval-ignore-output"]
 def timed(run):
@@ -236,7 +250,7 @@ def timed(run):
     return result, time.perf_counter() - start
 
 
-one_path, two_path = folder / "one.npy", folder / "two.npy"
+one_path, two_path = folder / "one.npy", folder / "two"
 J_one, t_one = timed(lambda: ju.chunked_jacobian(
     model, x, chunk_size=chunk_size, out=one_path, method="rules",
     progress=False))
@@ -246,9 +260,22 @@ print(f"one process: {t_one:.1f} s; {n_workers} workers: {t_two:.1f} s "
       f"({t_two / t_one:.2f}x the one-process time)")
 
 # %%
-same = all(np.array_equal(J_one[i:i + chunk_size], J_two[i:i + chunk_size])
+same = all(np.array_equal(J_one[i:i + chunk_size],
+                          J_two[i:i + chunk_size].compute())
            for i in range(0, n_samples, chunk_size))
 print(f"{n_workers} workers == one process, bit for bit:", same)
+print(f"{two_path.name}/ holds", sorted(p.name for p in two_path.iterdir())[:3],
+      "...")
+
+# %% [markdown]
+# Why a folder? Each chunk is its own file, written under a temporary name
+# and renamed when complete, so no two machines ever write the same file.
+# On a shared file system (NFS) that matters: a client writes back whole
+# pages, and two machines writing the rows on either side of a page
+# boundary of *one* file can overwrite each other's. `J_two` reads the
+# folder back as one lazy array (`ju.scale.chunk_files.read_chunks` does
+# it too). With `out="J.npy"` the rows come back to this process instead,
+# which writes the one file alone; with `out=None`, into memory.
 
 # %% [markdown]
 # Read the ratio above. On this machine the workers share the cores that
@@ -286,7 +313,72 @@ whole = ju.chunked_jacobian(model, x_resume, chunk_size=resume_chunk,
                             method="per_sample", progress=False)
 print("run with a lost worker == uninterrupted run, bit for bit:",
       np.array_equal(J_fault, whole))
-del J_fault, whole
+del J_fault
+
+# %% [markdown]
+# ## A deadline, and workers that never come back
+#
+# Two clocks bound a run, both off by default: `timeout=` is the longest
+# wait for the *next* chunk (it starts again at each arrival), `deadline=`
+# the whole run's. When one passes, the run stops with `ChunkTimeoutError`
+# and keeps the chunks that arrived: in `error.out` in memory, or on disk,
+# where the same call resumes. If every worker is gone for
+# `ju.scale.executors.WORKERS_LOST_AFTER` seconds (a nanny restarts a
+# killed worker within seconds; a lost cluster does not come back), the run
+# stops with `WorkersLostError`, keeping its chunks the same way. Here a run
+# is given a deadline shorter than it needs:
+
+# %% tags=["nbval-ignore-output"]
+deadline_path = folder / "deadline.npy"
+try:
+    ju.distributed_jacobian(model, x_resume, workers, chunk_size=resume_chunk,
+                            out=deadline_path, method="per_sample",
+                            deadline=deadline, progress=False)
+    print(f"finished within deadline={deadline:g} s")
+except ju.scale.executors.ChunkTimeoutError as error:
+    print("ChunkTimeoutError:", error)
+done, of = ju.scale.resume.finished_chunks(deadline_path)
+print(f"on disk: {done} of {of} chunks")
+
+# %% [markdown]
+# The same call without the deadline computes only the rest:
+
+# %%
+J_deadline = ju.distributed_jacobian(
+    model, x_resume, workers, chunk_size=resume_chunk, out=deadline_path,
+    method="per_sample", progress=False)
+print("stopped at the deadline, resumed == uninterrupted run, bit for bit:",
+      np.array_equal(J_deadline, whole))
+del J_deadline, whole
+
+# %% [markdown]
+# ## Data that stays on the workers
+#
+# So far `x` went from this process to the workers, chunk by chunk. When
+# `x` is larger than this process's memory, make it a `dask.array`: its
+# blocks are computed or loaded on the workers and handed to the chunks
+# that need them; one sample comes here, to check the model. J can stay
+# there too: `lazy_jacobian` returns it as a lazy `dask.array`, chunked by
+# samples, and nothing runs until it is computed, persisted on the workers
+# (`client.persist`) or stored (`.to_zarr`). (`jacobian_futures` starts every
+# chunk at once and returns a future for each, for asynchronous use.) Here
+# only each sample's `‖J_i‖` comes back, one number per sample:
+
+# %%
+x_far = da.random.default_rng(seed).standard_normal(
+    (resume_samples, x.shape[1]), chunks=4 * resume_chunk).astype("float32")
+J_far = ju.scale.dask_arrays.lazy_jacobian(
+    model, x_far, chunk_size=resume_chunk, client=workers.client)
+print(J_far)
+row_norms = workers.client.compute(
+    da.sqrt((J_far ** 2).sum(axis=(1, 2)))).result()
+print(f"{row_norms.size:,} row norms came back ({row_norms.nbytes:,} bytes; "
+      f"J itself is {J_far.nbytes / 2**20:,.0f} MiB)")
+x_here = workers.client.compute(x_far[:resume_chunk]).result()
+here = ju.chunked_jacobian(model, x_here, method="rules", progress=False)
+print("the first chunk's norms == one process:", np.allclose(
+    row_norms[:resume_chunk], np.sqrt((here.astype("float64") ** 2).sum(axis=(1, 2))),
+    rtol=1e-5))
 
 # %% [markdown]
 # ## Gauss–Newton steps on the workers
@@ -327,17 +419,25 @@ model.set_weights(weights)
 # %% [markdown]
 # ## On a real cluster, and what to expect
 #
-# - **Starting workers.** On the scheduler's machine run `dask scheduler`;
-#   on every other machine `dask worker tcp://SCHEDULER:8786 --nthreads 1`
-#   (with jacutil, TensorFlow and your custom layers installed there); in
-#   the notebook pass `dask.distributed.Client("tcp://SCHEDULER:8786")`
-#   where we passed `workers`. Nothing else changes.
-# - **Where the output lives.** With `out=path`, every worker writes its
-#   chunks into that file, so it must be on a file system every machine
-#   sees (NFS, Lustre, a cloud file share). With an object store (S3, GCS)
-#   each chunk would be its own object and the ledger the list of objects
-#   written; that is not built here. `out=None` sends the rows back to this
-#   process instead: fine for what fits in its memory.
+# - **Starting workers.** `docs/cluster.md` is the guide to copy: make
+#   credentials once (`python -m jacutil.scale.credentials creds`), then
+#   `dask scheduler` and `dask worker` with TLS, `--host` on the cluster's
+#   private interface, no dashboard and `--nthreads 1` (TensorFlow already
+#   uses every core for one chunk: more threads make chunks compete for the
+#   same cores, and `distributed_jacobian` warns). The tests start exactly its commands
+#   and check every listening socket. Only the workers need jacutil,
+#   TensorFlow and your custom layers; in the notebook pass
+#   `Client("tls://SCHEDULER:8786", security=...)` where we passed
+#   `workers`. Nothing else changes.
+# - **Where the output lives.** A folder of chunk files (`out="J"`) is
+#   written by the workers, so it must be on a file system every machine
+#   sees at the same path (NFS, Lustre, an object store mounted as one).
+#   `out="J.npy"` and `out=None` bring the rows back to this process.
+# - **One machine, many cores, no Dask.** `with
+#   ju.scale.executors.ProcessExecutor(4) as pool:` then
+#   `ju.distributed_jacobian(model, x, pool)`: the same chunks in a process
+#   pool. A process that dies breaks the pool (Python's rule): the run stops
+#   with `WorkersLostError`, its arrived chunks kept.
 # - **GPUs.** Each worker process sees the GPUs of its own machine, and
 #   TensorFlow takes all of them by default. On a machine with k GPUs start
 #   k workers, each with `CUDA_VISIBLE_DEVICES=i` (and
@@ -511,10 +611,15 @@ print("processes left behind:", ju.scale.workers.leftovers(workers.address))
 # - `chunked_jacobian(model, x, out="J.npy")` keeps a ledger of finished
 #   chunks; after any interruption the same call finishes the file, and a
 #   changed model or `x` is refused, never mixed.
-# - `LocalWorkers` starts a Dask scheduler and workers on 127.0.0.1;
-#   `distributed_jacobian` gives them the chunks and equals one process bit
-#   for bit. On a cluster, pass a `Client` instead.
-# - A worker that dies loses nothing: its chunks are rerun elsewhere.
+# - `LocalWorkers` starts a Dask scheduler and workers on 127.0.0.1, with
+#   TLS, that end with this process; `distributed_jacobian` gives them the
+#   chunks and equals one process bit for bit. On a cluster, pass a
+#   `Client` instead (`docs/cluster.md`).
+# - A worker that dies loses nothing: its chunks are rerun elsewhere. A
+#   deadline, a stalled chunk or a lost cluster stop the run with the
+#   arrived chunks kept.
+# - `x` as a `dask.array` and J as a folder of chunk files or a lazy
+#   `dask.array` stay on the workers.
 # - `T_N ≈ T_compute / s(N) + T_write + K · τ`: machines shrink the
 #   computing, not the writing. Writers overlap their writing, so one
 #   process's writing time is no floor; keep chunks long against `τ`.
