@@ -374,3 +374,35 @@ def test_the_scheduler_needs_neither_jacutil_nor_tensorflow():
             except ProcessLookupError:
                 pass
             process.wait(30)
+
+
+# --- a worker's model cache -----------------------------------------------------
+
+
+def test_a_workers_model_takes_new_weights_and_threads_never_mix_them():
+    """One rebuilt model per architecture: new weights (each step of a fit)
+    are set and checked, and two tasks in two threads with other weights
+    each get their own rows."""
+    from jacutil.scale import distributed
+
+    options = {"training": False, "jit_compile": False, "method": "rules"}
+    x = ju.regression_data(200, seed=4)[0]
+    model = ju.question_mlp(seed=1)
+    specs, expected = [], []
+    for scale in (1.0, 1.01):  # a step of a fit: the same model, new weights
+        model.set_weights([w * scale for w in model.get_weights()])
+        specs.append(distributed.model_spec(model, x))
+        expected.append(ju.chunked_jacobian(model, x, method="rules", progress=False))
+    assert not np.array_equal(*expected)
+    distributed.forget_models()
+    for spec, rows in zip(specs * 2, expected * 2, strict=True):
+        J = distributed.rows_task(spec, x, options=options)
+        np.testing.assert_array_equal(J, rows)
+    assert len(distributed._rebuilt) == 1  # one architecture: one model
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        runs = [
+            pool.submit(distributed.rows_task, specs[k % 2], x, options=options)
+            for k in range(8)
+        ]
+        for k, run in enumerate(runs):
+            np.testing.assert_array_equal(run.result(), expected[k % 2])

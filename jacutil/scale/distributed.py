@@ -21,7 +21,9 @@ futures (:mod:`jacutil.scale.dask_arrays`).
 to its scheduler instead (``docs/cluster.md``).
 """
 
+import contextlib
 import functools
+import threading
 import warnings
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -139,7 +141,7 @@ def _check_rebuilt(model, spec):
         )
 
 
-_rebuilt = {}  # on a worker: spec key -> model (the newest few)
+_rebuilt = {}  # on a worker: config -> [model, key of its weights, lock]
 
 
 def forget_models():
@@ -147,10 +149,25 @@ def forget_models():
     _rebuilt.clear()
 
 
-def _model_from(spec):
-    """The model of ``spec``, rebuilt once per worker and set of weights."""
-    model = _rebuilt.get(spec["key"])
-    if model is None:
+@contextlib.contextmanager
+def model_from(spec):
+    """The model of ``spec``, held for one task.
+
+    Rebuilt once per worker and architecture (the newest two are kept), so a
+    second call with new weights - each step of Levenberg-Marquardt - only
+    sets them and reuses the compiled Jacobian; each time the weights change,
+    the outputs of the probe are checked again. A lock holds the model for
+    the whole task: two tasks in two threads of one worker never see each
+    other's weights.
+
+    Args:
+        spec: as :func:`model_spec` makes it.
+
+    Yields:
+        The Keras model, with the spec's weights.
+    """
+    entry = _rebuilt.get(spec["config"])
+    if entry is None:
         try:
             model = keras.models.model_from_json(spec["config"])
         except Exception as error:  # noqa: BLE001 - say what a worker lacks
@@ -161,11 +178,15 @@ def _model_from(spec):
                 "every worker imports (installed on it, or sent with "
                 "client.upload_file)."
             ) from error
-        _check_rebuilt(model, spec)
         while len(_rebuilt) >= 2:
             _rebuilt.pop(next(iter(_rebuilt)))
-        _rebuilt[spec["key"]] = model
-    return model
+        entry = _rebuilt[spec["config"]] = [model, None, threading.Lock()]
+    with entry[2]:
+        if entry[1] != spec["key"]:
+            entry[1] = None  # until the new weights are in and checked
+            _check_rebuilt(entry[0], spec)
+            entry[1] = spec["key"]
+        yield entry[0]
 
 
 def rows_task(spec, x, start=0, *, options, folder=None, token=None):
@@ -185,10 +206,10 @@ def rows_task(spec, x, start=0, *, options, folder=None, token=None):
     Returns:
         The rows, shape (c, l, m), or None when they were written to ``folder``.
     """
-    model = _model_from(spec)
-    rows = chunked_jacobian(
-        model, x, chunk_size=int(n_samples(x)), progress=False, **options
-    )
+    with model_from(spec) as model:
+        rows = chunked_jacobian(
+            model, x, chunk_size=int(n_samples(x)), progress=False, **options
+        )
     if folder is None:
         return rows
     write_chunk(folder, start, rows, token)
@@ -197,11 +218,11 @@ def rows_task(spec, x, start=0, *, options, folder=None, token=None):
 
 def _normal_equations_task(spec, x, y, *, chunk_size, training):
     """On a worker: ``J.T @ J`` and ``J.T @ r`` of one chunk."""
-    model = _model_from(spec)
-    problem = LeastSquaresProblem(
-        model, x, y, None, training, chunk_size, None, "formed"
-    )
-    return problem.chunk_normal_equations(0)
+    with model_from(spec) as model:
+        problem = LeastSquaresProblem(
+            model, x, y, None, training, chunk_size, None, "formed"
+        )
+        return problem.chunk_normal_equations(0)
 
 
 def as_numpy(x):
