@@ -57,11 +57,9 @@ from .resume import (
 from .workers import LocalWorkers, WorkerStartError
 
 __all__ = [
-    "ChunkTimeoutError",
     "DistributedLeastSquares",
     "LocalWorkers",
     "WorkerStartError",
-    "WorkersLostError",
     "distributed_jacobian",
 ]
 

@@ -28,7 +28,7 @@
 # - Write down the cost model for N workers and put the 2-worker measurement
 #   beside it.
 #
-# *Teaching: 38 min · Exercises: 25 min*
+# *Teaching: 37 min · Exercises: 25 min*
 
 # %% [markdown]
 # ## Setup
@@ -65,7 +65,7 @@ n_workers = 2  # worker processes on this machine
 resume_samples = 10_000  # samples of the interrupted run
 resume_chunk = 500  # its chunk size
 gn_samples = 3_000  # samples of the Gauss-Newton step
-gn_chunk = 500  # its chunk size
+gn_chunk = 1_000  # its chunk size
 deadline = 1.0  # seconds: the run stopped part-way on purpose
 seed = 0
 
@@ -508,7 +508,7 @@ ax.set_xticks(machines, [str(n) for n in machines])
 ax.set_ylim(bottom=0)
 ax.set_xlabel("machines N")
 ax.set_ylabel("seconds")
-ax.set_title(f"J of {n_samples:,} samples into a file, {K} chunks")
+ax.set_title(f"J of {n_samples:,} samples onto disk, {K} chunks")
 ax.legend(fontsize="small")
 fig.tight_layout()
 print(f"Finding: run time against machines N; the model gives "
