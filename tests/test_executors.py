@@ -92,26 +92,29 @@ def _at(seconds):
 
 
 def test_timeout_is_the_wait_for_the_next_chunk_not_the_run():
-    """A run of 2.4 s whose chunks arrive 0.3 s apart passes timeout=1."""
+    """A run of 3 s whose chunks arrive 0.3 s apart passes timeout=1.5."""
     started = time.monotonic()
     arrived = list(
-        as_arrived(HeldBack(), _at([0.3 * k for k in range(1, 9)]), timeout=1)
+        as_arrived(HeldBack(), _at([0.3 * k for k in range(1, 11)]), timeout=1.5)
     )
-    assert len(arrived) == 8 and time.monotonic() - started > 2.3
+    assert len(arrived) == 10 and time.monotonic() - started > 2.9
 
 
 def test_deadline_bounds_the_whole_run():
     started = time.monotonic()
-    with pytest.raises(ChunkTimeoutError, match="deadline=1 seconds with [3-6] chunks"):
+    with pytest.raises(ChunkTimeoutError, match="deadline=1 seconds with [2-7] chunks"):
         list(as_arrived(HeldBack(), _at([0.3 * k for k in range(1, 9)]), deadline=1))
-    assert time.monotonic() - started < 2.0
+    assert time.monotonic() - started < 3.0
 
 
 def test_a_stalled_chunk_stops_the_run_and_what_arrived_is_kept(tmp_path):
     model, x, one = _run()
-    with pytest.raises(ChunkTimeoutError, match="timeout=1 seconds") as caught:
+    # warm: the model rebuilt from its spec and compiled, so that each chunk
+    # arrives within the timeout on a busy machine too
+    distributed_jacobian(model, x[:50], HeldBack(), progress=False)
+    with pytest.raises(ChunkTimeoutError, match="timeout=3 seconds") as caught:
         distributed_jacobian(
-            model, x, HeldBack(held=200), chunk_size=50, timeout=1, progress=False
+            model, x, HeldBack(held=200), chunk_size=50, timeout=3, progress=False
         )
     assert caught.value.done == [0, 1, 2, 3]
     np.testing.assert_array_equal(caught.value.out[:200], one[:200])
@@ -125,13 +128,36 @@ def test_a_stalled_chunk_stops_the_run_and_what_arrived_is_kept(tmp_path):
             HeldBack(held=200),
             out=path,
             chunk_size=50,
-            timeout=1,
+            timeout=3,
             progress=False,
         )
     ledger = (tmp_path / ("J.npy" + LEDGER_SUFFIX)).read_text()
     assert '"done": [[0, 4]]' in ledger
     J = distributed_jacobian(model, x, HeldBack(), out=path, progress=False)
     np.testing.assert_array_equal(J, one)
+
+
+def test_a_chunk_that_fails_cancels_the_rest():
+    """A worker's error (here chunk 1's) ends the run at once: the chunks
+    still to come are cancelled, not left running."""
+
+    class Failing(HeldBack):
+        def submit(self, fn, spec, samples, start):
+            if start == 50:
+                failed = concurrent.futures.Future()
+                failed.set_exception(RunFileError("a worker sees another folder"))
+                return failed
+            future = super().submit(fn, spec, samples, start)
+            self.submitted.append(future)
+            return future
+
+    failing = Failing(held=100)
+    failing.submitted = []
+    model, x, _ = _run(400)
+    with pytest.raises(RunFileError, match="another folder"):
+        distributed_jacobian(model, x, failing, chunk_size=50, progress=False)
+    held = failing.submitted[1:]  # chunks 2..7 never finish by themselves
+    assert held and all(future.cancelled() for future in held)
 
 
 def test_lost_workers_are_an_error_in_bounded_time(monkeypatch):
@@ -142,7 +168,7 @@ def test_lost_workers_are_an_error_in_bounded_time(monkeypatch):
         distributed_jacobian(
             model, x, HeldBack(held=0, workers=0), chunk_size=50, progress=False
         )
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 8  # WORKERS_LOST_AFTER + polls, busy too
 
 
 def test_several_threads_per_worker_are_warned_about():

@@ -476,8 +476,10 @@ class Job:
         the array in memory, or a sentence)."""
         n_rows, arrived = self.run.n_rows, set()
         bar = tqdm(total=n_rows, initial=done, disable=not self.progress, unit="sample")
+        # closed on any error (a worker's too): the chunks still to come are cancelled
+        arrivals = as_arrived(self.executor, futures, **self.clocks)
         try:
-            for future in as_arrived(self.executor, futures, **self.clocks):
+            for future in arrivals:
                 k = futures[future]
                 rows = _result(future)
                 if write is not None:
@@ -495,6 +497,7 @@ class Job:
                 kept if in_memory else None,
             ) from None
         finally:
+            arrivals.close()
             bar.close()
 
 
@@ -582,7 +585,8 @@ class DistributedLeastSquares(LeastSquaresProblem):
             x_chunk = run.share(as_numpy(take(self.x, start, stop)))
             y_chunk = run.share(self._rows_y[start:stop])
             futures.append(run.submit(task, spec, x_chunk, y_chunk))
-        parts = {f: _result(f) for f in as_arrived(run, futures)}
+        with contextlib.closing(as_arrived(run, futures)) as arrivals:
+            parts = {f: _result(f) for f in arrivals}
         sums = (np.zeros((self.n_params, self.n_params)), np.zeros(self.n_params))
         for future in futures:  # in chunk order: the same sums as one process
             for total, part in zip(sums, parts[future], strict=True):
