@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from ..core._shared import ceil_div
-from .resume import ResumeMismatch, RunFileError, _write_atomically, file_problem
+from .resume import ResumeMismatch, RunFileError, file_problem, write_atomically
 
 RUN_FILE = "run.json"
 RECORD_KEYS = ("fingerprint", "key", "shape", "dtype")
@@ -155,7 +155,7 @@ def open_chunk_folder(path, shape, dtype, record, chunk_size, default_chunk_size
     state["token"] = secrets.token_hex(8)
     path.mkdir(parents=True, exist_ok=True)
     text = json.dumps(state).encode()
-    _write_atomically(path / RUN_FILE, lambda file: file.write(text))
+    write_atomically(path / RUN_FILE, lambda file: file.write(text))
     return ChunkFolder(path, state)
 
 
@@ -191,7 +191,7 @@ def write_chunk(folder, start, rows, token):
         )
     rows = np.ascontiguousarray(rows)
     path = folder / chunk_name(start, start + len(rows))
-    _write_atomically(path, lambda file: np.lib.format.write_array(file, rows))
+    write_atomically(path, lambda file: np.lib.format.write_array(file, rows))
     descriptor = os.open(folder, os.O_RDONLY)  # the rename itself, on disk
     try:
         os.fsync(descriptor)

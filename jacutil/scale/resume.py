@@ -159,8 +159,14 @@ def _temporary(path):
     return path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
 
 
-def _write_atomically(path, write):
-    """``write(file)`` into a temporary file, then swap it in: all or nothing."""
+def write_atomically(path, write):
+    """``write(file)`` into a temporary file, fsynced, then swapped in: all or
+    nothing (used for the run file here and by ``jacutil.scale.chunk_files``).
+
+    Args:
+        path: the file to write.
+        write: a function of the open binary file.
+    """
     path = Path(path)
     temporary = _temporary(path)
     try:
@@ -406,7 +412,7 @@ class Ledger:
         state = {**self.record, "chunk_size": chunk_size, "n_chunks": self.n_chunks}
         state["token"] = self.token
         state["done"] = _chunks_to_runs(self.done)
-        _write_atomically(self.path, lambda f: f.write(json.dumps(state).encode()))
+        write_atomically(self.path, lambda f: f.write(json.dumps(state).encode()))
 
     def check_file(self):
         """The ``.npy`` is the one this ledger describes, or ResumeMismatch."""
@@ -624,7 +630,7 @@ class SumCheckpoint:
         def write(file):
             np.savez(file, record=self.record, next_chunk=next_chunk, **arrays)
 
-        _write_atomically(self.path, write)
+        write_atomically(self.path, write)
 
 
 def kill_part_way(script, progress, at_least=1, timeout=120.0):
