@@ -1,0 +1,19 @@
+"""Curvature, the empirical NTK and Laplace uncertainty from per-sample
+pieces (11-curvature-and-uncertainty).
+
+- ``losses``     the losses and their Hessians at the outputs, ``H = S S.T``
+- ``ggn``        ``ggn_operator``: G = sum_i J_i.T H_i J_i as a LinearOperator, no J
+- ``hessian``    ``hessian_operator``: the loss's Hessian-vector products
+- ``diagonal``   ``ggn_diagonal``: G's exact diagonal from the layer rules
+- ``kfac``       ``kfac``: Kronecker factors of Dense and Conv layers
+- ``ntk``        ``empirical_ntk``: J(x) J(x').T in chunk pairs
+- ``spectra``    top eigenvalues and singular values, Hutchinson estimates
+- ``laplace``    ``Laplace``: posteriors, predictive variance, marginal likelihood
+"""
+
+from ..core._shared import lazy_modules
+
+__getattr__ = lazy_modules(
+    __name__,
+    {"diagonal", "ggn", "hessian", "kfac", "laplace", "losses", "ntk", "spectra"},
+)
