@@ -4,6 +4,9 @@ Every cache of compiled functions lives here, and nowhere else: the compiled
 Jacobian (``CompiledJacobian``), its forward-mode twin (``ForwardJacobian``)
 and the products with J (``Products``). Ownership is explicit and weak:
 
+The curvature products (``CurvatureProducts``, notebook 11) are kept per
+model, loss and variables.
+
 The per-sample loss gradients (``LossGradients``) are kept the same way, one
 per model, loss function and variables; they hold the loss function weakly.
 
@@ -31,6 +34,7 @@ _compiled = weakref.WeakKeyDictionary()  # owner -> {key: CompiledJacobian}
 _forward = weakref.WeakKeyDictionary()  # owner -> {key: ForwardJacobian}
 _products = weakref.WeakKeyDictionary()  # owner -> {key: Products}
 _gradients = weakref.WeakKeyDictionary()  # owner -> {key: LossGradients}
+_curvature = weakref.WeakKeyDictionary()  # owner -> {key: CurvatureProducts}
 
 
 def owner_of(model):
@@ -191,7 +195,27 @@ def gradients_for(model, loss_fn, variables, training, x=None):
     return _keep(entries, key, lambda: LossGradients(jac, loss_fn))
 
 
+def curvature_for(model, variables, options, make):
+    """The compiled ``G @ v`` and ``H @ v`` of ``model`` (notebook 11).
+
+    Args:
+        model: a Keras model, or a callable ``f(x)`` with ``variables``.
+        variables: the variables to differentiate, or None for the model's
+            trainable variables.
+        options: a hashable tuple of what else the products depend on (the
+            loss's name and classes, the chunk size).
+        make: ``make(target)`` builds the products when none is kept.
+
+    Returns:
+        The model's ``jacutil.curvature.compiled.CurvatureProducts``, cached.
+    """
+    owner, extra = owner_of(model)
+    target = resolve_target(model, variables, False)
+    key = (options, *map(id, target.variables), *extra)
+    return _keep(_entries(_curvature, owner), key, lambda: make(target))
+
+
 def clear():
     """Forget every compiled function of every model."""
-    for cache in (_compiled, _forward, _products, _gradients):
+    for cache in (_compiled, _forward, _products, _gradients, _curvature):
         cache.clear()

@@ -1,6 +1,7 @@
 """Curvature, the empirical NTK and Laplace uncertainty from per-sample
 pieces (11-curvature-and-uncertainty).
 
+- ``compiled``   G v and H v compiled once per model and loss
 - ``losses``     the losses and their Hessians at the outputs, ``H = S S.T``
 - ``ggn``        ``ggn_operator``: G = sum_i J_i.T H_i J_i as a LinearOperator, no J
 - ``hessian``    ``hessian_operator``: the loss's Hessian-vector products
@@ -15,5 +16,15 @@ from ..core._shared import lazy_modules
 
 __getattr__ = lazy_modules(
     __name__,
-    {"diagonal", "ggn", "hessian", "kfac", "laplace", "losses", "ntk", "spectra"},
+    {
+        "compiled",
+        "diagonal",
+        "ggn",
+        "hessian",
+        "kfac",
+        "laplace",
+        "losses",
+        "ntk",
+        "spectra",
+    },
 )

@@ -29,7 +29,7 @@ softmax, ``S = diag(sqrt p) - p sqrt(p).T``, since the ``p`` sum to one.
 
 import numpy as np
 
-from ..core._tf import keras
+from ..core._tf import keras, tf
 
 NAMES = ("squared_error", "softmax_cross_entropy", "sigmoid_cross_entropy")
 
@@ -72,32 +72,32 @@ class OutputLoss:
 
     def _positions(self, f):
         """``f`` as (n, positions, classes) for the softmax."""
-        n, l = f.shape
-        if l % self.classes:
+        n, n_out = f.shape
+        if n_out % self.classes:
             raise ValueError(
-                f"{l} outputs per sample are not a whole number of rows of "
+                f"{n_out} outputs per sample are not a whole number of rows of "
                 f"{self.classes} classes."
             )
-        return f.reshape(n, l // self.classes, self.classes)
+        return f.reshape(n, n_out // self.classes, self.classes)
 
     def targets(self, y, f):
         """``y`` as an (n, l) array of target values (one-hot for labels)."""
         y = np.asarray(y)
-        n, l = f.shape
-        if self.name == "softmax_cross_entropy" and y.size * self.classes == n * l:
+        n, n_out = f.shape
+        if self.name == "softmax_cross_entropy" and y.size * self.classes == n * n_out:
             labels = y.reshape(n, -1).astype(int)
             if labels.min() < 0 or labels.max() >= self.classes:
                 raise ValueError(
                     f"labels must be integers in 0..{self.classes - 1}; got values "
                     f"from {labels.min()} to {labels.max()}."
                 )
-            return np.eye(self.classes, dtype=f.dtype)[labels].reshape(n, l)
-        if y.size != n * l:
+            return np.eye(self.classes, dtype=f.dtype)[labels].reshape(n, n_out)
+        if y.size != n * n_out:
             raise ValueError(
-                f"y has shape {y.shape}; it needs {l} value(s) per sample for "
+                f"y has shape {y.shape}; it needs {n_out} value(s) per sample for "
                 f"{n} samples (or one integer label per row of classes)."
             )
-        return y.reshape(n, l).astype(f.dtype)
+        return y.reshape(n, n_out).astype(f.dtype)
 
     # -- the loss and its derivatives ---------------------------------------
 
@@ -127,12 +127,14 @@ class OutputLoss:
 
     def hessian(self, f):
         """``H_i``, shape (n, l, l)."""
-        n, l = f.shape
+        n, n_out = f.shape
         if self.name == "squared_error":
-            return np.broadcast_to(np.eye(l, dtype=f.dtype), (n, l, l)).copy()
+            return np.broadcast_to(
+                np.eye(n_out, dtype=f.dtype), (n, n_out, n_out)
+            ).copy()
         if self.name == "sigmoid_cross_entropy":
             s = _sigmoid(f)
-            return np.einsum("ik,kj->ikj", s * (1 - s), np.eye(l, dtype=f.dtype))
+            return np.einsum("ik,kj->ikj", s * (1 - s), np.eye(n_out, dtype=f.dtype))
         p = self._positions(self.mean(f))
         blocks = np.einsum("irk,kj->irkj", p, np.eye(self.classes, dtype=f.dtype))
         blocks -= np.einsum("irk,irj->irkj", p, p)
@@ -141,12 +143,14 @@ class OutputLoss:
     def sqrt_hessian(self, f):
         """``S_i`` with ``H_i = S_i S_i.T``, shape (n, l, l); column c is the
         signal c a backward pass starts from."""
-        n, l = f.shape
+        n, n_out = f.shape
         if self.name == "squared_error":
             return self.hessian(f)
         if self.name == "sigmoid_cross_entropy":
             s = _sigmoid(f)
-            return np.einsum("ik,kj->ikj", np.sqrt(s * (1 - s)), np.eye(l, dtype=f.dtype))
+            return np.einsum(
+                "ik,kj->ikj", np.sqrt(s * (1 - s)), np.eye(n_out, dtype=f.dtype)
+            )
         p = self._positions(self.mean(f))
         root = np.sqrt(p)
         blocks = np.einsum("irk,kj->irkj", root, np.eye(self.classes, dtype=f.dtype))
@@ -163,6 +167,51 @@ class OutputLoss:
         p = self._positions(self.mean(f))
         w = self._positions(u)
         return (p * w - p * np.sum(p * w, axis=-1, keepdims=True)).reshape(u.shape)
+
+    # -- the same in TensorFlow, for compiled products ----------------------
+
+    def hessian_product_tf(self, f, u):
+        """``H_i @ u_i`` in a TensorFlow graph; ``f`` and ``u`` of shape (n, l)."""
+        if self.name == "squared_error":
+            return u
+        if self.name == "sigmoid_cross_entropy":
+            s = tf.sigmoid(f)
+            return s * (1 - s) * u
+        shape = tf.shape(f)
+        p = tf.nn.softmax(tf.reshape(f, [shape[0], -1, self.classes]))
+        w = tf.reshape(u, tf.shape(p))
+        hw = p * w - p * tf.reduce_sum(p * w, axis=-1, keepdims=True)
+        return tf.reshape(hw, shape)
+
+    def sqrt_hessian_tf(self, f):
+        """``S_i`` (n, l, l) in a TensorFlow graph (columns: the signals)."""
+        n, n_out = tf.shape(f)[0], f.shape[1]
+        eye = tf.eye(n_out, dtype=f.dtype)
+        if self.name == "squared_error":
+            return tf.broadcast_to(eye, [n, n_out, n_out])
+        if self.name == "sigmoid_cross_entropy":
+            s = tf.sigmoid(f)
+            return tf.sqrt(s * (1 - s))[:, :, None] * eye
+        c = self.classes
+        p = tf.reshape(tf.nn.softmax(tf.reshape(f, [n, -1, c])), [n, n_out])
+        root = tf.sqrt(p)
+        same_row = tf.linalg.LinearOperatorKronecker(
+            [
+                tf.linalg.LinearOperatorIdentity(n_out // c, dtype=f.dtype),
+                tf.linalg.LinearOperatorFullMatrix(tf.ones([c, c], f.dtype)),
+            ]
+        ).to_dense()  # 1 where outputs k and j belong to the same softmax
+        return root[:, :, None] * eye - p[:, :, None] * root[:, None, :] * same_row
+
+    def value_tf(self, f, t):
+        """The summed loss of a batch in a graph; ``t`` as :meth:`targets` gives."""
+        if self.name == "squared_error":
+            return 0.5 * tf.reduce_sum(tf.square(f - t))
+        if self.name == "sigmoid_cross_entropy":
+            return tf.reduce_sum(tf.math.softplus(f) - t * f)
+        n = tf.shape(f)[0]
+        z = tf.reshape(f, [n, -1, self.classes])
+        return -tf.reduce_sum(tf.reshape(t, tf.shape(z)) * tf.nn.log_softmax(z))
 
 
 def _block_diagonal(blocks):
