@@ -1,0 +1,470 @@
+"""The empirical neural tangent kernel ``Theta(x, x') = J(x) J(x').T``
+(notebook 11-curvature-and-uncertainty).
+
+Row ``i * l + k`` of Theta is sample i's output k (sample-major, the order in
+which ``jacutil.jacobian`` flattens the outputs), and so are the columns for
+the samples of ``x'``. Theta is an (n l, n' l) matrix of inner products of
+Jacobian rows: it never needs more than a chunk of J at a time.
+
+The work runs in *block-rows*: the J rows of one chunk of ``x`` times the J
+rows of every chunk of ``x'``. Chunks are sized so that the working memory -
+one chunk of J(x), one chunk of J(x') being computed, the output of the
+block-row, and the chunks of J(x') kept for reuse - stays within
+``memory_budget``. A block-row is also the unit of a resumable run into a
+``.npy`` file (``jacutil.scale.resume``): its rows are on disk before the
+ledger records it.
+
+With ``x2=None`` (Theta(x, x)) only the blocks on and above the diagonal
+are multiplied; those below are their mirror images, so the result is
+exactly symmetric.
+"""
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from ..auto import jacobian, memory_budget_for
+from ..core._shared import ceil_div, is_path
+from ..core._tf import keras, tf
+from ..core.batch import as_batch, n_samples, take
+from ..core.cache import compiled_for
+from ..core.outputs import output_layout
+from ..core.target import variable_list
+from ..scale.resume import fingerprint, open_rows, write_rows, writer_lock
+from ..stages.chunked import bytes_per_sample
+
+
+class _Setup:
+    """What every function here needs to know about ``model`` at ``x``."""
+
+    def __init__(self, model, x, variables):
+        self.variables = None if variables is None else variable_list(variables)
+        jac = compiled_for(model, self.variables, False, False, "rules", x)
+        self.model = model
+        self.target = jac.target
+        self.batch = as_batch(x, self.target)
+        self.n = int(n_samples(self.batch))
+        self.l = output_layout(self.target, self.batch).n_outputs
+        self.m = self.target.n_params
+        self.dtype = np.dtype(self.target.dtype)
+        self.itemsize = self.dtype.itemsize
+        activations = jac.activation_elements(self.batch)
+        # working memory of one sample's J rows while jacutil.jacobian runs
+        self.per_sample = bytes_per_sample(self.l, self.m, self.itemsize, activations)
+        self.row_bytes = self.l * self.m * self.itemsize  # one sample's J rows
+
+
+def _jacobian_rows(model, x, variables, budget):
+    """J of the samples ``x`` (one chunk), shape (c, l, m), by the fastest path.
+
+    One function, so that the tests can count how often J is formed."""
+    return np.asarray(jacobian(model, x, variables=variables, memory_budget=budget))
+
+
+def _leaves(batch):
+    return tf.nest.flatten(batch)
+
+
+def _check_x2(setup, x2):
+    """The batch of ``x2`` for ``setup``'s model; ValueError when its samples
+    are shaped differently from those of x."""
+    shapes = [tuple(t.shape[1:]) for t in _leaves(setup.batch)]
+    shapes2 = [tuple(np.shape(t)[1:]) for t in _leaves(x2)]
+    if len(shapes2) == len(shapes) and shapes != shapes2:  # before as_batch,
+        _shape_error(shapes, shapes2)  # which would speak of x, not x2
+    batch2 = as_batch(x2, setup.target)
+    shapes2 = [tuple(t.shape[1:]) for t in _leaves(batch2)]
+    if shapes != shapes2:
+        _shape_error(shapes, shapes2)
+    return batch2
+
+
+def _shape_error(shapes, shapes2):
+    raise ValueError(
+        f"x2's samples have shape {_shapes_text(shapes2)}, x's "
+        f"{_shapes_text(shapes)}: Theta(x, x2) compares the same outputs of "
+        "the same kind of sample. Give x2 the per-sample shape of x (only "
+        "the number of samples, the first axis, may differ)."
+    )
+
+
+def _shapes_text(shapes):
+    return str(shapes[0]) if len(shapes) == 1 else str(shapes)
+
+
+def _samples_per_chunk(budget, fixed, per_chunk_sample, quadratic, what):
+    """The largest c with ``fixed + c * per_chunk_sample + c**2 * quadratic``
+    bytes within ``budget``; ValueError naming the smallest budget otherwise."""
+    smallest = fixed + per_chunk_sample + quadratic
+    if budget < smallest:
+        raise ValueError(
+            f"memory_budget={budget:,} bytes is too small for even one sample "
+            f"of {what}: that needs {smallest:,} bytes. Pass memory_budget="
+            f"{smallest:,} or more (a larger budget means fewer, larger chunks "
+            "and a faster run)."
+        )
+    room = budget - fixed
+    if quadratic == 0:
+        return int(room // per_chunk_sample)
+    b, a = per_chunk_sample, quadratic
+    c = int((-b + np.sqrt(b * b + 4.0 * a * room)) / (2.0 * a))
+    while c > 1 and c * b + c * c * a > room:  # rounding
+        c -= 1
+    return max(c, 1)
+
+
+class _Plan:
+    """Chunk size and J(x') chunks kept, for a budget; see ``empirical_ntk``."""
+
+    def __init__(self, setup, n2, budget, chunk_size, to_file, symmetric):
+        n_out, itemsize = setup.l, setup.itemsize
+        # per sample of a chunk: its J rows held (x side), a J(x') chunk being
+        # computed, and (for a file) its block-row of Theta before it is written
+        per_sample = setup.row_bytes + setup.per_sample
+        quadratic = 0
+        if to_file:
+            per_sample += n_out * n2 * n_out * itemsize
+        else:
+            quadratic = n_out * n_out * itemsize  # one block, before it is copied in
+        all_x2 = n2 * setup.row_bytes  # the whole J(x'), to keep it
+        fixed = 0
+        if all_x2 + per_sample + quadratic <= budget:
+            fixed = all_x2  # keep all of J(x'): each chunk formed once
+        what = f"Theta with {n_out} outputs x {setup.m:,} parameters"
+        if chunk_size is None:
+            chunk_size = _samples_per_chunk(budget, fixed, per_sample, quadratic, what)
+        self.chunk_size = max(1, min(int(chunk_size), max(setup.n, n2)))
+        c = self.chunk_size
+        used = fixed + c * per_sample + c * c * quadratic
+        chunk_bytes = c * setup.row_bytes
+        n_chunks2 = ceil_div(n2, c)
+        if fixed:
+            self.keep = n_chunks2
+        else:
+            self.keep = min(n_chunks2, max(0, budget - used) // chunk_bytes)
+
+
+def _check_chunk_size(chunk_size):
+    if chunk_size is None:
+        return None
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)):
+        raise TypeError(f"chunk_size must be a whole number; got {chunk_size!r}.")
+    if chunk_size <= 0:
+        raise ValueError(
+            f"chunk_size must be at least 1 sample; got {chunk_size}. Leave it "
+            "out to choose it from memory_budget."
+        )
+    return int(chunk_size)
+
+
+def _check_out(out, shape, dtype):
+    if not isinstance(out, np.ndarray):
+        raise TypeError(
+            "out must be None, a NumPy array, an np.memmap or the path of a .npy "
+            f"file; got {type(out).__name__}."
+        )
+    if out.shape != shape or out.dtype != dtype:
+        raise ValueError(
+            f"out has shape {out.shape} and dtype {out.dtype}; this Theta needs "
+            f"shape {shape} (n * l rows, n2 * l columns, sample-major) and dtype "
+            f"{dtype} (the model's). Make it with np.empty({shape}, '{dtype}') or "
+            f"np.lib.format.open_memmap(path, mode='w+', dtype='{dtype}', "
+            f"shape={shape})."
+        )
+    return out
+
+
+class _Chunks:
+    """The J rows of the chunks of one batch, the first ``keep`` of them kept."""
+
+    def __init__(self, setup, batch, chunk_size, keep, budget):
+        self.setup, self.batch = setup, batch
+        self.chunk_size, self.keep, self.budget = chunk_size, keep, budget
+        self.n = int(n_samples(batch))
+        self.kept = {}
+
+    def rows(self, j):
+        """J of chunk j as (c * l, m)."""
+        if j in self.kept:
+            return self.kept[j]
+        start = j * self.chunk_size
+        stop = min(start + self.chunk_size, self.n)
+        s = self.setup
+        J = _jacobian_rows(
+            s.model, take(self.batch, start, stop), s.variables, self.budget
+        )
+        J = J.reshape(-1, s.m)
+        if len(self.kept) < self.keep:
+            self.kept[j] = J
+        return J
+
+
+def empirical_ntk(
+    model,
+    x,
+    x2=None,
+    *,
+    variables=None,
+    out=None,
+    memory_budget=None,
+    chunk_size=None,
+    progress=False,
+    key=None,
+):
+    """The empirical neural tangent kernel ``Theta(x, x2) = J(x) J(x2).T``.
+
+    Rows are sample-major: row ``i * l + k`` is sample i of ``x``, output k;
+    columns likewise for ``x2``. ``x2=None`` means ``x2 = x``: only the
+    blocks on and above the diagonal are multiplied and the others are their
+    mirror images, so the result is exactly symmetric (an ``x2`` holding the
+    same values as ``x`` takes this path too).
+
+    The run goes block-row by block-row: chunk i of ``x`` (its J rows formed
+    once, by ``jacutil.jacobian``) times every chunk j of ``x2``. Each J
+    chunk of ``x`` is computed once. The J chunks of ``x2`` are kept when all
+    of J(x2) fits in ``memory_budget`` beside one sample's working memory
+    (the chunks are then as large as the rest of the budget allows): each is
+    computed once. Otherwise the first chunks that fit in what the budget
+    leaves are kept and the others are computed again for every block-row,
+    ``n_chunks(x)`` times each. With ``x2=None`` the J chunks of ``x`` serve
+    as rows and columns: each is computed once when all of J(x) fits, and
+    chunk j at most ``j + 1`` times otherwise. Introduced
+    in ``11-curvature-and-uncertainty``.
+
+    Args:
+        model: a Keras model, or a callable ``f(x)`` with ``variables=``.
+        x: the n samples (an array, or a list or dict of arrays).
+        x2: the n2 samples of the columns, shaped per sample like ``x``; None
+            for ``x`` itself.
+        variables: the variables to differentiate (default: the model's
+            trainable variables).
+        out: None (a new array), a NumPy array or ``np.memmap`` of shape
+            (n l, n2 l) in the model's dtype, or the path of a ``.npy`` file:
+            a resumable run that skips the block-rows an earlier run of the
+            same model, weights, ``x`` and ``x2`` finished, and refuses a file
+            of anything else (``jacutil.scale.resume``).
+        memory_budget: bytes of working memory (default: as
+            ``jacutil.jacobian``, half the memory free now when the work is
+            large). The output itself is not counted, except one block-row
+            before it is written to a ``.npy`` path.
+        chunk_size: samples per chunk (default: the largest that fits
+            ``memory_budget``). A resumed file keeps the chunk size it was
+            started with.
+        progress: show a progress bar over block-rows.
+        key: with ``out=path`` and a plain callable: a name you choose for
+            what it computes (no fingerprint can see inside a function).
+
+    Returns:
+        Theta, shape (n l, n2 l), in the model's dtype: ``out`` when given,
+        the ``.npy`` opened read-only for a path.
+
+    Raises:
+        ValueError: ``x2``'s samples are shaped differently from ``x``'s;
+            ``out`` has the wrong shape or dtype; ``memory_budget`` is too
+            small for one sample (the message names the smallest that works).
+        jacutil.scale.resume.ResumeMismatch: the ``.npy`` at ``out`` was
+            started by another computation.
+        jacutil.scale.resume.FileBusy: another run is writing that file.
+    """
+    setup = _Setup(model, x, variables)
+    chunk_size = _check_chunk_size(chunk_size)
+    symmetric = x2 is None or x2 is x
+    batch2 = setup.batch
+    if not symmetric:
+        batch2 = _check_x2(setup, x2)
+        symmetric = _same_values(setup.batch, batch2)
+        if symmetric:
+            batch2 = setup.batch
+    n2 = int(n_samples(batch2))
+    shape = (setup.n * setup.l, n2 * setup.l)
+    to_file = is_path(out)
+    if key is not None and not to_file:
+        raise ValueError(
+            "key= names a resumable run: it goes with out= a .npy path. Leave "
+            "it out, or pass out='theta.npy'."
+        )
+    working = (setup.row_bytes + setup.per_sample) * max(setup.n, n2)
+    budget = memory_budget_for(memory_budget, working)
+    plan = _Plan(setup, n2, budget, chunk_size, to_file, symmetric)
+    if to_file:
+        record = _record(setup, batch2, symmetric, key)
+        return _into_file(setup, batch2, out, shape, plan, budget, record,
+                          chunk_size is not None, symmetric, progress)  # fmt: skip
+    if out is None:
+        out = np.empty(shape, setup.dtype)
+    else:
+        out = _check_out(out, shape, setup.dtype)
+    c = plan.chunk_size
+    columns = _Chunks(setup, batch2, c, plan.keep, budget)
+    for i in tqdm(range(ceil_div(setup.n, c)), disable=not progress, unit="block-row"):
+        _block_row(setup, i, c, columns, out, 0, symmetric, budget, out)
+    return out
+
+
+def _same_values(batch, batch2):
+    """Whether two batches hold the same samples (then Theta is symmetric)."""
+    leaves, leaves2 = _leaves(batch), _leaves(batch2)
+    return all(
+        a.shape == b.shape and np.array_equal(np.asarray(a), np.asarray(b))
+        for a, b in zip(leaves, leaves2, strict=True)
+    )
+
+
+def _block_row(setup, i, c, columns, rows_out, row0, symmetric, budget, theta):
+    """Block-row i of Theta into ``rows_out`` (rows ``row0..`` of Theta).
+
+    With ``symmetric``, blocks left of the diagonal are read back (transposed)
+    from ``theta``, where their block-rows were written before."""
+    n_out = setup.l
+    start = i * c * n_out
+    stop = min(start + c * n_out, setup.n * n_out)
+    if symmetric:
+        Ji = columns.rows(i)
+    else:
+        chunk = take(setup.batch, i * c, min((i + 1) * c, setup.n))
+        Ji = _jacobian_rows(setup.model, chunk, setup.variables, budget)
+        Ji = Ji.reshape(-1, setup.m)
+    n_columns = columns.n * n_out
+    for j in range(ceil_div(columns.n, c)):
+        c0, c1 = j * c * n_out, min((j + 1) * c * n_out, n_columns)
+        if symmetric and j < i:
+            block = np.asarray(theta[c0:c1, start:stop]).T
+        elif symmetric and j == i:
+            block = Ji @ Ji.T
+        else:
+            block = Ji @ columns.rows(j).T
+        rows_out[start - row0 : stop - row0, c0:c1] = block
+
+
+def _record(setup, batch2, symmetric, key):
+    """What identifies a resumable Theta: model, weights, variables, x, x2."""
+    if key is None and not isinstance(setup.model, keras.Layer):
+        raise TypeError(
+            "a resumable run (out=path) of a plain function needs key=: a name "
+            "you choose for what the function computes, such as key='tanh-v1'. "
+            "jacutil fingerprints a Keras model's layers and weights, but cannot "
+            "see inside a function. Give each function its own key, or pass a "
+            "Keras model."
+        )
+    if key is not None and not isinstance(key, str):
+        raise TypeError(f"key= must be a string; got {type(key).__name__}.")
+    inputs = [setup.batch] if symmetric else [setup.batch, batch2]
+    digest = fingerprint(
+        setup.model, setup.target.variables, inputs, what="empirical_ntk",
+        symmetric=symmetric,
+    )  # fmt: skip
+    return {"fingerprint": digest, "key": key}
+
+
+def _into_file(setup, batch2, path, shape, plan, budget, record, explicit,
+               symmetric, progress):  # fmt: skip
+    """Block-rows into the ``.npy`` at ``path``, skipping those already there."""
+    n_out = setup.l
+    with writer_lock(path):  # one writer at a time, for the whole run
+        asked = plan.chunk_size * n_out if explicit else None
+        ledger, rows_per_chunk = open_rows(
+            path, shape, setup.dtype, record, asked, plan.chunk_size * n_out
+        )
+        c = rows_per_chunk // n_out  # a resumed file keeps its chunk size
+        columns = _Chunks(setup, batch2, c, plan.keep, budget)
+        todo = ledger.todo()
+        bar = tqdm(
+            total=ledger.n_chunks,
+            initial=ledger.n_chunks - len(todo),
+            disable=not progress,
+            unit="block-row",
+        )
+        with bar:
+            for i in todo:
+                start = i * c * n_out
+                stop = min(start + c * n_out, shape[0])
+                rows = np.empty((stop - start, shape[1]), setup.dtype)
+                theta = np.load(path, mmap_mode="r") if symmetric else None
+                _block_row(setup, i, c, columns, rows, start, symmetric, budget, theta)
+                del theta  # the mapping goes: its pages leave this process
+                write_rows(path, start, rows)  # on disk before the ledger says so
+                ledger.done.add(i)
+                ledger.save(rows_per_chunk)
+                bar.update(1)
+        ledger.check_file()  # not changed or cut short while the run wrote
+        return np.load(path, mmap_mode="r")
+
+
+def _budget_chunk(setup, memory_budget, held_per_sample, what):
+    """Samples per chunk for a pass over x that holds ``held_per_sample``."""
+    per_sample = setup.row_bytes + setup.per_sample + held_per_sample
+    budget = memory_budget_for(memory_budget, per_sample * setup.n)
+    c = _samples_per_chunk(budget, 0, per_sample, 0, what)
+    return min(c, setup.n), budget
+
+
+def ntk_trace(model, x, *, variables=None, memory_budget=None, progress=False):
+    """The trace of Theta(x, x): the sum of the squared entries of J(x).
+
+    No (n l, n l) matrix is formed: J is computed chunk by chunk within
+    ``memory_budget`` and each chunk's squares are added (in the model's
+    dtype per chunk, the chunks' sums in float64). Introduced in
+    ``11-curvature-and-uncertainty``.
+
+    Args:
+        model: a Keras model, or a callable ``f(x)`` with ``variables=``.
+        x: the n samples (an array, or a list or dict of arrays).
+        variables: the variables to differentiate (default: the model's
+            trainable variables).
+        memory_budget: bytes of working memory (default: as
+            ``jacutil.jacobian``).
+        progress: show a progress bar over chunks.
+
+    Returns:
+        The trace, a Python ``float``.
+
+    Raises:
+        ValueError: ``memory_budget`` is too small for one sample.
+    """
+    setup = _Setup(model, x, variables)
+    what = f"J with {setup.l} outputs x {setup.m:,} parameters"
+    c, budget = _budget_chunk(setup, memory_budget, 0, what)
+    total = 0.0
+    for start in tqdm(range(0, setup.n, c), disable=not progress, unit="chunk"):
+        chunk = take(setup.batch, start, min(start + c, setup.n))
+        J = _jacobian_rows(model, chunk, setup.variables, budget).reshape(-1)
+        total += float(np.dot(J, J))
+    return total
+
+
+def ntk_diagonal(model, x, *, variables=None, memory_budget=None, progress=False):
+    """The per-sample diagonal blocks of Theta(x, x): ``J_i J_i.T`` for each i.
+
+    Block i is the (l, l) kernel of sample i's outputs with themselves; the
+    diagonal of Theta is ``np.einsum("ikk->ik", blocks).reshape(-1)`` and its
+    trace the sum of that. Computed chunk by chunk within ``memory_budget``.
+    Introduced in ``11-curvature-and-uncertainty``.
+
+    Args:
+        model: a Keras model, or a callable ``f(x)`` with ``variables=``.
+        x: the n samples (an array, or a list or dict of arrays).
+        variables: the variables to differentiate (default: the model's
+            trainable variables).
+        memory_budget: bytes of working memory (default: as
+            ``jacutil.jacobian``).
+        progress: show a progress bar over chunks.
+
+    Returns:
+        The blocks, shape (n, l, l), in the model's dtype.
+
+    Raises:
+        ValueError: ``memory_budget`` is too small for one sample.
+    """
+    setup = _Setup(model, x, variables)
+    n_out = setup.l
+    what = f"J with {n_out} outputs x {setup.m:,} parameters"
+    c, budget = _budget_chunk(
+        setup, memory_budget, n_out * n_out * setup.itemsize, what
+    )
+    blocks = np.empty((setup.n, n_out, n_out), setup.dtype)
+    for start in tqdm(range(0, setup.n, c), disable=not progress, unit="chunk"):
+        stop = min(start + c, setup.n)
+        J = _jacobian_rows(
+            model, take(setup.batch, start, stop), setup.variables, budget
+        )
+        blocks[start:stop] = np.matmul(J, J.transpose(0, 2, 1))
+    return blocks
