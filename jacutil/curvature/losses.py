@@ -185,7 +185,8 @@ class OutputLoss:
 
     def sqrt_hessian_tf(self, f):
         """``S_i`` (n, l, l) in a TensorFlow graph (columns: the signals)."""
-        n, n_out = tf.shape(f)[0], f.shape[1]
+        n = tf.shape(f)[0]
+        n_out = f.shape[1] if f.shape[1] is not None else tf.shape(f)[1]
         eye = tf.eye(n_out, dtype=f.dtype)
         if self.name == "squared_error":
             return tf.broadcast_to(eye, [n, n_out, n_out])
@@ -195,12 +196,8 @@ class OutputLoss:
         c = self.classes
         p = tf.reshape(tf.nn.softmax(tf.reshape(f, [n, -1, c])), [n, n_out])
         root = tf.sqrt(p)
-        same_row = tf.linalg.LinearOperatorKronecker(
-            [
-                tf.linalg.LinearOperatorIdentity(n_out // c, dtype=f.dtype),
-                tf.linalg.LinearOperatorFullMatrix(tf.ones([c, c], f.dtype)),
-            ]
-        ).to_dense()  # 1 where outputs k and j belong to the same softmax
+        softmax_of = tf.range(n_out) // c  # which softmax each output is in
+        same_row = tf.cast(softmax_of[:, None] == softmax_of[None, :], f.dtype)
         return root[:, :, None] * eye - p[:, :, None] * root[:, None, :] * same_row
 
     def value_tf(self, f, t):

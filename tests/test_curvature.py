@@ -1,0 +1,194 @@
+"""Proofs of jacutil.curvature against brute force from the formed float64 J.
+
+G, its exact diagonal and KFAC (exact for one sample through one Dense
+layer) against ``sum_i J_i.T H_i J_i`` built in NumPy from ``jacutil.jacobian``
+on the zoo's float64 models; Hessian-vector products against central
+finite differences of the loss's gradient; the spectra against NumPy's
+eigenvalues of the formed matrices. Notebook 11-curvature-and-uncertainty.
+"""
+
+import numpy as np
+import pytest
+
+import jacutil as ju
+from jacutil import keras, tf
+from jacutil.core.guards import JacobianError
+from jacutil.core.target import watched
+from jacutil.curvature.diagonal import ggn_diagonal
+from jacutil.curvature.ggn import ggn_operator
+from jacutil.curvature.hessian import hessian_operator
+from jacutil.curvature.losses import OutputLoss, output_loss
+from tests.architectures import ARCHITECTURES, build
+
+N = 5
+
+
+def formed(case, x):
+    """J (n, l, m) in float64 and the outputs (n, l)."""
+    J = np.asarray(ju.jacobian(case.model64, x, variables=case.variables64))
+    f = case.model64(x) if case.variables64 is not None else case.model64(x)
+    f = np.concatenate(
+        [np.reshape(np.asarray(t), (J.shape[0], -1)) for t in tf.nest.flatten(f)], 1
+    )
+    return J, f
+
+
+def brute_ggn(J, H):
+    return np.einsum("ikp,ikj,ijq->pq", J, H, J)
+
+
+def classifier(classes=3, final=None, dtype="float64"):
+    keras.utils.set_random_seed(1)
+    return keras.Sequential(
+        [
+            keras.Input((4,), dtype=dtype),
+            keras.layers.Dense(5, activation="tanh", dtype=dtype),
+            keras.layers.Dense(classes, activation=final, dtype=dtype),
+        ]
+    )
+
+
+def conv_classifier(dtype="float64"):
+    keras.utils.set_random_seed(2)
+    return keras.Sequential(
+        [
+            keras.Input((6, 6, 2), dtype=dtype),
+            keras.layers.Conv2D(3, 3, activation="relu", dtype=dtype),
+            keras.layers.Conv2D(2, 2, strides=2, padding="same", dtype=dtype),
+            keras.layers.Flatten(dtype=dtype),
+            keras.layers.Dense(4, dtype=dtype),
+        ]
+    )
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_ggn_operator_is_jt_j_on_the_zoo(name):
+    case = build(name)
+    x = case.batch(N)
+    J, _ = formed(case, x)
+    G = ggn_operator(case.model64, x, variables=case.variables64)
+    m = J.shape[2]
+    V = np.random.default_rng(0).standard_normal((m, 2))
+    expected = np.einsum("ikp,ikq->pq", J, J) @ V
+    np.testing.assert_allclose(G @ V, expected, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("loss", ["softmax_cross_entropy", "sigmoid_cross_entropy"])
+@pytest.mark.parametrize("make", [classifier, conv_classifier])
+def test_ggn_operator_of_cross_entropies(loss, make):
+    model = make()
+    shape = (N, *model.inputs[0].shape[1:])
+    x = np.random.default_rng(3).standard_normal(shape)
+    J = np.asarray(ju.jacobian(model, x))
+    f = np.asarray(model(x)).reshape(N, -1)
+    H = output_loss(loss, model).hessian(f)
+    v = np.random.default_rng(4).standard_normal(J.shape[2])
+    G = ggn_operator(model, x, loss, chunk_size=2)  # three chunks, summed
+    np.testing.assert_allclose(G @ v, brute_ggn(J, H) @ v, rtol=1e-9, atol=1e-12)
+
+
+def test_a_softmax_output_is_refused_with_advice():
+    with pytest.raises(ValueError, match="outputs logits"):
+        ggn_operator(
+            classifier(final="softmax"), np.zeros((2, 4)), "softmax_cross_entropy"
+        )
+
+
+def test_an_unknown_loss_is_refused():
+    with pytest.raises(ValueError, match="loss must be one of"):
+        OutputLoss("hinge")
+
+
+def test_no_variable_reaching_the_outputs_is_an_error():
+    model = classifier()
+    copy = [tf.Variable(tf.concat([tf.reshape(v, [-1]) for v in model.weights], 0))]
+    with pytest.raises(JacobianError, match="reaches the outputs"):
+        ggn_operator(model, np.zeros((2, 4)), variables=copy) @ np.ones(
+            copy[0].shape[0]
+        )
+
+
+def test_the_second_operator_traces_nothing():
+    model = classifier()
+    x = np.random.default_rng(0).standard_normal((N, 4))
+    m = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    ggn_operator(model, x) @ np.ones(m)
+    from jacutil.curvature.compiled import curvature_products
+
+    traces = curvature_products(model, output_loss("squared_error", model)).trace_count
+    ggn_operator(model, x) @ np.ones(m)
+    after = curvature_products(model, output_loss("squared_error", model)).trace_count
+    assert after == traces
+
+
+def gradient(model, variables, x, t, loss):
+    variables = [watched(v) for v in variables or model.trainable_variables]
+    with tf.GradientTape() as tape:
+        tape.watch(variables)  # a callable's variables may be non-trainable
+        f = model(x)
+        f = tf.reshape(f, [tf.shape(f)[0], -1])
+        value = loss.value_tf(f, t)
+    return np.concatenate([np.ravel(g) for g in tape.gradient(value, variables)])
+
+
+@pytest.mark.parametrize(
+    "name", ["mlp", "convolution", "activation_layers", "lstm", "explicit_nontrainable"]
+)
+def test_hessian_products_are_finite_differences_of_gradients(name):
+    case = build(name)
+    model, variables = case.model64, case.variables64
+    variables = variables or model.trainable_variables
+    x = case.batch(N)
+    loss = OutputLoss("squared_error")
+    f = np.asarray(model(x)).reshape(N, -1)
+    y = f + np.random.default_rng(5).standard_normal(f.shape)  # residuals matter
+    v = np.random.default_rng(6).standard_normal(
+        sum(int(np.prod(w.shape)) for w in variables)
+    )
+    Hv = hessian_operator(model, x, y, loss, variables=case.variables64) @ v
+    start = [w.numpy() for w in variables]
+    eps = 1e-5
+    sides = []
+    for sign in (1, -1):
+        offset = 0
+        for w, w0 in zip(variables, start, strict=True):
+            size = w0.size
+            w.assign(w0 + sign * eps * v[offset : offset + size].reshape(w0.shape))
+            offset += size
+        sides.append(gradient(model, variables, x, tf.constant(y), loss))
+    for w, w0 in zip(variables, start, strict=True):
+        w.assign(w0)
+    expected = (sides[0] - sides[1]) / (2 * eps)
+    np.testing.assert_allclose(Hv, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_the_hessian_is_g_where_the_residuals_vanish_and_the_net_is_linear():
+    model = classifier(classes=2)
+    model.layers[0].activation = keras.activations.linear
+    x = np.random.default_rng(7).standard_normal((N, 4))
+    f = np.asarray(model(x))
+    v = np.random.default_rng(8).standard_normal(model.count_params())
+    H = hessian_operator(model, x, f)  # zero residuals
+    G = ggn_operator(model, x)
+    np.testing.assert_allclose(H @ v, G @ v, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_ggn_diagonal_is_the_diagonal_of_jt_j_on_the_zoo(name):
+    case = build(name)
+    x = case.batch(N)
+    J, _ = formed(case, x)
+    found = ggn_diagonal(case.model64, x, variables=case.variables64, memory_budget=1)
+    np.testing.assert_allclose(found, np.einsum("ikp,ikp->p", J, J), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("loss", ["softmax_cross_entropy", "sigmoid_cross_entropy"])
+@pytest.mark.parametrize("make", [classifier, conv_classifier])
+def test_ggn_diagonal_of_cross_entropies(loss, make):
+    model = make()
+    x = np.random.default_rng(3).standard_normal((N, *model.inputs[0].shape[1:]))
+    J = np.asarray(ju.jacobian(model, x))
+    H = output_loss(loss, model).hessian(np.asarray(model(x)).reshape(N, -1))
+    found, how = ggn_diagonal(model, x, loss, explain=True)
+    assert how.startswith("layer rules")
+    np.testing.assert_allclose(found, np.diag(brute_ggn(J, H)), rtol=1e-10, atol=1e-12)
