@@ -7,6 +7,7 @@ writes the log marginal likelihood with ``slogdet``. Notebook
 11-curvature-and-uncertainty.
 """
 
+import functools
 import importlib.util
 import math
 
@@ -96,15 +97,21 @@ CASES = [
     ("mlp", "squared_error"),
     ("mlp", "softmax_cross_entropy"),
     ("convolution", "sigmoid_cross_entropy"),
-    ("attention", "squared_error"),  # residual, LayerNorm
+    ("two_heads_list", "squared_error"),  # functional, two heads: one has no J
     ("lstm", "softmax_cross_entropy"),
     ("frozen_layer", "squared_error"),  # BatchNorm, a frozen layer
     ("explicit_nontrainable", "squared_error"),  # a plain callable
 ]
 
 
+@functools.cache
+def zoo(name):
+    """The zoo's case, built once per module: its traced Jacobians are reused."""
+    return build(name, seed=3)
+
+
 def fitted(name, loss, structure="last_layer", **options):
-    case = build(name, seed=3)
+    case = zoo(name)
     x = case.batch(N)
     if case.variables64 is not None:
         last = case.variables64[-1:]
@@ -269,7 +276,7 @@ def test_regression_uncertainty_grows_away_from_the_data(trained_1d):
 
 
 def _classifier():
-    case = build("mlp", seed=3)
+    case = zoo("mlp")
     x = case.batch(20)
     y = np.argmax(
         outputs(case, x) + 0.5 * np.random.default_rng(0).standard_normal((20, 3)), 1
@@ -316,7 +323,7 @@ def test_monte_carlo_probabilities():
 
 
 def test_sigmoid_probit():
-    case = build("convolution", seed=3)
+    case = zoo("convolution")
     x = case.batch(N)
     y = targets("sigmoid_cross_entropy", N, 2)
     la = laplace(case.model64, x, y, "sigmoid_cross_entropy")
@@ -327,11 +334,92 @@ def test_sigmoid_probit():
     assert np.all(np.abs(p - 0.5) < np.abs(1 / (1 + np.exp(-f)) - 0.5))
 
 
+# -- every parameter: diagonal and KFAC -------------------------------------------
+
+
+def _lead_has(module):
+    return importlib.util.find_spec(f"jacutil.curvature.{module}") is not None
+
+
+FULL_CASES = [
+    ("mlp", "squared_error"),
+    ("convolution", "softmax_cross_entropy"),
+    ("attention", "squared_error"),  # residual; MultiHeadAttention, LayerNorm
+]
+
+
+def _full_g(case, x, loss):
+    J = formed_j(case, x)
+    H = brute_hessian(loss, outputs(case, x))
+    return sum(J[i].T @ H[i] @ J[i] for i in range(len(J)))
+
+
+def kfac_formed(la, case, x, loss):
+    """K from the factors: kron(A, B) on the diagonal where each layer's
+    columns sit, G's exact diagonal elsewhere; checked against K.matvec."""
+    m = la.n_params
+    by_matvec = np.stack([la.ggn.matvec(e) for e in np.eye(m)], axis=1)
+    K = np.diag(np.diag(_full_g(case, x, loss)))
+    covered = np.zeros(m, bool)
+    for A, B in la.ggn.factors:
+        block = np.kron(np.asarray(A), np.asarray(B))
+        size = len(block)
+        offsets = [
+            o
+            for o in range(m - size + 1)
+            if not covered[o : o + size].any()
+            and np.allclose(by_matvec[o : o + size, o : o + size], block, rtol=1e-9)
+        ]
+        assert offsets, f"kron(A, B) of size {size} is no diagonal block of K"
+        o = offsets[0]
+        K[o : o + size, :] = 0
+        K[:, o : o + size] = 0
+        K[o : o + size, o : o + size] = block
+        covered[o : o + size] = True
+    np.testing.assert_allclose(by_matvec, K, rtol=1e-9, atol=1e-12)
+    return K, covered
+
+
+@pytest.mark.parametrize("structure", ["diagonal", "kfac"])
+@pytest.mark.parametrize(("name", "loss"), FULL_CASES)
+def test_every_parameter_against_brute_force(name, loss, structure):
+    if not _lead_has(structure):
+        pytest.skip(f"jacutil.curvature.{structure} is not written yet")
+    case, x, y, la, every, sigma = fitted(name, loss, structure)
+    m = sum(int(np.prod(v.shape)) for v in every)
+    assert la.n_params == m
+    if structure == "diagonal":
+        G = np.diag(np.diag(_full_g(case, x, loss)))
+        np.testing.assert_allclose(la.ggn, np.diag(G), rtol=1e-9, atol=1e-12)
+    else:
+        G, covered = kfac_formed(la, case, x, loss)
+        assert covered.any()  # every case ends in a Dense layer
+    P = G / sigma**2 + DELTA * np.eye(m)
+
+    x_test = moved(x)
+    Js = formed_j(case, x_test)
+    expected = np.einsum("nkp,pq,njq->nkj", Js, np.linalg.inv(P), Js)
+    np.testing.assert_allclose(
+        la.predictive_variance(x_test), expected, rtol=1e-8, atol=1e-12
+    )
+    theta = ju.flat_params(case.model64)
+    lml = (
+        brute_log_likelihood(loss, outputs(case, x), y, sigma)
+        - 0.5 * (np.linalg.slogdet(P)[1] - m * math.log(DELTA))
+        - 0.5 * DELTA * theta @ theta
+    )
+    np.testing.assert_allclose(la.log_marginal_likelihood(), lml, rtol=1e-10)
+    delta, _ = la.optimize_prior_precision()
+    best = la.log_marginal_likelihood()
+    assert la.log_marginal_likelihood(delta * 1.1) < best
+    assert la.log_marginal_likelihood(delta / 1.1) < best
+
+
 # -- errors that teach ---------------------------------------------------------
 
 
 def test_errors():
-    case = build("mlp", seed=3)
+    case = zoo("mlp")
     x = case.batch(N)
     y = targets("squared_error", N, 3)
     with pytest.raises(ValueError, match="structure must be one of"):
@@ -410,7 +498,7 @@ def test_against_laplace_torch(trained_1d):
 
 
 def test_laplace_is_the_class():
-    case = build("mlp", seed=3)
+    case = zoo("mlp")
     x = case.batch(N)
     la = laplace(case.model64, x, targets("squared_error", N, 3))
     assert isinstance(la, Laplace)
