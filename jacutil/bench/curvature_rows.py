@@ -1,0 +1,373 @@
+"""jacutil.curvature against BackPACK, curvlinops, JAX and laplace-torch.
+
+``python -m jacutil.bench.curvature_rows`` times each row below for
+jacutil and its peer on the same weights (``jacutil.peers.curvature_peers``
+rebuilds the Keras model) and prints a Markdown table with each row's ratio
+jacutil / peer (below 1: jacutil is faster):
+
+- ``diag``: the exact diagonal of G, ``jacutil.curvature.diagonal.ggn_diagonal``
+  against BackPACK's ``DiagGGNExact``;
+- ``ggn``: one product G v, ``ggn_operator(...).matvec`` against curvlinops's
+  ``GGNLinearOperator`` (each operator built once, outside the clock);
+- ``ntk``: the empirical NTK J J.T, ``jacutil.curvature.ntk.empirical_ntk``
+  against ``jax.jit(vmap(jacrev))`` then einsum;
+- ``laplace``: the predictive covariance J* Sigma J*.T of a last-layer
+  Laplace posterior (prior precision and noise fixed), ``Laplace(...)
+  .predictive_variance`` against laplace-torch's ``FullLLLaplace`` (each
+  posterior fitted once, outside the clock).
+
+The MLP is the question's (``jacutil.question_mlp``) with the squared error
+0.5 |f - y|^2; the CNN is ``jacutil.small_cnn``, whose last Dense has no
+activation (it outputs logits), with the softmax cross-entropy. Every loss
+is summed over samples. Timed as ``peer_rows.py`` times: one warm-up call
+(``first``), then the median of ``repeats`` calls; before its timed calls
+each peer's result is checked against jacutil's (the largest absolute
+difference within ``rtol`` times the largest entry of jacutil's result) and
+the largest absolute difference is kept. A row whose jacutil function is
+missing or fails, or whose peer is not installed, says so in the table.
+Introduced in ``11-curvature-and-uncertainty``.
+"""
+
+import argparse
+import importlib.util
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..teaching.models import image_data, question_mlp, regression_data, small_cnn
+from .machine import machine_summary
+from .skipping import format_seconds
+
+RTOL = 1e-4  # float32 models: sums over 1,000 samples in another order
+LAPLACE_ATOL = 1e-4  # the predictive covariance, absolute (the issue's bound)
+PRIOR_PRECISION, SIGMA_NOISE = 1.0, 0.5
+PEER_LIBRARIES = ("torch", "backpack", "curvlinops", "laplace", "jax")
+
+
+@dataclass
+class Row:
+    """One row: what, on which model, against which peer.
+
+    Args:
+        kind: ``"diag"``, ``"ggn"``, ``"ntk"`` or ``"laplace"``.
+        model: ``"mlp"`` or ``"cnn"``.
+        n: the number of samples.
+        peer: the peer in words.
+        library: the module the peer needs (to say when it is missing).
+        aim: the ratio jacutil / peer the issue aims at, or None.
+    """
+
+    kind: str
+    model: str
+    n: int
+    peer: str
+    library: str
+    aim: float = None
+
+
+ROWS = [
+    Row("diag", "mlp", 1000, "BackPACK DiagGGNExact", "backpack", 1.0),
+    Row("diag", "cnn", 1000, "BackPACK DiagGGNExact", "backpack", 1.0),
+    Row("ggn", "mlp", 1000, "curvlinops GGNLinearOperator", "curvlinops", 1.0),
+    Row("ggn", "cnn", 1000, "curvlinops GGNLinearOperator", "curvlinops", 1.0),
+    Row("ntk", "mlp", 1000, "JAX jit(vmap(jacrev)) + einsum", "jax", 1.0),
+    Row("laplace", "mlp", 1000, "laplace-torch FullLLLaplace", "laplace"),
+]
+LABELS = {
+    "diag": "diagonal of G",
+    "ggn": "G v (one product)",
+    "ntk": "empirical NTK J J.T",
+    "laplace": "last-layer Laplace predictive J* Sigma J*.T",
+}
+MODELS = {
+    "mlp": ("question's MLP", "squared_error"),
+    "cnn": ("small CNN (logits)", "softmax_cross_entropy"),
+}
+LOSS_LABELS = {"squared_error": "squared error", "softmax_cross_entropy": "softmax CE"}
+
+
+def _model(name, seed):
+    return question_mlp(seed=seed) if name == "mlp" else small_cnn(seed=seed)
+
+
+def _inputs(name, n, seed):
+    if name == "mlp":
+        return regression_data(n, seed=seed)
+    return image_data(n, seed=seed), None
+
+
+class NotAvailable(Exception):
+    """A row's function is missing (not written yet) or its peer not installed."""
+
+
+def _ours(row, model, x, y, seed):
+    """jacutil's function of the row, ``f()``, with its setup done."""
+    loss = MODELS[row.model][1]
+    try:
+        if row.kind == "diag":
+            from ..curvature.diagonal import ggn_diagonal
+
+            return lambda: ggn_diagonal(model, x, loss)
+        if row.kind == "ggn":
+            from ..curvature.ggn import ggn_operator
+
+            G = ggn_operator(model, x, loss)
+            v = _vector(G.shape[0], seed)
+            return lambda: G.matvec(v)
+        if row.kind == "ntk":
+            from ..curvature.ntk import empirical_ntk
+
+            return lambda: empirical_ntk(model, x)
+        from ..curvature.laplace import Laplace
+
+        posterior = Laplace(
+            model, x, y, loss, "last_layer",
+            prior_precision=PRIOR_PRECISION, sigma_noise=SIGMA_NOISE,
+        )  # fmt: skip
+        x_test = _test_inputs(row, seed)
+        return lambda: posterior.predictive_variance(x_test)
+    except ImportError as error:
+        raise NotAvailable(f"jacutil's function is not available ({error})") from error
+
+
+def _theirs(row, model, x, y, seed):
+    """The peer's function of the row, ``f()``, with its setup done."""
+    missing = [
+        name
+        for name in ({"jax": ()}.get(row.library, ("torch",)) + (row.library,))
+        if importlib.util.find_spec(name) is None
+    ]
+    if missing:
+        raise NotAvailable(f"{', '.join(missing)} not installed")
+    from ..peers import curvature_peers as peers
+
+    loss = MODELS[row.model][1]
+    if row.kind == "diag":
+        diag = peers.backpack_ggn_diagonal(model, loss)
+        return lambda: diag(x)
+    if row.kind == "ggn":
+        matvec = peers.curvlinops_ggn(model, x, loss)
+        v = _vector(model.count_params(), seed)
+        return lambda: matvec(v)
+    if row.kind == "ntk":
+        ntk = peers.jax_ntk(model)
+        return lambda: ntk(x)
+    variance = peers.laplace_torch_variance(
+        model, x, y, structure="last_layer",
+        prior_precision=PRIOR_PRECISION, sigma_noise=SIGMA_NOISE,
+    )  # fmt: skip
+    x_test = _test_inputs(row, seed)
+    return lambda: variance(x_test)
+
+
+def _vector(m, seed):
+    return np.random.default_rng(seed + 7).standard_normal(m).astype(np.float32)
+
+
+def _test_inputs(row, seed):
+    return _inputs(row.model, row.n, seed + 1)[0]
+
+
+def _timed(function, repeats):
+    """(value, first, times): the warm-up call's value and seconds, then
+    the seconds of ``repeats`` more calls."""
+    start = time.perf_counter()
+    value = np.asarray(function())
+    first = time.perf_counter() - start
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - start)
+    return value, first, times
+
+
+def _check(row, theirs, ours):
+    """The largest absolute difference; AssertionError beyond the tolerance."""
+    if theirs.shape != ours.shape:
+        raise AssertionError(
+            f"{row.peer} returned shape {theirs.shape}, jacutil {ours.shape} "
+            f"({row.kind}, {row.model})"
+        )
+    difference = float(np.max(np.abs(theirs.astype(np.float64) - ours)))
+    bound = (
+        LAPLACE_ATOL
+        if row.kind == "laplace"
+        else RTOL * max(1.0, float(np.max(np.abs(ours))))
+    )
+    if difference > bound:
+        raise AssertionError(
+            f"{row.peer} disagrees with jacutil on {row.kind}, {row.model}, "
+            f"n = {row.n}: max |peer - jacutil| = {difference:.2e} > {bound:.1e}"
+        )
+    return difference
+
+
+def run_row(row, *, repeats=5, seed=0, log=print):
+    """Time one row, jacutil then its peer, the peer checked first.
+
+    Introduced in ``11-curvature-and-uncertainty``.
+
+    Args:
+        row: a :class:`Row`.
+        repeats: the timed calls after the warm-up call.
+        seed: the model's and data's seed.
+        log: where progress goes.
+
+    Returns:
+        A dict: ``row`` (the :class:`Row`), ``jacutil`` and ``peer`` (each
+        ``{first, times, median}``, or None), ``max_abs_diff`` (or None) and
+        ``note`` (why a side did not run, or ``""``).
+
+    Raises:
+        AssertionError: the peer's result differs from jacutil's.
+    """
+    model = _model(row.model, seed)
+    x, y = _inputs(row.model, row.n, seed)
+    result = {"row": row, "jacutil": None, "peer": None, "max_abs_diff": None}
+    result["note"] = ""
+    try:
+        value, first, times = _timed(_ours(row, model, x, y, seed), repeats)
+    except NotAvailable as error:
+        result["note"] = f"jacutil: {error}"
+        log(f"{row.kind}-{row.model}: {result['note']}")
+        return result
+    expected = value.astype(np.float64)
+    result["jacutil"] = _timing(first, times)
+    try:
+        peer = _theirs(row, model, x, y, seed)
+    except NotAvailable as error:
+        result["note"] = f"{row.peer}: {error}"
+        log(f"{row.kind}-{row.model}: {result['note']}")
+        return result
+    start = time.perf_counter()
+    value = np.asarray(peer())  # checked, then timed
+    first = time.perf_counter() - start
+    result["max_abs_diff"] = _check(row, value, expected)
+    _, _, times = _timed(peer, repeats)
+    result["peer"] = _timing(first, times)
+    log(
+        f"{row.kind}-{row.model} n = {row.n:,}: jacutil "
+        f"{format_seconds(result['jacutil']['median'])}, {row.peer} "
+        f"{format_seconds(result['peer']['median'])}"
+    )
+    return result
+
+
+def _timing(first, times):
+    return {"first": first, "times": times, "median": float(np.median(times))}
+
+
+def ratio(result):
+    """jacutil's median over the peer's, or None when either did not run.
+
+    Introduced in ``11-curvature-and-uncertainty``.
+
+    Args:
+        result: a dict from :func:`run_row`.
+
+    Returns:
+        A float (below 1: jacutil is faster) or None.
+    """
+    if result["jacutil"] is None or result["peer"] is None:
+        return None
+    return result["jacutil"]["median"] / result["peer"]["median"]
+
+
+def table(results):
+    """The rows as a Markdown table, with each row's ratio and aim.
+
+    Introduced in ``11-curvature-and-uncertainty``.
+
+    Args:
+        results: dicts from :func:`run_row`.
+
+    Returns:
+        A ``str``.
+    """
+    lines = [
+        "| what | model | loss | n | jacutil | first call | peer | peer's | "
+        "jacutil / peer | aim | max abs diff |",
+        "|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    notes = []
+    for result in results:
+        row = result["row"]
+        mine, theirs = result["jacutil"], result["peer"]
+        r = ratio(result)
+        diff = result["max_abs_diff"]
+        loss = "-" if row.kind == "ntk" else LOSS_LABELS[MODELS[row.model][1]]
+        lines.append(
+            f"| {LABELS[row.kind]} | {MODELS[row.model][0]} | {loss} | {row.n:,} | "
+            f"{format_seconds(mine['median']) if mine else 'not available'} | "
+            f"{format_seconds(mine['first']) if mine else '-'} | {row.peer} | "
+            f"{format_seconds(theirs['median']) if theirs else 'not available'} | "
+            f"{f'{r:.2f}x' if r else '-'} | "
+            f"{f'<= {row.aim:.1f}x' if row.aim else '-'} | "
+            f"{f'{diff:.1e}' if diff is not None else '-'} |"
+        )
+        if result["note"]:
+            notes.append(f"- {row.kind}, {row.model}: {result['note']}")
+    return "\n".join(lines + ([""] + notes if notes else []))
+
+
+def run_all(kinds=None, *, repeats=5, seed=0, log=print):
+    """Run the rows (or those of ``kinds``) and return their results.
+
+    Introduced in ``11-curvature-and-uncertainty``.
+
+    Args:
+        kinds: names among ``"diag"``, ``"ggn"``, ``"ntk"``, ``"laplace"``
+            (default: all).
+        repeats: the timed calls after the warm-up call of each.
+        seed: the models' and data's seed.
+        log: where progress goes.
+
+    Returns:
+        A list of dicts from :func:`run_row`.
+
+    Raises:
+        ValueError: an unknown kind.
+    """
+    unknown = set(kinds or ()) - set(LABELS)
+    if unknown:
+        raise ValueError(
+            f"unknown kinds {sorted(unknown)}; choose among {sorted(LABELS)}."
+        )
+    rows = [r for r in ROWS if not kinds or r.kind in kinds]
+    return [run_row(r, repeats=repeats, seed=seed, log=log) for r in rows]
+
+
+def main(argv=None):
+    """``python -m jacutil.bench.curvature_rows``: run the rows, print the table.
+
+    Introduced in ``11-curvature-and-uncertainty``.
+
+    Args:
+        argv: the arguments (None: ``sys.argv[1:]``).
+
+    Returns:
+        The results (a list of dicts from :func:`run_row`).
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m jacutil.bench.curvature_rows",
+        description="Time jacutil.curvature against BackPACK, curvlinops, JAX "
+        "and laplace-torch on the same weights.",
+    )
+    parser.add_argument("--kinds", nargs="+", choices=sorted(LABELS))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    results = run_all(args.kinds, repeats=args.repeats, seed=args.seed)
+    m = machine_summary()
+    print(
+        f"\n{m['date']}, {m['cpu_count']} CPUs, load average {m['load_average']}. "
+        f"Median of {args.repeats} calls after a warm-up call, same weights.\n"
+    )
+    print(table(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()
