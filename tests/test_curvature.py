@@ -17,6 +17,7 @@ from jacutil.core.target import watched
 from jacutil.curvature.diagonal import ggn_diagonal
 from jacutil.curvature.ggn import ggn_operator
 from jacutil.curvature.hessian import hessian_operator
+from jacutil.curvature.kfac import kfac
 from jacutil.curvature.losses import OutputLoss, output_loss
 from tests.architectures import ARCHITECTURES, build
 
@@ -179,7 +180,9 @@ def test_ggn_diagonal_is_the_diagonal_of_jt_j_on_the_zoo(name):
     x = case.batch(N)
     J, _ = formed(case, x)
     found = ggn_diagonal(case.model64, x, variables=case.variables64, memory_budget=1)
-    np.testing.assert_allclose(found, np.einsum("ikp,ikp->p", J, J), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(
+        found, np.einsum("ikp,ikp->p", J, J), rtol=1e-10, atol=1e-12
+    )
 
 
 @pytest.mark.parametrize("loss", ["softmax_cross_entropy", "sigmoid_cross_entropy"])
@@ -192,3 +195,91 @@ def test_ggn_diagonal_of_cross_entropies(loss, make):
     found, how = ggn_diagonal(model, x, loss, explain=True)
     assert how.startswith("layer rules")
     np.testing.assert_allclose(found, np.diag(brute_ggn(J, H)), rtol=1e-10, atol=1e-12)
+
+
+def block(G, f):
+    """G's block of one layer's [kernel; bias] parameters."""
+    idx = np.r_[f.kernel, f.bias] if f.bias is not None else np.r_[f.kernel]
+    return G[np.ix_(idx, idx)]
+
+
+@pytest.mark.parametrize("loss", ["squared_error", "softmax_cross_entropy"])
+@pytest.mark.parametrize(
+    "layer",
+    [
+        lambda: keras.layers.Dense(3, dtype="float64"),
+        lambda: keras.layers.Conv2D(3, 3, dtype="float64"),  # one position
+    ],
+)
+def test_kfac_is_exact_for_one_sample_through_one_layer(loss, layer):
+    keras.utils.set_random_seed(4)
+    shape = (5,) if not isinstance(layer(), keras.layers.Conv2D) else (3, 3, 2)
+    model = keras.Sequential(
+        [
+            keras.Input(shape, dtype="float64"),
+            layer(),
+            keras.layers.Flatten(dtype="float64"),
+        ]
+    )
+    x = np.random.default_rng(9).standard_normal((1, *shape))
+    J = np.asarray(ju.jacobian(model, x))
+    H = output_loss(loss, model).hessian(np.asarray(model(x)).reshape(1, -1))
+    K = kfac(model, x, loss)
+    np.testing.assert_allclose(K.to_dense(), brute_ggn(J, H), rtol=1e-10, atol=1e-12)
+
+
+def test_kfac_factors_are_the_covariances_of_inputs_and_signals():
+    model = classifier(classes=3)  # Dense(5, tanh), Dense(3): logits
+    x = np.random.default_rng(10).standard_normal((N, 4))
+    loss = output_loss("softmax_cross_entropy", model)
+    K = kfac(model, x, loss, chunk_size=2)  # three chunks, summed
+    J = np.asarray(ju.jacobian(model, x))
+    S = loss.sqrt_hessian(np.asarray(model(x)))
+    signal_grads = np.einsum("ikc,ikm->icm", S, J)  # per sample and signal
+    hidden = np.tanh(x @ model.layers[0].kernel.numpy() + model.layers[0].bias.numpy())
+    for f, a in zip(K.factors, [x, hidden], strict=True):
+        a_bar = np.concatenate([a, np.ones((N, 1))], axis=1)
+        np.testing.assert_allclose(f.A, a_bar.T @ a_bar / N, rtol=1e-10)
+        delta = signal_grads[:, :, f.bias].reshape(-1, f.B.shape[0])  # bias = delta
+        np.testing.assert_allclose(f.B, delta.T @ delta, rtol=1e-9, atol=1e-14)
+
+
+def test_kfac_inverse_and_logdet_are_those_of_the_dense_matrix():
+    model = conv_classifier()
+    x = np.random.default_rng(11).standard_normal((N, 6, 6, 2))
+    K = kfac(model, x, "softmax_cross_entropy")
+    dense = K.to_dense()
+    assert len(K.factors) == 3 and len(K.rest) == 0
+    np.testing.assert_allclose(dense, dense.T, atol=1e-12)
+    v = np.random.default_rng(12).standard_normal(K.n_params)
+    damped = dense + 0.1 * np.eye(K.n_params)
+    np.testing.assert_allclose(
+        K.inverse_matvec(v, 0.1), np.linalg.solve(damped, v), rtol=1e-8, atol=1e-10
+    )
+    np.testing.assert_allclose(K.logdet(0.1), np.linalg.slogdet(damped)[1], rtol=1e-10)
+
+
+def test_kfac_gives_the_exact_diagonal_to_other_layers():
+    keras.utils.set_random_seed(5)
+    model = keras.Sequential(
+        [
+            keras.Input((4,), dtype="float64"),
+            keras.layers.Dense(3, dtype="float64"),
+            keras.layers.LayerNormalization(dtype="float64"),
+            keras.layers.Dense(2, dtype="float64"),
+        ]
+    )
+    x = np.random.default_rng(13).standard_normal((N, 4))
+    K = kfac(model, x)
+    J = np.asarray(ju.jacobian(model, x))
+    assert len(K.rest) == 6  # LayerNorm's gamma and beta
+    np.testing.assert_allclose(
+        np.diag(K.to_dense())[K.rest], np.einsum("ikp,ikp->p", J, J)[K.rest], rtol=1e-10
+    )
+
+
+def test_kfac_refuses_what_it_cannot_replay():
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+    with pytest.raises(ValueError, match="keras.Sequential"):
+        kfac(model, np.zeros((2, 4)))

@@ -1,0 +1,342 @@
+"""Kronecker-factored curvature (KFAC) of Dense and Conv2D layers
+(notebook 11-curvature-and-uncertainty).
+
+A Dense layer's per-sample gradient for signal c is the outer product
+``a_bar (x) delta_c``: its input with a 1 for the bias (``a_bar``, length
+d_in + 1) and the signal at its pre-activation output (``delta_c``, d_out),
+the backward pass started from column c of ``S_i`` (``H_i = S_i S_i.T``).
+G's block for the layer, ``sum_i sum_c (a_bar a_bar.T) (x) (delta delta.T)``,
+is approximated by a Kronecker product of two small matrices:
+
+    A = (1 / (n R)) sum a_bar a_bar.T      (d_in + 1) x (d_in + 1)
+    B = sum delta delta.T                   d_out x d_out
+
+(sums over samples, signals c and the R output positions of a convolution,
+whose ``a_bar`` are its input patches: "KFAC-expand"). With one sample and
+one position it is exact. ``(A (x) B) vec(V) = vec(A V B)`` for the layer's
+parameters laid out as V = [kernel; bias], (d_in + 1) x d_out, so a product
+costs two small matrix products, and the damped inverse
+``(A (x) B + lambda I)^-1`` is exact through the eigendecompositions of A and
+B. Parameters outside Dense and Conv2D layers get G's exact diagonal.
+
+The layers are replayed one by one, so the model must be a
+``keras.Sequential`` (any layers; Dense and Conv2D are factored).
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..core._shared import sizes_of
+from ..core._tf import keras, tf
+from ..core.formulation import quiet_function
+from ..core.target import resolve_target
+from .losses import output_loss
+
+FACTORED = (keras.layers.Dense, keras.layers.Conv2D)
+
+
+@dataclass
+class LayerFactors:
+    """The Kronecker factors of one layer.
+
+    Args:
+        name: the layer's name.
+        A: the input covariance with the bias column, (d_in + 1) x (d_in + 1)
+            (d_in x d_in for a layer without bias).
+        B: the output-signal covariance, d_out x d_out.
+        kernel: the kernel's slice of the flat parameters.
+        bias: the bias's slice, or None.
+    """
+
+    name: str
+    A: np.ndarray
+    B: np.ndarray
+    kernel: slice
+    bias: slice | None
+    _eig: tuple | None = field(default=None, repr=False)
+
+    def as_matrix(self, v):
+        """The layer's part of flat vectors ``v`` (m, k): V, (d_in+1, d_out, k)."""
+        d_out = self.B.shape[0]
+        K = v[self.kernel].reshape(-1, d_out, v.shape[1])
+        if self.bias is None:
+            return K
+        return np.concatenate([K, v[self.bias][None]], axis=0)
+
+    def put(self, out, V):
+        """Write V (d_in+1, d_out, k) back into the flat vectors ``out`` (m, k)."""
+        rows = V.shape[0] - (self.bias is not None)
+        out[self.kernel] = V[:rows].reshape(-1, V.shape[2])
+        if self.bias is not None:
+            out[self.bias] = V[rows]
+
+    def eig(self):
+        """``(eA, QA, eB, QB)``, computed once."""
+        if self._eig is None:
+            eA, QA = np.linalg.eigh(self.A)
+            eB, QB = np.linalg.eigh(self.B)
+            self._eig = (np.clip(eA, 0, None), QA, np.clip(eB, 0, None), QB)
+        return self._eig
+
+
+class KFAC:
+    """KFAC of G: Kronecker blocks for Dense and Conv2D layers, G's exact
+    diagonal for every other parameter. See :func:`kfac`.
+
+    Args:
+        factors: one :class:`LayerFactors` per factored layer.
+        rest: the flat indices of the other parameters.
+        rest_diagonal: G's diagonal on them.
+        n_params: m.
+    """
+
+    def __init__(self, factors, rest, rest_diagonal, n_params):
+        self.factors = factors
+        self.rest = np.asarray(rest, dtype=np.int64)
+        self.rest_diagonal = np.asarray(rest_diagonal, dtype=np.float64)
+        self.n_params = n_params
+
+    def _columns(self, v):
+        v = np.asarray(v, dtype=np.float64)
+        if v.shape[0] != self.n_params or v.ndim > 2:
+            raise ValueError(
+                f"v has shape {v.shape}; it must be (m,) or (m, k) with m = "
+                f"{self.n_params:,} (one number per parameter)."
+            )
+        return v.reshape(self.n_params, -1), v.ndim == 1
+
+    def matvec(self, v):
+        """``KFAC @ v`` for v of shape (m,) or (m, k).
+
+        Args:
+            v: flat parameter vectors (``flat_params`` order).
+
+        Returns:
+            An array of v's shape.
+        """
+        v, flat = self._columns(v)
+        out = np.zeros_like(v)
+        for f in self.factors:
+            V = f.as_matrix(v)
+            f.put(out, np.einsum("ab,bdk,de->aek", f.A, V, f.B))
+        out[self.rest] = self.rest_diagonal[:, None] * v[self.rest]
+        return out[:, 0] if flat else out
+
+    def inverse_matvec(self, v, damping):
+        """``(KFAC + damping * I)^-1 @ v``, exact for this KFAC.
+
+        Args:
+            v: flat parameter vectors, (m,) or (m, k).
+            damping: a positive number.
+
+        Returns:
+            An array of v's shape.
+        """
+        if not damping > 0:
+            raise ValueError(f"damping must be positive; got {damping}.")
+        v, flat = self._columns(v)
+        out = np.zeros_like(v)
+        for f in self.factors:
+            eA, QA, eB, QB = f.eig()
+            V = np.einsum("ba,bdk,de->aek", QA, f.as_matrix(v), QB)
+            V /= (eA[:, None] * eB[None, :] + damping)[:, :, None]
+            f.put(out, np.einsum("ab,bdk,ed->aek", QA, V, QB))
+        out[self.rest] = v[self.rest] / (self.rest_diagonal[:, None] + damping)
+        return out[:, 0] if flat else out
+
+    def logdet(self, damping):
+        """``log det(KFAC + damping * I)``.
+
+        Args:
+            damping: a positive number.
+
+        Returns:
+            A float.
+        """
+        total = float(np.sum(np.log(self.rest_diagonal + damping)))
+        for f in self.factors:
+            eA, _, eB, _ = f.eig()
+            total += float(np.sum(np.log(np.outer(eA, eB) + damping)))
+        return total
+
+    def to_dense(self):
+        """The m x m matrix (small models only: plots and tests)."""
+        return self.matvec(np.eye(self.n_params))
+
+    def as_operator(self):
+        """A symmetric ``scipy.sparse.linalg.LinearOperator`` (m, m)."""
+        from scipy.sparse.linalg import LinearOperator
+
+        m = self.n_params
+        return LinearOperator(
+            (m, m), matvec=self.matvec, rmatvec=self.matvec, matmat=self.matvec,
+            dtype=np.float64,
+        )  # fmt: skip
+
+
+def _pre_activation(layer, a):
+    """A Dense or Conv2D layer's output before its activation."""
+    if isinstance(layer, keras.layers.Dense):
+        z = tf.tensordot(a, layer.kernel, [[a.shape.rank - 1], [0]])
+    else:
+        z = layer.convolution_op(a, layer.kernel)
+    return z + layer.bias if layer.use_bias else z
+
+
+def _inputs_as_rows(layer, a):
+    """The layer's inputs as rows (one per sample and position), with a 1
+    for the bias: (n R, d_in + 1)."""
+    if isinstance(layer, keras.layers.Conv2D):
+        kh, kw = layer.kernel_size
+        sh, sw = layer.strides
+        dh, dw = layer.dilation_rate
+        a = tf.image.extract_patches(
+            a, [1, kh, kw, 1], [1, sh, sw, 1], [1, dh, dw, 1], layer.padding.upper()
+        )
+    rows = tf.reshape(a, [-1, a.shape[-1]])
+    if layer.use_bias:
+        rows = tf.concat([rows, tf.ones_like(rows[:, :1])], axis=1)
+    return rows
+
+
+def _refuse(model, layers):
+    if not isinstance(model, keras.Sequential):
+        raise ValueError(
+            f"kfac() replays a keras.Sequential layer by layer; {type(model).__name__} "
+            "is not one. Use ggn_diagonal() or ggn_operator() for this model."
+        )
+    for layer in layers:
+        if isinstance(layer, keras.layers.Conv2D) and (
+            layer.data_format != "channels_last" or layer.groups != 1
+        ):
+            raise ValueError(
+                f"layer {layer.name!r}: kfac() factors Conv2D with channels_last "
+                "data and groups=1 only."
+            )
+
+
+class _Replay:
+    """The compiled sums of one chunk: per factored layer, ``a_bar.T a_bar``,
+    the number of rows, and ``sum_c delta_c.T delta_c``."""
+
+    def __init__(self, model, layers, loss):
+        self.model, self.layers, self.loss = model, layers, loss
+        self._factored = {id(layer) for layer in layers}
+        self._functions = {}
+
+    def forward(self, x):
+        h, inputs, pre = x, [], []
+        for layer in self.model.layers:
+            if id(layer) in self._factored:
+                inputs.append(h)
+                pre.append(_pre_activation(layer, h))
+                h = layer.activation(pre[-1])
+            else:
+                h = layer(h, training=False)
+        return tf.reshape(h, [-1, int(np.prod(h.shape[1:]))]), inputs, pre
+
+    def sums(self, x):
+        with tf.GradientTape(persistent=True) as tape:
+            f, inputs, pre = self.forward(x)
+        S = self.loss.sqrt_hessian_tf(tf.stop_gradient(f))
+        out = []
+        for layer, a in zip(self.layers, inputs, strict=True):
+            rows = _inputs_as_rows(layer, a)
+            out += [tf.matmul(rows, rows, transpose_a=True), tf.shape(rows)[0]]
+        B = [0.0] * len(self.layers)
+        for c in range(f.shape[1]):
+            deltas = tape.gradient(f, pre, output_gradients=S[:, :, c])
+            for j, delta in enumerate(deltas):
+                delta = tf.reshape(delta, [-1, delta.shape[-1]])
+                B[j] = B[j] + tf.matmul(delta, delta, transpose_a=True)
+        return out, B, f
+
+    def __call__(self, x):
+        key = (tuple(x.shape[1:]), x.dtype.name)
+        if key not in self._functions:
+            spec = tf.TensorSpec([None, *x.shape[1:]], x.dtype)
+            self._functions[key] = quiet_function(self.sums, input_signature=[spec])
+        return self._functions[key](x)
+
+
+def kfac(model, x, loss="squared_error", *, chunk_size=256, variables=None):
+    """KFAC of G = sum_i J_i.T H_i J_i for a ``keras.Sequential`` model.
+
+    Introduced in ``11-curvature-and-uncertainty``. Dense and Conv2D layers
+    whose kernel (and bias) are among the variables get Kronecker factors;
+    every other variable G's exact diagonal (:func:`ggn_diagonal`).
+
+    Args:
+        model: a ``keras.Sequential`` (for a cross-entropy: ending in logits).
+        x: the n samples, one array.
+        loss: ``"squared_error"``, ``"softmax_cross_entropy"`` or
+            ``"sigmoid_cross_entropy"``.
+        chunk_size: samples per pass.
+        variables: the variables (default: the trainable ones).
+
+    Returns:
+        A :class:`KFAC`.
+
+    Raises:
+        ValueError: not a Sequential, an unknown loss, or a cross-entropy on a
+            model that ends in a softmax or sigmoid.
+    """
+    from .diagonal import ggn_diagonal
+
+    loss = output_loss(loss, model)
+    target = resolve_target(model, variables, False)
+    columns = target.variables
+    index = {id(v): j for j, v in enumerate(columns)}
+    starts = np.concatenate([[0], np.cumsum(sizes_of(columns))])
+    where = lambda v: slice(int(starts[index[id(v)]]), int(starts[index[id(v)] + 1]))  # noqa: E731
+
+    def factored(layer):
+        if not isinstance(layer, FACTORED) or id(layer.kernel) not in index:
+            return False
+        return not layer.use_bias or id(layer.bias) in index
+
+    layers = [layer for layer in getattr(model, "layers", []) if factored(layer)]
+    _refuse(model, layers)
+    x = tf.convert_to_tensor(np.asarray(x), target.dtype)
+    replay = _Replay(model, layers, loss)
+    n = int(x.shape[0])
+    AA, count, BB = [0.0] * len(layers), [0] * len(layers), [0.0] * len(layers)
+    for start in range(0, n, chunk_size):
+        chunk = x[start : start + chunk_size]
+        parts, B, f = replay(chunk)
+        if start == 0:
+            _check_replay(model, chunk, f)
+        for j in range(len(layers)):
+            AA[j] = AA[j] + parts[2 * j].numpy().astype(np.float64)
+            count[j] += int(parts[2 * j + 1])
+            BB[j] = BB[j] + B[j].numpy().astype(np.float64)
+    factors = []
+    for j, layer in enumerate(layers):
+        positions = count[j] / n  # R: rows per sample
+        factors.append(
+            LayerFactors(
+                layer.name, AA[j] / (n * positions), BB[j], where(layer.kernel),
+                where(layer.bias) if layer.use_bias else None,
+            )
+        )  # fmt: skip
+    covered = {id(layer.kernel) for layer in layers} | {
+        id(layer.bias) for layer in layers if layer.use_bias
+    }
+    others = [v for v in columns if id(v) not in covered]
+    rest = np.concatenate(
+        [np.arange(where(v).start, where(v).stop) for v in others] or [np.zeros(0, int)]
+    )
+    diagonal = ggn_diagonal(model, x.numpy(), loss, variables=others) if others else []
+    return KFAC(factors, rest, diagonal, target.n_params)
+
+
+def _check_replay(model, x, f):
+    expected = tf.reshape(model(x, training=False), [tf.shape(x)[0], -1])
+    scale = float(tf.reduce_max(tf.abs(expected))) + 1.0
+    if float(tf.reduce_max(tf.abs(expected - f))) > 1e-4 * scale:
+        raise ValueError(
+            "kfac() replayed the model's layers one by one and got other outputs "
+            "than model(x): a layer's call must depend on its input alone. Use "
+            "ggn_diagonal() or ggn_operator() for this model."
+        )
