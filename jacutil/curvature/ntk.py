@@ -326,13 +326,20 @@ def _block_row(setup, i, c, columns, rows_out, row0, symmetric, budget, theta):
     n_columns = columns.n * n_out
     for j in range(ceil_div(columns.n, c)):
         c0, c1 = j * c * n_out, min((j + 1) * c * n_out, n_columns)
+        dest = rows_out[start - row0 : stop - row0, c0:c1]
         if symmetric and j < i:
-            block = np.asarray(theta[c0:c1, start:stop]).T
-        elif symmetric and j == i:
-            block = Ji @ Ji.T
+            dest[...] = np.asarray(theta[c0:c1, start:stop]).T
         else:
-            block = Ji @ columns.rows(j).T
-        rows_out[start - row0 : stop - row0, c0:c1] = block
+            _product(Ji, Ji if symmetric and j == i else columns.rows(j), dest)
+
+
+def _product(A, B, dest):
+    """``dest[...] = A @ B.T``, straight into ``dest`` when it is one
+    contiguous piece (a block-row of one block: no second copy of it)."""
+    if dest.flags.c_contiguous and dest.dtype == A.dtype:
+        np.matmul(A, B.T, out=dest)
+    else:
+        dest[...] = A @ B.T
 
 
 def _record(setup, batch2, symmetric, key):
