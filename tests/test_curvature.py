@@ -19,6 +19,12 @@ from jacutil.curvature.ggn import ggn_operator
 from jacutil.curvature.hessian import hessian_operator
 from jacutil.curvature.kfac import kfac
 from jacutil.curvature.losses import OutputLoss, output_loss
+from jacutil.curvature.spectra import (
+    hutchinson_diagonal,
+    hutchinson_trace,
+    top_eigenvalues,
+    top_singular_values,
+)
 from tests.architectures import ARCHITECTURES, build
 
 N = 5
@@ -283,3 +289,38 @@ def test_kfac_refuses_what_it_cannot_replay():
     model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
     with pytest.raises(ValueError, match="keras.Sequential"):
         kfac(model, np.zeros((2, 4)))
+
+
+def test_spectra_from_products_are_numpys_of_the_formed_matrices():
+    model = conv_classifier()
+    x = np.random.default_rng(14).standard_normal((8, 6, 6, 2))
+    J = np.asarray(ju.jacobian(model, x)).reshape(8 * 4, -1)
+    G = J.T @ J
+    np.testing.assert_allclose(
+        top_eigenvalues(ggn_operator(model, x), k=3),
+        np.linalg.eigvalsh(G)[::-1][:3],
+        rtol=1e-8,
+    )
+    np.testing.assert_allclose(
+        top_singular_values(model, x, k=3),
+        np.linalg.svd(J, compute_uv=False)[:3],
+        rtol=1e-8,
+    )
+    y = np.random.default_rng(15).standard_normal((8, 4))
+    H = hessian_operator(model, x, y)
+    formed_H = H @ np.eye(H.shape[0])
+    np.testing.assert_allclose(
+        top_eigenvalues(H, k=2), np.linalg.eigvalsh(formed_H)[::-1][:2], rtol=1e-8
+    )
+
+
+def test_hutchinson_estimates_are_within_their_errors():
+    A = np.random.default_rng(16).standard_normal((30, 30))
+    A = A @ A.T
+    trace = hutchinson_trace(A, n_probes=400, seed=1)
+    assert abs(trace.value - np.trace(A)) < 4 * trace.standard_error
+    diagonal = hutchinson_diagonal(A, n_probes=400, seed=1)
+    assert np.all(np.abs(diagonal.value - np.diag(A)) < 5 * diagonal.standard_error)
+    assert trace.standard_error > 0  # random signs: an estimate, not the trace
+    with pytest.raises(ValueError, match="eigsh finds"):
+        top_eigenvalues(A, k=30)

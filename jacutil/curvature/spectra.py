@@ -1,0 +1,136 @@
+"""Spectra and estimates from products alone
+(notebook 11-curvature-and-uncertainty).
+
+Every operator of ``jacutil.curvature`` is a SciPy ``LinearOperator``, so
+SciPy's Lanczos methods take them as they are: ``eigsh`` for the top
+eigenvalues of G or of the Hessian, ``svds`` for the top singular values of
+J (``jacutil.jacobian_operator``). Hutchinson's estimator gives the trace
+and the diagonal from products with random signs: ``E[z.T A z] = tr(A)`` and
+``E[z * (A z)] = diag(A)`` for z of independent +1/-1 entries.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def top_eigenvalues(operator, k=6):
+    """The k largest eigenvalues of a symmetric operator, largest first.
+
+    Introduced in ``11-curvature-and-uncertainty``. ``scipy.sparse.linalg.eigsh``
+    (Lanczos) with products only; for the Hessian, which may be indefinite,
+    they are the largest *algebraic* ones.
+
+    Args:
+        operator: a symmetric ``LinearOperator`` (or array) of shape (m, m).
+        k: how many, fewer than m.
+
+    Returns:
+        A NumPy array (k,), descending.
+
+    Raises:
+        ValueError: k is not between 1 and m - 1.
+    """
+    from scipy.sparse.linalg import eigsh
+
+    m = operator.shape[0]
+    if not 1 <= k < m:
+        raise ValueError(
+            f"k={k}: eigsh finds between 1 and m - 1 = {m - 1} eigenvalues; for "
+            "all of them form the matrix and use numpy.linalg.eigvalsh."
+        )
+    values = eigsh(operator, k=k, which="LA", return_eigenvectors=False)
+    return np.sort(values)[::-1]
+
+
+def top_singular_values(model, x, k=6, **options):
+    """The k largest singular values of J (n*l x m), largest first.
+
+    Introduced in ``11-curvature-and-uncertainty``. ``scipy.sparse.linalg.svds``
+    on ``jacutil.jacobian_operator`` (JVPs and VJPs, no J). Their squares are
+    the top eigenvalues of ``J.T J`` (G of the squared error) and of the
+    empirical NTK ``J J.T``.
+
+    Args:
+        model: a Keras model, or a callable ``f(x)`` with ``variables=``.
+        x: the n samples.
+        k: how many, fewer than min(n*l, m).
+        **options: as for ``jacutil.jacobian_operator``.
+
+    Returns:
+        A NumPy array (k,), descending.
+    """
+    from scipy.sparse.linalg import svds
+
+    from ..matrix_free.products import jacobian_operator
+
+    J = jacobian_operator(model, x, **options)
+    if not 1 <= k < min(J.shape):
+        raise ValueError(
+            f"k={k}: svds finds between 1 and min(n*l, m) - 1 = {min(J.shape) - 1} "
+            "singular values."
+        )
+    values = svds(J, k=k, return_singular_vectors=False, random_state=0)
+    return np.sort(values)[::-1]
+
+
+@dataclass
+class Estimate:
+    """A Monte Carlo estimate and its standard error.
+
+    Args:
+        value: the estimate (a float, or an array for a diagonal).
+        standard_error: the standard error of the mean over the probes.
+        n_probes: how many probes it averaged.
+    """
+
+    value: object
+    standard_error: object
+    n_probes: int
+
+
+def _probes(m, n_probes, seed):
+    if n_probes < 2:
+        raise ValueError(f"n_probes={n_probes}: a standard error needs at least 2.")
+    rng = np.random.default_rng(seed)
+    return rng.choice([-1.0, 1.0], size=(m, n_probes))
+
+
+def hutchinson_trace(operator, n_probes=100, seed=0):
+    """Hutchinson's estimate of ``trace(A)`` from ``n_probes`` products.
+
+    Introduced in ``11-curvature-and-uncertainty``.
+
+    Args:
+        operator: a square ``LinearOperator`` (or array) of shape (m, m).
+        n_probes: random sign vectors to average over (at least 2).
+        seed: the random seed.
+
+    Returns:
+        An :class:`Estimate` of the trace.
+    """
+    Z = _probes(operator.shape[0], n_probes, seed)
+    samples = np.einsum("pk,pk->k", Z, operator @ Z)
+    error = samples.std(ddof=1) / np.sqrt(n_probes)
+    return Estimate(float(samples.mean()), float(error), n_probes)
+
+
+def hutchinson_diagonal(operator, n_probes=100, seed=0):
+    """Hutchinson's estimate of ``diag(A)`` from ``n_probes`` products.
+
+    Introduced in ``11-curvature-and-uncertainty``. Compare it with
+    ``ggn_diagonal``, which is exact: the estimate needs many probes for a
+    few digits.
+
+    Args:
+        operator: a square ``LinearOperator`` (or array) of shape (m, m).
+        n_probes: random sign vectors to average over (at least 2).
+        seed: the random seed.
+
+    Returns:
+        An :class:`Estimate` whose value is an array (m,).
+    """
+    Z = _probes(operator.shape[0], n_probes, seed)
+    samples = Z * (operator @ Z)
+    error = samples.std(axis=1, ddof=1) / np.sqrt(n_probes)
+    return Estimate(samples.mean(axis=1), error, n_probes)
