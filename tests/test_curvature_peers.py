@@ -134,6 +134,34 @@ def test_backpack_kflr_is_exact_for_one_sample():
 
 @pytest.mark.parametrize("loss", LOSSES)
 @pytest.mark.parametrize("name, model, x", CASES, ids=IDS)
+def test_backpack_kflr_dense_blocks_equal_jacutils_kfac(name, model, x, loss):
+    """Dense layers: BackPACK's B kron A is jacutil's A kron B (weights only,
+    rows permuted). Conv2D layers differ by definition (see backpack_kflr)."""
+    cp = peers()
+    pytest.importorskip("backpack")
+    from jacutil.curvature.kfac import kfac
+
+    ours = kfac(model, x, loss).factors
+    theirs = cp.backpack_kflr(model, loss)(x)
+    index = cp.torch_module(model).index
+    start, compared = 0, 0
+    for layer, (A, B) in zip(ours, theirs, strict=True):
+        size = A.shape[0] * B.shape[0]
+        torch_order = index[start : start + size] - layer.kernel.start
+        start += size + (0 if layer.bias is None else B.shape[0])
+        if len(model.get_layer(layer.name).kernel.shape) != 2:
+            continue  # a Conv2D
+        d_in = A.shape[0]
+        expected = np.kron(layer.A[:d_in, :d_in], layer.B)  # kernel's flat order
+        block = np.zeros_like(expected)
+        block[np.ix_(torch_order, torch_order)] = np.kron(B, A)
+        close(block, expected)
+        compared += 1
+    assert compared >= 1
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize("name, model, x", CASES, ids=IDS)
 def test_curvlinops_ggn_product_equals_jacutils(name, model, x, loss):
     cp = peers()
     pytest.importorskip("curvlinops")

@@ -326,7 +326,14 @@ def backpack_kflr(model, loss="squared_error"):
     """BackPACK's ``KFLR`` factors: ``factors(x)``, one (A, B) per layer.
 
     KFLR is the Kronecker-factored G with the loss's exact H (BackPACK's
-    ``KFAC`` draws H's square root by Monte Carlo). Introduced in
+    ``KFAC`` draws H's square root by Monte Carlo), so KFLR is the one to
+    compare with ``jacutil.curvature.kfac``. For a Linear layer its
+    ``B kron A`` is jacutil's weight block ``A kron B`` exactly (the rows
+    permuted to PyTorch's (out, in) order). For a Conv2d it is not: BackPACK
+    sums each signal over the output positions before the outer product
+    (``B = sum (sum_r delta_r)(sum_r delta_r).T``) and does not divide A by
+    the number of positions R, while jacutil's KFAC-expand sums the outer
+    products per position and divides A by n R. Introduced in
     ``11-curvature-and-uncertainty``.
 
     Args:
