@@ -166,6 +166,8 @@ def test_npy_resumes_after_a_partial_run(tmp_path, monkeypatch, symmetric):
     )
     resumed = ntk.empirical_ntk(model, x, x2, variables=variables, out=path)
     assert rows == [2, 3]  # only the missing block-rows, with the file's chunk size
+    with pytest.raises(ResumeMismatch, match="started with chunk_size=3 samples"):
+        ntk.empirical_ntk(model, x, x2, variables=variables, chunk_size=2, out=path)
     expected = _reference(model, variables, x, x if x2 is None else x2)[0]
     np.testing.assert_allclose(resumed, expected, rtol=1e-10, atol=1e-12)
     if symmetric:

@@ -19,6 +19,8 @@ are multiplied; those below are their mirror images, so the result is
 exactly symmetric.
 """
 
+from pathlib import Path
+
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -29,7 +31,13 @@ from ..core.batch import as_batch, n_samples, take
 from ..core.cache import compiled_for
 from ..core.outputs import output_layout
 from ..core.target import variable_list
-from ..scale.resume import fingerprint, open_rows, write_rows, writer_lock
+from ..scale.resume import (
+    ResumeMismatch,
+    fingerprint,
+    open_rows,
+    write_rows,
+    writer_lock,
+)
 from ..stages.chunked import bytes_per_sample
 
 
@@ -118,13 +126,12 @@ class _Plan:
     def __init__(self, setup, n2, budget, chunk_size, to_file, symmetric):
         n_out, itemsize = setup.l, setup.itemsize
         # per sample of a chunk: its J rows held (x side), a J(x') chunk being
-        # computed, and (for a file) its block-row of Theta before it is written
+        # computed, and (for a file) its block-row of Theta before it is written;
+        # per pair of samples: one block, before it is copied in
         per_sample = setup.row_bytes + setup.per_sample
-        quadratic = 0
         if to_file:
             per_sample += n_out * n2 * n_out * itemsize
-        else:
-            quadratic = n_out * n_out * itemsize  # one block, before it is copied in
+        quadratic = n_out * n_out * itemsize
         all_x2 = n2 * setup.row_bytes  # the whole J(x'), to keep it
         fixed = 0
         if all_x2 + per_sample + quadratic <= budget:
@@ -282,7 +289,8 @@ def empirical_ntk(
             "key= names a resumable run: it goes with out= a .npy path. Leave "
             "it out, or pass out='theta.npy'."
         )
-    working = (setup.row_bytes + setup.per_sample) * max(setup.n, n2)
+    working = (setup.row_bytes + setup.per_sample) * (setup.n + n2)
+    working += shape[0] * shape[1] * setup.itemsize  # Theta in one block
     budget = memory_budget_for(memory_budget, working)
     plan = _Plan(setup, n2, budget, chunk_size, to_file, symmetric)
     if to_file:
@@ -367,11 +375,20 @@ def _into_file(setup, batch2, path, shape, plan, budget, record, explicit,
     """Block-rows into the ``.npy`` at ``path``, skipping those already there."""
     n_out = setup.l
     with writer_lock(path):  # one writer at a time, for the whole run
-        asked = plan.chunk_size * n_out if explicit else None
         ledger, rows_per_chunk = open_rows(
-            path, shape, setup.dtype, record, asked, plan.chunk_size * n_out
+            path, shape, setup.dtype, record, None, plan.chunk_size * n_out
         )
         c = rows_per_chunk // n_out  # a resumed file keeps its chunk size
+        if explicit and c != plan.chunk_size:
+            name = Path(path).name
+            raise ResumeMismatch(
+                f"{name} was started with chunk_size={c} samples; this run asks "
+                f"for {plan.chunk_size}. Pass chunk_size={c} (or leave it out) "
+                f"to resume it, or delete {name} and {ledger.path.name} to start "
+                "afresh."
+            )
+        if c != plan.chunk_size:  # then the J chunks kept are counted again
+            plan = _Plan(setup, shape[1] // n_out, budget, c, True, symmetric)
         columns = _Chunks(setup, batch2, c, plan.keep, budget)
         todo = ledger.todo()
         bar = tqdm(
