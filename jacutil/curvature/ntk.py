@@ -234,8 +234,8 @@ def empirical_ntk(
     leaves are kept and the others are computed again for every block-row,
     ``n_chunks(x)`` times each. With ``x2=None`` the J chunks of ``x`` serve
     as rows and columns: each is computed once when all of J(x) fits, and
-    chunk j at most ``j + 1`` times otherwise. Introduced
-    in ``11-curvature-and-uncertainty``.
+    chunk j at most ``j + 1`` times otherwise.
+    Introduced in ``11-curvature-and-uncertainty``.
 
     Args:
         model: a Keras model, or a callable ``f(x)`` with ``variables=``.
@@ -426,8 +426,8 @@ def ntk_trace(model, x, *, variables=None, memory_budget=None, progress=False):
 
     No (n l, n l) matrix is formed: J is computed chunk by chunk within
     ``memory_budget`` and each chunk's squares are added (in the model's
-    dtype per chunk, the chunks' sums in float64). Introduced in
-    ``11-curvature-and-uncertainty``.
+    dtype per chunk, the chunks' sums in float64).
+    Introduced in ``11-curvature-and-uncertainty``.
 
     Args:
         model: a Keras model, or a callable ``f(x)`` with ``variables=``.
