@@ -351,11 +351,7 @@ class Laplace:
         delta, s2 = self._values(None, None)
         if self.structure == "diagonal":
             return V / (self.ggn / s2 + delta)[:, None]
-        columns = [
-            s2 * np.asarray(self.ggn.inverse_matvec(v, s2 * delta), dtype=np.float64)
-            for v in V.T
-        ]
-        return np.stack(columns, axis=1).reshape(V.shape)
+        return s2 * np.asarray(self.ggn.inverse_matvec(V, s2 * delta), np.float64)
 
     def predictive_variance(self, x_test):
         """The linearized predictive covariance ``J* Sigma J*.T`` per point.
