@@ -155,6 +155,9 @@ def test_last_layer_against_brute_force(name, loss):
     np.testing.assert_allclose(la.ggn, G, rtol=1e-9, atol=1e-12)
     assert np.abs(G).max() > 0
     np.testing.assert_allclose(la.posterior_precision(), P, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(
+        la.posterior_covariance(), np.linalg.inv(P), rtol=1e-8, atol=1e-12
+    )
 
     # predictive variance: J* P^-1 J*.T, with an explicit inverse
     x_test = moved(x)
@@ -388,6 +391,8 @@ def test_every_parameter_against_brute_force(name, loss, structure):
     if structure == "diagonal":
         G = np.diag(np.diag(_full_g(case, x, loss)))
         np.testing.assert_allclose(la.ggn, np.diag(G), rtol=1e-9, atol=1e-12)
+        P = np.diag(G) / sigma**2 + DELTA
+        np.testing.assert_allclose(la.posterior_covariance(), 1 / P, rtol=1e-12)
     else:
         G, covered = kfac_formed(la, case, x, loss)
         assert covered.any() and (name != "frozen_layer" or not covered.all())

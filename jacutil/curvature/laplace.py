@@ -326,6 +326,24 @@ class Laplace:
             "m x m); use predictive_variance, or the KFAC object in .ggn."
         )
 
+    def posterior_covariance(self):
+        """Sigma = P^-1: (m, m) for ``"last_layer"`` (by Cholesky solves, so
+        small last layers only), its diagonal (m,) for ``"diagonal"``.
+
+        Introduced in ``11-curvature-and-uncertainty``.
+
+        Returns:
+            A NumPy array.
+
+        Raises:
+            ValueError: for ``"kfac"`` (use ``ggn.inverse_matvec``).
+        """
+        P = self.posterior_precision()
+        if self.structure == "diagonal":
+            return 1.0 / P
+        factor = scipy.linalg.cho_factor(P, lower=True)
+        return scipy.linalg.cho_solve(factor, np.eye(self.n_params))
+
     def log_det_posterior_precision(self, prior_precision=None, sigma_noise=None):
         """log det P at the stored (or the given) delta and sigma.
 
