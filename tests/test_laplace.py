@@ -346,10 +346,6 @@ def test_sigmoid_probit():
 # -- every parameter: diagonal and KFAC -------------------------------------------
 
 
-def _lead_has(module):
-    return importlib.util.find_spec(f"jacutil.curvature.{module}") is not None
-
-
 FULL_CASES = [
     ("mlp", "squared_error", "diagonal"),
     ("convolution", "softmax_cross_entropy", "diagonal"),
@@ -383,8 +379,6 @@ def kfac_formed(la, case, x, loss):
 
 @pytest.mark.parametrize(("name", "loss", "structure"), FULL_CASES)
 def test_every_parameter_against_brute_force(name, loss, structure):
-    if not _lead_has(structure):
-        pytest.skip(f"jacutil.curvature.{structure} is not written yet")
     case, x, y, la, every, sigma = fitted(name, loss, structure)
     m = sum(int(np.prod(v.shape)) for v in every)
     assert la.n_params == m
@@ -496,8 +490,6 @@ def test_against_laplace_torch(trained_1d, likelihood, structure):
     import torch
     from laplace import Laplace as TorchLaplace
 
-    if structure != "last_layer" and not _lead_has(structure):
-        pytest.skip(f"jacutil.curvature.{structure} is not written yet")
     if likelihood == "regression":
         model, x, y = trained_1d
         x_test = np.linspace(-3, 3, 7)[:, None]

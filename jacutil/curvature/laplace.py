@@ -45,6 +45,8 @@ from ..core._tf import keras, tf
 from ..core.batch import n_samples, take
 from ..core.layout import flat_params
 from ..core.outputs import as_rows
+from .diagonal import ggn_diagonal
+from .kfac import kfac
 from .losses import output_loss
 
 STRUCTURES = ("last_layer", "diagonal", "kfac")
@@ -141,22 +143,6 @@ def last_layer_variables(model):
         f"model {model.name!r} has no layer with trainable weights: build it "
         "(give it an Input) and check that its layers are not all frozen."
     )
-
-
-def _lead_module(module, name):
-    """``jacutil.curvature.<module>.<name>``, or a NotImplementedError that
-    says which structure still waits for it."""
-    import importlib
-
-    try:
-        return getattr(importlib.import_module(f"{__package__}.{module}"), name)
-    except ModuleNotFoundError as error:
-        if error.name != f"{__package__}.{module}":
-            raise
-        raise NotImplementedError(
-            f"structure={module!r} needs jacutil.curvature.{module}.{name}, which "
-            "is not written yet. Use structure='last_layer' for now."
-        ) from None
 
 
 def _positive(value, name):
@@ -275,7 +261,6 @@ class Laplace:
             self.ggn = 0.5 * (G + G.T)
             self._eigenvalues = np.linalg.eigvalsh(self.ggn)
         elif self.structure == "diagonal":
-            ggn_diagonal = _lead_module("diagonal", "ggn_diagonal")
             self.ggn = np.asarray(
                 ggn_diagonal(
                     self.model,
@@ -287,7 +272,6 @@ class Laplace:
                 dtype=np.float64,
             )
         else:
-            kfac = _lead_module("kfac", "kfac")
             self.ggn = kfac(self.model, x, self.loss, variables=self.variables)
 
     # -- the posterior --------------------------------------------------------
