@@ -22,6 +22,8 @@ The package, by job:
 - ``fitting``   SciPy least squares, Levenberg-Marquardt, per-sample gradients (05),
                 DP-SGD by ghost clipping (09)
 - ``scale``     resumable files and several processes or machines (10)
+- ``curvature`` G and its diagonal, KFAC, Hessian products, the empirical NTK,
+                spectra and Laplace uncertainty (11)
 - ``core``      what every path shares: the target, batches, outputs, layout,
                 memory, the cache, guards
 - ``teaching``  the notebooks' checks, plots, models and helpers
@@ -29,7 +31,17 @@ The package, by job:
 - ``bench``, ``peers``  the benchmark (``make bench``) and its PyTorch/JAX peers
 """
 
-from . import core, fitting, matrix_free, rules, scale, stages, teaching, testing
+from . import (
+    core,
+    curvature,
+    fitting,
+    matrix_free,
+    rules,
+    scale,
+    stages,
+    teaching,
+    testing,
+)
 from .auto import Choice, jacobian
 from .core._tf import keras, tf  # noqa: F401 (jacutil.tf, jacutil.keras for the notebooks)
 from .core.layout import (
@@ -97,5 +109,6 @@ __all__ = [
     # an independent reference
     "finite_difference_jacobian",
     # the package by job (see above)
-    "stages", "rules", "matrix_free", "fitting", "scale", "core", "teaching", "testing",
+    "stages", "rules", "matrix_free", "fitting", "scale", "curvature", "core",
+    "teaching", "testing",
 ]  # fmt: skip

@@ -324,3 +324,10 @@ def test_hutchinson_estimates_are_within_their_errors():
     assert trace.standard_error > 0  # random signs: an estimate, not the trace
     with pytest.raises(ValueError, match="eigsh finds"):
         top_eigenvalues(A, k=30)
+
+
+def test_softmax_without_classes_is_refused_not_degenerate():
+    f = lambda x: x  # noqa: E731 (a callable: no output shape to read)
+    with pytest.raises(ValueError, match="number of classes"):
+        output_loss("softmax_cross_entropy", f)
+    assert output_loss(OutputLoss("softmax_cross_entropy", 3), f).classes == 3

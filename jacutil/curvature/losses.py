@@ -243,6 +243,13 @@ def output_loss(loss, model=None):
             classes = int(shape[-1])
         if loss != "squared_error":
             check_logits(model)
+    if loss == "softmax_cross_entropy" and classes == 1:
+        raise ValueError(
+            "softmax cross-entropy needs the number of classes, the length of the "
+            "output's last axis; this model's is 1 or unknown (a softmax over one "
+            "class is constant). For a yes/no output use \"sigmoid_cross_entropy\"; "
+            "for a callable pass OutputLoss(\"softmax_cross_entropy\", classes=k)."
+        )
     return OutputLoss(loss, classes if loss == "softmax_cross_entropy" else 1)
 
 

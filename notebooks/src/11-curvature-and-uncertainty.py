@@ -1,0 +1,445 @@
+# ---
+# jupyter:
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 11 · Curvature, the NTK and uncertainty from the same pieces
+#
+# **Questions**
+# - What else are per-sample Jacobians for, once a model is fitted?
+# - How do I multiply by the Gauss–Newton matrix, or take its diagonal,
+#   without forming it - or J?
+# - What is the empirical neural tangent kernel, and does training change it?
+# - How do I put error bars on a Keras model's predictions?
+#
+# **Objectives**
+# - Multiply by `G = Σᵢ Jᵢᵀ Hᵢ Jᵢ` with a JVP, the loss's `H` and a VJP,
+#   and prove it equal to the formed `JᵀHJ`.
+# - Compare G's exact diagonal and its KFAC approximation with the exact G
+#   on a small network, in a heat map.
+# - Compute the empirical NTK of the question's network before and after
+#   training, and its spectrum.
+# - Fit Laplace posteriors (last layer, diagonal, KFAC), choose their prior
+#   by the marginal likelihood, and plot predictive bands for a regression
+#   and a two-class problem.
+#
+# *Teaching: 30 min · Exercises: 20 min*
+
+# %% [markdown]
+# ## Setup
+
+# %%
+import matplotlib.pyplot as plt
+import numpy as np
+
+import jacutil as ju
+from jacutil import keras
+from jacutil.curvature import diagonal, ggn, hessian, kfac, laplace, ntk, spectra
+from jacutil.curvature.losses import output_loss
+from jacutil.teaching import check
+
+# %% tags=["nbval-ignore-output"]
+print(ju.teaching.notebook.device_summary())
+
+# %% tags=["parameters"]
+n_check = 6  # samples in the proofs against the formed J
+n_heat = 200  # samples of the small classifier in the heat map
+n_ntk = 100  # samples of the question's network in its NTK
+train_epochs = 150  # Adam epochs of the question's network
+n_regression = 60  # samples of the 1-D regression
+n_classes = 200  # samples of the two-class problem
+fit_epochs = 600  # Adam epochs of the two small models fitted for Laplace
+n_probes = 100  # Hutchinson's random sign vectors
+seed = 0
+
+# %% [markdown]
+# ## The pieces, and the loss between them
+#
+# Every tool of this notebook is built from three per-sample pieces: the
+# outputs `fᵢ` (l numbers), the Jacobian `Jᵢ` (l × m), and `Hᵢ`, the
+# Hessian of sample i's loss with respect to its outputs (l × l). For the
+# squared error `½‖f − y‖²`, `H = I`; for softmax cross-entropy on logits,
+# `H = diag(p) − p pᵀ` with `p = softmax(f)`. The Gauss–Newton matrix of
+# the summed loss is
+#
+# `G = Σᵢ Jᵢᵀ Hᵢ Jᵢ`  (m × m),
+#
+# the curvature that Gauss–Newton steps (notebook 05), natural gradient
+# (for these losses G equals the Fisher) and the Laplace approximation
+# below use. A cross-entropy's curvature is taken at the *logits*, so the
+# model must end without a softmax: `output_loss` refuses one that does,
+# with that advice.
+
+# %%
+keras.utils.set_random_seed(seed)
+small = keras.Sequential([
+    keras.Input((4,), dtype="float64"),
+    keras.layers.Dense(6, activation="tanh", dtype="float64"),
+    keras.layers.Dense(3, dtype="float64"),  # logits of 3 classes
+])
+rng = np.random.default_rng(seed)
+x_check = rng.standard_normal((n_check, 4))
+loss = output_loss("softmax_cross_entropy", small)
+f = np.asarray(small(x_check))
+H = loss.hessian(f)
+print(f"m = {ju.flat_params(small).size} parameters, l = {f.shape[1]} logits")
+print("H of sample 0 (diag(p) - p p.T), rows sum to zero:")
+print(np.round(H[0], 3))
+
+# %% [markdown]
+# ## G without J
+#
+# `ggn_operator` multiplies by G with one forward pass that carries the
+# tangent `J v` (forward mode, notebook 09), `H` applied to it at the
+# outputs, and one backward pass started from `H J v`. This is the code:
+
+# %%
+ju.teaching.notebook.show_source(ju.curvature.compiled.CurvatureProducts.ggn_chunk)
+
+# %% [markdown]
+# Proved against `Σᵢ Jᵢᵀ Hᵢ Jᵢ` built from the formed float64 J:
+
+# %%
+J = ju.jacobian(small, x_check)
+G_formed = np.einsum("ikp,ikj,ijq->pq", J, H, J)
+G = ggn.ggn_operator(small, x_check, "softmax_cross_entropy")
+V = rng.standard_normal((G.shape[0], 3))
+np.testing.assert_allclose(G @ V, G_formed @ V, rtol=1e-10, atol=1e-12)
+print(f"G: a LinearOperator {G.shape}; G @ V == (J.T H J) @ V: True")
+
+# %% [markdown]
+# ## The diagonal and KFAC against the exact G
+#
+# Two cheaper approximations of G are common. Its **diagonal** (m numbers)
+# is exact here: the backward pass of the layer rules starts from the
+# columns of a square root `S` of each `H` (`H = S Sᵀ`, one signal per
+# class) instead of the identity, and the blocks are squared and summed
+# over samples. **KFAC** keeps, for each Dense or Conv layer, the
+# Kronecker product of two small matrices: `A`, the covariance of the
+# layer's inputs (with a 1 for the bias), and `B`, that of the signals at
+# its outputs. Both are compared below with the exact G of a small
+# classifier, entry by entry.
+
+# %%
+x_heat = rng.standard_normal((n_heat, 4))
+J_heat = ju.jacobian(small, x_heat)
+H_heat = loss.hessian(np.asarray(small(x_heat)))
+G_exact = np.einsum("ikp,ikj,ijq->pq", J_heat, H_heat, J_heat)
+d, how = diagonal.ggn_diagonal(small, x_heat, "softmax_cross_entropy", explain=True)
+K = kfac.kfac(small, x_heat, "softmax_cross_entropy")
+G_kfac = K.to_dense()
+np.testing.assert_allclose(d, np.diag(G_exact), rtol=1e-10)
+print(f"diagonal: {how}; equal to diag(G): True")
+for factor in K.factors:
+    print(f"KFAC of {factor.name}: A {factor.A.shape}, B {factor.B.shape}")
+
+
+def relative_error(approx):
+    return np.linalg.norm(approx - G_exact) / np.linalg.norm(G_exact)
+
+
+print(f"relative error (Frobenius): diagonal {relative_error(np.diag(d)):.2f}, "
+      f"KFAC {relative_error(G_kfac):.2f}")
+
+# %% tags=["nbval-ignore-output"]
+scale = np.abs(G_exact).max()
+fig, axes = plt.subplots(1, 3, figsize=(10, 3.4))
+for ax, (title, matrix) in zip(axes, [("exact G", G_exact), ("KFAC", G_kfac),
+                                      ("diagonal", np.diag(d))], strict=True):
+    image = ax.imshow(matrix, cmap="RdBu_r", vmin=-scale, vmax=scale)
+    ax.set_title(f"{title}: error {relative_error(matrix):.2f}" if title != "exact G"
+                 else f"{title} ({matrix.shape[0]} x {matrix.shape[0]})")
+    ax.set_xticks([])
+    ax.set_yticks([])
+fig.colorbar(image, ax=axes, shrink=0.8)
+print(f"Finding: G of the 4-6-3 classifier on {n_heat} samples; KFAC keeps each "
+      "layer's block (the two squares on the diagonal) and drops the blocks "
+      "between layers; the diagonal keeps m numbers; relative errors "
+      f"{relative_error(G_kfac):.2f} and {relative_error(np.diag(d)):.2f}")
+
+# %% [markdown]
+# Read the heat map: each layer's block of G (kernel, then bias) is a
+# square on the diagonal. KFAC reproduces its pattern; the diagonal keeps
+# only the middle line. The Laplace section below uses both.
+
+# %% [markdown]
+# ## The Hessian, and spectra from products
+#
+# The Hessian of the loss adds to G the outputs' own second derivatives,
+# weighted by the residuals; it can have negative eigenvalues where G never
+# has. `hessian_operator` multiplies by it with forward mode over the
+# reverse-mode gradient. SciPy's Lanczos (`eigsh`) takes any of these
+# operators as it is, and Hutchinson's estimator gives the trace from
+# products with random ±1 vectors, `E[zᵀ A z] = tr(A)`:
+
+# %%
+y_check = rng.integers(0, 3, n_heat)
+H_op = hessian.hessian_operator(small, x_heat, y_check, "softmax_cross_entropy")
+G_op = ggn.ggn_operator(small, x_heat, "softmax_cross_entropy")
+print("top eigenvalues of G:      ", np.round(spectra.top_eigenvalues(G_op, 4), 3))
+print("top eigenvalues of Hessian:", np.round(spectra.top_eigenvalues(H_op, 4), 3))
+print("numpy on the formed G:     ",
+      np.round(np.linalg.eigvalsh(G_exact)[::-1][:4], 3))
+estimate = spectra.hutchinson_trace(G_op, n_probes=n_probes, seed=seed)
+print(f"trace of G: exact {np.trace(G_exact):.2f}; Hutchinson with {n_probes} "
+      f"probes {estimate.value:.2f} ± {estimate.standard_error:.2f}")
+
+# %% [markdown]
+# ## The empirical NTK, before and after training
+#
+# The empirical neural tangent kernel `Θ(x, x') = J(x) J(x')ᵀ` says how a
+# gradient step on one sample moves the outputs on another: it is G's
+# twin, `J Jᵀ` (n·l × n·l) instead of `Jᵀ J` (m × m), with the same
+# nonzero eigenvalues. `empirical_ntk` builds it in blocks of samples
+# within a memory budget (into memory, or into a resumable `.npy`). Below,
+# the question's network before and after training with Adam:
+
+# %% tags=["nbval-ignore-output"]
+x_ntk, y_ntk = ju.regression_data(n_ntk, seed=seed)
+net = ju.question_mlp(seed=seed)
+before = ntk.empirical_ntk(net, x_ntk)
+
+
+def fit_full_batch(model, x, y, loss, steps):
+    """Adam on the whole batch for ``steps`` steps, as one Keras epoch."""
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
+    data = ju.tf.data.Dataset.from_tensors((x, y)).repeat(steps)
+    return model.fit(data, epochs=1, verbose=0)
+
+
+mse_before = float(np.mean((np.asarray(net(x_ntk)) - y_ntk) ** 2))
+fit_full_batch(net, x_ntk, y_ntk, "mse", train_epochs)
+mse_after = float(np.mean((np.asarray(net(x_ntk)) - y_ntk) ** 2))
+after = ntk.empirical_ntk(net, x_ntk)
+change = np.linalg.norm(after - before) / np.linalg.norm(before)
+print(f"NTK: {before.shape} for n = {n_ntk}, l = 2; training MSE "
+      f"{mse_before:.3f} -> {mse_after:.4f}")
+print(f"relative change of the NTK by training: {change:.2f}")
+print(f"trace: {np.trace(before):.0f} before, {np.trace(after):.0f} after "
+      f"(ntk_trace without the matrix: {ntk.ntk_trace(net, x_ntk):.0f})")
+
+# %% tags=["nbval-ignore-output"]
+eig_before = np.linalg.eigvalsh(before)[::-1]
+eig_after = np.linalg.eigvalsh(after)[::-1]
+fig, ax = plt.subplots(figsize=(6.5, 3.4))
+ax.semilogy(np.clip(eig_before, 1e-8, None), label="at initialization")
+ax.semilogy(np.clip(eig_after, 1e-8, None), label=f"after {train_epochs} epochs")
+ax.set_xlabel("eigenvalue index")
+ax.set_ylabel("eigenvalue of the NTK")
+ax.set_title(f"the question's network, n = {n_ntk}")
+ax.legend()
+fig.tight_layout()
+top = eig_after[0] / eig_before[0]
+regime = ("far from" if change > 0.1 else "close to")
+print(f"Finding: the NTK's eigenvalues, largest first, fall over orders of "
+      f"magnitude; training changed the kernel by {change:.0%} (Frobenius) and "
+      f"its largest eigenvalue by a factor {top:.2f}: {regime} the lazy, "
+      "fixed-kernel regime")
+
+# %% [markdown]
+# A network in the "lazy" regime (very wide, small steps) keeps its NTK
+# nearly fixed during training, and then behaves like a kernel method with
+# it. The figure measures how far this one is from that.
+
+# %% [markdown]
+# ## Error bars for a regression: the Laplace approximation
+#
+# A fitted model's weights θ* are a single guess. The Laplace
+# approximation puts a Gaussian around them whose precision is the loss's
+# curvature plus a prior's, `P = G / σ² + δ I`, and propagates it to the
+# outputs through the linearized model: the predictive variance at a
+# point x* is `J* Σ J*ᵀ` with `Σ = P⁻¹`. Three structures of P, from the
+# pieces above: the **last layer** with its full G, the **diagonal** of G
+# over all weights, and **KFAC** over all weights. The noise σ is the
+# fitted model's residual standard deviation; the prior precision δ is
+# chosen by maximizing the marginal likelihood - no validation set. The
+# data below have a gap in the middle; the bands of the model's own
+# uncertainty (the noise left out) should widen there and outside.
+
+# %% tags=["nbval-ignore-output"]
+rng = np.random.default_rng(seed)
+x_reg = np.concatenate([rng.uniform(-4, -1, n_regression // 2),
+                        rng.uniform(1, 4, n_regression - n_regression // 2)])[:, None]
+noise = 0.1  # the data's noise standard deviation
+y_reg = np.sin(x_reg) + noise * rng.standard_normal(x_reg.shape)
+keras.utils.set_random_seed(seed)
+reg = keras.Sequential([
+    keras.Input((1,), dtype="float64"),
+    keras.layers.Dense(32, activation="tanh", dtype="float64"),
+    keras.layers.Dense(32, activation="tanh", dtype="float64"),
+    keras.layers.Dense(1, dtype="float64"),
+])
+fit_full_batch(reg, x_reg, y_reg, "mse", fit_epochs)
+sigma = float(np.sqrt(np.mean((np.asarray(reg(x_reg)) - y_reg) ** 2)))
+print(f"noise sigma from the residuals: {sigma:.3f} (the data's: {noise})")
+x_grid = np.linspace(-8, 8, 161)[:, None]
+bands = {}
+for structure in laplace.STRUCTURES:
+    post = laplace.laplace(reg, x_reg, y_reg, "squared_error", structure,
+                           sigma_noise=sigma)
+    delta, _ = post.optimize_prior_precision()
+    mean, var = post.predict(x_grid, observation_noise=False)
+    bands[structure] = (mean[:, 0], np.sqrt(var[:, 0, 0]))
+    print(f"{structure:<10} m = {post.n_params:5,}: prior precision {delta:8.3g}, "
+          f"log marginal likelihood {post.log_marginal_likelihood():8.2f}")
+
+# %% tags=["nbval-ignore-output"]
+fig, axes = plt.subplots(1, 3, figsize=(11, 3.3), sharey=True)
+inside = (np.abs(x_grid[:, 0]) > 1) & (np.abs(x_grid[:, 0]) < 4)
+for ax, (structure, (mean, std)) in zip(axes, bands.items(), strict=True):
+    ax.fill_between(x_grid[:, 0], mean - 2 * std, mean + 2 * std, alpha=0.3,
+                    label="± 2 std")
+    ax.plot(x_grid[:, 0], mean, label="prediction")
+    ax.plot(x_reg[:, 0], y_reg[:, 0], "k.", markersize=3, label="data")
+    ax.set_title(structure.replace("_", " "))
+    ax.set_ylim(-4, 4)
+    ax.set_xlabel("x")
+axes[0].legend(loc="lower left", fontsize=8)
+fig.tight_layout()
+ratios = {s: std[~inside].mean() / std[inside].mean() for s, (_, std) in bands.items()}
+print("Finding: predictive mean ± 2 standard deviations of the model's "
+      "uncertainty; the average std away from the data over that on it: "
+      + ", ".join(f"{s} {r:.1f}x" for s, r in ratios.items()))
+
+# %% [markdown]
+# Read the bands and the Finding: how much each widens away from the data
+# depends on the structure. The diagonal drops every correlation between
+# weights, and its bands are known to come out too even; the last layer
+# sees only what the last layer can change; KFAC keeps each layer's
+# correlations.
+
+# %% [markdown]
+# ## Two classes: confidence where there are no data
+#
+# For a classification, `predict` turns the Gaussian over the logits into
+# probabilities by the probit approximation, `sigmoid(f / √(1 + π/8 var))`:
+# a large variance pulls the probability towards ½. A network fitted to
+# two clusters is confident everywhere - also far from both; the Laplace
+# predictive is not.
+
+# %% tags=["nbval-ignore-output"]
+rng = np.random.default_rng(seed)
+labels = rng.integers(0, 2, n_classes)
+x_two = rng.standard_normal((n_classes, 2)) * 0.7 + np.where(labels[:, None], 1.5, -1.5)
+keras.utils.set_random_seed(seed)
+clf = keras.Sequential([
+    keras.Input((2,), dtype="float64"),
+    keras.layers.Dense(16, activation="tanh", dtype="float64"),
+    keras.layers.Dense(16, activation="tanh", dtype="float64"),
+    keras.layers.Dense(1, dtype="float64"),  # the logit
+])
+fit_full_batch(clf, x_two, labels[:, None].astype("float64"),
+               keras.losses.BinaryCrossentropy(from_logits=True), fit_epochs // 2)
+post = laplace.laplace(clf, x_two, labels[:, None], "sigmoid_cross_entropy", "last_layer")
+delta, _ = post.optimize_prior_precision()
+g = np.linspace(-6, 6, 61)
+grid = np.stack(np.meshgrid(g, g), -1).reshape(-1, 2)
+p_map = 1 / (1 + np.exp(-np.asarray(clf(grid))[:, 0]))
+p_laplace = post.predict(grid)[:, 0]
+print(f"last-layer Laplace: prior precision {delta:.3g}")
+
+# %% tags=["nbval-ignore-output"]
+fig, axes = plt.subplots(1, 2, figsize=(9, 3.8), sharey=True)
+for ax, (title, p) in zip(axes, [("the fitted network", p_map),
+                                 ("last-layer Laplace", p_laplace)], strict=True):
+    confidence = np.maximum(p, 1 - p).reshape(len(g), len(g))
+    image = ax.contourf(g, g, confidence, levels=np.linspace(0.5, 1, 11), cmap="viridis")
+    ax.scatter(*x_two.T, c=labels, cmap="coolwarm", s=6, edgecolors="none")
+    ax.set_title(title)
+    ax.set_xlabel("x₁")
+axes[0].set_ylabel("x₂")
+fig.colorbar(image, ax=axes, label="confidence max(p, 1 - p)")
+corner = np.abs(grid).max(axis=1) > 5
+print("Finding: confidence of the predicted class; far from the data "
+      f"(|x| > 5) the fitted network averages {np.maximum(p_map, 1 - p_map)[corner].mean():.2f}, "
+      f"the Laplace predictive {np.maximum(p_laplace, 1 - p_laplace)[corner].mean():.2f}")
+
+# %% [markdown]
+# ## What each costs
+#
+# Each tool keeps a different amount, and each costs passes over the data.
+# Measured on the regression model above (m parameters, n samples), each
+# call timed after a first one that compiles:
+
+# %% tags=["nbval-ignore-output"]
+m_reg = ju.flat_params(reg).size
+v_reg = np.ones(m_reg)
+G_reg = ggn.ggn_operator(reg, x_reg)
+rows = [
+    ("G @ v (JVP, H, VJP)", lambda: G_reg @ v_reg, m_reg),
+    ("diagonal of G", lambda: diagonal.ggn_diagonal(reg, x_reg), m_reg),
+    ("KFAC factors", lambda: kfac.kfac(reg, x_reg),
+     sum(f.A.size + f.B.size for f in kfac.kfac(reg, x_reg).factors)),
+    ("formed G = J.T J", lambda: np.einsum("ikp,ikq->pq", *[ju.jacobian(reg, x_reg)] * 2),
+     m_reg**2),
+    ("NTK J J.T", lambda: ntk.empirical_ntk(reg, x_reg), n_regression**2),
+]
+print(f"m = {m_reg:,}, n = {n_regression}")
+print(f"{'what':<22}{'ms':>9}{'numbers kept':>15}")
+for name, call, kept in rows:
+    seconds = ju.time_call(call, repeats=3).median
+    print(f"{name:<22}{1e3 * seconds:9.2f}{kept:15,}")
+
+# %% [markdown]
+# G itself grows as m²; its diagonal as m; KFAC as the squares of the
+# layers' widths. The NTK grows as n², so it is the one to keep when there
+# are fewer samples than parameters.
+
+# %% [markdown]
+# ## Exercises
+#
+# Each exercise ends with a check: put your answer in `answer` and run the
+# check's cell. It says "correct", or gives a hint (never the answer).
+#
+# **1.** The trace of G is the sum of its diagonal. Compute the trace of G
+# of `small` on `x_heat` for softmax cross-entropy with `ggn_diagonal`
+# (one number), and compare it with Hutchinson's estimate above: how many
+# standard errors apart are they?
+
+# %% tags=["solution", "nbval-ignore-output"] jupyter={"source_hidden": true}
+# Solution: the diagonal is exact, so its sum is the trace; Hutchinson's
+# estimate is within a few standard errors of it.
+answer = diagonal.ggn_diagonal(small, x_heat, "softmax_cross_entropy").sum()
+print(f"trace {answer:.3f}; Hutchinson {estimate.value:.3f}: "
+      f"{abs(answer - estimate.value) / estimate.standard_error:.1f} standard errors")
+
+# %%
+check.exercise("11-1", answer, model=small, x=x_heat)
+
+# %% [markdown]
+# **2.** One entry block of the NTK by hand: with `ju.jacobian`, compute
+# `Θ(x_a, x_b) = J(x_a) J(x_b)ᵀ` (an l × l array) for the first two samples
+# of `x_ntk` on the trained `net`, and compare it with the block of
+# `after` at rows 0-1 and columns 2-3.
+
+# %% tags=["solution", "nbval-ignore-output"] jupyter={"source_hidden": true}
+# Solution: rows i*l + k of the NTK are sample i, output k, so sample 0
+# is rows 0-1 and sample 1 columns 2-3.
+J_ab = ju.jacobian(net, x_ntk[:2])
+answer = J_ab[0] @ J_ab[1].T
+print(answer)
+print("block of the NTK:", np.allclose(answer, after[0:2, 2:4], rtol=1e-4))
+
+# %%
+check.exercise("11-2", answer, model=net, x=x_ntk)
+
+# %% [markdown]
+# ## Keypoints
+#
+# - G = Σᵢ Jᵢᵀ Hᵢ Jᵢ: `ggn_operator` multiplies by it with a JVP, the
+#   loss's H and a VJP - no J; `hessian_operator` by the Hessian, forward
+#   over reverse.
+# - `ggn_diagonal` is G's exact diagonal: the layer rules' backward pass
+#   started from a square root of H. `kfac` keeps two small factors per
+#   Dense or Conv layer and inverts them exactly.
+# - SciPy's `eigsh`, `svds` and Hutchinson's estimator take these operators
+#   as they are: spectra and traces from products.
+# - `empirical_ntk` is `J Jᵀ` in blocks within a memory budget; training
+#   changes it unless the network is in the lazy regime.
+# - `laplace` puts error bars on a Keras model: last layer, diagonal or
+#   KFAC, the prior chosen by the marginal likelihood; the bands widen and
+#   the confidence falls where there are no data.
