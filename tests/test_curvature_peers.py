@@ -268,3 +268,12 @@ def test_a_row_without_its_peer_says_not_available(monkeypatch):
     assert result["peer"] is None and result["jacutil"] is not None
     assert "no_such_library_here not installed" in result["note"]
     assert "not available" in rows.table([result])
+
+
+def test_the_command_line_refuses_bad_options():
+    from jacutil.bench import curvature_rows as rows
+
+    with pytest.raises(SystemExit):
+        rows.main(["--torch-threads", "0"])
+    with pytest.raises(ValueError, match="unknown kinds"):
+        rows.run_all(["hessian"])

@@ -358,12 +358,30 @@ def main(argv=None):
     parser.add_argument("--kinds", nargs="+", choices=sorted(LABELS))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        help="PyTorch's intra-op threads (default: its own choice). On a small "
+        "machine shared with TensorFlow's threads and other work, one thread "
+        "gives the peers steady times; their own choice can vary tenfold",
+    )
     args = parser.parse_args(argv)
+    threads = "its own choice"
+    if args.torch_threads:
+        if args.torch_threads < 1:
+            parser.error(
+                f"--torch-threads must be at least 1; got {args.torch_threads}"
+            )
+        from ..peers.curvature_peers import load_torch
+
+        load_torch().set_num_threads(args.torch_threads)
+        threads = str(args.torch_threads)
     results = run_all(args.kinds, repeats=args.repeats, seed=args.seed)
     m = machine_summary()
     print(
         f"\n{m['date']}, {m['cpu_count']} CPUs, load average {m['load_average']}. "
-        f"Median of {args.repeats} calls after a warm-up call, same weights.\n"
+        f"Median of {args.repeats} calls after a warm-up call, same weights; "
+        f"PyTorch threads: {threads}.\n"
     )
     print(table(results))
     return results

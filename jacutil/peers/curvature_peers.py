@@ -54,9 +54,20 @@ SCALE = {"squared_error": 0.5, "softmax_cross_entropy": 1.0}  # torch's H -> our
 SPIN = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # the user's choice, if set
 
 
-def _torch():
-    """torch, imported on first use (the JAX peers need none of it), with
-    the short OpenMP spin that ``torch_peer.py`` explains."""
+def load_torch():
+    """PyTorch, imported on first use, with a short OpenMP spin.
+
+    The JAX peers need no PyTorch; the others import it through here, so
+    that the spin is shortened (as ``torch_peer.py`` explains) unless the
+    user set ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``. Introduced in
+    ``11-curvature-and-uncertainty``.
+
+    Returns:
+        The ``torch`` module.
+
+    Raises:
+        ImportError: PyTorch is not installed (``make bench-peers`` installs it).
+    """
     if "torch" not in sys.modules and not any(name in os.environ for name in SPIN):
         os.environ["GOMP_SPINCOUNT"] = "10000"  # read once, when libgomp loads
     import torch
@@ -104,7 +115,7 @@ class TorchModule:
         Returns:
             A ``torch.Tensor``.
         """
-        torch = _torch()
+        torch = load_torch()
         t = torch.as_tensor(np.asarray(x), dtype=self.dtype)
         return t.permute(0, 3, 1, 2).contiguous() if self.image else t
 
@@ -117,7 +128,7 @@ class TorchModule:
         Returns:
             A ``torch.Tensor`` (m,).
         """
-        torch = _torch()
+        torch = load_torch()
         return torch.as_tensor(np.asarray(v)[self.index], dtype=self.dtype)
 
     def to_ours(self, t):
@@ -129,7 +140,7 @@ class TorchModule:
         Returns:
             A NumPy array (m,), float64.
         """
-        torch = _torch()
+        torch = load_torch()
         if isinstance(t, (list, tuple)):
             t = torch.cat([b.reshape(-1) for b in t])
         out = np.empty(self.index.size)
@@ -153,7 +164,7 @@ def torch_module(model):
         ValueError: another layer, a branching model, a weight that is not
             trainable, or an unsupported Conv2D option.
     """
-    torch = _torch()
+    torch = load_torch()
     records, theta = describe(model)
     if any(r.inputs for r in records):
         raise ValueError(
@@ -262,7 +273,7 @@ def torch_module(model):
 
 
 def _torch_loss(loss):
-    torch = _torch()
+    torch = load_torch()
     if _check_loss(loss) == "squared_error":
         return torch.nn.MSELoss(reduction="sum")  # |f - y|^2: H = 2 I
     return torch.nn.CrossEntropyLoss(reduction="sum")
@@ -270,7 +281,7 @@ def _torch_loss(loss):
 
 def _targets(loss, f):
     """Arbitrary targets of the right kind: G does not depend on them."""
-    torch = _torch()
+    torch = load_torch()
     if loss == "squared_error":
         return torch.zeros_like(f)
     return torch.zeros(f.shape[0], dtype=torch.long)
@@ -352,7 +363,7 @@ def backpack_kflr(model, loss="squared_error"):
     from backpack import backpack, extend
     from backpack.extensions import KFLR
 
-    torch = _torch()
+    torch = load_torch()
 
     _check_loss(loss)
     rebuilt = torch_module(model)
@@ -398,7 +409,7 @@ def curvlinops_ggn(model, x, loss="squared_error"):
     _check_loss(loss)
     rebuilt = torch_module(model)
     inputs = rebuilt.inputs(x)
-    torch = _torch()
+    torch = load_torch()
     with torch.no_grad():
         targets = _targets(loss, rebuilt.module(inputs))
     operator = GGNLinearOperator(
@@ -451,7 +462,7 @@ def laplace_torch_variance(
             f"structure must be 'last_layer' or 'diagonal'; got {structure!r}."
         )
     rebuilt = torch_module(model)
-    torch = _torch()
+    torch = load_torch()
     data = torch.utils.data.TensorDataset(
         rebuilt.inputs(x), torch.as_tensor(np.asarray(y), dtype=rebuilt.dtype)
     )
