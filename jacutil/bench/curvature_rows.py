@@ -367,7 +367,7 @@ def main(argv=None):
     )
     args = parser.parse_args(argv)
     threads = "its own choice"
-    if args.torch_threads:
+    if args.torch_threads is not None:
         if args.torch_threads < 1:
             parser.error(
                 f"--torch-threads must be at least 1; got {args.torch_threads}"
