@@ -331,3 +331,22 @@ def test_softmax_without_classes_is_refused_not_degenerate():
     with pytest.raises(ValueError, match="number of classes"):
         output_loss("softmax_cross_entropy", f)
     assert output_loss(OutputLoss("softmax_cross_entropy", 3), f).classes == 3
+
+
+def test_kfac_and_the_diagonal_trace_once_per_model():
+    from jacutil.core import cache
+
+    model = classifier()
+    x = np.random.default_rng(17).standard_normal((N, 4))
+    kfac(model, x)
+    ggn_diagonal(model, x)
+    replays = [
+        entry
+        for entries in cache._curvature.values()
+        for entry in entries.values()
+        if hasattr(entry, "trace_count")
+    ]
+    before = sum(r.trace_count for r in replays)
+    np.testing.assert_allclose(kfac(model, x).to_dense(), kfac(model, x).to_dense())
+    ggn_diagonal(model, x)
+    assert sum(r.trace_count for r in replays) == before > 0

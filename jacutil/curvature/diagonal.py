@@ -36,6 +36,7 @@ class DiagonalOfG:
         self.loss = loss
         self._functions = {}
         self.formulation = None
+        self.trace_count = 0
 
     def _signal(self, x):
         """The signals ``S_i.T`` as rows (n, l, l), or None for the identity."""
@@ -49,6 +50,7 @@ class DiagonalOfG:
         if key not in self._functions:
 
             def squares(x):
+                self.trace_count += 1  # Python side effect: once per trace
                 J = plan.tensor(x, self._signal(x))  # (n, l, m): S.T J, not returned
                 return tf.reduce_sum(tf.square(J), axis=[0, 1])
 

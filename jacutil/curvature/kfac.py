@@ -224,6 +224,7 @@ class _Replay:
         self.model, self.layers, self.loss = model, layers, loss
         self._factored = {id(layer) for layer in layers}
         self._functions = {}
+        self.trace_count = 0
 
     def forward(self, x):
         h, inputs, pre = x, [], []
@@ -237,6 +238,7 @@ class _Replay:
         return tf.reshape(h, [-1, int(np.prod(h.shape[1:]))]), inputs, pre
 
     def sums(self, x):
+        self.trace_count += 1  # Python side effect: runs once per trace
         with tf.GradientTape(persistent=True) as tape:
             f, inputs, pre = self.forward(x)
         S = self.loss.sqrt_hessian_tf(tf.stop_gradient(f))
@@ -282,6 +284,7 @@ def kfac(model, x, loss="squared_error", *, chunk_size=256, variables=None):
         ValueError: not a Sequential, an unknown loss, or a cross-entropy on a
             model that ends in a softmax or sigmoid.
     """
+    from ..core.cache import curvature_for
     from .diagonal import ggn_diagonal
 
     loss = output_loss(loss, model)
@@ -299,7 +302,10 @@ def kfac(model, x, loss="squared_error", *, chunk_size=256, variables=None):
     layers = [layer for layer in getattr(model, "layers", []) if factored(layer)]
     _refuse(model, layers)
     x = tf.convert_to_tensor(np.asarray(x), target.dtype)
-    replay = _Replay(model, layers, loss)
+    replay = curvature_for(  # compiled once per model, loss and variables
+        model, variables, ("kfac", loss.name, loss.classes),
+        lambda _: _Replay(model, layers, loss),
+    )  # fmt: skip
     n = int(x.shape[0])
     AA, count, BB = [0.0] * len(layers), [0] * len(layers), [0.0] * len(layers)
     for start in range(0, n, chunk_size):
