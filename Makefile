@@ -94,7 +94,7 @@ site: setup
 # Benchmark peers (make bench-peers) are not part of the lock.
 lock:
 	$(BIN)/python -m pip freeze --exclude-editable \
-		| grep -v -i -E '^(jacutil|jax|jaxlib|torch|sympy|mpmath|networkx|filelock|dp-accounting)==' \
+		| grep -v -i -E '^(jacutil|jax|jaxlib|torch|sympy|mpmath|networkx|filelock|dp-accounting|asdfghjkl|backpack-for-pytorch|curvlinops-for-pytorch|einconv|einops|laplace-torch|lightning-utilities|linear-operator|linear_operator|torchmetrics|unfoldnd)==' \
 		> requirements.lock
 
 # Every path on the question's MLP (n = 100, 1,000, 10,000), the CNN and the LSTM
@@ -111,10 +111,20 @@ bench: setup
 # and their norms (MLP, CNN, LSTM; n = 1,000, 10,000), and the Jacobian of the
 # MLP (n = 100), a residual MLP and a two-head model (n = 2,000), each against
 # jit(vmap(grad/jacrev)) and torch.func on the same weights, with its proof.
+# Then the curvature rows (notebook 11): G's diagonal against BackPACK's
+# DiagGGNExact, G v against curvlinops, the NTK against JAX, a last-layer
+# Laplace predictive against laplace-torch. Those peers go in with --no-deps:
+# their requirements would pull torchvision, whose build does not load beside
+# torch+cpu. PyTorch runs on one thread (its default threads vary tenfold here).
 bench-peers: setup
 	$(BIN)/python -m pip install --quiet -c requirements.lock jax "torch==2.13.0" \
 		--extra-index-url https://download.pytorch.org/whl/cpu
+	$(BIN)/python -m pip install --quiet --no-deps backpack-for-pytorch==1.7.1 \
+		curvlinops-for-pytorch==3.0.1 laplace-torch==0.3 einops==0.8.2 unfoldNd==0.2.3 \
+		einconv==0.1.0 asdfghjkl==0.1a4 torchmetrics==1.9.0 lightning-utilities==0.15.3 \
+		linear_operator==0.6.1
 	$(BIN)/python -m jacutil.bench --model mlp cnn lstm --peer-rows $(BENCH_ARGS)
+	$(BIN)/python -m jacutil.bench.curvature_rows --torch-threads 1
 
 clean:
 	rm -rf build .pytest_cache .hypothesis

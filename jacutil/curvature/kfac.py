@@ -6,7 +6,7 @@ A Dense layer's per-sample gradient for signal c is the outer product
 d_in + 1) and the signal at its pre-activation output (``delta_c``, d_out),
 the backward pass started from column c of ``S_i`` (``H_i = S_i S_i.T``).
 G's block for the layer, ``sum_i sum_c (a_bar a_bar.T) (x) (delta delta.T)``,
-is approximated by a Kronecker product of two small matrices:
+is approximated by a Kronecker product of two small matrices::
 
     A = (1 / (n R)) sum a_bar a_bar.T      (d_in + 1) x (d_in + 1)
     B = sum delta delta.T                   d_out x d_out

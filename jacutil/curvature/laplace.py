@@ -3,7 +3,7 @@
 
 A trained model's weights ``theta*`` are the MAP estimate. The Laplace
 approximation puts a Gaussian around them, ``N(theta*, Sigma)``, whose
-precision is the curvature of the loss plus the prior's:
+precision is the curvature of the loss plus the prior's::
 
     P = G / sigma^2 + delta * I,        Sigma = P^-1,
 
@@ -26,7 +26,7 @@ the outputs: mean f(x*), covariance ``J* Sigma J*.T`` (l x l). For a
 classification the probit approximation turns it into probabilities,
 ``softmax(f / sqrt(1 + pi/8 diag(var)))``, or Monte Carlo samples do.
 
-The log marginal likelihood is laplace-torch's:
+The log marginal likelihood is laplace-torch's::
 
     log p(y | theta*) - 0.5 * (log det P - log det P0) - 0.5 * delta |theta*|^2
 
