@@ -11,6 +11,9 @@ float64, and checks each public entry against ``tape_jacobian`` /
 * ``forward_jacobian`` (all columns in one pass, or several), ``jvp``
   (forward or double-backward mode, whole or in chunks), ``vjp`` and
   ``jacobian_operator`` (``matvec``, ``rmatvec``, ``matmat``);
+* ``ggn_diagonal``, ``ggn_operator`` and ``empirical_ntk`` (notebook 11)
+  with the squared error, against ``J``'s sums of squares, ``J.T J v`` and
+  ``J J.T``;
 * ``per_sample_gradients`` and ``per_sample_gradient_norms`` with mean
   squared error, (sparse) categorical and binary cross-entropy under a
   matching last activation, and cross-entropy from logits.
@@ -221,6 +224,36 @@ def check_reverse(case):
         got = run(entry, call, known)
         if got is not None:
             assert_close(entry, got, J, case.dtype, scale, ns["variables"])
+    check_curvature(case, ns, J)
+
+
+def check_curvature(case, ns, J):
+    """G's diagonal, G v and the NTK (squared error: H = I) against the
+    tape's J: ``sum J^2`` over rows, ``J.T (J v)`` and ``J J.T``."""
+    from jacutil.curvature import diagonal, ggn, ntk
+
+    model, x, options, known = ns["model"], ns["x"], ns["options"], ns["known"]
+    rows = J.reshape(-1, J.shape[-1]).astype(np.float64)
+    v = np.random.default_rng(0).standard_normal(rows.shape[1])
+    entries = {
+        "ggn_diagonal": (
+            lambda: diagonal.ggn_diagonal(model, x, **options),
+            np.einsum("rp,rp->p", rows, rows),
+        ),
+        "ggn_operator": (
+            lambda: ggn.ggn_operator(model, x, **options) @ v,
+            rows.T @ (rows @ v),
+        ),
+        "empirical_ntk": (
+            lambda: ntk.empirical_ntk(model, x, **options),
+            rows @ rows.T,
+        ),
+    }
+    for entry, (call, expected) in entries.items():
+        got = run(entry, call, known)
+        if got is not None:
+            scale = np.abs(expected).max(initial=0)
+            assert_close(entry, got, expected, case.dtype, scale)
 
 
 @budget("reverse")

@@ -6,8 +6,11 @@
 backward pass starts from, instead of the identity rows that give J. On the
 layer rules (``jacutil.rules``) the backward pass runs once per chunk with
 the l signals of every sample, and each layer's blocks are squared and summed
-over samples and signals at once - the (n, l, m) Jacobian of a chunk is
-never handed back. Where the rules do not apply, each chunk's per-sample J
+over samples and signals inside it (``Rule.backward_squares``) - the
+(n, l, m) Jacobian of a chunk is never formed whole. A Dense layer on flat
+inputs forms no block at all: its kernel's entry (j, k) is
+``sum_i a_ij^2 sum_c delta_ick^2``, one product of the squared inputs with
+the squared signals, as BackPACK's ``DiagGGNExact`` does for ``nn.Linear``. Where the rules do not apply, each chunk's per-sample J
 is formed by the compiled stage and contracted with ``S``: the same numbers.
 Both run in chunks sized by the memory budget.
 """
@@ -51,8 +54,7 @@ class DiagonalOfG:
 
             def squares(x):
                 self.trace_count += 1  # Python side effect: once per trace
-                J = plan.tensor(x, self._signal(x))  # (n, l, m): S.T J, not returned
-                return tf.reduce_sum(tf.square(J), axis=[0, 1])
+                return plan.squared_columns(x, self._signal(x))
 
             self._functions[key] = quiet_function(
                 squares, input_signature=[signature(x)], autograph=plan.user_code

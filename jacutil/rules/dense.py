@@ -15,7 +15,7 @@ from .blocks import (
     positions_of,
     sum_norms,
 )
-from .registry import NoRule, Rule, register
+from .registry import Blocks, LogitsSignal, NoRule, Rule, register
 
 
 @register(keras.layers.Dense)
@@ -86,6 +86,25 @@ class DenseRule(Rule):
         if with_bias:
             squared += sum_norms(delta)
         return squared, (self._below(a, delta) if need_signal else None)
+
+    def _backward_squares(self, saved, delta, wanted, need_signal):
+        """G's diagonal without the blocks, for a flat input: the kernel's
+        entry (j, k) sums ``a_ij^2 delta_irk^2`` over samples i and signals r,
+        so it is ``(a^2).T @ sum_r delta^2`` - one product (BackPACK's
+        ``DiagGGN`` of ``nn.Linear`` does the same)."""
+        a, slope = saved
+        if a.shape.rank != 2 or isinstance(delta, LogitsSignal):
+            return super()._backward_squares(saved, delta, wanted, need_signal)
+        delta = self.activation.backward(slope, delta)
+        by_unit = tf.reduce_sum(tf.square(delta), axis=1)  # (n or 1, q)
+        by_unit = tf.broadcast_to(by_unit, [tf.shape(a)[0], by_unit.shape[-1]])
+        squares = Blocks()
+        if self.layer.kernel in wanted:
+            kernel = tf.matmul(tf.square(a), by_unit, transpose_a=True)
+            squares[self.layer.kernel] = tf.reshape(kernel, [-1])
+        if self.bias is not None and self.bias in wanted:
+            squares[self.bias] = tf.reduce_sum(by_unit, axis=0)
+        return squares, (self._below(a, delta) if need_signal else None)
 
     def _below(self, a, delta):
         """``delta @ W.T``, as one 2-D product over every row."""

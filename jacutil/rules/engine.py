@@ -510,6 +510,22 @@ class Plan:
         self._refuse_unchecked(x)
         return rules_squared_norms(self, x, signal)
 
+    def squared_columns(self, x, signal):
+        """:func:`rules_squared_columns` of a batch like one the plan was checked on.
+
+        Args:
+            x: a batch of n samples, of a shape the plan was checked on.
+            signal: as for :func:`rules_tensor`.
+
+        Returns:
+            A tensor of shape (m,).
+
+        Raises:
+            UncheckedPlan: the plan was not checked on inputs of this shape.
+        """
+        self._refuse_unchecked(x)
+        return rules_squared_columns(self, x, signal)
+
     def _refuse_unchecked(self, x):
         if signature_key(x) not in self.checked:
             raise UncheckedPlan(
@@ -676,6 +692,34 @@ def rules_squared_norms(plan, x, signal):
     if not total:
         return tf.zeros([n_samples, n_outputs], dtype)
     return tf.add_n(total)
+
+
+def rules_squared_columns(plan, x, signal):
+    """(m,): the squares of ``J_i.T s_ir`` summed over samples i and signal
+    rows r - G's exact diagonal when the rows are the columns of a square
+    root of each ``H_i`` (notebook 11) - without the blocks where the rules
+    know how (:meth:`Rule.backward_squares`). Use :meth:`Plan.squared_columns`,
+    which refuses unchecked inputs.
+
+    Args:
+        plan: a :class:`Plan`.
+        x: a batch of n samples, as for :func:`rules_tensor`.
+        signal: None (the identity), a function from the output to the
+            signal, or :class:`OutputRows`, as for :func:`rules_tensor`.
+
+    Returns:
+        A tensor of shape (m,).
+    """
+    squares = Blocks()
+
+    def add(step, saved, delta, wanted, need_signal):
+        found, below = step.backward_squares(saved, delta, wanted, need_signal)
+        squares.update(found)
+        return below
+
+    _, _, dtype = _walk_backward(plan, x, signal, add)
+    shaped = Blocks((key, column[None, None]) for key, column in squares.items())
+    return tf.reshape(place_blocks(shaped, plan.variables, 1, 1, dtype), [-1])
 
 
 def _walk_backward(plan, x, signal, visit):

@@ -386,6 +386,38 @@ class Rule(abc.ABC):
             )
         return squared, self._checked_below(below, signal, need_signal)
 
+    @final
+    def backward_squares(self, saved, delta, wanted, need_signal) -> tuple[Blocks, Any]:
+        """Each block's squares summed over samples and signal rows, and the
+        signal below - without the blocks where the rule knows how.
+
+        With the columns of a square root of each sample's loss Hessian as
+        the signal, the sums are the exact diagonal of the Gauss-Newton
+        matrix (``jacutil.curvature.diagonal``, notebook 11).
+
+        Args:
+            saved, delta, wanted, need_signal: as for :meth:`backward`.
+
+        Returns:
+            ``(squares, below)``: :class:`Blocks` keyed as :meth:`backward`'s,
+            each of shape (size,), and the signal below.
+        """
+        wanted = Wanted.of(wanted)
+        squares, below = self._backward_squares(saved, delta, wanted, need_signal)
+        signal = delta.delta if isinstance(delta, LogitsSignal) else delta
+        return Blocks.of(squares), self._checked_below(below, signal, need_signal)
+
+    def _backward_squares(self, saved, delta, wanted, need_signal):
+        """``(squares, below)`` as :meth:`backward_squares` returns them; by
+        default from the blocks. A rule that knows a cheaper way (a Dense
+        kernel's ``sum_i a_i^2 (x) sum_r delta_ir^2``) overrides it."""
+        blocks, below = self.backward(saved, delta, wanted, need_signal)
+        squares = Blocks(
+            (key, tf.reduce_sum(tf.square(block), axis=[0, 1]))
+            for key, block in blocks.items()
+        )
+        return squares, below
+
     def _backward_norms(self, saved, delta, wanted, need_signal):
         """``(squared, below)`` as :meth:`backward_norms` returns them (None for
         no wanted variable). By default from the blocks: a rule that knows a
