@@ -210,7 +210,7 @@ def fit_full_batch(model, x, y, loss, steps):
     """Adam on the whole batch for ``steps`` steps, as one Keras epoch."""
     model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
     data = ju.tf.data.Dataset.from_tensors((x, y)).repeat(steps)
-    return model.fit(data, epochs=1, verbose=0)
+    return model.fit(data, epochs=1, shuffle=False, verbose=0)
 
 
 mse_before = float(np.mean((np.asarray(net(x_ntk)) - y_ntk) ** 2))
