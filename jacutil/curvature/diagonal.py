@@ -10,9 +10,10 @@ over samples and signals inside it (``Rule.backward_squares``) - the
 (n, l, m) Jacobian of a chunk is never formed whole. A Dense layer on flat
 inputs forms no block at all: its kernel's entry (j, k) is
 ``sum_i a_ij^2 sum_c delta_ick^2``, one product of the squared inputs with
-the squared signals, as BackPACK's ``DiagGGNExact`` does for ``nn.Linear``. Where the rules do not apply, each chunk's per-sample J
-is formed by the compiled stage and contracted with ``S``: the same numbers.
-Both run in chunks sized by the memory budget.
+the squared signals, as BackPACK's ``DiagGGNExact`` does for ``nn.Linear``.
+Where the rules do not apply, each chunk's per-sample J is formed by the
+compiled stage and contracted with ``S``: the same numbers. Both run in
+chunks sized by the memory budget.
 """
 
 import numpy as np
@@ -114,6 +115,7 @@ def ggn_diagonal(
     """
     from ..auto import memory_budget_for
     from ..core.cache import compiled_for, curvature_for
+    from ..core.outputs import output_layout
     from ..core.target import variable_list
     from ..stages.chunked import bytes_per_sample
 
@@ -129,8 +131,7 @@ def ggn_diagonal(
         ("diagonal", loss.name, loss.classes),
         lambda _: DiagonalOfG(jac, loss),
     )
-    first = take(batch, 0, 1)
-    n_outputs = int(target.forward(first).shape[1])
+    n_outputs = output_layout(target, batch).n_outputs  # known after the first call
     per_sample = bytes_per_sample(
         n_outputs,
         target.n_params,
