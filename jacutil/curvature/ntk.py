@@ -33,6 +33,7 @@ from ..core.outputs import output_layout
 from ..core.target import variable_list
 from ..scale.resume import (
     ResumeMismatch,
+    check_out,
     fingerprint,
     open_rows,
     write_rows,
@@ -163,23 +164,6 @@ def _check_chunk_size(chunk_size):
     return int(chunk_size)
 
 
-def _check_out(out, shape, dtype):
-    if not isinstance(out, np.ndarray):
-        raise TypeError(
-            "out must be None, a NumPy array, an np.memmap or the path of a .npy "
-            f"file; got {type(out).__name__}."
-        )
-    if out.shape != shape or out.dtype != dtype:
-        raise ValueError(
-            f"out has shape {out.shape} and dtype {out.dtype}; this Theta needs "
-            f"shape {shape} (n * l rows, n2 * l columns, sample-major) and dtype "
-            f"{dtype} (the model's). Make it with np.empty({shape}, '{dtype}') or "
-            f"np.lib.format.open_memmap(path, mode='w+', dtype='{dtype}', "
-            f"shape={shape})."
-        )
-    return out
-
-
 class _Chunks:
     """The J rows of the chunks of one batch, the first ``keep`` of them kept."""
 
@@ -300,7 +284,10 @@ def empirical_ntk(
     if out is None:
         out = np.empty(shape, setup.dtype)
     else:
-        out = _check_out(out, shape, setup.dtype)
+        out = check_out(
+            out, shape, setup.dtype, what="Theta",
+            layout=" (n * l rows, n2 * l columns, sample-major)",
+        )  # fmt: skip
     c = plan.chunk_size
     columns = _Chunks(setup, batch2, c, plan.keep, budget)
     for i in tqdm(range(ceil_div(setup.n, c)), disable=not progress, unit="block-row"):

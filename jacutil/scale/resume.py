@@ -225,13 +225,15 @@ def writer_lock(path):
         os.close(descriptor)
 
 
-def check_out(out, shape, dtype):
+def check_out(out, shape, dtype, what="Jacobian", layout=""):
     """``out`` as given, if it is an array that can hold this Jacobian.
 
     Args:
         out: what the caller passed as ``out=``.
         shape: the Jacobian's shape, (n, l, m).
         dtype: its dtype.
+        what: what ``out`` holds, in the message (the NTK's ``"Theta"``).
+        layout: words on the shape after it, e.g. ``" (sample-major)"``.
 
     Returns:
         ``out`` itself; a TypeError or ValueError that says how to make one
@@ -244,8 +246,9 @@ def check_out(out, shape, dtype):
         )
     if out.shape != shape or out.dtype != dtype:
         raise ValueError(
-            f"out has shape {out.shape} and dtype {out.dtype}; this Jacobian needs "
-            f"shape {shape} and dtype {dtype}. Make it with np.empty{(shape)} or "
+            f"out has shape {out.shape} and dtype {out.dtype}; this {what} needs "
+            f"shape {shape}{layout} and dtype {dtype}. Make it with "
+            f"np.empty({shape}, '{dtype}') or "
             f"np.lib.format.open_memmap(path, mode='w+', dtype='{dtype}', "
             f"shape={shape})."
         )
