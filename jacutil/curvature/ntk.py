@@ -26,21 +26,20 @@ from tqdm.auto import tqdm
 
 from ..auto import jacobian, memory_budget_for
 from ..core._shared import ceil_div, is_path
-from ..core._tf import tf
+from ..core._tf import keras, tf
 from ..core.batch import as_batch, n_samples, take
 from ..core.cache import compiled_for
 from ..core.outputs import output_layout
 from ..core.target import variable_list
 from ..scale.resume import (
     ResumeMismatch,
-    check_key,
     check_out,
     fingerprint,
     open_rows,
     write_rows,
     writer_lock,
 )
-from ..stages.chunked import bytes_per_sample, check_chunk_size
+from ..stages.chunked import bytes_per_sample
 
 
 class _Setup:
@@ -152,6 +151,19 @@ class _Plan:
             self.keep = min(n_chunks2, max(0, budget - used) // chunk_bytes)
 
 
+def _check_chunk_size(chunk_size):
+    if chunk_size is None:
+        return None
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)):
+        raise TypeError(f"chunk_size must be a whole number; got {chunk_size!r}.")
+    if chunk_size <= 0:
+        raise ValueError(
+            f"chunk_size must be at least 1 sample; got {chunk_size}. Leave it "
+            "out to choose it from memory_budget."
+        )
+    return int(chunk_size)
+
+
 class _Chunks:
     """The J rows of the chunks of one batch, the first ``keep`` of them kept."""
 
@@ -245,7 +257,7 @@ def empirical_ntk(
         jacutil.scale.resume.FileBusy: another run is writing that file.
     """
     setup = _Setup(model, x, variables)
-    chunk_size = None if chunk_size is None else check_chunk_size(chunk_size)
+    chunk_size = _check_chunk_size(chunk_size)
     symmetric = x2 is None or x2 is x
     batch2 = setup.batch
     if not symmetric:
@@ -327,7 +339,16 @@ def _product(A, B, dest):
 
 def _record(setup, batch2, symmetric, key):
     """What identifies a resumable Theta: model, weights, variables, x, x2."""
-    check_key(setup.model, key)
+    if key is None and not isinstance(setup.model, keras.Layer):
+        raise TypeError(
+            "a resumable run (out=path) of a plain function needs key=: a name "
+            "you choose for what the function computes, such as key='tanh-v1'. "
+            "jacutil fingerprints a Keras model's layers and weights, but cannot "
+            "see inside a function. Give each function its own key, or pass a "
+            "Keras model."
+        )
+    if key is not None and not isinstance(key, str):
+        raise TypeError(f"key= must be a string; got {type(key).__name__}.")
     inputs = [setup.batch] if symmetric else [setup.batch, batch2]
     digest = fingerprint(
         setup.model, setup.target.variables, inputs, what="empirical_ntk",

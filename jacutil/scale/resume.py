@@ -121,32 +121,6 @@ def fingerprint(model, variables, x, **options):
     return digest.hexdigest()
 
 
-def check_key(model, key):
-    """Refuse a resumable run of a plain function without ``key=`` (or a key
-    that is not a string): a fingerprint sees a Keras model's layers and
-    weights, never inside a function.
-
-    Args:
-        model: a Keras model or a plain function.
-        key: the caller's ``key=``.
-
-    Raises:
-        TypeError: a plain function without a string key.
-    """
-    if key is None and not isinstance(model, keras.Layer):
-        raise TypeError(
-            "a resumable run (out=path) of a plain function needs key=: a name "
-            "you choose for what the function computes, such as key='tanh-v1'. "
-            "jacutil fingerprints a Keras model's layers and weights, but "
-            "cannot see inside a function, so without key= a file started by "
-            "another function of the same variables would be resumed as this "
-            "one's. Give each function its own key (a new one when you change "
-            "it), or pass a Keras model."
-        )
-    if key is not None and not isinstance(key, str):
-        raise TypeError(f"key= must be a string; got {type(key).__name__}.")
-
-
 def run_record(jac, model, x, key=None):
     """What identifies a resumable run: the fingerprint of the model, the
     variables differentiated, ``x`` and the options
@@ -162,7 +136,18 @@ def run_record(jac, model, x, key=None):
     Returns:
         A dict ``{"fingerprint": ..., "key": key}`` for the ledger.
     """
-    check_key(model, key)
+    if key is None and not isinstance(model, keras.Layer):
+        raise TypeError(
+            "a resumable run (out=path) of a plain function needs key=: a name "
+            "you choose for what the function computes, such as key='tanh-v1'. "
+            "jacutil fingerprints a Keras model's layers and weights, but "
+            "cannot see inside a function, so without key= a file started by "
+            "another function of the same variables would be resumed as this "
+            "one's. Give each function its own key (a new one when you change "
+            "it), or pass a Keras model."
+        )
+    if key is not None and not isinstance(key, str):
+        raise TypeError(f"key= must be a string; got {type(key).__name__}.")
     options = {"method": jac.method, "jit_compile": jac.jit_compile}
     options["training"] = jac.target.training
     digest = fingerprint(model, jac.target.variables, x, **options)

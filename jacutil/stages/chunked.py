@@ -91,9 +91,7 @@ def chunk_size_for(
     return max(1, int((-b + np.sqrt(b * b + 4 * a * memory_budget)) / (2 * a)))
 
 
-def check_chunk_size(chunk_size):
-    """``chunk_size`` as an int of at least 1, or a clear TypeError or
-    ValueError (also for the NTK's chunks, notebook 11)."""
+def _check_chunk_size(chunk_size):
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)):
         raise TypeError(f"chunk_size must be a whole number; got {chunk_size!r}.")
     if chunk_size <= 0:
@@ -175,7 +173,7 @@ def chunked_jacobian(
         )
     explicit = chunk_size is not None
     if explicit:
-        chunk_size = check_chunk_size(chunk_size)
+        chunk_size = _check_chunk_size(chunk_size)
 
     x = as_batch(x, target)
     n_rows = int(n_samples(x))
