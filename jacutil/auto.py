@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass, field
 
 from .core._shared import ceil_div
+from .core.arguments import check_memory_budget
 from .core.batch import as_batch, n_samples
 from .core.cache import compiled_for, forward_for
 from .core.formulation import ForwardModeBlindSpot
@@ -109,7 +110,7 @@ def memory_budget_for(memory_budget, working, look=False):
         ValueError: the budget is not positive.
     """
     if memory_budget is not None:
-        budget = int(memory_budget)
+        budget = check_memory_budget(memory_budget)
     elif working <= SMALL_BYTES and not look:
         budget = SMALL_BYTES  # fits, whatever is free: no need to look
     else:

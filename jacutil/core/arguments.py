@@ -2,9 +2,10 @@
 (notebook 06-pitfalls).
 
 Each entry that takes a chunk size, a memory budget or data checks them
-here (a list of variables: ``jacutil.core.target.variable_list``), once, so that ``chunk_size=-2`` or NaN in ``y``
-gets the same clear error from ``chunked_jacobian``, ``ggn_operator`` or
-``per_sample_gradients`` - never a silent zero or a raw NumPy message.
+here, once (a list of variables: ``jacutil.core.target.variable_list``), so
+that ``chunk_size=-2`` or NaN in ``y`` gets the same clear error from
+``chunked_jacobian``, ``ggn_operator`` or ``per_sample_gradients`` - never a
+silent zero or a raw NumPy message.
 """
 
 import math

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from ..auto import jacobian, memory_budget_for
 from ..core._shared import ceil_div, is_path
 from ..core._tf import keras, tf
+from ..core.arguments import check_chunk_size
 from ..core.batch import as_batch, n_samples, take
 from ..core.cache import compiled_for
 from ..core.outputs import output_layout
@@ -151,19 +152,6 @@ class _Plan:
             self.keep = min(n_chunks2, max(0, budget - used) // chunk_bytes)
 
 
-def _check_chunk_size(chunk_size):
-    if chunk_size is None:
-        return None
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)):
-        raise TypeError(f"chunk_size must be a whole number; got {chunk_size!r}.")
-    if chunk_size <= 0:
-        raise ValueError(
-            f"chunk_size must be at least 1 sample; got {chunk_size}. Leave it "
-            "out to choose it from memory_budget."
-        )
-    return int(chunk_size)
-
-
 class _Chunks:
     """The J rows of the chunks of one batch, the first ``keep`` of them kept."""
 
@@ -257,7 +245,7 @@ def empirical_ntk(
         jacutil.scale.resume.FileBusy: another run is writing that file.
     """
     setup = _Setup(model, x, variables)
-    chunk_size = _check_chunk_size(chunk_size)
+    chunk_size = check_chunk_size(chunk_size)
     symmetric = x2 is None or x2 is x
     batch2 = setup.batch
     if not symmetric:

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from ..core._shared import ceil_div, joined_gradients, sizes_of
 from ..core._tf import tf
+from ..core.arguments import refuse_non_finite
 from ..core.batch import as_batch, n_samples, pad_with_last, signature, take
 from ..core.formulation import (
     PFOR_ERRORS,
@@ -82,28 +83,45 @@ def _logits_of(prediction):
 
 def _signal(loss_fn, y):
     """``prediction -> dL_i / d prediction_i``, shaped (n, 1, *output); or,
-    when the loss reads the logits, ``dL_i / d logits_i`` as a LogitsSignal."""
+    when the loss reads the logits, ``dL_i / d logits_i`` as a LogitsSignal.
+
+    A loss may read both the probabilities and Keras's cached logits (a focal
+    loss weights the cross-entropy of the logits by the probabilities): then
+    the signal at the probabilities is carried down to the logits too, so
+    that the signal at the logits holds every path the loss reads.
+    """
 
     def signal(prediction):
         logits = _logits_of(prediction)
+        watched = [prediction] if logits is None else [prediction, logits]
         with tf.GradientTape() as tape:
-            tape.watch(prediction)
-            if logits is not None:
-                tape.watch(logits)
+            tape.watch(watched)
             losses = _losses(loss_fn, y, prediction, None)
-        at_output, at_logits = tape.gradient(
-            losses, [prediction, prediction if logits is None else logits]
-        )
-        if at_output is not None:
+        at_output, *at_logits = tape.gradient(losses, watched)
+        at_logits = at_logits[0] if at_logits else None
+        if at_logits is None:
+            if at_output is None:
+                raise JacobianError(
+                    "loss_fn does not depend on the model's output: check that "
+                    "it is called as loss_fn(y_true, y_pred)."
+                )
             return at_output[:, None]
-        if logits is not None and at_logits is not None:
-            return LogitsSignal(at_logits[:, None])
-        raise JacobianError(
-            "loss_fn does not depend on the model's output: check that it is "
-            "called as loss_fn(y_true, y_pred)."
-        )
+        if at_output is not None:  # both paths: the probabilities' too
+            at_logits = at_logits + _down_to_logits(prediction, logits, at_output)
+        return LogitsSignal(at_logits[:, None])
 
     return signal
+
+
+def _down_to_logits(prediction, logits, at_output):
+    """``at_output`` (a signal at the softmax's or sigmoid's output) carried
+    back through the activation to its logits, in the traced graph."""
+    if tf.executing_eagerly():  # no graph to follow: autodiff of the whole model
+        raise LogitsNotOnRules("the loss reads both the output and its logits")
+    (below,) = tf.gradients(prediction, logits, grad_ys=at_output)
+    if below is None:
+        raise LogitsNotOnRules("the output does not depend on its logits")
+    return below
 
 
 def _autodiff_gradients(target, x, y, loss_fn, vectorize=True, xla=False):
@@ -113,11 +131,10 @@ def _autodiff_gradients(target, x, y, loss_fn, vectorize=True, xla=False):
     sizes = sizes_of(target.variables)
 
     def one(row):
-        x_i, y_i = row
-        x_i = tf.nest.map_structure(lambda t: t[None], x_i)
+        x_i, y_i = tf.nest.map_structure(lambda t: t[None], row)
         with tf.GradientTape() as tape:
             tape.watch(tracked)
-            loss = tf.reduce_sum(_losses(loss_fn, y_i[None], target.call(x_i), 1))
+            loss = tf.reduce_sum(_losses(loss_fn, y_i, target.call(x_i), 1))
         grads = tape.gradient(loss, tracked)
         return joined_gradients(grads, sizes, loss.dtype)
 
@@ -213,7 +230,7 @@ class LossGradients:
         """
         rows = int(n_samples(x))
         if rows == 1:  # pfor fails on some graphs with one sample (TF 2.21)
-            x, y = pad_with_last(x, 2), tf.concat([y, y], 0)
+            x, y = pad_with_last(x, 2), pad_with_last(y, 2)
         key = (what, _signature_key(x), _signature_key(y))
         if key not in self._mode:
             self._mode[key] = self._first_mode(x)
@@ -224,6 +241,8 @@ class LossGradients:
                 return result
             except XLA_ERRORS:  # XLA cannot compile it: the graph without XLA
                 self._without_xla.add(key)
+            except LogitsNotOnRules as error:  # not on the rules, with or without XLA
+                self._mode[key] = self._next_mode(self._mode[key], error)
         while True:
             mode = self._mode[key]
             try:
@@ -301,7 +320,7 @@ class LossGradients:
             )
             return tf.norm(G, axis=1) if what == "norms" else G
 
-        specs = [signature(x), tf.TensorSpec([None, *y.shape[1:]], y.dtype)]
+        specs = [signature(x), signature(y)]
         return quiet_function(
             traced,
             input_signature=specs,
@@ -315,13 +334,49 @@ def _signature_key(x):
 
 
 def _targets(y, target, rows):
-    y = tf.convert_to_tensor(np.asarray(y), target.dtype)
-    if y.shape.rank == 0 or y.shape[0] != rows:
-        raise ValueError(
-            f"y has shape {tuple(y.shape)}; it needs one target per sample "
-            f"({rows} rows, like x)."
+    """``y`` as tensors, one row per sample: an array, or a list or dict of
+    arrays (one per head, as ``model.fit`` takes them), given to ``loss_fn``
+    as that structure, in the variables' dtype."""
+
+    def leaf(value, name):
+        try:
+            array = np.asarray(value)
+        except ValueError as error:
+            raise ValueError(
+                f"{name} could not be read as one array ({error}). For a model "
+                "of several outputs pass y as a list (or dict) of arrays, one "
+                "per head, each with one row per sample, as model.fit takes it."
+            ) from None
+        if array.dtype.kind not in "biuf":
+            raise TypeError(f"{name} must hold numbers; its dtype is {array.dtype}.")
+        if array.ndim == 0 or array.shape[0] != rows:
+            raise ValueError(
+                f"{name} has shape {array.shape}; it needs one target per sample "
+                f"({rows} rows, like x)."
+            )
+        return tf.convert_to_tensor(array.astype(np.dtype(target.dtype), copy=False))
+
+    if isinstance(y, (list, tuple, dict)) and not _is_one_array(y):
+        leaves = tf.nest.flatten(y)
+        names = [f"y[{k!r}]" for k in sorted(y)] if isinstance(y, dict) else [
+            f"y[{i}]" for i in range(len(leaves))
+        ]
+        if len(names) != len(leaves):
+            names = [f"y (target {i})" for i in range(len(leaves))]
+        y = tf.nest.pack_sequence_as(
+            y, [leaf(v, name) for v, name in zip(leaves, names, strict=True)]
         )
+    else:
+        y = leaf(y, "y")
+    refuse_non_finite(y, "y")
     return y
+
+
+def _is_one_array(y):
+    """A list of numbers or of equal rows is one array, not several targets."""
+    return isinstance(y, (list, tuple)) and not any(
+        hasattr(e, "shape") and np.ndim(e) > 0 for e in y
+    )
 
 
 def _run(model, loss_fn, x, y, what, options):
@@ -336,6 +391,7 @@ def _run(model, loss_fn, x, y, what, options):
     traces = job.trace_count
     target = job.target
     batch = as_batch(x, target)
+    refuse_non_finite(batch, "x")
     rows = int(n_samples(batch))
     y = _targets(y, target, rows)
     activations = job.jac.activation_elements(batch)
@@ -354,7 +410,7 @@ def _run(model, loss_fn, x, y, what, options):
         starts = range(0, rows, chunk_size)
         for start in tqdm(starts, disable=not options["progress"], unit="chunk"):
             stop = min(start + chunk_size, rows)
-            out[start:stop] = job(take(batch, start, stop), y[start:stop], what)
+            out[start:stop] = job(take(batch, start, stop), take(y, start, stop), what)
     if not options["explain"]:
         return out
     on_rules = job.formulation.startswith("layer rules")

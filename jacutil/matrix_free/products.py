@@ -23,6 +23,7 @@ import numpy as np
 from ..core import cache
 from ..core._shared import joined_gradients, or_zeros, sizes_of
 from ..core._tf import tf
+from ..core.arguments import check_chunk_size
 from ..core.batch import as_batch, n_samples, signature, signature_key, take
 from ..core.formulation import (
     new_ops,
@@ -61,7 +62,7 @@ class Products:
         self.variables = self.target.variables
         self.n_params = self.target.n_params
         self.shapes = [tuple(v.shape) for v in self.variables]
-        self.chunk_size = chunk_size
+        self.chunk_size = check_chunk_size(chunk_size)
         self.trace_count = 0
         self._functions = {}
 
@@ -332,7 +333,15 @@ def jacobian_operator(model, x, **options):
     """
     from scipy.sparse.linalg import LinearOperator
 
-    prods = options.pop("products", None) or products(model, **options)
+    prods = options.pop("products", None)
+    if prods is not None and options:
+        raise TypeError(
+            f"jacobian_operator got products= and {', '.join(sorted(options))}: "
+            "the products already fix the variables, chunk size, mode and "
+            "training. Pass these options to jacutil.matrix_free.products(...) "
+            "when you make the products, or leave products= out."
+        )
+    prods = prods or products(model, **options)
     batch = as_batch(x, prods.target)
     rows = int(n_samples(batch))
     n_outputs = output_layout(prods.target, batch).n_outputs

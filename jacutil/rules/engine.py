@@ -922,7 +922,7 @@ def disagreement(plan, target, x, seed=0):
         with tf.GradientTape() as tape:
             target.watch(tape)
             y = target.forward(take(x, i, i + 1))[0]
-            score = tf.reduce_sum(w[row] * y)
+            score = tf.reduce_sum(tf.cast(w[row], y.dtype) * y)
         grads = tape.gradient(score, sources)
         auto = joined_gradients(grads, sizes_of(target.variables), J.dtype).numpy()
         scale = max(1.0, float(np.abs(auto).max(initial=0)))

@@ -4,6 +4,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ..core._shared import is_path
+from ..core.arguments import check_chunk_size
 from ..core.batch import as_batch, n_samples, take
 from ..core.cache import compiled_for
 from ..core.outputs import output_layout
@@ -91,17 +92,6 @@ def chunk_size_for(
     return max(1, int((-b + np.sqrt(b * b + 4 * a * memory_budget)) / (2 * a)))
 
 
-def _check_chunk_size(chunk_size):
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)):
-        raise TypeError(f"chunk_size must be a whole number; got {chunk_size!r}.")
-    if chunk_size <= 0:
-        raise ValueError(
-            f"chunk_size must be at least 1; got {chunk_size}. Leave it as None "
-            "to choose it from memory_budget."
-        )
-    return int(chunk_size)
-
-
 def chunked_jacobian(
     model,
     x,
@@ -173,7 +163,7 @@ def chunked_jacobian(
         )
     explicit = chunk_size is not None
     if explicit:
-        chunk_size = _check_chunk_size(chunk_size)
+        chunk_size = check_chunk_size(chunk_size)
 
     x = as_batch(x, target)
     n_rows = int(n_samples(x))
