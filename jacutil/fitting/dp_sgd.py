@@ -27,6 +27,7 @@ installs with ``requirements.lock`` by pip's resolver (see
 
 import logging
 import math
+import warnings
 from contextlib import contextmanager
 
 import numpy as np
@@ -61,23 +62,25 @@ def clip_weights(norms, l2_norm_clip):
     """The weights ``w_i = min(1, C / |g_i|)`` that clip each gradient to norm C.
 
     ``w_i g_i`` is ``g_i`` when its norm is at most C and ``g_i`` scaled to
-    norm C otherwise; a zero gradient gets the weight 1. Introduced in
-    ``09-matrix-free``.
+    norm C otherwise; a zero gradient gets the weight 1, and a non-finite
+    one (NaN or infinity) the weight 0: it contributes nothing, rather than
+    NaN to every weight. Introduced in ``09-matrix-free``.
 
     Args:
         norms: the per-sample gradient norms, shape (n,).
         l2_norm_clip: C, the largest norm a sample's gradient may keep.
 
     Returns:
-        A float64 NumPy array of shape (n,), every entry in (0, 1].
+        A float64 NumPy array of shape (n,), every entry in [0, 1].
 
     Examples:
-        >>> clip_weights([0.5, 2.0, 0.0], 1.0)
-        array([1. , 0.5, 1. ])
+        >>> clip_weights([0.5, 2.0, 0.0, np.nan], 1.0)
+        array([1. , 0.5, 1. , 0. ])
     """
     norms = np.asarray(norms, dtype=np.float64)
-    over = norms > l2_norm_clip
-    weights = np.ones_like(norms)
+    finite = np.isfinite(norms)
+    over = finite & (norms > l2_norm_clip)
+    weights = np.where(finite, 1.0, 0.0)
     weights[over] = l2_norm_clip / norms[over]
     return weights
 
@@ -124,6 +127,23 @@ def _quiet_absl():
         logger.setLevel(level)
 
 
+def _refuse_activity_regularizers(model):
+    """An activity regularizer's loss depends on the samples, so adding its
+    gradient unclipped would break the privacy guarantee: refuse it."""
+    stack = list(getattr(model, "layers", []))
+    while stack:
+        layer = stack.pop()
+        if getattr(layer, "activity_regularizer", None) is not None:
+            raise ValueError(
+                f"layer {layer.name!r} has an activity_regularizer: its loss "
+                "depends on the samples and would reach the update unclipped, "
+                "which breaks DP-SGD's guarantee. Remove it (weight "
+                "regularizers such as kernel_regularizer are fine: they are "
+                "added outside the clipping)."
+            )
+        stack.extend(getattr(layer, "layers", []))
+
+
 class DPSGD:
     """Differentially private SGD for a Keras 3 model, by ghost clipping.
 
@@ -144,6 +164,15 @@ class DPSGD:
     ``secure_mode``): this is for learning and research, not for a release.
     ``trace_count`` counts the traces of the compiled step (one per shape of
     the batch); ``steps`` the steps taken.
+
+    Weight regularizers (``kernel_regularizer=...``) depend on no sample: the
+    gradient of ``sum(model.losses)`` is added once to each update, outside
+    the clipping and the noise, as Keras's ``fit`` adds it to the loss - so
+    with no noise and a large C a step is Keras's own. An activity
+    regularizer depends on the samples and would escape the clipping: a
+    model with one is refused. A sample whose gradient is not finite (NaN or
+    infinity) contributes nothing to its step; ``skipped`` counts them and a
+    ``RuntimeWarning`` says so. NaN or infinity in ``x`` or ``y`` is refused.
 
     Args:
         model: a Keras 3 model (any model that ``per_sample_gradient_norms``
@@ -197,6 +226,8 @@ class DPSGD:
         if not self.variables:
             raise ValueError("the model has no trainable variables to train.")
         self.dtype = tf.as_dtype(self.variables[0].dtype)
+        _refuse_activity_regularizers(model)
+        self.skipped = 0  # samples whose gradient was not finite
         optimizer.build(self.variables)
         self._noise = tf.random.Generator.from_seed(seed)
         self._sampler = np.random.default_rng([seed, 1])
@@ -224,17 +255,32 @@ class DPSGD:
             losses = _per_sample(self.loss_fn(y, prediction), _rows(x))
             weighted = tf.reduce_sum(tf.cast(weights, losses.dtype) * losses)
         sums = tape.gradient(weighted, self.variables)
+        penalties = self.penalty_gradients()  # no sample in it: not clipped
         std = self.noise_multiplier * self.l2_norm_clip
         updates = []
-        for total, variable in zip(sums, self.variables, strict=True):
+        for total, penalty, variable in zip(
+            sums, penalties, self.variables, strict=True
+        ):
             dtype = tf.as_dtype(variable.dtype)
             if total is None:  # the loss does not depend on this variable
                 total = tf.zeros(variable.shape, dtype)
             if std > 0:
                 total = total + std * self._noise.normal(variable.shape, dtype=dtype)
-            updates.append(total / tf.cast(denominator, dtype))
+            update = total / tf.cast(denominator, dtype)
+            updates.append(update if penalty is None else update + penalty)
         self.optimizer.apply_gradients(zip(updates, self.variables, strict=True))
         return losses, prediction
+
+    def penalty_gradients(self):
+        """The gradient of the weight regularizers' ``sum(model.losses)``, per
+        variable (None where there is none): no sample enters it, so it is
+        added to the update as it is, outside the clipping."""
+        with tf.GradientTape() as tape:
+            penalties = self.model.losses
+            if not penalties:
+                return [None] * len(self.variables)
+            total = tf.add_n([tf.cast(p, self.dtype) for p in penalties])
+        return tape.gradient(total, self.variables)
 
     def _as_inputs(self, x, y):
         def cast(a):
@@ -272,11 +318,68 @@ class DPSGD:
 
     def _apply(self, x, y, valid, denominator, sampling_rate):
         weights = self.clip_weights(x, y) * valid
+        skipped = (weights == 0) & (np.asarray(valid) > 0)  # non-finite gradients
+        if skipped.any():
+            x, y = self._without(skipped, weights, x, y)
         losses, prediction = self._compiled_step(
             x, y, tf.constant(weights, self.dtype), tf.constant(denominator, tf.float64)
         )
         self._steps_at[sampling_rate] = self._steps_at.get(sampling_rate, 0) + 1
+        if skipped.any():
+            losses = tf.where(skipped, tf.constant(np.nan, losses.dtype), losses)
         return losses, prediction
+
+    def _without(self, skipped, weights, x, y):
+        """The batch with each sample of non-finite gradient replaced by a
+        kept sample of weight 0: its NaN never reaches the backward pass."""
+        kept = np.flatnonzero(weights > 0)
+        if not kept.size:
+            raise FloatingPointError(
+                "every sample of this batch has a non-finite gradient (NaN or "
+                "infinity): training has diverged, or the loss takes log(0). "
+                "Lower the learning rate, or check the loss on these samples."
+            )
+        self.skipped += int(skipped.sum())
+        warnings.warn(
+            f"DP-SGD: {int(skipped.sum())} sample(s) of this batch have a "
+            "non-finite gradient (NaN or infinity) and contribute nothing to "
+            f"this step ({self.skipped} so far). Check the loss for log(0) or "
+            "an overflow on them.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        index = np.where(skipped, kept[0], np.arange(len(weights)))
+        return _take(x, index), tf.gather(y, index)
+
+    def largest_clipped_norm(self, x, y):
+        """The largest norm of one sample's contribution ``w_i g_i`` to the
+        clipped sum, over C: at most 1 (to rounding) is what DP-SGD's
+        guarantee rests on.
+
+        The weights come from the step's own norms; the gradients ``g_i``
+        from a tape per sample, independent of them. A check for a new model
+        or loss (the tests run it on every generated one), not for each
+        step: it takes n backward passes. Introduced in ``09-matrix-free``.
+
+        Args:
+            x: a batch's samples.
+            y: their targets.
+
+        Returns:
+            ``max_i |w_i g_i| / C``, a float.
+        """
+        weights = self.clip_weights(x, y)
+        x, y = self._as_inputs(x, y)
+        largest = 0.0
+        for i in range(_rows(x)):
+            with tf.GradientTape() as tape:
+                prediction = self.model(_take(x, [i]), training=False)
+                loss = tf.reduce_sum(self.loss_fn(y[i : i + 1], prediction))
+            grads = tape.gradient(loss, self.variables)
+            squares = [tf.reduce_sum(tf.square(g)) for g in grads if g is not None]
+            norm = float(tf.sqrt(tf.add_n(squares))) if squares else 0.0
+            largest = max(largest, weights[i] * norm / self.l2_norm_clip)
+        return largest
 
     def step(self, x, y, *, sampling_rate=1.0, denominator=None):
         """One DP-SGD step on a batch the caller chose.
@@ -383,8 +486,9 @@ class DPSGD:
                 losses, prediction = self._apply(
                     _take(x, index), batch_y, valid, batch_size, rate
                 )
-                total += float(tf.reduce_sum(losses[: len(chosen)]))
-                count += len(chosen)
+                kept = np.asarray(losses[: len(chosen)])
+                total += float(np.nansum(kept))
+                count += int(np.isfinite(kept).sum())
                 for metric in metrics:
                     metric.update_state(
                         batch_y[: len(chosen)], prediction[: len(chosen)]

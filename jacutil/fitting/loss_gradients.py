@@ -452,12 +452,18 @@ def per_sample_gradients(
     object traces nothing (pass the same function each time, not a new
     lambda). Introduced in ``09-matrix-free``.
 
+    The model's regularizers (``model.losses``: ``kernel_regularizer`` and
+    the like) are left out: they belong to no sample (as in Opacus).
+    :class:`jacutil.fitting.dp_sgd.DPSGD` adds their gradient once per step.
+
     Args:
         model: a Keras model, or a callable ``f(x)`` with ``variables=``.
         loss_fn: ``loss_fn(y, prediction)`` returning one loss per sample,
             shape (n,), e.g. ``keras.losses.mean_squared_error``.
         x: the n samples.
-        y: the targets, one per sample.
+        y: the targets, one per sample: an array, or for a model of several
+            outputs a list or dict of arrays (one per head, as ``model.fit``
+            takes them), passed to ``loss_fn`` as that structure.
         variables: the variables to differentiate (default: trainable ones).
         training: run the model in training mode.
         memory_budget: bytes of working memory before the batch runs in
