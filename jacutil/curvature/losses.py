@@ -1,274 +1,1043 @@
-"""The losses curvature is taken for, and their Hessians at the outputs
-(notebook 11-curvature-and-uncertainty).
+"""The losses curvature is taken for, one head at a time, and their Hessians
+at the outputs (notebook 11-curvature-and-uncertainty).
 
 Every curvature in ``jacutil.curvature`` is built from per-sample pieces:
 the model's outputs ``f_i`` (length l, flattened as ``jacutil.jacobian``
 flattens them), the Jacobian ``J_i`` (l, m) and the Hessian ``H_i`` (l, l)
-of sample i's loss with respect to ``f_i``. The loss of a batch is the *sum*
-over samples, so the Gauss-Newton matrix is ``G = sum_i J_i.T H_i J_i``.
+of sample i's loss with respect to ``f_i``. Then ``G = sum_i w_i J_i.T H_i J_i``.
 
-Three losses, by name:
+**Heads.** A model's outputs are one or more *heads*: the leaves of its
+output nest in ``tf.nest.flatten`` order (dict keys sorted); a sample's row
+of l outputs is the leaves flattened and joined in that order. Each head has
+its own loss and its own class count (its output's last axis), so ``H_i`` is
+block-diagonal, one block per head. The loss is given as ``model.compile``
+takes it: one loss for every head, or a list (in the heads' order) or a dict
+(by output name) of losses, one per head. Each loss may be
 
-* ``"squared_error"``: ``L_i = 0.5 * |f_i - y_i|^2``, so ``H_i = I``.
-* ``"softmax_cross_entropy"``: ``f_i`` are logits over the classes (the last
-  axis of the output), ``y_i`` integer labels or one-hot rows;
-  ``H_i = diag(p) - p p.T`` per position, ``p = softmax(f_i)``.
-* ``"sigmoid_cross_entropy"``: ``f_i`` are logits of independent yes/no
-  outputs, ``y_i`` in {0, 1}; ``H_i = diag(s (1 - s))``, ``s = sigmoid(f_i)``.
+* one of the plain names ``NAMES``, which mean the **sum** over samples
+  (``reduction="sum"``, ``G = sum_i J_i.T H_i J_i``):
 
-For the cross-entropies the model must output *logits* (no softmax or
-sigmoid at the end): the Hessian of cross-entropy with respect to
-probabilities is not positive semi-definite, and the curvature would be
-wrong. ``check_logits`` refuses such a model with that advice.
+  - ``"squared_error"``: ``L_i = 0.5 * |f_i - y_i|^2``, so ``H_i = I``;
+  - ``"softmax_cross_entropy"``: ``f_i`` are logits over the classes (the
+    head's last axis), ``y_i`` integer labels or one-hot rows;
+    ``H_i = diag(p) - p p.T`` per position, ``p = softmax(f_i)``;
+  - ``"sigmoid_cross_entropy"``: logits of independent yes/no outputs,
+    ``y_i`` in {0, 1}; ``H_i = diag(s (1 - s))``, ``s = sigmoid(f_i)``;
+
+* a Keras loss object or name, with its own ``reduction`` (Keras' default,
+  ``"sum_over_batch_size"``, divides G by the number of loss values, n for
+  one value per sample; ``"sum"`` does not). In closed form:
+  ``MeanSquaredError`` / ``"mse"`` (Keras averages over the last axis of k
+  values, so ``H_i = (2/k) I``), ``SparseCategoricalCrossentropy`` and
+  ``CategoricalCrossentropy`` with ``from_logits=True`` (softmax Hessian;
+  label smoothing changes the targets, not H) and ``BinaryCrossentropy``
+  with ``from_logits=True`` (sigmoid Hessian over k, averaged like MSE);
+* any other Keras loss, or a callable ``loss(y_true, y_pred)`` returning one
+  value per sample (or per position): ``H_i`` by automatic differentiation
+  of the loss at the head's outputs, formed in the graph. It may depend on
+  the targets, so such a loss needs ``y=``.
+
+A cross-entropy is taken at the *logits*: the Hessian of cross-entropy with
+respect to probabilities is not positive semi-definite. The model's graph
+is traced once and a cross-entropy head whose output is made by a softmax or
+sigmoid (a layer, an activation, ``keras.ops.softmax``, ``tf.nn.softmax``,
+inside a nested model or not) is refused, whatever object describes the
+loss; so is a Keras cross-entropy with ``from_logits=False``.
 
 ``sqrt_hessian(f)`` gives ``S_i`` with ``H_i = S_i S_i.T`` (l, l): its
 columns are the signals a backward pass starts from to build the exact
 diagonal of G and the KFAC factors without forming ``J_i.T H_i J_i``. For
 softmax, ``S = diag(sqrt p) - p sqrt(p).T``, since the ``p`` sum to one.
+Every formula is written once, in TensorFlow; the NumPy methods run it.
 """
+
+import functools
+import math
+import weakref
 
 import numpy as np
 
 from ..core._tf import keras, tf
 
 NAMES = ("squared_error", "softmax_cross_entropy", "sigmoid_cross_entropy")
+REDUCTIONS = ("sum", "sum_over_batch_size", "mean", "mean_with_sample_weight")
+PROBABILITY_OPS = {"Softmax": "softmax", "Sigmoid": "sigmoid"}
+PASS_THROUGH = {
+    "Identity", "Reshape", "Squeeze", "ExpandDims", "Cast", "StopGradient",
+    "Transpose", "EnsureShape", "PreventGradient", "CheckNumerics",
+}  # fmt: skip
 
 
-def _softmax(f):
-    z = f - f.max(axis=-1, keepdims=True)
-    e = np.exp(z)
-    return e / e.sum(axis=-1, keepdims=True)
-
-
-def _sigmoid(f):
-    return 0.5 * (1.0 + np.tanh(0.5 * f))  # no overflow for large |f|
+def _tensor(a, dtype=None):
+    return tf.convert_to_tensor(np.asarray(a) if not tf.is_tensor(a) else a, dtype)
 
 
 class OutputLoss:
-    """One loss, seen from the outputs: its value, gradient and Hessian.
+    """One head's loss, seen from its outputs: value, gradient and Hessian.
 
-    Every method takes the outputs as a NumPy array ``f`` of shape (n, l)
-    (flattened per sample) and works per sample. ``classes`` is the length
-    of the last axis of the model's output (the softmax runs over it).
+    ``OutputLoss(name, classes)`` builds the class of that loss kind
+    (:class:`SquaredError`, :class:`SoftmaxCrossEntropy`,
+    :class:`SigmoidCrossEntropy`); :class:`AutodiffLoss` takes any callable
+    and :class:`HeadLosses` holds one per head. Every method takes the outputs
+    as an array ``f`` of shape (n, l) (flattened per sample) and works per
+    sample; the ``*_tf`` methods are the formulas, in TensorFlow.
 
     Args:
         name: one of ``NAMES``.
         classes: the number of classes (the output's last axis); 1 is fine
             for the squared error and the sigmoid.
+        scale: a factor on each sample's loss (Keras' MSE: 2/k).
+        label_smoothing: as Keras' cross-entropies take it.
+        reduction: ``"sum"`` (the plain names) or a Keras reduction.
+        shape: the head's per-sample output shape, or None (the whole row).
+        label: the head's name in messages.
     """
 
-    def __init__(self, name, classes=1):
-        if name not in NAMES:
-            raise ValueError(
-                f"loss must be one of {', '.join(map(repr, NAMES))}; got {name!r}."
-            )
-        self.name = name
+    name = None
+    needs_targets = False  # the Hessian depends on y
+
+    def __new__(cls, name=None, *args, **kwargs):
+        if cls is OutputLoss:
+            if name not in _KINDS:
+                raise ValueError(
+                    f"loss must be one of {', '.join(map(repr, NAMES))}, a Keras "
+                    f"loss or a callable loss(y_true, y_pred); got {name!r}."
+                )
+            cls = _KINDS[name]
+        return super().__new__(cls)
+
+    def __init__(
+        self, name=None, classes=1, *, scale=1.0, label_smoothing=0.0,
+        reduction="sum", shape=None, label="output",
+    ):  # fmt: skip
+        if name is not None and name != self.name:
+            raise ValueError(f"{type(self).__name__} is {self.name!r}, not {name!r}.")
         self.classes = int(classes)
+        self.scale = float(scale)
+        self.label_smoothing = float(label_smoothing)
+        self.reduction = _reduction(reduction)
+        self.shape = None if shape is None else tuple(int(d) for d in shape)
+        self.label = label
 
     def __repr__(self):
-        return f"OutputLoss({self.name!r}, classes={self.classes})"
+        extra = "".join(
+            f", {k}={v!r}"
+            for k, v in [
+                ("scale", self.scale), ("label_smoothing", self.label_smoothing),
+            ]
+            if v != {"scale": 1.0}.get(k, 0.0)
+        )  # fmt: skip
+        return (
+            f"{type(self).__name__}({self.name!r}, classes={self.classes}{extra}, "
+            f"reduction={self.reduction!r})"
+        )
 
-    # -- shapes ---------------------------------------------------------------
+    @property
+    def key(self):
+        """What a compiled graph of this loss depends on (hashable)."""
+        return (
+            type(self).__name__, self.classes, self.scale, self.label_smoothing,
+            self.shape,
+        )  # fmt: skip
 
-    def _positions(self, f):
-        """``f`` as (n, positions, classes) for the softmax."""
-        n, n_out = f.shape
-        if n_out % self.classes:
-            raise ValueError(
-                f"{n_out} outputs per sample are not a whole number of rows of "
-                f"{self.classes} classes."
-            )
-        return f.reshape(n, n_out // self.classes, self.classes)
+    def bind(self, shape, label, probability=None):
+        """This loss for a head of per-sample ``shape`` (a copy).
+
+        Raises:
+            ValueError: the head's shape contradicts the loss (its classes),
+                or a cross-entropy head outputs probabilities.
+        """
+        bound = object.__new__(type(self))
+        bound.__dict__.update(self.__dict__)
+        bound.shape, bound.label = tuple(shape), label
+        bound._check_head(probability)
+        return bound
+
+    def _check_head(self, probability):
+        pass
+
+    def width(self, n_outputs):
+        """The head's outputs per sample."""
+        return n_outputs if self.shape is None else math.prod(self.shape)
+
+    def positions(self, width):
+        """Loss values per sample (what a mean reduction divides by)."""
+        return max(1, width // self.classes)
+
+    # -- targets --------------------------------------------------------------
 
     def targets(self, y, f):
         """``y`` as an (n, l) array of target values (one-hot for labels)."""
-        y = np.asarray(y)
-        n, n_out = f.shape
-        if self.name == "softmax_cross_entropy" and y.size * self.classes == n * n_out:
-            labels = y.reshape(n, -1).astype(int)
-            if labels.min() < 0 or labels.max() >= self.classes:
-                raise ValueError(
-                    f"labels must be integers in 0..{self.classes - 1}; got values "
-                    f"from {labels.min()} to {labels.max()}."
-                )
-            return np.eye(self.classes, dtype=f.dtype)[labels].reshape(n, n_out)
-        if y.size != n * n_out:
-            raise ValueError(
-                f"y has shape {y.shape}; it needs {n_out} value(s) per sample for "
-                f"{n} samples (or one integer label per row of classes)."
-            )
-        return y.reshape(n, n_out).astype(f.dtype)
+        f = np.asarray(f)
+        return self._targets(y, f.shape[0], f.shape[1], f.dtype)
 
-    # -- the loss and its derivatives ---------------------------------------
+    def _targets(self, y, n, width, dtype):
+        y = np.asarray(y)
+        if y.size != n * width:
+            raise ValueError(
+                f"y{_for(self.label)} has shape {y.shape}; it needs {width} "
+                f"value(s) per sample for {n} samples."
+            )
+        return y.reshape(n, width).astype(dtype)
+
+    # -- the formulas, in TensorFlow (f, u: (n, width); t: targets) -----------
+
+    def mean_tf(self, f):
+        """The prediction: ``f`` itself, or the probabilities of the logits."""
+        return f
+
+    def values_tf(self, f, t):
+        """Each sample's loss, (n,)."""
+        raise NotImplementedError
+
+    def hessian_product_tf(self, f, u, t=None):
+        """``H_i @ u_i`` for every sample, (n, width), without forming H."""
+        raise NotImplementedError
+
+    def sqrt_hessian_tf(self, f, t=None):
+        """``S_i`` (n, width, width) with ``H_i = S_i S_i.T`` (columns: the
+        signals)."""
+        raise NotImplementedError
+
+    def hessian_tf(self, f, t=None):
+        """``H_i``, (n, width, width)."""
+        S = self.sqrt_hessian_tf(f, t)
+        return tf.matmul(S, S, transpose_b=True)
+
+    def value_tf(self, f, t, weights=None):
+        """The weighted sum of the samples' losses in a graph; ``t`` as
+        :meth:`targets` gives it, ``weights`` (n, l) as :func:`row_weights`."""
+        values = self.values_tf(f, t)
+        if weights is not None:
+            values = values * weights[:, 0]
+        return tf.reduce_sum(values)
+
+    # -- the same, NumPy in and out -------------------------------------------
+
+    def _t(self, y, f):
+        return None if y is None else _tensor(self.targets(y, f))
 
     def mean(self, f):
-        """The prediction: ``f`` itself, or the probabilities of the logits."""
-        if self.name == "squared_error":
-            return f
-        if self.name == "sigmoid_cross_entropy":
-            return _sigmoid(f)
-        return _softmax(self._positions(f)).reshape(f.shape)
+        """The prediction, (n, l)."""
+        return self.mean_tf(_tensor(f)).numpy()
 
     def value(self, f, y):
         """Each sample's loss, shape (n,)."""
-        t = self.targets(y, f)
-        if self.name == "squared_error":
-            return 0.5 * np.sum((f - t) ** 2, axis=1)
-        if self.name == "sigmoid_cross_entropy":  # log(1 + e^f) - t f, stable
-            return np.sum(np.logaddexp(0.0, f) - t * f, axis=1)
-        z = self._positions(f)
-        log_p = z - z.max(-1, keepdims=True)
-        log_p = log_p - np.log(np.exp(log_p).sum(-1, keepdims=True))
-        return -np.sum(self._positions(t) * log_p, axis=(1, 2))
+        return self.values_tf(_tensor(f), self._t(y, f)).numpy()
 
     def gradient(self, f, y):
         """``dL_i / df_i``, shape (n, l)."""
-        return self.mean(f) - self.targets(y, f)
+        f = _tensor(f)
+        t = self._t(y, f.numpy())
+        with tf.GradientTape() as tape:
+            tape.watch(f)
+            value = tf.reduce_sum(self.values_tf(f, t))
+        return tape.gradient(value, f).numpy()
 
-    def hessian(self, f):
-        """``H_i``, shape (n, l, l)."""
-        n, n_out = f.shape
-        if self.name == "squared_error":
-            return np.broadcast_to(
-                np.eye(n_out, dtype=f.dtype), (n, n_out, n_out)
-            ).copy()
-        if self.name == "sigmoid_cross_entropy":
-            s = _sigmoid(f)
-            return np.einsum("ik,kj->ikj", s * (1 - s), np.eye(n_out, dtype=f.dtype))
-        p = self._positions(self.mean(f))
-        blocks = np.einsum("irk,kj->irkj", p, np.eye(self.classes, dtype=f.dtype))
-        blocks -= np.einsum("irk,irj->irkj", p, p)
-        return _block_diagonal(blocks)
+    def hessian(self, f, y=None):
+        """``H_i``, shape (n, l, l) (``y`` only for a loss whose H needs it)."""
+        return self.hessian_tf(_tensor(f), self._t(y, f)).numpy()
 
-    def sqrt_hessian(self, f):
+    def sqrt_hessian(self, f, y=None):
         """``S_i`` with ``H_i = S_i S_i.T``, shape (n, l, l); column c is the
         signal c a backward pass starts from."""
-        n, n_out = f.shape
-        if self.name == "squared_error":
-            return self.hessian(f)
-        if self.name == "sigmoid_cross_entropy":
-            s = _sigmoid(f)
-            return np.einsum(
-                "ik,kj->ikj", np.sqrt(s * (1 - s)), np.eye(n_out, dtype=f.dtype)
-            )
-        p = self._positions(self.mean(f))
-        root = np.sqrt(p)
-        blocks = np.einsum("irk,kj->irkj", root, np.eye(self.classes, dtype=f.dtype))
-        blocks -= np.einsum("irk,irj->irkj", p, root)
-        return _block_diagonal(blocks)
+        return self.sqrt_hessian_tf(_tensor(f), self._t(y, f)).numpy()
 
-    def hessian_product(self, f, u):
+    def hessian_product(self, f, u, y=None):
         """``H_i @ u_i`` for every sample, shape (n, l), without forming H."""
-        if self.name == "squared_error":
-            return u
-        if self.name == "sigmoid_cross_entropy":
-            s = _sigmoid(f)
-            return s * (1 - s) * u
-        p = self._positions(self.mean(f))
-        w = self._positions(u)
-        return (p * w - p * np.sum(p * w, axis=-1, keepdims=True)).reshape(u.shape)
+        return self.hessian_product_tf(_tensor(f), _tensor(u), self._t(y, f)).numpy()
 
-    # -- the same in TensorFlow, for compiled products ----------------------
 
-    def hessian_product_tf(self, f, u):
-        """``H_i @ u_i`` in a TensorFlow graph; ``f`` and ``u`` of shape (n, l)."""
-        if self.name == "squared_error":
-            return u
-        if self.name == "sigmoid_cross_entropy":
-            s = tf.sigmoid(f)
-            return s * (1 - s) * u
-        shape = tf.shape(f)
-        p = tf.nn.softmax(tf.reshape(f, [shape[0], -1, self.classes]))
+class SquaredError(OutputLoss):
+    """``L_i = scale/2 * |f_i - y_i|^2``: ``H_i = scale * I``."""
+
+    name = "squared_error"
+
+    def positions(self, width):
+        return max(1, width // (self.shape[-1] if self.shape else width))
+
+    def values_tf(self, f, t):
+        return 0.5 * self.scale * tf.reduce_sum(tf.square(f - t), axis=1)
+
+    def hessian_product_tf(self, f, u, t=None):
+        return self.scale * u
+
+    def sqrt_hessian_tf(self, f, t=None):
+        eye = tf.eye(_width(f), dtype=f.dtype) * math.sqrt(self.scale)
+        return tf.broadcast_to(eye, [tf.shape(f)[0], _width(f), _width(f)])
+
+
+class SigmoidCrossEntropy(OutputLoss):
+    """Independent yes/no logits: ``H_i = scale * diag(s (1 - s))``."""
+
+    name = "sigmoid_cross_entropy"
+
+    def _check_head(self, probability):
+        _refuse_probabilities(self, probability)
+
+    def positions(self, width):
+        return max(1, width // (self.shape[-1] if self.shape else width))
+
+    def mean_tf(self, f):
+        return tf.sigmoid(f)
+
+    def values_tf(self, f, t):
+        t = t * (1 - self.label_smoothing) + 0.5 * self.label_smoothing
+        return self.scale * tf.reduce_sum(tf.math.softplus(f) - t * f, axis=1)
+
+    def hessian_product_tf(self, f, u, t=None):
+        s = tf.sigmoid(f)
+        return self.scale * s * (1 - s) * u
+
+    def sqrt_hessian_tf(self, f, t=None):
+        s = tf.sigmoid(f)
+        root = tf.sqrt(self.scale * s * (1 - s))
+        return root[:, :, None] * tf.eye(_width(f), dtype=f.dtype)
+
+
+class SoftmaxCrossEntropy(OutputLoss):
+    """Logits over the last axis: ``H_i = diag(p) - p p.T`` per position
+    (for targets that sum to one per position, as labels, one-hot rows and
+    smoothed labels do)."""
+
+    name = "softmax_cross_entropy"
+
+    def _check_head(self, probability):
+        _refuse_probabilities(self, probability)
+        if self.shape is None:
+            return _needs_classes(self)
+        classes = self.shape[-1] if self.shape else 1
+        if self.classes not in (1, classes):
+            raise ValueError(
+                f"the loss{_for(self.label)} was given classes="
+                f"{self.classes}, but that head's last axis has {classes}. Leave "
+                "classes out: each head's class count is read from its output."
+            )
+        self.classes = classes
+        _needs_classes(self)
+
+    def _rows(self, f):
+        if _width(f) % self.classes:
+            raise ValueError(
+                f"{_width(f)} outputs per sample are not a whole number of rows "
+                f"of {self.classes} classes."
+            )
+        return tf.reshape(f, [tf.shape(f)[0], -1, self.classes])
+
+    def _targets(self, y, n, width, dtype):
+        y = np.asarray(y)
+        if y.size * self.classes == n * width and self.classes > 1:
+            labels = y.reshape(n, -1)
+            if not np.all(labels == np.round(labels)) or (
+                labels.size and (labels.min() < 0 or labels.max() >= self.classes)
+            ):
+                raise ValueError(
+                    f"labels{_for(self.label)} must be integers in 0.."
+                    f"{self.classes - 1}; got values from {labels.min()} to "
+                    f"{labels.max()}."
+                )
+            eye = np.eye(self.classes, dtype=dtype)
+            return eye[labels.astype(int)].reshape(n, width)
+        if y.size != n * width:
+            raise ValueError(
+                f"y{_for(self.label)} has shape {y.shape}; it needs {width} "
+                f"value(s) per sample for {n} samples (or one integer label per "
+                f"row of {self.classes} classes)."
+            )
+        return y.reshape(n, width).astype(dtype)
+
+    def mean_tf(self, f):
+        return tf.reshape(tf.nn.softmax(self._rows(f)), tf.shape(f))
+
+    def values_tf(self, f, t):
+        z = self._rows(f)
+        t = tf.reshape(t, tf.shape(z))
+        t = t * (1 - self.label_smoothing) + self.label_smoothing / self.classes
+        return -self.scale * tf.reduce_sum(t * tf.nn.log_softmax(z), axis=[1, 2])
+
+    def hessian_product_tf(self, f, u, t=None):
+        p = tf.nn.softmax(self._rows(f))
         w = tf.reshape(u, tf.shape(p))
         hw = p * w - p * tf.reduce_sum(p * w, axis=-1, keepdims=True)
-        return tf.reshape(hw, shape)
+        return self.scale * tf.reshape(hw, tf.shape(f))
 
-    def sqrt_hessian_tf(self, f):
-        """``S_i`` (n, l, l) in a TensorFlow graph (columns: the signals)."""
-        n = tf.shape(f)[0]
-        n_out = f.shape[1] if f.shape[1] is not None else tf.shape(f)[1]
-        eye = tf.eye(n_out, dtype=f.dtype)
-        if self.name == "squared_error":
-            return tf.broadcast_to(eye, [n, n_out, n_out])
-        if self.name == "sigmoid_cross_entropy":
-            s = tf.sigmoid(f)
-            return tf.sqrt(s * (1 - s))[:, :, None] * eye
-        c = self.classes
-        p = tf.reshape(tf.nn.softmax(tf.reshape(f, [n, -1, c])), [n, n_out])
+    def sqrt_hessian_tf(self, f, t=None):
+        n, width, c = tf.shape(f)[0], _width(f), self.classes
+        p = tf.reshape(tf.nn.softmax(self._rows(f)), [n, width])
         root = tf.sqrt(p)
-        softmax_of = tf.range(n_out) // c  # which softmax each output is in
+        softmax_of = tf.range(width) // c  # which softmax each output is in
         same_row = tf.cast(softmax_of[:, None] == softmax_of[None, :], f.dtype)
-        return root[:, :, None] * eye - p[:, :, None] * root[:, None, :] * same_row
-
-    def value_tf(self, f, t):
-        """The summed loss of a batch in a graph; ``t`` as :meth:`targets` gives."""
-        if self.name == "squared_error":
-            return 0.5 * tf.reduce_sum(tf.square(f - t))
-        if self.name == "sigmoid_cross_entropy":
-            return tf.reduce_sum(tf.math.softplus(f) - t * f)
-        n = tf.shape(f)[0]
-        z = tf.reshape(f, [n, -1, self.classes])
-        return -tf.reduce_sum(tf.reshape(t, tf.shape(z)) * tf.nn.log_softmax(z))
+        eye = tf.eye(width, dtype=f.dtype)
+        S = root[:, :, None] * eye - p[:, :, None] * root[:, None, :] * same_row
+        return math.sqrt(self.scale) * S
 
 
-def _block_diagonal(blocks):
-    """(n, r, c, c) blocks -> (n, r*c, r*c) block-diagonal matrices."""
-    n, r, c, _ = blocks.shape
-    out = np.zeros((n, r * c, r * c), blocks.dtype)
-    for j in range(r):
-        out[:, j * c : (j + 1) * c, j * c : (j + 1) * c] = blocks[:, j]
-    return out
+class AutodiffLoss(OutputLoss):
+    """Any loss ``fn(y_true, y_pred)``: its Hessian by automatic
+    differentiation at the head's outputs, per sample, in the graph.
 
-
-def output_loss(loss, model=None):
-    """``loss`` as an :class:`OutputLoss`, its classes read from the model.
-
-    Introduced in ``11-curvature-and-uncertainty``.
+    ``fn`` returns one value per sample (or per position, samples first);
+    they are summed per sample. ``y_true`` is shaped like the head's output,
+    or like its labels (one per sample or per row of the last axis).
 
     Args:
-        loss: a name from ``NAMES``, or an :class:`OutputLoss`.
-        model: the Keras model (its output's last axis gives the classes, and
-            a cross-entropy is refused on a model that ends in a softmax or
-            sigmoid), or None.
+        fn: the loss, e.g. a Keras loss's ``call`` (no reduction).
+        reduction: as Keras (default ``"sum_over_batch_size"``).
+        shape: the head's per-sample shape, or None.
+        label: the head's name in messages.
+        about: what the loss is, for messages.
+    """
+
+    name = "autodiff"
+    needs_targets = True
+
+    def __init__(
+        self, fn, *, reduction="sum_over_batch_size", shape=None, label="output",
+        about=None,
+    ):  # fmt: skip
+        super().__init__(reduction=reduction, shape=shape, label=label)
+        self.fn = fn
+        self.about = about or getattr(fn, "__name__", type(fn).__name__)
+
+    def __repr__(self):
+        return f"AutodiffLoss({self.about}, reduction={self.reduction!r})"
+
+    @property
+    def key(self):
+        return ("AutodiffLoss", id(self.fn), self.shape)
+
+    def _y_true(self, f, t):
+        n = tf.shape(f)[0]
+        if self.shape is None:
+            return f, t
+        prediction = tf.reshape(f, [n, *self.shape])
+        size, width = t.shape[1], math.prod(self.shape)
+        if size == width:
+            return prediction, tf.reshape(t, [n, *self.shape])
+        if size == 1:
+            return prediction, tf.reshape(t, [n])
+        if self.shape and size * self.shape[-1] == width:
+            return prediction, tf.reshape(t, [n, *self.shape[:-1]])
+        return prediction, t
+
+    def _targets(self, y, n, width, dtype):
+        y = np.asarray(y)
+        if y.ndim == 0 or y.shape[0] != n:
+            raise ValueError(
+                f"y{_for(self.label)} has shape {y.shape}; it needs the {n} "
+                "samples first."
+            )
+        return y.reshape(n, -1).astype(dtype)
+
+    def values_tf(self, f, t):
+        if t is None:
+            raise ValueError(
+                f"the loss{_for(self.label)} ({self.about}) is differentiated "
+                "as given, and its Hessian may depend on the targets: pass y=."
+            )
+        prediction, y_true = self._y_true(f, tf.cast(t, f.dtype))
+        values = tf.convert_to_tensor(self.fn(y_true, prediction))
+        if values.shape.rank == 0:
+            raise ValueError(
+                f"the loss {self.about} returned one number for the batch; it must "
+                "return one value per sample (a Keras loss's call(), or a function "
+                "without the reduction)."
+            )
+        return tf.reduce_sum(tf.reshape(values, [tf.shape(f)[0], -1]), axis=1)
+
+    def count_values(self, t_row, width, dtype):
+        """Loss values per sample (one trial call on zeros)."""
+        f = tf.zeros([1, width], dtype)
+        prediction, y_true = self._y_true(f, tf.constant(t_row, dtype))
+        values = tf.convert_to_tensor(self.fn(y_true, prediction))
+        return max(1, int(np.prod(values.shape[1:])))
+
+    def _gradient(self, f, t):
+        with tf.GradientTape() as tape:
+            tape.watch(f)
+            value = tf.reduce_sum(self.values_tf(f, t))
+        return tape.gradient(value, f)
+
+    def hessian_product_tf(self, f, u, t=None):
+        f = tf.identity(f)
+        with tf.GradientTape() as tape:
+            tape.watch(f)
+            g = self._gradient(f, t)
+        hu = tape.gradient(g, f, output_gradients=u)  # H symmetric: u.T H = H u
+        return tf.zeros_like(f) if hu is None else hu
+
+    def hessian_tf(self, f, t=None):
+        f = tf.identity(f)
+        with tf.GradientTape() as tape:
+            tape.watch(f)
+            g = self._gradient(f, t)
+        H = tape.batch_jacobian(g, f)
+        return tf.zeros_like(f)[:, :, None] * f[:, None, :] if H is None else H
+
+    def sqrt_hessian_tf(self, f, t=None):
+        H = self.hessian_tf(f, t)
+        e, Q = tf.linalg.eigh(0.5 * (H + tf.linalg.matrix_transpose(H)))
+        floor = -1e-7 * (tf.reduce_max(tf.abs(e)) + 1e-30)
+        check = tf.debugging.assert_greater_equal(
+            tf.reduce_min(e) if e.shape[-1] else tf.zeros([], e.dtype),
+            floor,
+            message=f"the Hessian of {self.about} at the outputs is not positive "
+            "semi-definite, so it has no square root: the diagonal and KFAC need "
+            "one. Use ggn_operator or hessian_operator for this loss.",
+        )
+        with tf.control_dependencies([check]):
+            return Q * tf.sqrt(tf.maximum(e, 0))[:, None, :]
+
+
+_KINDS = {k.name: k for k in (SquaredError, SoftmaxCrossEntropy, SigmoidCrossEntropy)}
+
+
+class HeadLosses(OutputLoss):
+    """One loss per head of a model, each on its slice of the row.
+
+    The methods split ``f`` (n, l) into the heads' slices and join the
+    results (H and S block-diagonal); targets ``t`` are a list, one (n, .)
+    array per head. ``name`` is the heads' common name, or their names
+    joined by ``+``.
+
+    Args:
+        heads: an :class:`OutputLoss` per head, bound to its shape, in
+            ``tf.nest.flatten`` order.
+    """
+
+    def __new__(cls, *args, **kwargs):
+        return object.__new__(cls)
+
+    def __init__(self, heads):
+        self.heads = list(heads)
+        names = sorted({h.name for h in self.heads})
+        self.name = names[0] if len(names) == 1 else "+".join(h.name for h in heads)
+        self.classes = tuple(h.classes for h in self.heads)
+        self.needs_targets = any(h.needs_targets for h in self.heads)
+        self.label = "output"
+        self.shape = None
+        if len(self.heads) == 1:
+            self.slices = [slice(None)]
+        else:
+            ends = np.cumsum([math.prod(h.shape) for h in self.heads])
+            self.slices = [
+                slice(int(e - math.prod(h.shape)), int(e))
+                for h, e in zip(self.heads, ends, strict=True)
+            ]
+
+    def __repr__(self):
+        return f"HeadLosses({self.heads!r})"
+
+    @property
+    def key(self):
+        return tuple(h.key for h in self.heads)
+
+    def _split(self, f):
+        return [f[:, s] for s in self.slices]
+
+    def _each(self, t):
+        return [None] * len(self.heads) if t is None else list(t)
+
+    def head_targets(self, y, n, n_outputs, dtype):
+        """``y`` as one (n, .) array per head: one array for one head, else a
+        list or dict as the model's outputs (or the joined rows)."""
+        if y is None:
+            return None
+        widths = [h.width(n_outputs) for h in self.heads]
+        if len(self.heads) > 1 and not isinstance(y, (list, tuple, dict)):
+            y = np.asarray(y)
+            if y.size != n * sum(widths):
+                raise ValueError(
+                    f"y has shape {y.shape}; the model has {len(self.heads)} "
+                    "outputs: pass one target array per output, as a list or dict "
+                    "like the model's outputs (as model.fit takes them)."
+                )
+            ends = np.cumsum(widths)
+            y = [y.reshape(n, -1)[:, e - w : e] for w, e in zip(widths, ends)]
+        leaves = [y] if len(self.heads) == 1 else tf.nest.flatten(y)
+        if len(leaves) != len(self.heads):
+            raise ValueError(
+                f"y holds {len(leaves)} array(s) for {len(self.heads)} outputs; pass "
+                "one target array per output, in the structure of the outputs."
+            )
+        return [
+            h._targets(np.asarray(v), n, w, dtype)
+            for h, v, w in zip(self.heads, leaves, widths, strict=True)
+        ]
+
+    def targets(self, y, f):
+        f = np.asarray(f)
+        return np.concatenate(self.head_targets(y, *f.shape, f.dtype), axis=1)
+
+    def _t(self, y, f):
+        if y is None:
+            return None
+        if isinstance(y, (list, tuple)) and y and tf.is_tensor(y[0]):
+            return y
+        f = np.asarray(f)
+        return [_tensor(t) for t in self.head_targets(y, *f.shape, f.dtype)]
+
+    def value(self, f, y):
+        f = np.asarray(f)
+        if not isinstance(y, (list, tuple, dict)) and len(self.heads) > 1:
+            y = np.asarray(y)  # joined rows, as targets() gives them
+        return self.values_tf(_tensor(f), self._t(y, f)).numpy()
+
+    def mean_tf(self, f):
+        return tf.concat([h.mean_tf(p) for h, p in zip(self.heads, self._split(f))], 1)
+
+    def values_tf(self, f, t):
+        parts = zip(self.heads, self._split(f), self._each(t), strict=True)
+        return tf.add_n([h.values_tf(p, tp) for h, p, tp in parts])
+
+    def value_tf(self, f, t, weights=None):
+        total = []
+        for h, s, p, tp in zip(self.heads, self.slices, self._split(f), self._each(t)):
+            values = h.values_tf(p, tp)
+            if weights is not None:
+                values = values * weights[:, s.start or 0]
+            total.append(tf.reduce_sum(values))
+        return tf.add_n(total)
+
+    def hessian_product_tf(self, f, u, t=None):
+        parts = zip(self.heads, self._split(f), self._split(u), self._each(t))
+        return tf.concat([h.hessian_product_tf(p, q, tp) for h, p, q, tp in parts], 1)
+
+    def _block_diagonal(self, blocks, f):
+        if len(blocks) == 1:
+            return blocks[0]
+        width = _width(f)
+        padded = [
+            tf.pad(b, [[0, 0], [0, 0], [s.start, width - s.stop]])
+            for b, s in zip(blocks, self.slices, strict=True)
+        ]
+        return tf.concat(padded, axis=1)
+
+    def sqrt_hessian_tf(self, f, t=None):
+        parts = zip(self.heads, self._split(f), self._each(t))
+        return self._block_diagonal([h.sqrt_hessian_tf(p, tp) for h, p, tp in parts], f)
+
+    def hessian_tf(self, f, t=None):
+        parts = zip(self.heads, self._split(f), self._each(t))
+        return self._block_diagonal([h.hessian_tf(p, tp) for h, p, tp in parts], f)
+
+    def row_weights(self, n, n_outputs, sample_weight=None, targets=None, dtype=None):
+        """The weight of each sample's H, per output: (n, l), NumPy.
+
+        ``sample_weight`` (n,) times each head's reduction: 1 for ``"sum"``;
+        ``1 / (n * values per sample)`` for ``"sum_over_batch_size"`` and
+        ``"mean"``; ``1 / sum(sample_weight)`` for ``"mean_with_sample_weight"``
+        with weights - as Keras reduces a loss.
+
+        Args:
+            n: the number of samples.
+            n_outputs: l.
+            sample_weight: (n,) non-negative weights, or None.
+            targets: the heads' targets (a loss differentiated as given counts
+                its values per sample on them), or None.
+            dtype: the array's dtype.
+
+        Returns:
+            An (n, l) array.
+        """
+        dtype = dtype or np.float64
+        w = np.ones(n, dtype) if sample_weight is None else sample_weight.astype(dtype)
+        out = np.empty((n, n_outputs), dtype)
+        for j, (h, s) in enumerate(zip(self.heads, self.slices, strict=True)):
+            width = h.width(n_outputs)
+            if h.reduction == "sum":
+                divisor = 1.0
+            elif h.reduction == "mean_with_sample_weight" and sample_weight is not None:
+                divisor = float(np.sum(sample_weight))
+            elif isinstance(h, AutodiffLoss):
+                divisor = n * h.count_values(targets[j][:1], width, dtype)
+            else:
+                divisor = n * h.positions(width)
+            out[:, s] = (w / divisor if divisor else 0 * w)[:, None]
+        return out
+
+
+def _width(f):
+    return f.shape[1] if f.shape[1] is not None else tf.shape(f)[1]
+
+
+def _for(label, sep=" "):
+    """`` for output 'a'`` in a message, or nothing for a single output."""
+    return "" if label in (None, "output") else f"{sep}for output {label!r}"
+
+
+def _reduction(reduction):
+    if reduction in (None, "none", "auto"):
+        raise ValueError(
+            f"reduction={reduction!r} leaves one loss per sample; curvature is of "
+            f"one number. Use one of {', '.join(map(repr, REDUCTIONS))}."
+        )
+    if reduction not in REDUCTIONS:
+        raise ValueError(
+            f"reduction must be one of {', '.join(map(repr, REDUCTIONS))}; got "
+            f"{reduction!r}."
+        )
+    return reduction
+
+
+def _needs_classes(loss):
+    if loss.classes == 1:
+        raise ValueError(
+            f"softmax cross-entropy{_for(loss.label)} needs the number of "
+            "classes, the length of the output's last axis; it is 1 or unknown "
+            "here (a softmax over one class is constant). For a yes/no output use "
+            '"sigmoid_cross_entropy"; for a callable pass '
+            'OutputLoss("softmax_cross_entropy", classes=k).'
+        )
+
+
+def _refuse_probabilities(loss, probability):
+    if probability is None:
+        return
+    where = "the model's output" if loss.label == "output" else f"output {loss.label!r}"
+    raise ValueError(
+        f"{where} is made by a {probability}, so it holds probabilities, but "
+        f"{loss.name} curvature is taken at the logits (with respect to "
+        "probabilities the cross-entropy's Hessian is not positive semi-definite). "
+        "Build the model with no activation on that output (it outputs logits), "
+        "pass the loss with from_logits=True (e.g. keras.losses."
+        "SparseCategoricalCrossentropy(from_logits=True)), and apply the "
+        f"{probability} to its predictions yourself."
+    )
+
+
+# --- reading the model's graph -------------------------------------------------
+
+
+def keras_logits_of(tensor):
+    """Keras's private ``_keras_logits`` mark on a softmax or sigmoid output
+    (Keras 3, TensorFlow backend), or None. The one place it is read."""
+    return getattr(tensor, "_keras_logits", None)
+
+
+def probability_op(tensor):
+    """``"softmax"`` or ``"sigmoid"`` if a traced ``tensor`` is made by one
+    (through identity, reshape, cast and transpose ops), else None."""
+    marked = keras_logits_of(tensor) is not None
+    t = tensor
+    for _ in range(32):
+        op = getattr(t, "op", None)
+        if op is None or not hasattr(op, "type"):
+            break
+        if op.type in PROBABILITY_OPS:
+            return PROBABILITY_OPS[op.type]
+        if op.type == "IdentityN":
+            t = op.inputs[t.value_index]
+        elif op.type in PASS_THROUGH and len(op.inputs):
+            t = op.inputs[0]
+        else:
+            break
+    return "softmax or sigmoid" if marked else None
+
+
+_heads_seen = weakref.WeakKeyDictionary()  # model -> {input signature: heads}
+
+
+def model_heads(model, call, spec):
+    """Each output head of ``call`` traced on ``spec``: ``(label, shape,
+    probability)`` in ``tf.nest.flatten`` order; traced once per model and
+    input signature.
+
+    Args:
+        model: what the answer is kept for (held weakly).
+        call: ``x -> output nest``.
+        spec: the input signature (``tf.TensorSpec`` nest).
 
     Returns:
-        An :class:`OutputLoss`.
+        A list of ``(label, per-sample shape or None, probability)``.
     """
-    if isinstance(loss, OutputLoss):
-        return loss
-    classes = 1
-    if model is not None and isinstance(model, keras.Model):
-        shape = model.outputs[0].shape if getattr(model, "outputs", None) else None
-        if shape is not None and len(shape) > 1 and shape[-1] is not None:
-            classes = int(shape[-1])
-        if loss != "squared_error":
-            check_logits(model)
-    if loss == "softmax_cross_entropy" and classes == 1:
-        raise ValueError(
-            "softmax cross-entropy needs the number of classes, the length of the "
-            "output's last axis; this model's is 1 or unknown (a softmax over one "
-            "class is constant). For a yes/no output use \"sigmoid_cross_entropy\"; "
-            "for a callable pass OutputLoss(\"softmax_cross_entropy\", classes=k)."
-        )
-    return OutputLoss(loss, classes if loss == "softmax_cross_entropy" else 1)
+    key = tuple((tuple(s.shape[1:]), s.dtype.name) for s in tf.nest.flatten(spec))
+    try:
+        kept = _heads_seen.setdefault(model, {})
+    except TypeError:
+        kept = {}
+    if key not in kept:
+        found = []
+
+        def probe(x):
+            out = call(x)
+            paths = _labelled_leaves(out)
+            for path, leaf in paths:
+                leaf = tf.convert_to_tensor(leaf)
+                shape = leaf.shape[1:]
+                found.append(
+                    (
+                        path if len(paths) > 1 else "output",
+                        tuple(shape) if shape.is_fully_defined() else None,
+                        probability_op(leaf),
+                    )
+                )
+            return tf.nest.flatten(out)
+
+        tf.function(probe, autograph=False).get_concrete_function(spec)
+        kept[key] = found
+    return kept[key]
 
 
-def check_logits(model):
-    """Refuse a model whose output passes through a softmax or sigmoid.
+def _labelled_leaves(out, prefix=""):
+    """``(label, leaf)`` of an output nest in ``tf.nest.flatten`` order; a
+    label is the dict key or list index (joined by ``/`` when nested)."""
+    if isinstance(out, dict):
+        items = [(str(k), out[k]) for k in sorted(out)]
+    elif isinstance(out, (list, tuple)):
+        items = [(str(i), v) for i, v in enumerate(out)]
+    else:
+        return [(prefix or "output", out)]
+    return [
+        pair
+        for key, value in items
+        for pair in _labelled_leaves(value, f"{prefix}/{key}" if prefix else key)
+    ]
+
+
+def _declared_spec(model):
+    inputs = getattr(model, "inputs", None) if isinstance(model, keras.Model) else None
+    if not inputs:
+        return None
+    specs = [tf.TensorSpec(t.shape, t.dtype) for t in inputs]
+    return specs[0] if len(specs) == 1 else specs
+
+
+# --- from the user's loss to the heads' losses ---------------------------------
+
+
+def _keras_functions():
+    losses = keras.losses
+    return {
+        losses.mean_squared_error: "mse",
+        losses.sparse_categorical_crossentropy: "sparse",
+        losses.categorical_crossentropy: "categorical",
+        losses.binary_crossentropy: "binary",
+    }
+
+
+def _closed_form(kind, options, reduction, shape):
+    """The closed form of a Keras loss on a head, or None."""
+    if kind == "mse":
+        k = shape[-1] if shape else None
+        return None if k is None else SquaredError(scale=2.0 / k, reduction=reduction)
+    if options.get("axis", -1) not in (-1, None) or options.get("ignore_class"):
+        return None
+    if not options.get("from_logits", False):
+        return "probabilities"
+    smoothing = float(options.get("label_smoothing", 0.0) or 0.0)
+    if kind in ("sparse", "categorical"):
+        return SoftmaxCrossEntropy(label_smoothing=smoothing, reduction=reduction)
+    k = shape[-1] if shape else 1
+    return SigmoidCrossEntropy(scale=1.0 / k, label_smoothing=smoothing, reduction=reduction)
+
+
+def head_loss(spec, shape=None, label="output", probability=None):
+    """One head's :class:`OutputLoss` from what the user gave.
 
     Args:
-        model: a Keras model.
+        spec: a name from ``NAMES``, a Keras loss name, object or function, a
+            callable ``loss(y_true, y_pred)``, or an :class:`OutputLoss`.
+        shape: the head's per-sample output shape (None: unknown).
+        label: the head's name in messages.
+        probability: ``"softmax"``/``"sigmoid"`` when the head's output is
+            made by one (from :func:`model_heads`), else None.
+
+    Returns:
+        An :class:`OutputLoss` bound to the head.
 
     Raises:
-        ValueError: its last layer applies a softmax or a sigmoid.
+        ValueError: an unknown loss, a reduction that is not one number, or a
+            cross-entropy on probabilities (or with ``from_logits=False``).
     """
-    last = model.layers[-1] if getattr(model, "layers", None) else None
-    activation = getattr(last, "activation", None)
-    name = getattr(activation, "__name__", "")
-    if isinstance(last, keras.layers.Softmax) or name in ("softmax", "sigmoid"):
+    if isinstance(spec, HeadLosses):
+        raise ValueError("a HeadLosses describes a whole model, not one head.")
+    if isinstance(spec, OutputLoss):
+        loss = spec
+    elif isinstance(spec, str) and spec in NAMES:
+        loss = OutputLoss(spec)
+    else:
+        loss = _from_keras(spec, shape, label, probability)
+    if shape is None:
+        loss._check_head(probability)
+        if loss.name == "softmax_cross_entropy":
+            _needs_classes(loss)
+        return loss
+    return loss.bind(shape, label, probability)
+
+
+def _about(spec):
+    """How a loss is named in messages."""
+    if isinstance(spec, keras.losses.Loss):
+        return f"keras.losses.{type(spec).__name__}"
+    if isinstance(spec, functools.partial):
+        return f"partial({_about(spec.func)})"
+    return repr(spec) if isinstance(spec, str) else getattr(spec, "__name__", repr(spec))
+
+
+def _from_keras(spec, shape, label, probability):
+    about = _about(spec)
+    if isinstance(spec, str):
+        try:
+            spec = keras.losses.get(spec)
+        except ValueError:
+            raise ValueError(
+                f"loss must be one of {', '.join(map(repr, NAMES))}, a Keras loss "
+                f"(object or name) or a callable loss(y_true, y_pred); got {about}."
+            ) from None
+    reduction, options, fn = "sum_over_batch_size", {}, spec
+    if isinstance(spec, keras.losses.Loss):
+        config = spec.get_config()
+        reduction = config.get("reduction", reduction)
+        options = {k: v for k, v in config.items() if k not in ("name", "reduction")}
+        fn = getattr(spec, "fn", None)
+    elif isinstance(spec, functools.partial):
+        fn, options = spec.func, dict(spec.keywords)
+    elif not callable(spec):
         raise ValueError(
-            f"the model's last layer {last.name!r} applies a {name or 'softmax'}: "
-            "curvature for a cross-entropy is taken at the logits. Build the model "
-            "with no activation on its last layer (it outputs logits), and apply "
-            "the softmax or sigmoid to its predictions yourself."
+            f"loss must be one of {', '.join(map(repr, NAMES))}, a Keras loss "
+            f"(object or name) or a callable loss(y_true, y_pred); got {about}."
         )
+    reduction = _reduction(reduction)
+    kind = _keras_functions().get(fn) if fn is not None else None
+    loss = _closed_form(kind, options, reduction, shape) if kind else None
+    if loss == "probabilities":
+        where = (
+            "its output holds probabilities (made by a "
+            f"{probability}): remove that activation so that it outputs logits, and"
+            if probability
+            else "curvature is taken at the logits:"
+        )
+        raise ValueError(
+            f"the loss {about}{_for(label)} reads probabilities "
+            f"(from_logits=False); {where} pass the loss with from_logits=True, "
+            f"e.g. keras.losses.{type(spec).__name__ if isinstance(spec, keras.losses.Loss) else 'SparseCategoricalCrossentropy'}(from_logits=True)."
+        )
+    if loss is None:
+        call = spec.call if isinstance(spec, keras.losses.Loss) else spec
+        loss = AutodiffLoss(call, reduction=reduction, about=about)
+    return loss
+
+
+def describe(loss, heads):
+    """The model's :class:`HeadLosses` from the user's loss and its heads.
+
+    Args:
+        loss: one loss for every head; a list (heads' order) or a dict (by
+            output name) with one per head; or a :class:`HeadLosses`.
+        heads: ``(label, shape, probability)`` per head, as
+            :func:`model_heads` gives (or ``[("output", None, None)]``).
+
+    Returns:
+        A :class:`HeadLosses`.
+    """
+    labels = [label for label, _, _ in heads]
+    if isinstance(loss, HeadLosses):
+        specs = loss.heads
+        if len(specs) != len(heads):
+            raise ValueError(
+                f"the loss describes {len(specs)} output(s); the model has "
+                f"{len(heads)}."
+            )
+    elif isinstance(loss, dict):
+        missing = sorted(set(labels) - set(loss))
+        extra = sorted(set(loss) - set(labels))
+        if missing or extra or len(heads) == 1:
+            raise ValueError(
+                f"a dict of losses needs one per output, by name: the outputs are "
+                f"{labels}; the dict has {sorted(loss)}."
+            )
+        specs = [loss[label] for label in labels]
+    elif isinstance(loss, (list, tuple)):
+        if len(loss) != len(heads):
+            raise ValueError(
+                f"{len(loss)} loss(es) for {len(heads)} output(s) {labels}: give "
+                "one loss per output, in the order of tf.nest.flatten (dict keys "
+                "sorted), or one loss for all."
+            )
+        specs = list(loss)
+    else:
+        specs = [loss] * len(heads)
+    return HeadLosses(
+        [
+            head_loss(spec, shape, label, probability)
+            for spec, (label, shape, probability) in zip(specs, heads, strict=True)
+        ]
+    )
+
+
+def losses_for(loss, model, call=None, spec=None):
+    """The :class:`HeadLosses` of ``loss`` on ``model``, the model's graph
+    traced once on ``spec`` (default: its declared inputs) to find its heads.
+
+    Args:
+        loss: as for :func:`describe`.
+        model: a Keras model or a callable.
+        call: ``x -> output nest`` (default: the model in inference mode).
+        spec: the input signature, or None.
+
+    Returns:
+        A :class:`HeadLosses`.
+    """
+    if call is None:
+        call = (
+            (lambda x: model(x, training=False))
+            if isinstance(model, keras.Model)
+            else model
+        )
+    spec = spec if spec is not None else _declared_spec(model)
+    heads = [("output", None, None)]
+    if spec is not None:
+        heads = model_heads(model, call, spec)
+        if any(shape is None for _, shape, _ in heads) and len(heads) > 1:
+            raise ValueError(
+                "an output of this model has a per-sample shape that is unknown "
+                "until it runs; pass x (the entries do) so that it can be traced."
+            )
+        if len(heads) == 1 and heads[0][1] is None:
+            heads = [("output", None, heads[0][2])]
+    return describe(loss, heads)
+
+
+def output_loss(loss, model=None, x=None):
+    """``loss`` as an :class:`OutputLoss`, one per head of the model.
+
+    Introduced in ``11-curvature-and-uncertainty``. The model's graph is
+    traced (on ``x``, or on its declared inputs) to find its heads, their
+    class counts, and any softmax or sigmoid that makes a cross-entropy
+    head's output - refused, whatever describes the loss.
+
+    Args:
+        loss: a name from ``NAMES`` (summed over samples), a Keras loss
+            object, name or function (its reduction), a callable
+            ``loss(y_true, y_pred)``, an :class:`OutputLoss`; or a list or
+            dict of them, one per head, as ``model.compile`` takes them.
+        model: the Keras model or callable, or None.
+        x: a batch to trace the model on (optional for a built Keras model).
+
+    Returns:
+        One head's :class:`OutputLoss`, or a :class:`HeadLosses` for several.
+    """
+    spec = None
+    if x is not None:
+        from ..core.batch import signature
+
+        spec = signature(tf.nest.map_structure(tf.convert_to_tensor, x))
+    if model is None:
+        described = describe(loss, [("output", None, None)])
+    else:
+        described = losses_for(loss, model, spec=spec)
+    return described.heads[0] if len(described.heads) == 1 else described
+
+
+def check_logits(model, x=None):
+    """Refuse a model with an output made by a softmax or sigmoid.
+
+    Args:
+        model: a Keras model or callable.
+        x: a batch to trace it on (optional for a built Keras model).
+
+    Raises:
+        ValueError: an output is made by a softmax or a sigmoid.
+    """
+    output_loss("sigmoid_cross_entropy", model, x)
