@@ -98,7 +98,7 @@ CASES = [
     ("mlp", "squared_error"),
     ("mlp", "softmax_cross_entropy"),
     ("convolution", "sigmoid_cross_entropy"),
-    ("two_heads_list", "squared_error"),  # functional, two heads: one has no J
+    ("two_heads_list", "squared_error"),  # two heads: both named by last_layer=
     ("lstm", "softmax_cross_entropy"),
     ("frozen_layer", "squared_error"),  # BatchNorm, a frozen layer
     ("explicit_nontrainable", "squared_error"),  # a plain callable
@@ -116,8 +116,12 @@ def fitted(name, loss, structure="last_layer", **options):
     x = case.batch(N)
     if case.variables64 is not None:
         last = case.variables64[-1:]
+    elif name == "two_heads_list":  # no single last layer: name both heads
+        heads = case.model64.layers[-2:]
+        options["last_layer"] = heads
+        last = [v for head in heads for v in head.trainable_variables]
     elif structure == "last_layer":
-        last = last_layer_variables(case.model64)
+        last = last_layer_variables(case.model64, x)
     else:
         last = case.model64.trainable_variables
     y = targets(loss, N, case.n_outputs)

@@ -5,21 +5,26 @@ A trained model's weights ``theta*`` are the MAP estimate. The Laplace
 approximation puts a Gaussian around them, ``N(theta*, Sigma)``, whose
 precision is the curvature of the loss plus the prior's::
 
-    P = G / sigma^2 + delta * I,        Sigma = P^-1,
+    P = G / sigma^2 + diag(delta),        Sigma = P^-1,
 
 with ``G = sum_i J_i.T H_i J_i`` the Gauss-Newton matrix of the summed loss
 (``H_i`` from :class:`jacutil.curvature.losses.OutputLoss`), ``sigma^2`` the
 noise variance of a regression (1 for a classification) and ``delta`` the
-prior precision. Three structures of P, as in laplace-torch:
+prior precision: one number, or one per layer (laplace-torch's
+``prior_precision`` per module), repeated over that layer's parameters.
+Three structures of P, as in laplace-torch:
 
-* ``"last_layer"``: the full G of the last layer that has weights; the other
-  weights stay fixed at theta*. P is formed (m_LL x m_LL) and factored by
-  Cholesky.
+* ``"last_layer"``: the full G of the last layer that has weights, found
+  from what the forward pass computes (the weighted layer that no other
+  weighted layer follows on the way to the outputs), or named with
+  ``last_layer=``; the other weights stay fixed at theta*. P is formed
+  (m_LL x m_LL) and factored by Cholesky.
 * ``"diagonal"``: every parameter, G replaced by its exact diagonal
   (:func:`jacutil.curvature.diagonal.ggn_diagonal`).
 * ``"kfac"``: every parameter, G replaced by its Kronecker factors
   (:func:`jacutil.curvature.kfac.kfac`); ``(K / s + d I)^-1 = s (K + s d I)^-1``
-  with ``s = sigma^2``.
+  with ``s = sigma^2``, block by block (each block is one layer, so a
+  per-layer delta keeps the inverse exact).
 
 The predictive of the linearized model at a test point x* is Gaussian over
 the outputs: mean f(x*), covariance ``J* Sigma J*.T`` (l x l). For a
@@ -28,13 +33,15 @@ classification the probit approximation turns it into probabilities,
 
 The log marginal likelihood is laplace-torch's::
 
-    log p(y | theta*) - 0.5 * (log det P - log det P0) - 0.5 * delta |theta*|^2
+    log p(y | theta*) - 0.5 * (log det P - log det P0) - 0.5 * theta*.T P0 theta*
 
-with ``P0 = delta I`` over the structure's parameters, and its maximum over
-delta (and sigma for a regression) chooses the prior.
+with ``P0 = diag(delta)`` over the structure's parameters, and its maximum
+over delta (one or one per layer, and sigma for a regression) chooses the
+prior.
 """
 
 import math
+from collections.abc import Mapping
 
 import numpy as np
 import scipy.linalg
@@ -42,14 +49,17 @@ import scipy.optimize
 
 from ..auto import jacobian
 from ..core._tf import keras, tf
+from ..core.arguments import check_memory_budget, refuse_non_finite
 from ..core.batch import n_samples, take
 from ..core.layout import flat_params
 from ..core.outputs import as_rows
+from ..core.target import variable_list
 from .diagonal import ggn_diagonal
 from .kfac import kfac
 from .losses import output_loss
 
 STRUCTURES = ("last_layer", "diagonal", "kfac")
+PRIOR_STRUCTURES = ("scalar", "layerwise")
 DEFAULT_MEMORY_BUDGET = 2**28  # bytes for one chunk of J (256 MiB)
 
 
@@ -63,6 +73,7 @@ def laplace(
     prior_precision=1.0,
     sigma_noise=1.0,
     variables=None,
+    last_layer=None,
     memory_budget=None,
 ):
     """Fit a Laplace approximation around a trained model's weights.
@@ -80,20 +91,32 @@ def laplace(
             or ``"sigmoid_cross_entropy"`` (a classification; the model
             outputs logits), or an ``OutputLoss``.
         structure: ``"last_layer"``, ``"diagonal"`` or ``"kfac"``.
-        prior_precision: delta, a positive scalar.
+        prior_precision: delta: a positive number, or one per layer of the
+            posterior (laplace-torch's per-module prior): a dict
+            ``{layer name: delta}`` naming every layer, or a sequence in the
+            order of :attr:`Laplace.layer_names` (the layers in the order of
+            their variables).
         sigma_noise: sigma, the noise standard deviation of a regression
             (it must stay 1 for a classification).
         variables: the variables the posterior covers (default: the last
             layer's for ``"last_layer"``, every trainable one otherwise).
+            Any iterable of variables; it is read once.
+        last_layer: for ``"last_layer"``: the layer (or a list of layers),
+            as layer objects or names, whose weights the posterior covers,
+            instead of the one found from the forward pass. A model with
+            several heads needs it.
         memory_budget: bytes for one chunk of J (default 256 MiB).
 
     Returns:
         A fitted :class:`Laplace`.
 
     Raises:
-        ValueError: an unknown structure or loss, y of the wrong shape, a
-            cross-entropy on a model that ends in a softmax or sigmoid, or a
-            prior precision or noise that is not positive.
+        ValueError: an unknown structure or loss, y of the wrong shape, NaN
+            or infinity in x or y, a cross-entropy on a model that ends in a
+            softmax or sigmoid, a prior precision or noise that is not
+            positive, a memory budget below one byte, or a model whose
+            outputs end in different weighted layers (several heads) without
+            ``last_layer=``.
         TypeError: a plain callable without ``variables=``.
     """
     return Laplace(
@@ -105,25 +128,145 @@ def laplace(
         prior_precision=prior_precision,
         sigma_noise=sigma_noise,
         variables=variables,
+        last_layer=last_layer,
         memory_budget=memory_budget,
     )
 
 
-def last_layer_variables(model):
-    """The trainable variables of the last layer that has any.
+# -- which layer is last ----------------------------------------------------------
 
-    Nested models are searched inside: the answer is a layer, not a model.
-    Introduced in ``11-curvature-and-uncertainty``.
+
+def _layers_inside(model):
+    """Every Keras layer inside ``model``, the model itself last."""
+    flatten = getattr(model, "_flatten_layers", None)
+    inner = list(flatten(include_self=False, recursive=True)) if flatten else []
+    return [*inner, model]
+
+
+def _owners(model, variables):
+    """For each variable, the innermost layer of ``model`` that holds it
+    (the one with the fewest weights), or None."""
+    layers = _layers_inside(model) if isinstance(model, keras.Layer) else []
+    holders = [(layer, {id(w) for w in layer.weights}) for layer in layers]
+    owners = []
+    for v in variables:
+        holding = [(len(ids), k) for k, (_, ids) in enumerate(holders) if id(v) in ids]
+        owners.append(holders[min(holding)[1]][0] if holding else None)
+    return owners
+
+
+def _tracing_inputs(model, x):
+    """One sample of x as tensors, or the model's declared inputs as specs."""
+    if x is not None:
+        return tf.nest.map_structure(
+            lambda a: tf.convert_to_tensor(np.asarray(a)), take(x, 0, 1)
+        )
+    declared = getattr(model, "_inputs_struct", None)
+    try:
+        declared = declared if declared is not None else model.inputs
+    except (AttributeError, ValueError):
+        declared = None
+    if not declared:
+        raise ValueError(
+            f"model {model.name!r} declares no inputs (a subclassed model), so "
+            "its forward pass cannot be traced without data: pass x, e.g. "
+            "last_layer_variables(model, x)."
+        )
+    return tf.nest.map_structure(
+        lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype), declared
+    )
+
+
+def _last_layers_per_output(model, x):
+    """For each output leaf of ``model``, the weighted layers that no other
+    weighted layer follows on its way to that output.
+
+    The forward pass is traced once into a graph; each tensor records the
+    weighted layers it depends on, and an op that reads a layer's variables
+    (directly, or through a loop or call that takes the variable's handle)
+    records that the layers its data came through precede that layer. The
+    model's layer list and the order its attributes were created in play no
+    part.
+
+    Returns:
+        ``(layers, last)``: the weighted layers (innermost owners of the
+        trainable variables, in ``model.trainable_variables`` order) and,
+        per output leaf (``tf.nest.flatten`` order), the set of their
+        indices that end it.
+    """
+    variables = list(model.trainable_variables)
+    owners = _owners(model, variables)
+    layers, index, of_handle = [], {}, {}
+    for v, owner in zip(variables, owners, strict=True):
+        owner = model if owner is None else owner
+        if id(owner) not in index:
+            index[id(owner)] = len(layers)
+            layers.append(owner)
+        of_handle[id(v.handle)] = index[id(owner)]
+
+    traced = tf.function(lambda inputs: model(inputs, training=False))
+    concrete = traced.get_concrete_function(_tracing_inputs(model, x))
+    graph = concrete.graph
+    depends, data = {}, set()  # tensor -> layer indices; tensors that carry x
+    for external, internal in graph.captures:
+        k = of_handle.get(id(external))
+        depends[internal.ref()] = frozenset() if k is None else frozenset({k})
+    for t in graph.inputs:
+        if t.ref() not in depends:
+            depends[t.ref()] = frozenset()
+            data.add(t.ref())
+    precedes = [set() for _ in layers]  # precedes[k]: layers whose output reaches k
+    for op in graph.get_operations():
+        flowing, applied, carries = set(), set(), False
+        for t in op.inputs:
+            d = depends.get(t.ref(), frozenset())
+            if t.ref() in data:
+                flowing |= d
+                carries = True
+            else:
+                applied |= d
+        for k in applied:
+            precedes[k] |= flowing - {k}
+        for out in op.outputs:
+            if out.ref() not in depends:
+                depends[out.ref()] = frozenset(flowing | applied)
+                if carries:
+                    data.add(out.ref())
+    last = []
+    for out in tf.nest.flatten(concrete.structured_outputs):
+        reached = depends.get(out.ref(), frozenset())
+        last.append(
+            {k for k in reached if not any(k in precedes[j] for j in reached - {k})}
+        )
+    return layers, last
+
+
+def last_layer_variables(model, x=None):
+    """The trainable variables of the last weighted layer of the forward pass.
+
+    The last layer is found from what the forward pass computes, not from
+    the order of ``model.layers``: the forward pass is traced once, and the
+    layer with trainable weights that no other weighted layer follows on the
+    way to the outputs is the one (laplace-torch finds its last layer with a
+    forward pass too). Subclassed models (whose layer list is the order
+    their attributes were set), nested models and functional graphs all
+    work; the answer is a layer, not a nested model. Introduced in
+    ``11-curvature-and-uncertainty``.
 
     Args:
         model: a Keras model.
+        x: a batch of inputs (one sample is used), needed when the model
+            declares no inputs (a subclassed model).
 
     Returns:
-        A list of tf.Variables, in ``flat_params`` order.
+        A list of tf.Variables, in ``model.trainable_variables`` order.
 
     Raises:
         TypeError: ``model`` is not a Keras model.
-        ValueError: no layer has trainable weights.
+        ValueError: no layer has trainable weights; a subclassed model without
+            ``x``; or the outputs end in different weighted layers (several
+            heads), or one output in several: then name the layers with
+            ``laplace(..., last_layer=[...])`` or pass ``variables=``.
     """
     if not isinstance(model, keras.Model):
         raise TypeError(
@@ -131,18 +274,70 @@ def last_layer_variables(model):
             f"{type(model).__name__}. For a plain callable pass "
             "variables=[...], the variables of its last layer."
         )
-    for layer in reversed(model.layers):
-        if isinstance(layer, keras.Model):
-            try:
-                return last_layer_variables(layer)
-            except ValueError:
-                continue
-        if layer.trainable_variables:
-            return list(layer.trainable_variables)
-    raise ValueError(
-        f"model {model.name!r} has no layer with trainable weights: build it "
-        "(give it an Input) and check that its layers are not all frozen."
+    if not model.trainable_variables:
+        raise ValueError(
+            f"model {model.name!r} has no layer with trainable weights: build it "
+            "(give it an Input) and check that its layers are not all frozen."
+        )
+    layers, last = _last_layers_per_output(model, x)
+    ends = {frozenset(k) for k in last}
+    if len(ends) == 1 and len(next(iter(ends))) == 1:
+        (k,) = next(iter(ends))
+        held = {id(v) for v in layers[k].weights}
+        return [v for v in model.trainable_variables if id(v) in held]
+    described = "; ".join(
+        f"output {j}: {', '.join(repr(layers[k].name) for k in sorted(ks)) or 'none'}"
+        for j, ks in enumerate(last)
     )
+    names = sorted({layers[k].name for ks in last for k in ks})
+    raise ValueError(
+        f"model {model.name!r} has no single last layer: its outputs end in "
+        f"different weighted layers ({described}). A posterior over one of "
+        "them would give the other outputs zero variance. Name the layers: "
+        f"laplace(..., last_layer={names!r}) (layer objects work too), or pass "
+        "variables=[...]."
+    )
+
+
+def _named_layers(model, last_layer):
+    """The trainable variables of the layers named by ``last_layer``."""
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "last_layer= names layers of a Keras model; for a plain callable "
+            "pass variables=[...]."
+        )
+    items = list(last_layer) if isinstance(last_layer, (list, tuple)) else [last_layer]
+    if not items:
+        raise ValueError("last_layer= is empty: name at least one layer.")
+    inside = _layers_inside(model)[:-1]
+    chosen = []
+    for item in items:
+        if isinstance(item, str):
+            found = [layer for layer in inside if layer.name == item]
+            if len(found) != 1:
+                known = ", ".join(
+                    repr(layer.name) for layer in inside if layer.trainable_variables
+                )
+                raise ValueError(
+                    f"last_layer={item!r}: {'no' if not found else len(found)} "
+                    f"layer(s) of model {model.name!r} have that name. Layers with "
+                    f"trainable weights: {known}. Pass a name from those, or the "
+                    "layer object."
+                )
+            item = found[0]
+        elif not isinstance(item, keras.Layer) or not any(item is i for i in inside):
+            raise ValueError(
+                f"last_layer= holds {item!r}, which is not a layer of model "
+                f"{model.name!r}: pass layer names or layer objects of this model."
+            )
+        if not item.trainable_variables:
+            raise ValueError(
+                f"last_layer: layer {item.name!r} has no trainable weights; name "
+                "layers that have some."
+            )
+        chosen.append(item)
+    held = {id(v) for layer in chosen for v in layer.trainable_variables}
+    return [v for v in model.trainable_variables if id(v) in held]
 
 
 def _positive(value, name):
@@ -156,8 +351,12 @@ def _per_sample_shapes(x):
     return tf.nest.map_structure(lambda a: tuple(np.shape(a)[1:]), x)
 
 
+def _variable_name(v):
+    return str(getattr(v, "path", None) or v.name)
+
+
 class Laplace:
-    """A Laplace posterior ``N(theta*, (G / sigma^2 + delta I)^-1)``.
+    """A Laplace posterior ``N(theta*, (G / sigma^2 + diag(delta))^-1)``.
 
     Build it with :func:`laplace` (same arguments). It keeps the curvature
     of the training data, so that changing the prior precision or the noise
@@ -173,7 +372,11 @@ class Laplace:
         n_params: m.
         n_data: n, the training samples.
         n_outputs: l, the outputs per sample.
-        prior_precision: delta.
+        layer_names: the layers of the posterior, in the order of their
+            variables (a variable outside any layer is its own entry, named
+            by its path): the order of a per-layer ``prior_precision``.
+        prior_precision: delta: a float, or an array with one value per
+            entry of ``layer_names``.
         sigma_noise: sigma (1 for a classification).
         ggn: the structure's curvature: G (m, m) for ``"last_layer"``, its
             diagonal (m,) for ``"diagonal"``, the ``KFAC`` for ``"kfac"``.
@@ -190,6 +393,7 @@ class Laplace:
         prior_precision=1.0,
         sigma_noise=1.0,
         variables=None,
+        last_layer=None,
         memory_budget=None,
     ):
         if structure not in STRUCTURES:
@@ -197,11 +401,26 @@ class Laplace:
                 f"structure must be one of {', '.join(map(repr, STRUCTURES))}; "
                 f"got {structure!r}."
             )
+        if variables is not None:
+            variables = variable_list(variables)  # a generator is read once, here
+        if last_layer is not None:
+            if structure != "last_layer":
+                raise ValueError(
+                    f"last_layer= chooses the layers of the 'last_layer' structure; "
+                    f"for {structure!r} pass variables=[...] instead."
+                )
+            if variables is not None:
+                raise ValueError(
+                    "pass last_layer= or variables=, not both: each says which "
+                    "weights the posterior covers."
+                )
+        memory_budget = check_memory_budget(memory_budget)
+        refuse_non_finite(x, "x")
+        refuse_non_finite(y, "y")
         self.model = model
         self.structure = structure
         self.loss = output_loss(loss, model)
         self.regression = self.loss.name == "squared_error"
-        self.prior_precision = _positive(prior_precision, "prior_precision")
         self.sigma_noise = _positive(sigma_noise, "sigma_noise")
         if not self.regression and self.sigma_noise != 1.0:
             raise ValueError(
@@ -209,12 +428,16 @@ class Laplace:
                 f"classification ({self.loss.name}) has no observation noise. "
                 "Leave sigma_noise at 1."
             )
-        self.memory_budget = int(memory_budget or DEFAULT_MEMORY_BUDGET)
-        if structure == "last_layer" and variables is None:
-            variables = last_layer_variables(model)
+        self.memory_budget = memory_budget or DEFAULT_MEMORY_BUDGET
+        if last_layer is not None:
+            variables = _named_layers(model, last_layer)
+        elif structure == "last_layer" and variables is None:
+            variables = last_layer_variables(model, x)
         self.variables = variables
         self.mean = flat_params(model, variables=variables)
         self.n_params = self.mean.size
+        self._group_parameters()
+        self.prior_precision = self._prior(prior_precision)
         self._inputs = _per_sample_shapes(x)
         self.n_data = int(n_samples(x))
         self.f_train = self._outputs(x)
@@ -223,11 +446,85 @@ class Laplace:
         self._fit(x)
 
     def __repr__(self):
+        delta = self.prior_precision
+        shown = (
+            f"{delta:.4g}"
+            if np.ndim(delta) == 0
+            else "[" + ", ".join(f"{d:.4g}" for d in delta) + "]"
+        )
         return (
             f"Laplace({self.structure!r}, {self.loss.name!r}, m={self.n_params}, "
-            f"prior_precision={self.prior_precision:.4g}, "
-            f"sigma_noise={self.sigma_noise:.4g})"
+            f"prior_precision={shown}, sigma_noise={self.sigma_noise:.4g})"
         )
+
+    # -- the prior, per layer ---------------------------------------------------
+
+    def _group_parameters(self):
+        """``layer_names`` and, per parameter, the index of its layer."""
+        variables = self.variables
+        if variables is None:
+            variables = self.model.trainable_variables
+        owners = _owners(self.model, variables)
+        names, index, group = [], {}, []
+        for v, owner in zip(variables, owners, strict=True):
+            key = id(owner) if owner is not None else ("variable", id(v))
+            if key not in index:
+                index[key] = len(names)
+                names.append(owner.name if owner is not None else _variable_name(v))
+            group.append(np.full(int(np.prod(v.shape)), index[key]))
+        self.layer_names = names
+        self._group = np.concatenate(group) if group else np.zeros(0, int)
+        self._group_sizes = np.bincount(self._group, minlength=len(names))
+
+    def _prior(self, prior_precision):
+        """delta as a float, or as an array with one value per layer."""
+        if isinstance(prior_precision, Mapping):
+            if len(set(self.layer_names)) != len(self.layer_names):
+                raise ValueError(
+                    f"the posterior's layers {self.layer_names} share names, so a "
+                    "dict cannot tell them apart: pass prior_precision as a "
+                    "sequence in the order of .layer_names."
+                )
+            unknown = sorted(set(map(str, prior_precision)) - set(self.layer_names))
+            missing = [n for n in self.layer_names if n not in prior_precision]
+            if unknown or missing:
+                raise ValueError(
+                    f"prior_precision as a dict needs one value for each layer of "
+                    f"the posterior, {self.layer_names}; "
+                    + (f"unknown: {unknown}" if unknown else "")
+                    + ("; " if unknown and missing else "")
+                    + (f"missing: {missing}" if missing else "")
+                    + ". Or pass one number for every layer."
+                )
+            prior_precision = [prior_precision[n] for n in self.layer_names]
+        if np.ndim(prior_precision) == 0:
+            return _positive(prior_precision, "prior_precision")
+        values = np.asarray(prior_precision, dtype=np.float64)
+        if values.shape != (len(self.layer_names),):
+            raise ValueError(
+                f"prior_precision per layer needs one value for each of the "
+                f"{len(self.layer_names)} layers of the posterior "
+                f"({self.layer_names}); got shape {values.shape}. Pass a "
+                "number, a dict {layer name: value}, or a sequence in that order."
+            )
+        if not np.all(np.isfinite(values) & (values > 0)):
+            raise ValueError(
+                f"prior_precision must be positive numbers; got {values.tolist()}."
+            )
+        return values
+
+    @property
+    def prior_precision_by_layer(self):
+        """delta of each layer, ``{layer name: delta}`` (a scalar repeated).
+
+        Introduced in ``11-curvature-and-uncertainty``.
+        """
+        values = np.broadcast_to(self.prior_precision, (len(self.layer_names),))
+        return dict(zip(self.layer_names, map(float, values), strict=True))
+
+    def _per_parameter(self, delta):
+        """A float stays; per-layer values become one per parameter (m,)."""
+        return delta if np.ndim(delta) == 0 else np.asarray(delta)[self._group]
 
     # -- the pieces -----------------------------------------------------------
 
@@ -277,18 +574,39 @@ class Laplace:
     # -- the posterior --------------------------------------------------------
 
     def _values(self, prior_precision, sigma_noise):
+        """(delta: a float or one per parameter, sigma^2)."""
         delta = self.prior_precision if prior_precision is None else prior_precision
         sigma = self.sigma_noise if sigma_noise is None else sigma_noise
-        delta = _positive(delta, "prior_precision")
+        delta = self._prior(delta)
         sigma = _positive(sigma, "sigma_noise")
         if not self.regression and sigma != 1.0:
             raise ValueError(
                 "sigma_noise is for a regression; a classification has none."
             )
-        return delta, sigma**2
+        return self._per_parameter(delta), sigma**2
+
+    def _kfac_blocks(self, delta):
+        """KFAC's blocks with their one delta each: ``[(factor, d)]``.
+
+        Raises:
+            ValueError: a block (one layer's kernel and bias) with two deltas.
+        """
+        blocks = []
+        for f in self.ggn.factors:
+            columns = np.r_[f.kernel, f.bias] if f.bias is not None else np.r_[f.kernel]
+            values = np.unique(delta[columns])
+            if len(values) != 1:
+                raise ValueError(
+                    f"layer {f.name!r} is one Kronecker block A (x) B in KFAC, whose "
+                    "damped inverse is exact for one delta per block only; its "
+                    f"parameters have {len(values)} prior precisions. Give each "
+                    "layer one value (a dict {layer name: delta})."
+                )
+            blocks.append((f, float(values[0])))
+        return blocks
 
     def posterior_precision(self):
-        """P = G / sigma^2 + delta I: (m, m) for ``"last_layer"``, its
+        """P = G / sigma^2 + diag(delta): (m, m) for ``"last_layer"``, its
         diagonal (m,) for ``"diagonal"``.
 
         Introduced in ``11-curvature-and-uncertainty``.
@@ -302,7 +620,9 @@ class Laplace:
         """
         delta, s2 = self._values(None, None)
         if self.structure == "last_layer":
-            return self.ggn / s2 + delta * np.eye(self.n_params)
+            if np.ndim(delta) == 0:
+                return self.ggn / s2 + delta * np.eye(self.n_params)
+            return self.ggn / s2 + np.diag(delta)
         if self.structure == "diagonal":
             return self.ggn / s2 + delta
         raise ValueError(
@@ -334,26 +654,64 @@ class Laplace:
         Introduced in ``11-curvature-and-uncertainty``.
 
         Args:
-            prior_precision: delta (default: the stored one).
+            prior_precision: delta, one or per layer (default: the stored one).
             sigma_noise: sigma (default: the stored one).
 
         Returns:
             A float.
         """
         delta, s2 = self._values(prior_precision, sigma_noise)
+        scalar = np.ndim(delta) == 0
         if self.structure == "last_layer":
-            return float(np.sum(np.log(self._eigenvalues / s2 + delta)))
+            if scalar:
+                return float(np.sum(np.log(self._eigenvalues / s2 + delta)))
+            factor = np.linalg.cholesky(self.ggn / s2 + np.diag(delta))
+            return 2.0 * float(np.sum(np.log(np.diagonal(factor))))
         if self.structure == "diagonal":
             return float(np.sum(np.log(self.ggn / s2 + delta)))
-        # log det(K / s + d I) = log det(K + s d I) - m log s
-        return float(self.ggn.logdet(s2 * delta)) - self.n_params * math.log(s2)
+        # log det(K / s + d I) = log det(K + s d I) - m log s, block by block
+        if scalar:
+            return float(self.ggn.logdet(s2 * delta)) - self.n_params * math.log(s2)
+        rest = self.ggn.rest
+        total = float(np.sum(np.log(self.ggn.rest_diagonal / s2 + delta[rest])))
+        for f, d in self._kfac_blocks(delta):
+            eA, _, eB, _ = f.eig()
+            total += float(np.sum(np.log(np.outer(eA, eB) / s2 + d)))
+        return total
 
-    def _covariance_times(self, V):
+    def _covariance_times(self, V, prior_precision=None, sigma_noise=None):
         """Sigma @ V for V (m, r) for diagonal and KFAC: no m x m matrix."""
-        delta, s2 = self._values(None, None)
+        delta, s2 = self._values(prior_precision, sigma_noise)
         if self.structure == "diagonal":
             return V / (self.ggn / s2 + delta)[:, None]
-        return s2 * np.asarray(self.ggn.inverse_matvec(V, s2 * delta), np.float64)
+        if np.ndim(delta) == 0:
+            return s2 * np.asarray(self.ggn.inverse_matvec(V, s2 * delta), np.float64)
+        V = np.asarray(V, dtype=np.float64)
+        out = np.zeros_like(V)
+        rest = self.ggn.rest
+        out[rest] = V[rest] / (self.ggn.rest_diagonal / s2 + delta[rest])[:, None]
+        for f, d in self._kfac_blocks(delta):  # s (A (x) B + s d I)^-1, exact
+            eA, QA, eB, QB = f.eig()
+            W = np.einsum("ba,bdk,de->aek", QA, f.as_matrix(V), QB)
+            W /= (np.outer(eA, eB) / s2 + d)[:, :, None]
+            f.put(out, np.einsum("ab,bdk,ed->aek", QA, W, QB))
+        return out
+
+    def _covariance_diagonal(self, delta, s2):
+        """diag(Sigma), (m,), at delta (one per parameter) and sigma^2."""
+        if self.structure == "last_layer":
+            factor = scipy.linalg.cho_factor(self.ggn / s2 + np.diag(delta), lower=True)
+            return np.diagonal(scipy.linalg.cho_solve(factor, np.eye(self.n_params)))
+        if self.structure == "diagonal":
+            return 1.0 / (self.ggn / s2 + delta)
+        out = np.zeros((self.n_params, 1))
+        rest = self.ggn.rest
+        out[rest, 0] = 1.0 / (self.ggn.rest_diagonal / s2 + delta[rest])
+        for f, d in self._kfac_blocks(delta):  # sum_ab QA[i,a]^2 QB[j,b]^2 / (.)
+            eA, QA, eB, QB = f.eig()
+            block = (QA**2) @ (1.0 / (np.outer(eA, eB) / s2 + d)) @ (QB**2).T
+            f.put(out, block[:, :, None])
+        return out[:, 0]
 
     def predictive_variance(self, x_test):
         """The linearized predictive covariance ``J* Sigma J*.T`` per point.
@@ -370,9 +728,10 @@ class Laplace:
 
         Raises:
             ValueError: x_test's per-sample shape differs from the training
-                inputs'.
+                inputs', or x_test holds NaN or infinity.
         """
         self._check_inputs(x_test)
+        refuse_non_finite(x_test, "x_test")
         n, width = int(n_samples(x_test)), self.n_outputs
         var = np.empty((n, width, width))
         if self.structure == "last_layer":  # P = L L.T: J Sigma J.T = |L^-1 J.T|^2
@@ -478,13 +837,14 @@ class Laplace:
     def log_marginal_likelihood(self, prior_precision=None, sigma_noise=None):
         """laplace-torch's Laplace log marginal likelihood.
 
-        ``log p(y|theta*) - 0.5 (log det P - log det P0) - 0.5 delta
-        |theta*|^2`` with ``P0 = delta I`` over the structure's m
-        parameters. Unlike laplace-torch it does not store the values it is
-        given. Introduced in ``11-curvature-and-uncertainty``.
+        ``log p(y|theta*) - 0.5 (log det P - log det P0) - 0.5 theta*.T P0
+        theta*`` with ``P0 = diag(delta)`` over the structure's m
+        parameters (delta one number, or one per layer). Unlike
+        laplace-torch it does not store the values it is given. Introduced
+        in ``11-curvature-and-uncertainty``.
 
         Args:
-            prior_precision: delta (default: the stored one).
+            prior_precision: delta, one or per layer (default: the stored one).
             sigma_noise: sigma, a regression only (default: the stored one).
 
         Returns:
@@ -495,39 +855,59 @@ class Laplace:
                 classification.
         """
         delta, _ = self._values(prior_precision, sigma_noise)
-        log_det_ratio = self.log_det_posterior_precision(
-            delta, sigma_noise
-        ) - self.n_params * math.log(delta)
-        scatter = delta * float(self.mean @ self.mean)
+        log_det = self.log_det_posterior_precision(prior_precision, sigma_noise)
+        if np.ndim(delta) == 0:
+            log_det_ratio = log_det - self.n_params * math.log(delta)
+            scatter = delta * float(self.mean @ self.mean)
+        else:
+            log_det_ratio = log_det - float(np.sum(np.log(delta)))
+            scatter = float(np.sum(delta * self.mean**2))
         return self.log_likelihood(sigma_noise) - 0.5 * (log_det_ratio + scatter)
+
+    def _layerwise_gradient(self, values, sigma):
+        """d log marginal likelihood / d log delta_g, per layer g:
+        ``0.5 m_g - 0.5 delta_g (tr Sigma_gg + |theta*_g|^2)``."""
+        delta, s2 = self._values(values, sigma)
+        per_parameter = self._covariance_diagonal(delta, s2) + self.mean**2
+        traces = np.bincount(self._group, per_parameter, len(self.layer_names))
+        return 0.5 * self._group_sizes - 0.5 * np.asarray(values) * traces
 
     def optimize_prior_precision(
         self,
         method="marglik",
         *,
         sigma_noise=None,
+        prior_structure=None,
         bounds=(1e-4, 1e4),
         sigma_bounds=(1e-3, 1e3),
     ):
         """Choose delta (and sigma) that maximize the marginal likelihood.
 
-        log delta is optimized by bounded Brent search; with
-        ``sigma_noise="fit"`` (a regression) log sigma is searched outside
-        it, each sigma with its best delta. The values are stored.
+        One delta: log delta is optimized by bounded Brent search. One delta
+        per layer (laplace-torch's ``prior_structure="layerwise"``): from
+        the best single delta, L-BFGS-B on the log deltas with the exact
+        gradient ``0.5 m_g - 0.5 delta_g (tr Sigma_gg + |theta*_g|^2)``.
+        With ``sigma_noise="fit"`` (a regression) log sigma is searched
+        outside it, each sigma with its best delta. The values are stored.
         Introduced in ``11-curvature-and-uncertainty``.
 
         Args:
             method: ``"marglik"``, the only one.
             sigma_noise: ``"fit"`` to choose sigma as well, or None to keep it.
+            prior_structure: ``"scalar"`` (one delta), ``"layerwise"`` (one
+                per entry of :attr:`layer_names`), or None: the shape of the
+                stored ``prior_precision``.
             bounds: the range of delta.
             sigma_bounds: the range of sigma.
 
         Returns:
-            ``(prior_precision, sigma_noise)``, the values now stored.
+            ``(prior_precision, sigma_noise)``, the values now stored (delta a
+            float, or an array per layer).
 
         Raises:
-            ValueError: another method, ``"fit"`` for a classification, or
-                bounds that are not positive and increasing.
+            ValueError: another method or prior structure, ``"fit"`` for a
+                classification, or bounds that are not positive and
+                increasing.
         """
         if method != "marglik":
             raise ValueError(
@@ -540,20 +920,54 @@ class Laplace:
             )
         if sigma_noise == "fit" and not self.regression:
             raise ValueError("sigma_noise='fit' is for a regression only.")
+        if prior_structure is None:
+            prior_structure = (
+                "scalar" if np.ndim(self._prior(self.prior_precision)) == 0
+                else "layerwise"
+            )  # fmt: skip
+        if prior_structure not in PRIOR_STRUCTURES:
+            raise ValueError(
+                "prior_structure must be 'scalar', 'layerwise' or None (the "
+                f"stored prior's shape); got {prior_structure!r}."
+            )
         low, high = (_positive(b, "bounds") for b in bounds)
         if not low < high:
             raise ValueError(
                 f"bounds must be (low, high) with low < high; got {bounds}."
             )
+        log_bounds = (math.log(low), math.log(high))
 
-        def best_delta(sigma):
+        def best_scalar(sigma):
             result = scipy.optimize.minimize_scalar(
                 lambda t: -self.log_marginal_likelihood(math.exp(t), sigma),
-                bounds=(math.log(low), math.log(high)),
+                bounds=log_bounds,
                 method="bounded",
                 options={"xatol": 1e-8},
             )
             return math.exp(result.x), -result.fun
+
+        def best_delta(sigma):
+            delta, value = best_scalar(sigma)
+            if prior_structure == "scalar":
+                return delta, value
+            groups = len(self.layer_names)
+
+            def objective(t):
+                values = np.exp(t)
+                return (
+                    -self.log_marginal_likelihood(values, sigma),
+                    -self._layerwise_gradient(values, sigma),
+                )
+
+            result = scipy.optimize.minimize(
+                objective,
+                np.full(groups, math.log(delta)),
+                jac=True,
+                method="L-BFGS-B",
+                bounds=[log_bounds] * groups,
+                options={"ftol": 1e-14, "gtol": 1e-9, "maxiter": 500},
+            )
+            return np.exp(result.x), -float(result.fun)
 
         sigma = self.sigma_noise
         if sigma_noise == "fit":
