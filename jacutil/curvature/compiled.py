@@ -3,45 +3,53 @@
 
 :class:`CurvatureProducts` extends the products with J of notebook 09
 (:class:`jacutil.matrix_free.products.Products`) by two products, each one
-compiled graph per input shape:
+compiled graph per loss and input shape:
 
-* ``ggn_chunk``: ``sum_i J_i.T H_i J_i v`` - one forward pass that carries
-  the tangent ``J v`` (``ForwardAccumulator``), ``H`` applied to it at the
-  outputs, and one backward pass started from ``H J v``. No J is formed.
+* ``ggn_chunk``: ``sum_i J_i.T W_i H_i J_i v`` - one forward pass that
+  carries the tangent ``J v`` (``ForwardAccumulator``), each head's ``H``
+  applied to it at the outputs and weighted, and one backward pass started
+  from ``H J v``. No J is formed.
 * ``hvp_chunk``: the loss's Hessian times ``v`` - forward mode over the
   reverse-mode gradient (forward over reverse).
 
-A recurrent layer that keeps its ``while_loop`` carries no tangent in TF 2.21
-(``jacutil.core.formulation``): there both run reverse over reverse instead.
+``W_i`` is each sample's weight per output (``sample_weight`` times each
+head's reduction: ``HeadLosses.row_weights``). A recurrent layer that keeps
+its ``while_loop`` carries no tangent in TF 2.21 (``jacutil.core.formulation``):
+there both run reverse over reverse instead. :func:`curvature_inputs` checks
+what every curvature entry takes (x, y, sample_weight, the loss) once.
 """
+
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..core._shared import joined_gradients, or_zeros, sizes_of
 from ..core._tf import tf
+from ..core.arguments import refuse_non_finite
 from ..core.batch import as_batch, n_samples, signature, signature_key, take
 from ..core.formulation import kept_loops, new_ops, quiet_function, refuse_hidden_reads
 from ..core.guards import require_connected
+from ..core.outputs import output_layout
 from ..core.target import watched
 from ..matrix_free.products import Products
+from .losses import losses_for
 
 
 class CurvatureProducts(Products):
-    """Compiled ``G @ v`` and ``H @ v`` of one model and loss.
+    """Compiled ``G @ v`` and ``H @ v`` of one model, for any loss.
 
-    Kept per model, loss and variables by :func:`curvature_products`, so an
-    operator made again on the same model traces nothing new.
+    Kept per model, variables and chunk size by :func:`curvature_products`;
+    each product is compiled once per loss (``HeadLosses.key``) and input
+    shape, so an operator made again on the same model traces nothing new.
 
     Args:
         target: what is differentiated (``jacutil.core.target``).
-        loss: an :class:`jacutil.curvature.losses.OutputLoss`.
         chunk_size: samples per slice, or None for the whole batch.
         owner: the model, kept alive as long as these products.
     """
 
-    def __init__(self, target, loss, chunk_size=None, owner=None):
+    def __init__(self, target, chunk_size=None, owner=None):
         super().__init__(target, chunk_size, "forward", owner)
-        self.loss = loss
         self.forward_mode = not kept_loops(target)
 
     def _tangents(self, tracked, v, build):
@@ -51,8 +59,12 @@ class CurvatureProducts(Products):
             value = build()
         return value, accumulator
 
-    def ggn_chunk(self, x, v):
-        """``sum_i J_i.T H_i J_i v`` over one chunk ``x``, shape (m,)."""
+    def ggn_chunk(self, loss, x, w, v, t=None):
+        """``sum_i J_i.T W_i H_i J_i v`` over one chunk ``x``, shape (m,).
+
+        ``loss``: a ``HeadLosses``; ``w``: the weights (n, l); ``t``: the
+        heads' targets, for a loss whose H depends on them (else None).
+        """
         self.trace_count += 1
         tracked = [watched(w) for w in self.variables]
         with self._traced(), new_ops() as created, tf.GradientTape() as tape:
@@ -68,21 +80,21 @@ class CurvatureProducts(Products):
             refuse_hidden_reads(created, tracked)
         else:
             jv = self._jvp_double_backward(x, v)
-        hjv = self.loss.hessian_product_tf(tf.stop_gradient(y), jv)
+        hjv = w * loss.hessian_product_tf(tf.stop_gradient(y), jv, t)
         grads = tape.gradient(y, tracked, output_gradients=hjv)
         require_connected(grads, tracked)
         return joined_gradients(grads, sizes_of(self.variables), y.dtype)
 
-    def hvp_chunk(self, x, t, v):
-        """The Hessian of one chunk's summed loss times ``v``, shape (m,);
-        ``t``: the targets as ``OutputLoss.targets`` gives them (n, l)."""
+    def hvp_chunk(self, loss, x, t, w, v):
+        """The Hessian of one chunk's weighted loss times ``v``, shape (m,);
+        ``t``: the heads' targets, one (n, .) tensor each; ``w``: (n, l)."""
         self.trace_count += 1
         tracked = [watched(w) for w in self.variables]
 
         def gradient():
             with tf.GradientTape() as inner:
                 inner.watch(tracked)
-                value = self.loss.value_tf(self.target.forward(x), t)
+                value = loss.value_tf(self.target.forward(x), t, w)
             grads = inner.gradient(value, tracked)
             require_connected(grads, tracked)
             return [or_zeros(g, w) for g, w in zip(grads, tracked, strict=True)]
@@ -108,41 +120,48 @@ class CurvatureProducts(Products):
             refuse_hidden_reads(created, tracked)
         return joined_gradients(products, sizes_of(self.variables), self.target.dtype)
 
-    def _compiled(self, kind, x, t=None):
-        key = (kind, signature_key(x))
+    def _compiled(self, kind, loss, x, w, t=None):
+        widths = None if t is None else tuple(a.shape[1] for a in t)
+        key = (kind, loss.key, signature_key(x), w.shape[1], widths)
         if key not in self._functions:
-            vector = tf.TensorSpec([self.n_params], self.target.dtype)
-            if kind == "ggn":
-                specs = [signature(x), vector]
-                method = self.ggn_chunk
+            dtype = self.target.dtype
+            specs = [
+                signature(x),
+                tf.TensorSpec([None, w.shape[1]], dtype),
+                tf.TensorSpec([self.n_params], dtype),
+            ]
+            if t is not None:
+                specs.append([tf.TensorSpec([None, k], dtype) for k in widths])
+            if kind == "ggn" and t is None:
+                method = lambda x, w, v: self.ggn_chunk(loss, x, w, v)  # noqa: E731
+            elif kind == "ggn":
+                method = lambda x, w, v, t: self.ggn_chunk(loss, x, w, v, t)  # noqa: E731
             else:
-                specs = [
-                    signature(x),
-                    tf.TensorSpec([None, t.shape[1]], t.dtype),
-                    vector,
-                ]
-                method = self.hvp_chunk
+                method = lambda x, w, v, t: self.hvp_chunk(loss, x, t, w, v)  # noqa: E731
             self._functions[key] = quiet_function(method, input_signature=specs)
         return self._functions[key]
 
-    def ggn(self, x, v):
-        """``G @ v`` for a checked batch ``x``, summed over its chunks (m,)."""
+    def _total(self, kind, loss, x, v, w, t):
         self._check_shapes()
         v = tf.constant(self._vector(v, self.n_params, "v", "one number per parameter"))
         total = np.zeros(self.n_params, self.target.dtype)
+        function = self._compiled(kind, loss, x, w, t)
         for a, b in self._chunks(x):
-            total += self._compiled("ggn", x)(take(x, a, b), v).numpy()
+            args = [take(x, a, b), tf.constant(w[a:b]), v]
+            if t is not None:
+                args.append([tf.constant(part[a:b]) for part in t])
+            total += function(*args).numpy()
         return total
 
-    def hvp(self, x, t, v):
-        """``H @ v`` of the loss summed over batch ``x`` with targets ``t`` (m,)."""
-        self._check_shapes()
-        v = tf.constant(self._vector(v, self.n_params, "v", "one number per parameter"))
-        total = np.zeros(self.n_params, self.target.dtype)
-        for a, b in self._chunks(x):
-            function = self._compiled("hvp", x, t)
-            total += function(take(x, a, b), tf.constant(t[a:b]), v).numpy()
-        return total
+    def ggn(self, loss, x, v, w, t=None):
+        """``G @ v`` for a checked batch ``x``, summed over its chunks (m,);
+        ``w``: the weights (n, l); ``t``: the heads' targets or None."""
+        return self._total("ggn", loss, x, v, w, t if loss.needs_targets else None)
+
+    def hvp(self, loss, x, t, v, w):
+        """``H @ v`` of the weighted loss over batch ``x`` with targets ``t``
+        (one array per head), (m,)."""
+        return self._total("hvp", loss, x, v, w, t)
 
     def outputs(self, x):
         """The model's outputs on a checked batch, as rows (n, l), NumPy."""
@@ -150,12 +169,11 @@ class CurvatureProducts(Products):
         return np.concatenate(parts)
 
 
-def curvature_products(model, loss, *, variables=None, chunk_size=None):
-    """The model's :class:`CurvatureProducts` for ``loss``, cached per model.
+def curvature_products(model, *, variables=None, chunk_size=None):
+    """The model's :class:`CurvatureProducts`, cached per model.
 
     Args:
         model: a Keras model, or a callable ``f(x)`` with ``variables=``.
-        loss: an :class:`jacutil.curvature.losses.OutputLoss`.
         variables: the variables (default: the trainable ones).
         chunk_size: samples per slice, or None.
 
@@ -167,12 +185,92 @@ def curvature_products(model, loss, *, variables=None, chunk_size=None):
     return curvature_for(
         model,
         variables,
-        (loss.name, loss.classes, chunk_size),
-        lambda target: CurvatureProducts(target, loss, chunk_size, owner=model),
+        ("products", chunk_size),
+        lambda target: CurvatureProducts(target, chunk_size, owner=model),
     )
 
 
-def checked_batch(products, x):
-    """``x`` as a checked batch of ``products``' target, and its n."""
-    batch = as_batch(x, products.target)
-    return batch, int(n_samples(batch))
+@dataclass
+class CurvatureInputs:
+    """What a curvature entry computes from, checked.
+
+    Args:
+        batch: x as a checked batch.
+        n: the number of samples.
+        n_outputs: l, a sample's outputs.
+        loss: the model's ``HeadLosses``.
+        targets: the heads' targets, one (n, .) array each, or None.
+        weights: each sample's weight per output, (n, l).
+    """
+
+    batch: object
+    n: int
+    n_outputs: int
+    loss: object
+    targets: list | None
+    weights: np.ndarray
+
+    def trivial_weights(self):
+        """True when every weight is one (a plain sum)."""
+        return bool(np.all(self.weights == 1))
+
+
+def checked_sample_weight(sample_weight, n):
+    """``sample_weight`` as (n,) non-negative finite floats, or None."""
+    if sample_weight is None:
+        return None
+    w = np.asarray(sample_weight, dtype=np.float64)
+    if w.shape not in ((n,), (n, 1)):
+        raise ValueError(
+            f"sample_weight has shape {w.shape}; it needs one weight per sample, "
+            f"shape ({n},)."
+        )
+    refuse_non_finite(w, "sample_weight")
+    if np.any(w < 0):
+        raise ValueError(
+            f"sample_weight holds {int(np.sum(w < 0))} negative weight(s); "
+            "G = sum_i w_i J_i.T H_i J_i needs w_i >= 0."
+        )
+    return w.reshape(n)
+
+
+def curvature_inputs(model, target, x, loss, y=None, sample_weight=None):
+    """Check ``x``, ``y``, ``sample_weight`` and the loss for ``target``.
+
+    The batch is checked first (``as_batch``: no empty x), NaN and infinity
+    are refused in x and y, and the model's graph is traced once to find its
+    heads and refuse a cross-entropy on probabilities.
+
+    Args:
+        model: the model (what the heads are kept for).
+        target: its :class:`jacutil.core.target.Target`.
+        x: the n samples.
+        loss: as ``jacutil.curvature.losses.output_loss`` takes it.
+        y: the targets (one array per head), or None.
+        sample_weight: (n,) weights, or None.
+
+    Returns:
+        A :class:`CurvatureInputs`.
+
+    Raises:
+        ValueError: a bad x, y, sample_weight or loss; a loss differentiated
+            as given without y.
+    """
+    batch = as_batch(x, target)
+    refuse_non_finite(batch, "x")
+    n = int(n_samples(batch))
+    n_outputs = output_layout(target, batch).n_outputs
+    loss = losses_for(loss, model, call=target.call, spec=signature(batch))
+    targets = None
+    if y is not None:
+        refuse_non_finite(y, "y")
+        targets = loss.head_targets(y, n, n_outputs, target.dtype)
+    elif loss.needs_targets:
+        raise ValueError(
+            "this loss is differentiated as given, so its Hessian may depend on "
+            "the targets: pass y= (one array per output)."
+        )
+    weights = loss.row_weights(
+        n, n_outputs, checked_sample_weight(sample_weight, n), targets, target.dtype
+    )
+    return CurvatureInputs(batch, n, n_outputs, loss, targets, weights)

@@ -12,23 +12,33 @@ memory of one pass over a chunk, never l*m numbers per sample. SciPy's
 
 import numpy as np
 
-from .compiled import checked_batch, curvature_products
-from .losses import output_loss
+from ..core.arguments import check_chunk_size
+from ..core.target import variable_list
+from .compiled import curvature_inputs, curvature_products
 
 
-def ggn_operator(model, x, loss="squared_error", *, variables=None, chunk_size=None):
-    """G = sum_i J_i.T H_i J_i as a ``scipy.sparse.linalg.LinearOperator``.
+def ggn_operator(
+    model, x, loss="squared_error", *, y=None, sample_weight=None, variables=None,
+    chunk_size=None,
+):  # fmt: skip
+    """G = sum_i w_i J_i.T H_i J_i as a ``scipy.sparse.linalg.LinearOperator``.
 
     Introduced in ``11-curvature-and-uncertainty``. The operator reads the
     model's variables when it is applied (it follows training), and its
-    products are compiled once per model, loss and input shape.
+    products are compiled once per model, loss and input shape. ``H_i`` is
+    block-diagonal, one block per output head, each from that head's loss.
 
     Args:
-        model: a Keras model (for a cross-entropy: one that outputs logits),
-            or a callable ``f(x)`` with ``variables=``.
+        model: a Keras model (for a cross-entropy: one whose heads output
+            logits), or a callable ``f(x)`` with ``variables=``.
         x: the n samples.
-        loss: ``"squared_error"``, ``"softmax_cross_entropy"`` or
-            ``"sigmoid_cross_entropy"`` (``jacutil.curvature.losses``).
+        loss: a plain name (``"squared_error"``, ``"softmax_cross_entropy"``,
+            ``"sigmoid_cross_entropy"``: summed over samples), a Keras loss
+            object or name (its reduction: ``"sum_over_batch_size"`` divides
+            G by n), a callable ``loss(y_true, y_pred)``, or a list or dict of
+            them, one per head (``jacutil.curvature.losses``).
+        y: the targets, needed only by a loss differentiated as given.
+        sample_weight: (n,) non-negative weights ``w_i``, or None (ones).
         variables: the variables (default: the trainable ones), m in all.
         chunk_size: samples per pass, or None for the whole batch at once.
 
@@ -36,8 +46,8 @@ def ggn_operator(model, x, loss="squared_error", *, variables=None, chunk_size=N
         A symmetric ``LinearOperator`` of shape (m, m), float64.
 
     Raises:
-        ValueError: an unknown loss, or a cross-entropy on a model whose last
-            layer applies a softmax or sigmoid.
+        ValueError: an unknown loss, a cross-entropy on a head that outputs
+            probabilities, a bad chunk_size, an empty x, NaN in x or y.
         jacutil.core.guards.JacobianError: no variable reaches the outputs.
 
     Examples:
@@ -54,15 +64,16 @@ def ggn_operator(model, x, loss="squared_error", *, variables=None, chunk_size=N
     """
     from scipy.sparse.linalg import LinearOperator
 
-    loss = output_loss(loss, model)
-    products = curvature_products(
-        model, loss, variables=variables, chunk_size=chunk_size
-    )
-    batch, _ = checked_batch(products, x)
+    chunk_size = check_chunk_size(chunk_size)
+    variables = None if variables is None else variable_list(variables)
+    products = curvature_products(model, variables=variables, chunk_size=chunk_size)
+    given = curvature_inputs(model, products.target, x, loss, y, sample_weight)
     m = products.n_params
 
     def matvec(v):
-        return products.ggn(batch, np.ravel(v)).astype(np.float64)
+        return products.ggn(
+            given.loss, given.batch, np.ravel(v), given.weights, given.targets
+        ).astype(np.float64)
 
     def matmat(V):
         return np.stack([matvec(V[:, j]) for j in range(V.shape[1])], axis=1)

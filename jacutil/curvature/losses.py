@@ -156,6 +156,10 @@ class OutputLoss:
     def _check_head(self, probability):
         pass
 
+    def _w(self, f):
+        """The head's width on ``f``: static where the shape is known."""
+        return _width(f) if self.shape is None else math.prod(self.shape)
+
     def width(self, n_outputs):
         """The head's outputs per sample."""
         return n_outputs if self.shape is None else math.prod(self.shape)
@@ -263,8 +267,8 @@ class SquaredError(OutputLoss):
         return self.scale * u
 
     def sqrt_hessian_tf(self, f, t=None):
-        eye = tf.eye(_width(f), dtype=f.dtype) * math.sqrt(self.scale)
-        return tf.broadcast_to(eye, [tf.shape(f)[0], _width(f), _width(f)])
+        eye = tf.eye(self._w(f), dtype=f.dtype) * math.sqrt(self.scale)
+        return tf.broadcast_to(eye, [tf.shape(f)[0], self._w(f), self._w(f)])
 
 
 class SigmoidCrossEntropy(OutputLoss):
@@ -292,7 +296,7 @@ class SigmoidCrossEntropy(OutputLoss):
     def sqrt_hessian_tf(self, f, t=None):
         s = tf.sigmoid(f)
         root = tf.sqrt(self.scale * s * (1 - s))
-        return root[:, :, None] * tf.eye(_width(f), dtype=f.dtype)
+        return root[:, :, None] * tf.eye(self._w(f), dtype=f.dtype)
 
 
 class SoftmaxCrossEntropy(OutputLoss):
@@ -317,9 +321,9 @@ class SoftmaxCrossEntropy(OutputLoss):
         _needs_classes(self)
 
     def _rows(self, f):
-        if _width(f) % self.classes:
+        if isinstance(self._w(f), int) and self._w(f) % self.classes:
             raise ValueError(
-                f"{_width(f)} outputs per sample are not a whole number of rows "
+                f"{self._w(f)} outputs per sample are not a whole number of rows "
                 f"of {self.classes} classes."
             )
         return tf.reshape(f, [tf.shape(f)[0], -1, self.classes])
@@ -362,7 +366,7 @@ class SoftmaxCrossEntropy(OutputLoss):
         return self.scale * tf.reshape(hw, tf.shape(f))
 
     def sqrt_hessian_tf(self, f, t=None):
-        n, width, c = tf.shape(f)[0], _width(f), self.classes
+        n, width, c = tf.shape(f)[0], self._w(f), self.classes
         p = tf.reshape(tf.nn.softmax(self._rows(f)), [n, width])
         root = tf.sqrt(p)
         softmax_of = tf.range(width) // c  # which softmax each output is in
@@ -553,7 +557,10 @@ class HeadLosses(OutputLoss):
                     "like the model's outputs (as model.fit takes them)."
                 )
             ends = np.cumsum(widths)
-            y = [y.reshape(n, -1)[:, e - w : e] for w, e in zip(widths, ends)]
+            y = [
+                y.reshape(n, -1)[:, e - w : e]
+                for w, e in zip(widths, ends, strict=True)
+            ]
         leaves = [y] if len(self.heads) == 1 else tf.nest.flatten(y)
         if len(leaves) != len(self.heads):
             raise ValueError(
@@ -584,7 +591,9 @@ class HeadLosses(OutputLoss):
         return self.values_tf(_tensor(f), self._t(y, f)).numpy()
 
     def mean_tf(self, f):
-        return tf.concat([h.mean_tf(p) for h, p in zip(self.heads, self._split(f))], 1)
+        return tf.concat(
+            [h.mean_tf(p) for h, p in zip(self.heads, self._split(f), strict=True)], 1
+        )
 
     def values_tf(self, f, t):
         parts = zip(self.heads, self._split(f), self._each(t), strict=True)
@@ -592,7 +601,9 @@ class HeadLosses(OutputLoss):
 
     def value_tf(self, f, t, weights=None):
         total = []
-        for h, s, p, tp in zip(self.heads, self.slices, self._split(f), self._each(t)):
+        for h, s, p, tp in zip(
+            self.heads, self.slices, self._split(f), self._each(t), strict=True
+        ):
             values = h.values_tf(p, tp)
             if weights is not None:
                 values = values * weights[:, s.start or 0]
@@ -600,13 +611,15 @@ class HeadLosses(OutputLoss):
         return tf.add_n(total)
 
     def hessian_product_tf(self, f, u, t=None):
-        parts = zip(self.heads, self._split(f), self._split(u), self._each(t))
+        parts = zip(
+            self.heads, self._split(f), self._split(u), self._each(t), strict=True
+        )
         return tf.concat([h.hessian_product_tf(p, q, tp) for h, p, q, tp in parts], 1)
 
     def _block_diagonal(self, blocks, f):
         if len(blocks) == 1:
             return blocks[0]
-        width = _width(f)
+        width = self.slices[-1].stop
         padded = [
             tf.pad(b, [[0, 0], [0, 0], [s.start, width - s.stop]])
             for b, s in zip(blocks, self.slices, strict=True)
@@ -614,11 +627,11 @@ class HeadLosses(OutputLoss):
         return tf.concat(padded, axis=1)
 
     def sqrt_hessian_tf(self, f, t=None):
-        parts = zip(self.heads, self._split(f), self._each(t))
+        parts = zip(self.heads, self._split(f), self._each(t), strict=True)
         return self._block_diagonal([h.sqrt_hessian_tf(p, tp) for h, p, tp in parts], f)
 
     def hessian_tf(self, f, t=None):
-        parts = zip(self.heads, self._split(f), self._each(t))
+        parts = zip(self.heads, self._split(f), self._each(t), strict=True)
         return self._block_diagonal([h.hessian_tf(p, tp) for h, p, tp in parts], f)
 
     def row_weights(self, n, n_outputs, sample_weight=None, targets=None, dtype=None):
@@ -829,7 +842,9 @@ def _closed_form(kind, options, reduction, shape):
     if kind in ("sparse", "categorical"):
         return SoftmaxCrossEntropy(label_smoothing=smoothing, reduction=reduction)
     k = shape[-1] if shape else 1
-    return SigmoidCrossEntropy(scale=1.0 / k, label_smoothing=smoothing, reduction=reduction)
+    return SigmoidCrossEntropy(
+        scale=1.0 / k, label_smoothing=smoothing, reduction=reduction
+    )
 
 
 def head_loss(spec, shape=None, label="output", probability=None):
@@ -872,7 +887,9 @@ def _about(spec):
         return f"keras.losses.{type(spec).__name__}"
     if isinstance(spec, functools.partial):
         return f"partial({_about(spec.func)})"
-    return repr(spec) if isinstance(spec, str) else getattr(spec, "__name__", repr(spec))
+    if isinstance(spec, str):
+        return repr(spec)
+    return getattr(spec, "__name__", repr(spec))
 
 
 def _from_keras(spec, shape, label, probability):
@@ -902,6 +919,9 @@ def _from_keras(spec, shape, label, probability):
     kind = _keras_functions().get(fn) if fn is not None else None
     loss = _closed_form(kind, options, reduction, shape) if kind else None
     if loss == "probabilities":
+        example = "SparseCategoricalCrossentropy"
+        if isinstance(spec, keras.losses.Loss):
+            example = type(spec).__name__
         where = (
             "its output holds probabilities (made by a "
             f"{probability}): remove that activation so that it outputs logits, and"
@@ -911,7 +931,7 @@ def _from_keras(spec, shape, label, probability):
         raise ValueError(
             f"the loss {about}{_for(label)} reads probabilities "
             f"(from_logits=False); {where} pass the loss with from_logits=True, "
-            f"e.g. keras.losses.{type(spec).__name__ if isinstance(spec, keras.losses.Loss) else 'SparseCategoricalCrossentropy'}(from_logits=True)."
+            f"e.g. keras.losses.{example}(from_logits=True)."
         )
     if loss is None:
         call = spec.call if isinstance(spec, keras.losses.Loss) else spec
