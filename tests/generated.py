@@ -743,7 +743,67 @@ LOSSES = {
         "linear",
         "binary",
     ),
+    # Keras's other built-in losses, with their options (issue 34)
+    "ce_smoothing": (
+        "functools.partial(keras.losses.categorical_crossentropy, "
+        "label_smoothing=0.2)",
+        "softmax",
+        "one_hot",
+    ),
+    "bce_smoothing": (
+        "functools.partial(keras.losses.binary_crossentropy, label_smoothing=0.2)",
+        "sigmoid",
+        "binary",
+    ),
+    "focal": ("keras.losses.binary_focal_crossentropy", "sigmoid", "binary"),
+    "focal_balanced": (
+        "functools.partial(keras.losses.binary_focal_crossentropy, "
+        "apply_class_balancing=True, gamma=1.5)",
+        "sigmoid",
+        "binary",
+    ),
+    "focal_logits": (
+        "functools.partial(keras.losses.binary_focal_crossentropy, from_logits=True)",
+        "linear",
+        "binary",
+    ),
+    "categorical_focal": (
+        "keras.losses.categorical_focal_crossentropy",
+        "softmax",
+        "one_hot",
+    ),
+    "kld": ("keras.losses.kl_divergence", "softmax", "one_hot"),
+    "mae": ("keras.losses.mean_absolute_error", None, "values"),
+    "huber": ("keras.losses.huber", None, "values"),
+    "log_cosh": ("keras.losses.log_cosh", None, "values"),
+    "cosine": ("keras.losses.cosine_similarity", None, "values"),
+    "poisson": ("keras.losses.poisson", "softplus", "values"),
+    "hinge": ("keras.losses.hinge", "linear", "binary"),
+    "categorical_hinge": ("keras.losses.categorical_hinge", "linear", "one_hot"),
+    # custom losses reading the probabilities, the logits, or both
+    "brier": ("brier_score", "softmax", "one_hot"),
+    "ce_plus_entropy": ("confidence_penalty", "softmax", "ids"),
+    "focal_plus_brier": ("focal_plus_brier", "sigmoid", "binary"),
 }
+
+
+def brier_score(y, p):
+    """A custom loss that reads only the probabilities (not Keras's logits)."""
+    return tf.reduce_sum(tf.square(p - y), axis=-1)
+
+
+def confidence_penalty(y, p):
+    """Cross-entropy (Keras reads the cached logits) plus a penalty on
+    confident predictions (reads the probabilities): both paths at once."""
+    entropy = tf.reduce_sum(p * tf.math.log(p + 1e-7), axis=-1)
+    return keras.losses.sparse_categorical_crossentropy(y, p) + 0.3 * entropy
+
+
+def focal_plus_brier(y, p):
+    """Keras's focal loss (logits and probabilities) plus a Brier term."""
+    return keras.losses.binary_focal_crossentropy(y, p) + tf.reduce_mean(
+        tf.square(p - y), axis=-1
+    )
 
 
 @dataclass

@@ -14,9 +14,12 @@ float64, and checks each public entry against ``tape_jacobian`` /
 * ``ggn_diagonal``, ``ggn_operator`` and ``empirical_ntk`` (notebook 11)
   with the squared error, against ``J``'s sums of squares, ``J.T J v`` and
   ``J J.T``;
-* ``per_sample_gradients`` and ``per_sample_gradient_norms`` with mean
-  squared error, (sparse) categorical and binary cross-entropy under a
-  matching last activation, and cross-entropy from logits.
+* ``per_sample_gradients`` and ``per_sample_gradient_norms`` with every
+  Keras loss (``tests/generated.py``'s ``LOSSES``: built-ins with their
+  options, from probabilities or logits, and custom losses that read the
+  probabilities, Keras's cached logits or both), and a ``DPSGD`` step with
+  no noise: the clip bound on every sample's contribution, and the update
+  against the tape's clipped mean.
 
 An entry may refuse a model, with a clear error that names the feature
 (:func:`clear_refusal`); anything else is a failure, named after the entry
@@ -352,6 +355,47 @@ def test_per_sample_gradients_with_keras_losses(case):
     if got is not None:
         norms = np.linalg.norm(G, axis=1)
         assert_close(entry, got, norms, case.dtype, norms.max(initial=0))
+    check_dp_step(case, ns, G)
+
+
+def check_dp_step(case, ns, G):
+    """One DP-SGD step with no noise and C the median norm: every sample's
+    contribution ``w_i g_i`` to the clipped sum has norm at most C (the
+    guarantee DP-SGD rests on), and the update is ``sum_i w_i g_i / n``,
+    both from the tape's per-sample gradients."""
+    from jacutil.fitting.dp_sgd import DPSGD
+
+    if ns["options"]:  # DPSGD trains the trainable variables, no others
+        return
+    model, x, y, loss, known = ns["model"], ns["x"], ns["y"], ns["loss"], ns["known"]
+    norms = np.linalg.norm(G, axis=1)
+    clip = float(np.median(norms))
+    if not clip > 0:
+        return
+    entry = "DPSGD"
+    sgd = ju.keras.optimizers.SGD(1.0)
+    dp = run(entry, lambda: DPSGD(model, loss, sgd, l2_norm_clip=clip,
+                                  noise_multiplier=0.0), known)  # fmt: skip
+    if dp is None:
+        return
+    weights = run("DPSGD.clip_weights", lambda: dp.clip_weights(x, y), known)
+    if weights is None:
+        return
+    slack = 1 + TOLERANCE[case.dtype]
+    largest = float(np.linalg.norm(weights[:, None] * G, axis=1).max())
+    if not largest <= clip * slack:
+        raise failure(entry, "clip")(
+            f"DPSGD: a sample's clipped contribution has norm {largest:.6g} > C = "
+            f"{clip:.6g}: the clip bound is broken"
+        )
+    before = np.concatenate([np.ravel(v.numpy()) for v in model.trainable_variables])
+    if run("DPSGD.step", lambda: dp.step(x, y), known) is None:
+        return
+    after = np.concatenate([np.ravel(v.numpy()) for v in model.trainable_variables])
+    reference = np.minimum(1.0, clip / np.maximum(norms, 1e-300))
+    expected = (reference[:, None] * G).sum(axis=0) / len(G)
+    scale = np.abs(G).max(initial=0)
+    assert_close("DPSGD.step", before - after, expected, case.dtype, scale)
 
 
 # --- the instrument itself ----------------------------------------------------

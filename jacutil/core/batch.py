@@ -9,6 +9,7 @@ batches of any such structure.
 import numpy as np
 
 from ._tf import tf
+from .arguments import refuse_non_finite
 
 
 def n_samples(x):
@@ -197,6 +198,7 @@ def _as_leaf(value, name, declared, dtype):
         )
     if shape[0] == 0:
         raise ValueError(f"{name} holds no samples (its first dimension is 0).")
+    refuse_non_finite(array, name)
     tensor = tf.convert_to_tensor(array)
     wanted = _leaf_dtype(tensor, declared, dtype)
     return tensor if tensor.dtype == wanted else tf.cast(tensor, wanted)
@@ -250,7 +252,8 @@ def as_batch(x, target):
 
     Raises:
         ValueError: the structure, a shape or the sample counts do not match
-            the model, or an input holds no samples.
+            the model, an input holds no samples, or NaN or infinity (the
+            message names the samples).
         TypeError: an input does not hold numbers.
     """
     x = _structured(x, target.declared)

@@ -391,7 +391,6 @@ def _run(model, loss_fn, x, y, what, options):
     traces = job.trace_count
     target = job.target
     batch = as_batch(x, target)
-    refuse_non_finite(batch, "x")
     rows = int(n_samples(batch))
     y = _targets(y, target, rows)
     activations = job.jac.activation_elements(batch)
