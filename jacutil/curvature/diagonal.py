@@ -20,10 +20,11 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ..core._tf import tf
-from ..core.batch import as_batch, n_samples, signature, take
+from ..core.arguments import check_memory_budget
+from ..core.batch import signature, take
 from ..core.formulation import quiet_function
 from ..rules.engine import OutputRows
-from .losses import output_loss
+from .compiled import curvature_inputs
 
 
 class DiagonalOfG:
@@ -31,7 +32,7 @@ class DiagonalOfG:
 
     Args:
         jac: the model's ``CompiledJacobian`` (method ``"rules"``).
-        loss: an :class:`jacutil.curvature.losses.OutputLoss`.
+        loss: a :class:`jacutil.curvature.losses.HeadLosses`.
     """
 
     def __init__(self, jac, loss):
@@ -42,51 +43,70 @@ class DiagonalOfG:
         self.formulation = None
         self.trace_count = 0
 
-    def _signal(self, x):
-        """The signals ``S_i.T`` as rows (n, l, l), or None for the identity."""
-        if self.loss.name == "squared_error":
+    def _signal(self, x, w, t):
+        """The signals ``(sqrt(W_i) S_i).T`` as rows (n, l, l), or None for
+        the identity (w None)."""
+        if w is None:
             return None
-        S = self.loss.sqrt_hessian_tf(self.target.forward(x))
+        S = self.loss.sqrt_hessian_tf(self.target.forward(x), t)
+        S = tf.sqrt(w)[:, :, None] * S
         return OutputRows(tf.transpose(S, [0, 2, 1]))
 
-    def _on_rules(self, x, plan):
-        key = tuple((tuple(t.shape[1:]), t.dtype.name) for t in tf.nest.flatten(x))
+    def _on_rules(self, x, w, t, plan):
+        key = (
+            tuple((tuple(s.shape[1:]), s.dtype.name) for s in tf.nest.flatten(x)),
+            None if w is None else w.shape[1],
+            None if t is None else tuple(a.shape[1] for a in t),
+        )
         if key not in self._functions:
+            dtype = self.target.dtype
+            specs = [signature(x)]
+            if w is not None:
+                specs.append(tf.TensorSpec([None, w.shape[1]], dtype))
+            if t is not None:
+                specs.append([tf.TensorSpec([None, a.shape[1]], dtype) for a in t])
 
-            def squares(x):
+            def squares(x, w=None, t=None):
                 self.trace_count += 1  # Python side effect: once per trace
-                return plan.squared_columns(x, self._signal(x))
+                return plan.squared_columns(x, self._signal(x, w, t))
 
             self._functions[key] = quiet_function(
-                squares, input_signature=[signature(x)], autograph=plan.user_code
+                squares, input_signature=specs, autograph=plan.user_code
             )
-        return self._functions[key](x).numpy()
+        args = [x] + [tf.constant(a) for a in (w,) if a is not None]
+        if t is not None:
+            args.append([tf.constant(a) for a in t])
+        return self._functions[key](*args).numpy()
 
-    def _formed(self, x):
+    def _formed(self, x, w, t):
         J = np.asarray(self.jac.tensor(x))  # the compiled stage's per-sample J
-        if self.loss.name != "squared_error":
-            S = self.loss.sqrt_hessian(self.target.forward(x).numpy())
+        if w is not None:
+            f = self.target.forward(x)
+            t = None if t is None else [tf.constant(a) for a in t]
+            S = self.loss.sqrt_hessian_tf(f, t).numpy() * np.sqrt(w)[:, :, None]
             J = np.einsum("ikc,ikm->icm", S, J)
         return np.einsum("icm,icm->m", J, J)
 
-    def __call__(self, x):
-        """The diagonal of one checked chunk's G, a NumPy array (m,)."""
+    def __call__(self, x, w=None, t=None):
+        """The diagonal of one checked chunk's G, a NumPy array (m,); ``w``:
+        the weights (n, l), None for the identity H; ``t``: the heads'
+        targets or None."""
         plan = self.jac.checked_plan(x)
         if plan is not None:
             self.formulation = plan.describe() + ", started from sqrt(H)"
-            return self._on_rules(x, plan)
+            return self._on_rules(x, w, t, plan)
         self.formulation = (
             "the per-sample J of each chunk, contracted with sqrt(H) "
             f"(no layer rules: {self.jac.fallback})"
         )
-        return self._formed(x)
+        return self._formed(x, w, t)
 
 
 def ggn_diagonal(
-    model, x, loss="squared_error", *, variables=None, memory_budget=None,
-    progress=False, explain=False,
+    model, x, loss="squared_error", *, y=None, sample_weight=None, variables=None,
+    memory_budget=None, progress=False, explain=False,
 ):  # fmt: skip
-    """The exact diagonal of G = sum_i J_i.T H_i J_i, shape (m,).
+    """The exact diagonal of G = sum_i w_i J_i.T H_i J_i, shape (m,).
 
     Introduced in ``11-curvature-and-uncertainty``. On the layer rules the
     backward pass starts from a square root of each sample's ``H_i`` (one
@@ -97,8 +117,10 @@ def ggn_diagonal(
         model: a Keras model (for a cross-entropy: one that outputs logits),
             or a callable ``f(x)`` with ``variables=``.
         x: the n samples.
-        loss: ``"squared_error"``, ``"softmax_cross_entropy"`` or
-            ``"sigmoid_cross_entropy"``.
+        loss: as for ``ggn_operator``: a plain name, a Keras loss, a
+            callable (its H by autodiff; needs ``y``), or one per head.
+        y: the targets, needed only by a loss differentiated as given.
+        sample_weight: (n,) non-negative weights, or None.
         variables: the variables (default: the trainable ones).
         memory_budget: bytes of working memory per chunk (default: as
             ``jacutil.jacobian``).
@@ -109,29 +131,32 @@ def ggn_diagonal(
         A NumPy array (m,), float64 - or ``(diagonal, how)`` with ``explain``.
 
     Raises:
-        ValueError: an unknown loss, or a cross-entropy on a model that ends
-            in a softmax or sigmoid.
+        ValueError: an unknown loss, a cross-entropy on a head that outputs
+            probabilities, a bad memory_budget, an empty x, NaN in x or y.
         jacutil.core.guards.JacobianError: no variable reaches the outputs.
     """
     from ..auto import memory_budget_for
     from ..core.cache import compiled_for, curvature_for
-    from ..core.outputs import output_layout
     from ..core.target import variable_list
     from ..stages.chunked import bytes_per_sample
 
-    loss = output_loss(loss, model)
+    memory_budget = check_memory_budget(memory_budget)
     variables = None if variables is None else variable_list(variables)
     jac = compiled_for(model, variables, False, False, "rules")
     target = jac.target
-    batch = as_batch(x, target)
-    rows = int(n_samples(batch))
+    given = curvature_inputs(model, target, x, loss, y, sample_weight)
+    batch, rows, n_outputs = given.batch, given.n, given.n_outputs
+    identity = given.trivial_weights() and all(
+        h.name == "squared_error" and h.scale == 1 for h in given.loss.heads
+    )
+    w = None if identity else given.weights
+    t = given.targets if given.loss.needs_targets else None
     job = curvature_for(
         model,
         variables,
-        ("diagonal", loss.name, loss.classes),
-        lambda _: DiagonalOfG(jac, loss),
+        ("diagonal", given.loss.key),
+        lambda _: DiagonalOfG(jac, given.loss),
     )
-    n_outputs = output_layout(target, batch).n_outputs  # known after the first call
     per_sample = bytes_per_sample(
         n_outputs,
         target.n_params,
@@ -143,7 +168,12 @@ def ggn_diagonal(
     total = np.zeros(target.n_params)
     starts = range(0, rows, chunk)
     for start in tqdm(starts, disable=not progress, unit="chunk"):
-        total += job(take(batch, start, min(start + chunk, rows)))
+        stop = min(start + chunk, rows)
+        total += job(
+            take(batch, start, stop),
+            None if w is None else w[start:stop],
+            None if t is None else [a[start:stop] for a in t],
+        )
     if explain:
         return total, f"{job.formulation}; {len(starts)} chunk(s) of {chunk} samples"
     return total

@@ -29,9 +29,10 @@ import numpy as np
 
 from ..core._shared import sizes_of
 from ..core._tf import keras, tf
+from ..core.arguments import check_chunk_size
 from ..core.formulation import quiet_function
-from ..core.target import resolve_target
-from .losses import output_loss
+from ..core.target import resolve_target, variable_list
+from .compiled import curvature_inputs
 
 FACTORED = (keras.layers.Dense, keras.layers.Conv2D)
 
@@ -237,11 +238,11 @@ class _Replay:
                 h = layer(h, training=False)
         return tf.reshape(h, [-1, int(np.prod(h.shape[1:]))]), inputs, pre
 
-    def sums(self, x):
+    def sums(self, x, w, t=None):
         self.trace_count += 1  # Python side effect: runs once per trace
         with tf.GradientTape(persistent=True) as tape:
             f, inputs, pre = self.forward(x)
-        S = self.loss.sqrt_hessian_tf(tf.stop_gradient(f))
+        S = tf.sqrt(w)[:, :, None] * self.loss.sqrt_hessian_tf(tf.stop_gradient(f), t)
         out = []
         for layer, a in zip(self.layers, inputs, strict=True):
             rows = _inputs_as_rows(layer, a)
@@ -254,16 +255,28 @@ class _Replay:
                 B[j] = B[j] + tf.matmul(delta, delta, transpose_a=True)
         return out, B, f
 
-    def __call__(self, x):
-        key = (tuple(x.shape[1:]), x.dtype.name)
+    def __call__(self, x, w, t=None):
+        widths = None if t is None else tuple(a.shape[1] for a in t)
+        key = (tuple(x.shape[1:]), x.dtype.name, w.shape[1], widths)
         if key not in self._functions:
-            spec = tf.TensorSpec([None, *x.shape[1:]], x.dtype)
-            self._functions[key] = quiet_function(self.sums, input_signature=[spec])
-        return self._functions[key](x)
+            specs = [
+                tf.TensorSpec([None, *x.shape[1:]], x.dtype),
+                tf.TensorSpec([None, w.shape[1]], x.dtype),
+            ]
+            if t is not None:
+                specs.append([tf.TensorSpec([None, k], x.dtype) for k in widths])
+            self._functions[key] = quiet_function(self.sums, input_signature=specs)
+        args = [x, tf.constant(w)]
+        if t is not None:
+            args.append([tf.constant(a) for a in t])
+        return self._functions[key](*args)
 
 
-def kfac(model, x, loss="squared_error", *, chunk_size=256, variables=None):
-    """KFAC of G = sum_i J_i.T H_i J_i for a ``keras.Sequential`` model.
+def kfac(
+    model, x, loss="squared_error", *, y=None, sample_weight=None, chunk_size=256,
+    variables=None,
+):  # fmt: skip
+    """KFAC of G = sum_i w_i J_i.T H_i J_i for a ``keras.Sequential`` model.
 
     Introduced in ``11-curvature-and-uncertainty``. Dense and Conv2D layers
     whose kernel (and bias) are among the variables get Kronecker factors;
@@ -272,23 +285,31 @@ def kfac(model, x, loss="squared_error", *, chunk_size=256, variables=None):
     Args:
         model: a ``keras.Sequential`` (for a cross-entropy: ending in logits).
         x: the n samples, one array.
-        loss: ``"squared_error"``, ``"softmax_cross_entropy"`` or
-            ``"sigmoid_cross_entropy"``.
+        loss: as for ``ggn_operator``: a plain name, a Keras loss, a
+            callable (needs ``y``), or one per head.
+        y: the targets, needed only by a loss differentiated as given.
+        sample_weight: (n,) non-negative weights, or None: they weight each
+            sample's signals (B); the input covariance A stays unweighted.
         chunk_size: samples per pass.
-        variables: the variables (default: the trainable ones).
+        variables: the variables (default: the trainable ones), an iterable
+            read once.
 
     Returns:
         A :class:`KFAC`.
 
     Raises:
-        ValueError: not a Sequential, an unknown loss, or a cross-entropy on a
-            model that ends in a softmax or sigmoid.
+        ValueError: not a Sequential, an unknown loss, a cross-entropy on
+            probabilities, a bad chunk_size, an empty x, NaN in x or y.
     """
     from ..core.cache import curvature_for
     from .diagonal import ggn_diagonal
 
-    loss = output_loss(loss, model)
+    chunk_size = check_chunk_size(chunk_size) or 256
+    variables = None if variables is None else variable_list(variables)  # once
     target = resolve_target(model, variables, False)
+    given = curvature_inputs(model, target, x, loss, y, sample_weight)
+    loss, w = given.loss, given.weights
+    t = given.targets if loss.needs_targets else None
     columns = target.variables
     index = {id(v): j for j, v in enumerate(columns)}
     starts = np.concatenate([[0], np.cumsum(sizes_of(columns))])
@@ -301,16 +322,21 @@ def kfac(model, x, loss="squared_error", *, chunk_size=256, variables=None):
 
     layers = [layer for layer in getattr(model, "layers", []) if factored(layer)]
     _refuse(model, layers)
-    x = tf.convert_to_tensor(np.asarray(x), target.dtype)
+    x = given.batch
+    if not tf.is_tensor(x):
+        raise ValueError("kfac() takes x as one array: a Sequential has one input.")
     replay = curvature_for(  # compiled once per model, loss and variables
-        model, variables, ("kfac", loss.name, loss.classes),
+        model, variables, ("kfac", loss.key),
         lambda _: _Replay(model, layers, loss),
     )  # fmt: skip
     n = int(x.shape[0])
     AA, count, BB = [0.0] * len(layers), [0] * len(layers), [0.0] * len(layers)
     for start in range(0, n, chunk_size):
-        chunk = x[start : start + chunk_size]
-        parts, B, f = replay(chunk)
+        stop = start + chunk_size
+        chunk = x[start:stop]
+        parts, B, f = replay(
+            chunk, w[start:stop], None if t is None else [a[start:stop] for a in t]
+        )
         if start == 0:
             _check_replay(model, chunk, f)
         for j in range(len(layers)):
@@ -333,7 +359,11 @@ def kfac(model, x, loss="squared_error", *, chunk_size=256, variables=None):
     rest = np.concatenate(
         [np.arange(where(v).start, where(v).stop) for v in others] or [np.zeros(0, int)]
     )
-    diagonal = ggn_diagonal(model, x.numpy(), loss, variables=others) if others else []
+    diagonal = []
+    if others:
+        diagonal = ggn_diagonal(
+            model, x.numpy(), loss, y=y, sample_weight=sample_weight, variables=others
+        )
     return KFAC(factors, rest, diagonal, target.n_params)
 
 

@@ -14,6 +14,25 @@ from dataclasses import dataclass
 import numpy as np
 
 
+def as_operator(operator):
+    """A square operator for SciPy: a ``LinearOperator`` or array as it is,
+    a :class:`jacutil.curvature.kfac.KFAC` (or anything with
+    ``as_operator()``) as its operator.
+
+    Raises:
+        TypeError: ``operator`` is none of these.
+    """
+    if hasattr(operator, "as_operator"):
+        operator = operator.as_operator()
+    shape = getattr(operator, "shape", None)
+    if shape is None or len(shape) != 2 or shape[0] != shape[1]:
+        raise TypeError(
+            f"expected a square LinearOperator or array (m, m), or a KFAC; got "
+            f"{type(operator).__name__}."
+        )
+    return operator
+
+
 def top_eigenvalues(operator, k=6):
     """The k largest eigenvalues of a symmetric operator, largest first.
 
@@ -22,7 +41,8 @@ def top_eigenvalues(operator, k=6):
     they are the largest *algebraic* ones.
 
     Args:
-        operator: a symmetric ``LinearOperator`` (or array) of shape (m, m).
+        operator: a symmetric ``LinearOperator`` (or array) of shape (m, m),
+            or a ``KFAC``.
         k: how many, fewer than m.
 
     Returns:
@@ -33,6 +53,7 @@ def top_eigenvalues(operator, k=6):
     """
     from scipy.sparse.linalg import eigsh
 
+    operator = as_operator(operator)
     m = operator.shape[0]
     if not 1 <= k < m:
         raise ValueError(
@@ -109,6 +130,7 @@ def hutchinson_trace(operator, n_probes=100, seed=0):
     Returns:
         An :class:`Estimate` of the trace.
     """
+    operator = as_operator(operator)
     Z = _probes(operator.shape[0], n_probes, seed)
     samples = np.einsum("pk,pk->k", Z, operator @ Z)
     error = samples.std(ddof=1) / np.sqrt(n_probes)
@@ -130,6 +152,7 @@ def hutchinson_diagonal(operator, n_probes=100, seed=0):
     Returns:
         An :class:`Estimate` whose value is an array (m,).
     """
+    operator = as_operator(operator)
     Z = _probes(operator.shape[0], n_probes, seed)
     samples = Z * (operator @ Z)
     error = samples.std(axis=1, ddof=1) / np.sqrt(n_probes)
