@@ -148,9 +148,10 @@ def nested_functional():
     body = keras.Sequential(
         [keras.Input((3,), dtype=F64), dense(4, "tanh", name="inner")], name="body"
     )
-    head = keras.Sequential([keras.Input((4,), dtype=F64), dense(2, name="head")])
+    last = dense(2, name="head")
+    head = keras.Sequential([keras.Input((4,), dtype=F64), last])
     x = keras.Input((3,), dtype=F64)
-    return keras.Model(x, head(body(x)))
+    return keras.Model(x, head(body(x))), last
 
 
 @pytest.mark.parametrize("kind", ["subclassed", "subclassed_nested", "functional"])
@@ -159,12 +160,12 @@ def test_the_posterior_is_over_the_head(kind):
     x, y = data(3, 2)
     x_test = data(3, 2, n=4, seed=2)[0]
     if kind == "functional":
-        model = nested_functional()
+        model, head = nested_functional()
     else:
         model = HeadFirst(nested=kind == "subclassed_nested")
         model(x[:1])  # build
         assert model.layers[0].name == "head"  # listed first, called last
-    head = [layer for layer in model._flatten_layers() if layer.name == "head"][0]
+        head = model.head
     variables = list(head.trainable_variables)
     la = laplace(model, x, y, sigma_noise=SIGMA, prior_precision=0.7)
     assert [id(v) for v in la.variables] == [id(v) for v in variables]

@@ -53,7 +53,7 @@ from ..core.arguments import check_memory_budget, refuse_non_finite
 from ..core.batch import n_samples, take
 from ..core.layout import flat_params
 from ..core.outputs import as_rows
-from ..core.target import variable_list
+from ..core.target import resolve_target, variable_list
 from .diagonal import ggn_diagonal
 from .kfac import kfac
 from .losses import output_loss
@@ -136,17 +136,16 @@ def laplace(
 # -- which layer is last ----------------------------------------------------------
 
 
-def _layers_inside(model):
-    """Every Keras layer inside ``model``, the model itself last."""
-    flatten = getattr(model, "_flatten_layers", None)
-    inner = list(flatten(include_self=False, recursive=True)) if flatten else []
-    return [*inner, model]
+def _layers_inside(model, variables=None):
+    """Every Keras layer inside ``model`` (``Target.layers``), the model last."""
+    return [*resolve_target(model, variables).layers, model]
 
 
 def _owners(model, variables):
     """For each variable, the innermost layer of ``model`` that holds it
     (the one with the fewest weights), or None."""
-    layers = _layers_inside(model) if isinstance(model, keras.Layer) else []
+    is_keras = isinstance(model, keras.Layer)
+    layers = _layers_inside(model, variables) if is_keras else []
     holders = [(layer, {id(w) for w in layer.weights}) for layer in layers]
     owners = []
     for v in variables:
@@ -161,12 +160,8 @@ def _tracing_inputs(model, x):
         return tf.nest.map_structure(
             lambda a: tf.convert_to_tensor(np.asarray(a)), take(x, 0, 1)
         )
-    declared = getattr(model, "_inputs_struct", None)
-    try:
-        declared = declared if declared is not None else model.inputs
-    except (AttributeError, ValueError):
-        declared = None
-    if not declared:
+    declared = resolve_target(model).declared
+    if declared is None:
         raise ValueError(
             f"model {model.name!r} declares no inputs (a subclassed model), so "
             "its forward pass cannot be traced without data: pass x, e.g. "
@@ -443,6 +438,7 @@ class Laplace:
         self.f_train = self._outputs(x)
         self.n_outputs = self.f_train.shape[1]
         self.y_train = self.loss.targets(y, self.f_train)  # checks y's shape
+        self._summed_loss = None
         self._fit(x)
 
     def __repr__(self):
@@ -828,11 +824,13 @@ class Laplace:
             A float.
         """
         _, s2 = self._values(None, sigma_noise)
-        losses = self.loss.value(self.f_train, self.y_train)
+        if self._summed_loss is None:  # the data are fixed: summed once
+            losses = self.loss.value(self.f_train, self.y_train)
+            self._summed_loss = float(np.sum(losses))
         if not self.regression:
-            return -float(np.sum(losses))
+            return -self._summed_loss
         count = self.n_data * self.n_outputs
-        return -float(np.sum(losses)) / s2 - 0.5 * count * math.log(2 * math.pi * s2)
+        return -self._summed_loss / s2 - 0.5 * count * math.log(2 * math.pi * s2)
 
     def log_marginal_likelihood(self, prior_precision=None, sigma_noise=None):
         """laplace-torch's Laplace log marginal likelihood.
