@@ -46,16 +46,31 @@ def rows(out):
     )
 
 
+def jacobian_rows(tape, entries, sources):
+    """d entries / d sources, one ``tape.gradient`` per entry (a persistent
+    tape, the entries unstacked under it; eager and quick for these small
+    sizes): (len(entries), sum of the sources' sizes)."""
+    out = []
+    for entry in entries:
+        grads = tape.gradient(entry, sources)
+        out.append(
+            np.concatenate(
+                [
+                    np.zeros(int(np.prod(s.shape))) if g is None else np.ravel(g)
+                    for g, s in zip(grads, sources, strict=True)
+                ]
+            )
+        )
+    return np.stack(out)
+
+
 def per_sample_J(model, x):
     """(n, l, m): one tape per sample."""
     blocks = []
     for i in range(len(x)):
-        with tf.GradientTape() as tape:
-            f = rows(model(x[i : i + 1]))[0]
-        parts = tape.jacobian(f, model.trainable_variables)
-        blocks.append(
-            np.concatenate([np.reshape(p, (f.shape[0], -1)) for p in parts], 1)
-        )
+        with tf.GradientTape(persistent=True) as tape:
+            f = tf.unstack(rows(model(x[i : i + 1]))[0])
+        blocks.append(jacobian_rows(tape, f, model.trainable_variables))
     return np.stack(blocks)
 
 
@@ -65,13 +80,14 @@ def output_hessian(model, x, total_loss):
     leaves = tf.nest.flatten(out)
     sizes = [int(np.prod(t.shape[1:])) for t in leaves]
     f = tf.Variable(rows(out))
-    with tf.GradientTape() as outer:
+    with tf.GradientTape(persistent=True) as outer:
         with tf.GradientTape() as inner:
             parts = tf.split(f, sizes, axis=1)
             heads = [tf.reshape(p, t.shape) for p, t in zip(parts, leaves, strict=True)]
             value = total_loss(tf.nest.pack_sequence_as(out, heads))
-        g = inner.gradient(value, f)
-    return outer.jacobian(g, f).numpy()
+        g = tf.unstack(tf.reshape(inner.gradient(value, f), [-1]))
+    n, width = f.shape
+    return jacobian_rows(outer, g, [f]).reshape(n, width, n, width)
 
 
 def reference_G(model, x, total_loss):
@@ -83,14 +99,15 @@ def reference_G(model, x, total_loss):
 def reference_hessian(model, x, total_loss):
     """d2 total_loss(model(x)) / d theta2, by nested tapes."""
     variables = model.trainable_variables
-    with tf.GradientTape() as outer:
+    with tf.GradientTape(persistent=True) as outer:
         with tf.GradientTape() as inner:
             value = total_loss(model(x))
-        g = tf.concat(
-            [tf.reshape(a, [-1]) for a in inner.gradient(value, variables)], 0
+        g = tf.unstack(
+            tf.concat(
+                [tf.reshape(a, [-1]) for a in inner.gradient(value, variables)], 0
+            )
         )
-    parts = outer.jacobian(g, variables)
-    return np.concatenate([np.reshape(p, (g.shape[0], -1)) for p in parts], 1)
+    return jacobian_rows(outer, g, variables)
 
 
 def dense(operator):
