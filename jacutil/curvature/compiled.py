@@ -133,11 +133,20 @@ class CurvatureProducts(Products):
             if t is not None:
                 specs.append([tf.TensorSpec([None, k], dtype) for k in widths])
             if kind == "ggn" and t is None:
-                method = lambda x, w, v: self.ggn_chunk(loss, x, w, v)  # noqa: E731
+
+                def method(x, w, v):
+                    return self.ggn_chunk(loss, x, w, v)
+
             elif kind == "ggn":
-                method = lambda x, w, v, t: self.ggn_chunk(loss, x, w, v, t)  # noqa: E731
+
+                def method(x, w, v, t):
+                    return self.ggn_chunk(loss, x, w, v, t)
+
             else:
-                method = lambda x, w, v, t: self.hvp_chunk(loss, x, t, w, v)  # noqa: E731
+
+                def method(x, w, v, t):
+                    return self.hvp_chunk(loss, x, t, w, v)
+
             self._functions[key] = quiet_function(method, input_signature=specs)
         return self._functions[key]
 
