@@ -27,7 +27,7 @@
 #   by the marginal likelihood, and plot predictive bands for a regression
 #   and a two-class problem.
 #
-# *Teaching: 26 min · Exercises: 14 min*
+# *Teaching: 30 min · Exercises: 15 min*
 
 # %% [markdown]
 # ## Setup
@@ -111,6 +111,56 @@ G = ggn.ggn_operator(small, x_check, "softmax_cross_entropy")
 V = rng.standard_normal((G.shape[0], 3))
 np.testing.assert_allclose(G @ V, G_formed @ V, rtol=1e-10, atol=1e-12)
 print(f"G: a LinearOperator {G.shape}; G @ V == (J.T H J) @ V: True")
+
+# %% [markdown]
+# ## Several heads, each with its own Keras loss
+#
+# A model with several outputs (heads) is trained with one loss per head,
+# as `model.compile(loss=[...])` takes them, and the curvature takes the
+# same list: Keras loss objects (or names), each with its `reduction`,
+# `from_logits` and label smoothing. Each head's `H` comes from its own
+# loss and its own class count, so `Hᵢ` is block-diagonal, one block per
+# head. Keras' default reduction averages over the samples, so G is
+# divided by n. Below, two softmax heads of different widths:
+
+# %%
+keras.utils.set_random_seed(seed)
+inputs = keras.Input((4,), dtype="float64")
+hidden = keras.layers.Dense(6, activation="tanh", dtype="float64")(inputs)
+two_heads = keras.Model(inputs, [
+    keras.layers.Dense(2, dtype="float64")(hidden),  # logits of 2 classes
+    keras.layers.Dense(4, dtype="float64")(hidden),  # logits of 4 classes
+])
+head_losses = [keras.losses.SparseCategoricalCrossentropy(from_logits=True)] * 2
+G_heads = ggn.ggn_operator(two_heads, x_check, head_losses)
+
+f_heads = np.concatenate([np.asarray(t) for t in two_heads(x_check)], axis=1)
+H_heads = np.zeros((n_check, 6, 6))
+for block in (slice(0, 2), slice(2, 6)):  # one softmax per head
+    z = f_heads[:, block] - f_heads[:, block].max(axis=1, keepdims=True)
+    p = np.exp(z) / np.exp(z).sum(axis=1, keepdims=True)
+    H_heads[:, block, block] = np.einsum("ik,kj->ikj", p, np.eye(p.shape[1]))
+    H_heads[:, block, block] -= np.einsum("ik,ij->ikj", p, p)
+J_heads = ju.jacobian(two_heads, x_check)
+G_heads_formed = np.einsum("ikp,ikj,ijq->pq", J_heads, H_heads, J_heads) / n_check
+V_heads = rng.standard_normal((G_heads.shape[0], 2))
+np.testing.assert_allclose(G_heads @ V_heads, G_heads_formed @ V_heads,
+                           rtol=1e-10, atol=1e-12)
+print("classes per head:", [head.classes for head in output_loss(head_losses, two_heads).heads])
+print(f"G: {G_heads.shape}; G @ V == (J.T H J) @ V / n: True")
+
+# %% [markdown]
+# A head that ends in a softmax outputs probabilities, not logits. The
+# model's graph is read, so it is refused wherever the softmax sits (a
+# layer, `keras.ops.softmax`, a nested model):
+
+# %%
+probabilities = keras.Model(
+    inputs, keras.ops.softmax(keras.layers.Dense(3, dtype="float64")(hidden)))
+try:
+    ggn.ggn_operator(probabilities, x_check, head_losses[0])
+except ValueError as error:
+    print("refused:", str(error).split(": ")[0])
 
 # %% [markdown]
 # ## The diagonal and KFAC against the exact G
