@@ -483,3 +483,19 @@ def test_kfac_reads_variables_given_as_a_generator_once():
     close(values, np.linalg.eigvalsh(K.to_dense())[::-1][:2])
     with pytest.raises(TypeError, match="square"):
         top_eigenvalues(object())
+
+
+def test_keras_mse_on_a_matrix_output_divides_by_every_position():
+    keras.utils.set_random_seed(14)
+    model = keras.Sequential(
+        [
+            keras.Input((3,), dtype=D),
+            keras.layers.Dense(6, dtype=D),
+            keras.layers.Reshape((2, 3), dtype=D),
+        ]
+    )
+    x = inputs()
+    y = np.random.default_rng(15).normal(size=(N, 2, 3))
+    loss = keras.losses.MeanSquaredError(dtype=D)  # values (n, 2): mean over n * 2
+    G = reference_G(model, x, lambda out: loss(y, out))
+    close(dense(ggn_operator(model, x, loss)), G)
