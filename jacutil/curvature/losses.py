@@ -120,17 +120,13 @@ class OutputLoss:
         self.label = label
 
     def __repr__(self):
-        extra = "".join(
-            f", {k}={v!r}"
-            for k, v in [
-                ("scale", self.scale), ("label_smoothing", self.label_smoothing),
-            ]
-            if v != {"scale": 1.0}.get(k, 0.0)
-        )  # fmt: skip
-        return (
-            f"{type(self).__name__}({self.name!r}, classes={self.classes}{extra}, "
-            f"reduction={self.reduction!r})"
-        )
+        options = [f"classes={self.classes}"]
+        if self.scale != 1:
+            options.append(f"scale={self.scale:.6g}")
+        if self.label_smoothing:
+            options.append(f"label_smoothing={self.label_smoothing:g}")
+        options.append(f"reduction={self.reduction!r}")
+        return f"{type(self).__name__}({', '.join(options)})"
 
     @property
     def key(self):
@@ -142,6 +138,15 @@ class OutputLoss:
 
     def bind(self, shape, label, probability=None):
         """This loss for a head of per-sample ``shape`` (a copy).
+
+        Args:
+            shape: the head's per-sample output shape.
+            label: the head's name in messages.
+            probability: ``"softmax"``/``"sigmoid"`` if the head's output is
+                made by one, else None.
+
+        Returns:
+            An :class:`OutputLoss` of the same kind, bound to the head.
 
         Raises:
             ValueError: the head's shape contradicts the loss (its classes),
@@ -161,17 +166,40 @@ class OutputLoss:
         return _width(f) if self.shape is None else math.prod(self.shape)
 
     def width(self, n_outputs):
-        """The head's outputs per sample."""
+        """The head's outputs per sample.
+
+        Args:
+            n_outputs: l, the model's outputs per sample (a head without a
+                shape covers them all).
+
+        Returns:
+            An ``int``.
+        """
         return n_outputs if self.shape is None else math.prod(self.shape)
 
     def positions(self, width):
-        """Loss values per sample (what a mean reduction divides by)."""
+        """Loss values per sample (what a mean reduction divides by).
+
+        Args:
+            width: the head's outputs per sample.
+
+        Returns:
+            An ``int``: one per row of the last axis.
+        """
         return max(1, width // self.classes)
 
     # -- targets --------------------------------------------------------------
 
     def targets(self, y, f):
-        """``y`` as an (n, l) array of target values (one-hot for labels)."""
+        """``y`` as an (n, l) array of target values (one-hot for labels).
+
+        Args:
+            y: the targets of the n samples.
+            f: the outputs (n, l), for the shapes.
+
+        Returns:
+            A NumPy array (n, l) - (n, .) for a loss differentiated as given.
+        """
         f = np.asarray(f)
         return self._targets(y, f.shape[0], f.shape[1], f.dtype)
 
