@@ -414,7 +414,9 @@ class Laplace:
         refuse_non_finite(y, "y")
         self.model = model
         self.structure = structure
-        self.loss = output_loss(loss, model)
+        # a likelihood is a sum over the data: Keras's reduction (a mean) is
+        # for training, not for the posterior (as laplace-torch sums)
+        self.loss = output_loss(loss, model, x).summed()
         self.regression = self.loss.name == "squared_error"
         self.sigma_noise = _positive(sigma_noise, "sigma_noise")
         if not self.regression and self.sigma_noise != 1.0:
@@ -438,6 +440,8 @@ class Laplace:
         self.f_train = self._outputs(x)
         self.n_outputs = self.f_train.shape[1]
         self.y_train = self.loss.targets(y, self.f_train)  # checks y's shape
+        several = len(getattr(self.loss, "heads", ())) > 1  # y: one per head
+        self._y = tf.nest.map_structure(np.asarray, y) if several else np.asarray(y)
         self._summed_loss = None
         self._fit(x)
 
@@ -549,7 +553,8 @@ class Laplace:
             G = np.zeros((self.n_params, self.n_params))
             for start, stop in self._chunks(x):
                 J = self._jacobian(take(x, start, stop))
-                H = self.loss.hessian(self.f_train[start:stop])
+                y = take(self._y, start, stop)
+                H = self.loss.hessian(self.f_train[start:stop], y)
                 G += np.einsum("nkp,nkj,njq->pq", J, H, J, optimize=True)
             self.ggn = 0.5 * (G + G.T)
             self._eigenvalues = np.linalg.eigvalsh(self.ggn)
@@ -559,13 +564,16 @@ class Laplace:
                     self.model,
                     x,
                     self.loss,
+                    y=self._y,
                     variables=self.variables,
                     memory_budget=self.memory_budget,
                 ),
                 dtype=np.float64,
             )
         else:
-            self.ggn = kfac(self.model, x, self.loss, variables=self.variables)
+            self.ggn = kfac(
+                self.model, x, self.loss, y=self._y, variables=self.variables
+            )
 
     # -- the posterior --------------------------------------------------------
 

@@ -161,6 +161,18 @@ class OutputLoss:
     def _check_head(self, probability):
         pass
 
+    def summed(self):
+        """This loss with the sum over samples as its reduction (a copy):
+        what a likelihood is, whatever reduction training used (Laplace).
+
+        Returns:
+            An :class:`OutputLoss` of the same kind.
+        """
+        copy = object.__new__(type(self))
+        copy.__dict__.update(self.__dict__)
+        copy.reduction = "sum"
+        return copy
+
     def _w(self, f):
         """The head's width on ``f``: static where the shape is known."""
         return _width(f) if self.shape is None else math.prod(self.shape)
@@ -559,6 +571,14 @@ class HeadLosses(OutputLoss):
 
     def __repr__(self):
         return f"HeadLosses({self.heads!r})"
+
+    def summed(self):
+        """Every head's loss summed over samples (see :meth:`OutputLoss.summed`).
+
+        Returns:
+            A :class:`HeadLosses`.
+        """
+        return HeadLosses([h.summed() for h in self.heads])
 
     @property
     def key(self):
