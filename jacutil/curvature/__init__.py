@@ -6,6 +6,7 @@ pieces (11-curvature-and-uncertainty).
 - ``ggn``        ``ggn_operator``: G = sum_i J_i.T H_i J_i as a LinearOperator, no J
 - ``hessian``    ``hessian_operator``: the loss's Hessian-vector products
 - ``diagonal``   ``ggn_diagonal``: G's exact diagonal from the layer rules
+- ``fisher``     the empirical and Monte Carlo Fisher, ``hessian_diagonal``
 - ``kfac``       ``kfac``: Kronecker factors of Dense and Conv layers
 - ``ntk``        ``empirical_ntk``: J(x) J(x').T in chunk pairs
 - ``spectra``    top eigenvalues and singular values, Hutchinson estimates
@@ -19,6 +20,7 @@ __getattr__ = lazy_modules(
     {
         "compiled",
         "diagonal",
+        "fisher",
         "ggn",
         "hessian",
         "kfac",

@@ -291,6 +291,37 @@ class OutputLoss:
         """``H_i @ u_i`` for every sample, shape (n, l), without forming H."""
         return self.hessian_product_tf(_tensor(f), _tensor(u), self._t(y, f)).numpy()
 
+    # -- the model's own predictive distribution (the Monte Carlo Fisher) -----
+
+    def sample_signals(self, f, draws, rng):
+        """Gradients at the outputs for targets drawn from the model's own
+        predictive distribution, scaled so that ``E[s s.T] = H_i`` exactly.
+
+        Each kind says what it draws; the draws of a sample are independent.
+
+        Args:
+            f: the outputs (n, l), NumPy.
+            draws: how many per sample.
+            rng: a ``numpy.random.Generator``.
+
+        Returns:
+            A NumPy array (n, draws, l).
+
+        Raises:
+            ValueError: the loss is not the likelihood of a distribution the
+                model predicts (a loss differentiated as given).
+        """
+        raise ValueError(
+            f"the loss{_for(self.label)} ({getattr(self, 'about', self.name)}) is "
+            "differentiated as given: it is no likelihood of a distribution the "
+            "model predicts, so there are no targets to draw and no Monte Carlo "
+            "Fisher. Use the empirical Fisher (empirical_fisher_operator, with "
+            "y=) or G itself (ggn_operator, ggn_diagonal), which the Monte Carlo "
+            "Fisher estimates; or describe the head by a closed-form loss "
+            f"({', '.join(map(repr, NAMES))}, or Keras' MSE or a cross-entropy "
+            "with from_logits=True)."
+        )
+
 
 class SquaredError(OutputLoss):
     """``L_i = scale/2 * |f_i - y_i|^2``: ``H_i = scale * I``."""
@@ -309,6 +340,14 @@ class SquaredError(OutputLoss):
     def sqrt_hessian_tf(self, f, t=None):
         eye = tf.eye(self._w(f), dtype=f.dtype) * math.sqrt(self.scale)
         return tf.broadcast_to(eye, [tf.shape(f)[0], self._w(f), self._w(f)])
+
+    def sample_signals(self, f, draws, rng):
+        """``y ~ N(f_i, I / scale)``, the likelihood ``exp(-L_i)``: the gradient
+        ``scale (f_i - y)`` has ``E[s s.T] = scale I = H_i``."""
+        f = np.asarray(f)
+        noise = rng.standard_normal((f.shape[0], draws, f.shape[1]))
+        y = f[:, None, :] + noise / math.sqrt(self.scale)
+        return self.scale * (f[:, None, :] - y)
 
 
 class SigmoidCrossEntropy(OutputLoss):
@@ -337,6 +376,15 @@ class SigmoidCrossEntropy(OutputLoss):
         s = tf.sigmoid(f)
         root = tf.sqrt(self.scale * s * (1 - s))
         return root[:, :, None] * tf.eye(self._w(f), dtype=f.dtype)
+
+    def sample_signals(self, f, draws, rng):
+        """``y ~ Bernoulli(sigmoid(f_i))`` per output; the signal
+        ``sqrt(scale) (s - y)`` has ``E[s s.T] = H_i`` (the gradient of the
+        cross-entropy at y when scale is 1; label smoothing is not drawn)."""
+        f = np.asarray(f)
+        s = 0.5 * (1 + np.tanh(0.5 * f))[:, None, :]
+        y = rng.random((f.shape[0], draws, f.shape[1])) < s
+        return math.sqrt(self.scale) * (s - y)
 
 
 class SoftmaxCrossEntropy(OutputLoss):
@@ -414,6 +462,22 @@ class SoftmaxCrossEntropy(OutputLoss):
         eye = tf.eye(width, dtype=f.dtype)
         S = root[:, :, None] * eye - p[:, :, None] * root[:, None, :] * same_row
         return math.sqrt(self.scale) * S
+
+    def sample_signals(self, f, draws, rng):
+        """``y ~ Categorical(softmax(f_i))`` per row of classes; the signal
+        ``sqrt(scale) (p - onehot(y))`` has ``E[s s.T] = H_i`` (the gradient
+        of the cross-entropy at y when scale is 1; label smoothing is not
+        drawn)."""
+        f = np.asarray(f)
+        n, width = f.shape
+        z = f.reshape(n, -1, self.classes)
+        p = np.exp(z - z.max(axis=-1, keepdims=True))
+        p /= p.sum(axis=-1, keepdims=True)
+        u = rng.random((n, draws, z.shape[1], 1))
+        labels = (np.cumsum(p, axis=-1)[:, None] < u).sum(axis=-1)
+        onehot = np.eye(self.classes)[np.minimum(labels, self.classes - 1)]
+        signals = math.sqrt(self.scale) * (p[:, None] - onehot)
+        return signals.reshape(n, draws, width)
 
 
 class AutodiffLoss(OutputLoss):
@@ -677,6 +741,16 @@ class HeadLosses(OutputLoss):
     def sqrt_hessian_tf(self, f, t=None):
         parts = zip(self.heads, self._split(f), self._each(t), strict=True)
         return self._block_diagonal([h.sqrt_hessian_tf(p, tp) for h, p, tp in parts], f)
+
+    def sample_signals(self, f, draws, rng):
+        """Each head's draws (:meth:`OutputLoss.sample_signals`), heads in
+        order from the one ``rng``, joined along the outputs: (n, draws, l)."""
+        f = np.asarray(f)
+        parts = [
+            h.sample_signals(f[:, s], draws, rng)
+            for h, s in zip(self.heads, self.slices, strict=True)
+        ]
+        return np.concatenate(parts, axis=2)
 
     def hessian_tf(self, f, t=None):
         parts = zip(self.heads, self._split(f), self._each(t), strict=True)
