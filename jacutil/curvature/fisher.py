@@ -119,7 +119,8 @@ class _Fisher:
         self._memory = memory_budget_for, bytes_per_sample
 
     def chunks(self, r):
-        """``(per_sample_bytes, chunk, budget)`` for r rows per sample."""
+        """``(chunk, budget)``: samples per chunk and the budget in bytes, for
+        r rows per sample (as ``ggn_diagonal`` sizes its chunks)."""
         memory_budget_for, bytes_per_sample = self._memory
         l = self.given.n_outputs  # noqa: E741 (l, as in the design)
         per_sample = bytes_per_sample(
@@ -437,7 +438,8 @@ def hessian_diagonal(
     (each a pass over the data), its standard error zero and ``n_probes``
     0. ``"hutchinson"``: ``spectra.hutchinson_diagonal`` over ``n_probes``
     random sign vectors, with its standard error. ``"auto"``: exact when
-    ``m <= exact_up_to`` (``EXACT_UP_TO``, 2,000), else Hutchinson. The loss
+    ``m <= exact_up_to`` (``EXACT_UP_TO``, 2,000), else Hutchinson - m
+    passes over the data against ``n_probes``. The loss
     is weighted as ``hessian_operator`` weights it (``sample_weight`` and
     each head's reduction).
 
