@@ -126,6 +126,9 @@ def namespace(dtype="float32"):
         "functools": functools,
         "perturb": perturb,
         "dtype": dtype,
+        "brier_score": brier_score,
+        "confidence_penalty": confidence_penalty,
+        "focal_plus_brier": focal_plus_brier,
         **CUSTOM_LAYERS,
     }
 
@@ -1113,3 +1116,227 @@ def loss_cases(draw):
     if draw(st.booleans()):
         return draw(chain_cases(loss=loss))
     return draw(graph_cases(loss=loss))
+
+
+# --- curvature: heads, each with its own Keras loss (issue 34) ----------------
+
+CURVATURE_LOSSES = {
+    # name: (the loss as the program writes it, the head's activation
+    # (None: any), the target kind)
+    "mse": ("keras.losses.MeanSquaredError(reduction={reduction!r})", None, "values"),
+    "sparse_ce": (
+        "keras.losses.SparseCategoricalCrossentropy(from_logits=True, "
+        "reduction={reduction!r})",
+        "linear",
+        "ids",
+    ),
+    "ce": (
+        "keras.losses.CategoricalCrossentropy(from_logits=True, "
+        "label_smoothing={smoothing}, reduction={reduction!r})",
+        "linear",
+        "one_hot",
+    ),
+    "bce": (
+        "keras.losses.BinaryCrossentropy(from_logits=True, "
+        "label_smoothing={smoothing}, reduction={reduction!r})",
+        "linear",
+        "binary",
+    ),
+    "huber": ("keras.losses.Huber(delta=0.5, reduction={reduction!r})", None, "values"),
+    "mse_name": ("'mse'", None, "values"),
+    "log_cosh_function": ("keras.losses.log_cosh", None, "values"),
+    "squared_error": ("'squared_error'", None, "values"),
+    "softmax_cross_entropy": ("'softmax_cross_entropy'", "linear", "ids"),
+    "sigmoid_cross_entropy": ("'sigmoid_cross_entropy'", "linear", "binary"),
+}
+HEAD_ACTIVATIONS = ("linear", "tanh", "softplus")
+
+
+@dataclass
+class _HeadLoss(_Loss):
+    expression: str = ""
+
+    @property
+    def function(self):
+        return self.expression
+
+    def target_expression(self, n):
+        kind = CURVATURE_LOSSES[self.name][2]
+        width = self.width
+        if kind == "ids":
+            return f"rng.integers(0, {width}, ({n},))"
+        if kind == "one_hot":
+            return f"np.eye({width}, dtype=dtype)[rng.integers(0, {width}, {n})]"
+        if kind == "binary":
+            return f"rng.integers(0, 2, ({n}, {width})).astype(dtype)"
+        return f"rng.standard_normal(({n}, {width})).astype(dtype)"
+
+
+@st.composite
+def curvature_losses(draw):
+    """One head's loss for curvature: a Keras loss object (its reduction and
+    label smoothing drawn), a Keras name, a plain function or one of
+    jacutil's names; the head outputs logits where the loss needs them."""
+    name = draw(st.sampled_from(sorted(CURVATURE_LOSSES)))
+    template, activation, target = CURVATURE_LOSSES[name]
+    few = target in ("binary", "values")
+    width = draw(st.integers(1, 3) if few else st.integers(2, 4))
+    reduction = draw(st.sampled_from(["sum", "sum_over_batch_size"]))
+    smoothing = draw(st.sampled_from([0.0, 0.2]))
+    expression = template.format(reduction=reduction, smoothing=smoothing)
+    if activation is None:
+        activation = draw(st.sampled_from(HEAD_ACTIVATIONS))
+    return _HeadLoss(name, activation, width, False, expression)
+
+
+@st.composite
+def head_cases(draw):
+    """A trunk of one to two layers, then one or two Dense heads (as a list
+    or a dict), each with its own loss and class count; sample weights half
+    the time. The program defines ``loss`` (one, or one per head, as
+    ``model.compile`` takes them), ``y`` in the heads' structure and
+    ``sample_weight`` (or None)."""
+    program = _Program(draw(dtypes))
+    x = _input(draw, program, ("vector", "sequence", "image"))
+    t = x
+    for _ in range(draw(st.integers(1, 2))):
+        layer, suffix = _layer(draw, t, True)
+        t = program.apply(layer, t, suffix)
+    if t.rank > 1:
+        t = program.apply(_call("Flatten"), t)
+    losses = [draw(curvature_losses()) for _ in range(draw(st.integers(1, 2)))]
+    heads = [
+        program.apply(_dense(draw, units=h.width, activation=h.activation), t)
+        for h in losses
+    ]
+    style = "one" if len(heads) == 1 else draw(st.sampled_from(["list", "dict"]))
+    if style == "one":
+        outputs = heads[0].name
+    elif style == "list":
+        outputs = f"[{', '.join(h.name for h in heads)}]"
+    else:  # keys out of insertion order: flatten sorts them
+        outputs = f"{{'b': {heads[0].name}, 'a': {heads[1].name}}}"
+    model_line = f"model = keras.Model({x.name}, {outputs})"
+    case = _finish(draw, program, f"heads/{style}", [x], "one", model_line, heads[0])
+    n = int(re.search(r"x = rng.standard_normal\(\((\d+),", case.source).group(1))
+    names = [h.name for h in losses]
+    expressions = [h.function for h in losses]
+    targets = [h.target_expression(n) for h in losses]
+    if style == "one":
+        lines = [f"loss = {expressions[0]}", f"y = {targets[0]}"]
+    elif style == "list":
+        lines = [f"loss = [{', '.join(expressions)}]", f"y = [{', '.join(targets)}]"]
+    else:
+        lines = [
+            f"loss = {{'b': {expressions[0]}, 'a': {expressions[1]}}}",
+            f"y = {{'b': {targets[0]}, 'a': {targets[1]}}}",
+        ]
+    weighted = f"rng.uniform(0.5, 2.0, {n})" if draw(st.booleans()) else "None"
+    lines.append(f"sample_weight = {weighted}")
+    source = case.source + "\n" + "\n".join(lines)
+    family = f"{case.family}/{'+'.join(names)}"
+    return Case(family, case.dtype, source, case.features | _features(source))
+
+
+JACUTIL_SUMS = {
+    # jacutil's plain names: the sum over samples of each sample's loss
+    "squared_error": lambda y, f: 0.5 * tf.reduce_sum(tf.square(f - y), axis=-1),
+    "softmax_cross_entropy": lambda y, f: -tf.reduce_sum(
+        tf.one_hot(tf.cast(tf.reshape(y, [-1]), tf.int32), f.shape[-1], dtype=f.dtype)
+        * tf.nn.log_softmax(f),
+        axis=-1,
+    ),
+    "sigmoid_cross_entropy": lambda y, f: tf.reduce_sum(
+        tf.math.softplus(f) - y * f, axis=-1
+    ),
+}
+
+
+def total_loss(loss, y, outputs, sample_weight, summed=False):
+    """The scalar loss of a batch as Keras computes it: each head's loss
+    with its own reduction (a plain function: Keras's default mean), the
+    heads added; jacutil's names sum over samples. ``outputs`` is the model's
+    output structure, float64. ``summed``: every head summed over samples
+    (a likelihood, as Laplace takes it), whatever its reduction."""
+    heads = tf.nest.flatten(outputs)
+    if isinstance(loss, dict):
+        losses, targets = [loss[k] for k in sorted(loss)], [y[k] for k in sorted(y)]
+    elif isinstance(loss, (list, tuple)):
+        losses, targets = list(loss), list(y)
+    else:
+        losses, targets = [loss] * len(heads), [y]
+    weights = None if sample_weight is None else tf.constant(sample_weight, tf.float64)
+    total = tf.constant(0.0, tf.float64)
+    for fn, t, f in zip(losses, targets, heads, strict=True):
+        t = tf.constant(np.asarray(t), tf.float64)
+        if isinstance(fn, str) and fn in JACUTIL_SUMS:
+            values = JACUTIL_SUMS[fn](t, f)
+            total += tf.reduce_sum(values if weights is None else weights * values)
+            continue
+        if isinstance(fn, str):
+            fn = keras.losses.get(fn)
+        mean = True  # a function: Keras's default, the mean over the values
+        if isinstance(fn, keras.losses.Loss):
+            # its values, reduced here: calling the object would compute in
+            # its own dtype (float32 by default), whatever the model's
+            mean, fn = fn.reduction == "sum_over_batch_size", fn.call
+        values = tf.cast(fn(t, f), tf.float64)
+        if weights is not None:
+            shape = [-1] + [1] * (values.shape.rank - 1)
+            values = values * tf.reshape(weights, shape)
+        size = tf.cast(tf.size(values), tf.float64) if mean and not summed else 1.0
+        total += tf.reduce_sum(values) / size
+    return total
+
+
+def output_hessians(model, x, loss, y, sample_weight, summed=False):
+    """(n, l, l): each sample's Hessian of the batch's loss at its outputs,
+    by nested tapes in float64 (the off-diagonal sample blocks are zero for
+    every loss here, and are checked to be)."""
+    outputs = model(x, training=False)
+    leaves = [tf.cast(tf.reshape(f, [f.shape[0], -1]), tf.float64)
+              for f in tf.nest.flatten(outputs)]  # fmt: skip
+    flat = tf.concat(leaves, axis=1)
+    n, width = flat.shape
+    sizes = [int(leaf.shape[1]) for leaf in leaves]
+    shapes = [tuple(f.shape) for f in tf.nest.flatten(outputs)]
+    with tf.GradientTape(persistent=True) as outer:
+        outer.watch(flat)
+        with tf.GradientTape() as inner:
+            inner.watch(flat)
+            pieces = tf.split(flat, sizes, axis=1)
+            parts = [tf.reshape(p, s) for p, s in zip(pieces, shapes, strict=True)]
+            value = total_loss(loss, y, tf.nest.pack_sequence_as(outputs, parts),
+                               sample_weight, summed)  # fmt: skip
+        gradient = inner.gradient(value, flat)
+    H = outer.jacobian(gradient, flat, experimental_use_pfor=False).numpy()
+    H = H.reshape(n, width, n, width)
+    blocks = np.stack([H[i, :, i, :] for i in range(n)])
+    off = H.copy()
+    for i in range(n):
+        off[i, :, i, :] = 0
+    assert np.abs(off).max(initial=0) <= 1e-12 * max(1.0, np.abs(H).max()), (
+        "a loss that couples samples: the test's reference assumes it does not"
+    )
+    return blocks
+
+
+def loss_hessian_product(model, x, loss, y, sample_weight, variables, v):
+    """H v of the batch's loss in the variables, by reverse over reverse."""
+    watched = [_watched(u) for u in variables]
+    dtype = np.dtype(tf.as_dtype(variables[0].dtype).as_numpy_dtype)
+    parts = np.split(v.astype(dtype), np.cumsum([int(np.prod(u.shape))
+                                                 for u in variables])[:-1])  # fmt: skip
+    with tf.GradientTape() as outer:
+        outer.watch(watched)
+        with tf.GradientTape() as inner:
+            inner.watch(watched)
+            outputs = tf.nest.map_structure(lambda f: tf.cast(f, tf.float64),
+                                            model(x, training=False))  # fmt: skip
+            value = total_loss(loss, y, outputs, sample_weight)
+        grads = inner.gradient(value, watched)
+        score = tf.add_n([
+            tf.reduce_sum(tf.cast(g, tf.float64) * p.reshape(u.shape))
+            for g, p, u in zip(grads, parts, variables, strict=True) if g is not None
+        ])  # fmt: skip
+    return _flat_gradient(outer.gradient(score, watched), variables, np.float64)

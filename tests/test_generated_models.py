@@ -14,6 +14,10 @@ float64, and checks each public entry against ``tape_jacobian`` /
 * ``ggn_diagonal``, ``ggn_operator`` and ``empirical_ntk`` (notebook 11)
   with the squared error, against ``J``'s sums of squares, ``J.T J v`` and
   ``J J.T``;
+* ``ggn_operator``, ``ggn_diagonal``, ``hessian_operator`` and Laplace's
+  diagonal posterior with Keras losses, one per head (one or two heads of
+  their own class counts, reductions, label smoothing, sample weights),
+  against ``J.T H J`` with H by nested float64 tapes (:func:`head_cases`);
 * ``per_sample_gradients`` and ``per_sample_gradient_norms`` with every
   Keras loss (``tests/generated.py``'s ``LOSSES``: built-ins with their
   options, from probabilities or logits, and custom losses that read the
@@ -56,7 +60,10 @@ from tests.generated import (
     chain_cases,
     clear_refusal,
     graph_cases,
+    head_cases,
     loss_cases,
+    loss_hessian_product,
+    output_hessians,
     stems,
     tape_jacobian,
     tape_loss_gradients,
@@ -67,7 +74,7 @@ FUZZ = os.environ.get("JACUTIL_FUZZ", "") not in ("", "0")
 # examples per test in the ci profile: this file in about two minutes with
 # -n 2 on the 2-core machine, shared (measured 2026-12-01: 4-8 s an example,
 # load 4; see tests/README-generated.md)
-CI_EXAMPLES = {"reverse": 12, "forward": 12, "losses": 15}
+CI_EXAMPLES = {"reverse": 12, "forward": 12, "losses": 15, "curvature": 8}
 
 _common = {
     "deadline": None,
@@ -398,6 +405,55 @@ def check_dp_step(case, ns, G):
     assert_close("DPSGD.step", before - after, expected, case.dtype, scale)
 
 
+def check_curvature_losses(case):
+    """G v, G's diagonal, H v and Laplace's diagonal posterior precision for
+    Keras losses, one per head, against ``J.T H J`` from the tape's J and
+    the loss's Hessian at the outputs by nested float64 tapes, and H v by
+    reverse over reverse."""
+    from jacutil.curvature import diagonal, ggn, hessian, laplace
+
+    ns = build(case)
+    model, x, options, known = ns["model"], ns["x"], ns["options"], ns["known"]
+    loss, y, weights = ns["loss"], ns["y"], ns["sample_weight"]
+    J = reference(case, ns).astype(np.float64)
+    H = reference(case, ns, lambda: output_hessians(model, x, loss, y, weights))
+    G = np.einsum("nkp,nkj,njq->pq", J, H, J)
+    v = np.random.default_rng(1).standard_normal(G.shape[0])
+    given = {"y": y, "sample_weight": weights, **options}
+    hv = reference(case, ns, lambda: loss_hessian_product(
+        model, x, loss, y, weights, ns["variables"], v))  # fmt: skip
+    entries = {
+        "ggn_operator(loss)": (
+            lambda: ggn.ggn_operator(model, x, loss, **given) @ v, G @ v,
+            np.abs(G) @ np.abs(v)),
+        "ggn_diagonal(loss)": (
+            lambda: diagonal.ggn_diagonal(model, x, loss, **given), np.diag(G),
+            np.abs(np.diag(G))),
+        "hessian_operator(loss)": (
+            lambda: hessian.hessian_operator(
+                model, x, y, loss, sample_weight=weights, **options) @ v,
+            hv, np.abs(hv)),
+    }  # fmt: skip
+    if weights is None:  # Laplace: the likelihood is summed over the data
+        H_sum = reference(case, ns, lambda: output_hessians(
+            model, x, loss, y, None, summed=True))  # fmt: skip
+        diagonal_sum = np.einsum("nkp,nkj,njp->p", J, H_sum, J)
+        entries["laplace(diagonal).posterior_precision"] = (
+            lambda: laplace.laplace(model, x, y, loss, "diagonal",
+                                    **options).posterior_precision(),
+            diagonal_sum + 1.0, np.abs(diagonal_sum) + 1.0)  # fmt: skip
+    for entry, (call, expected, bound) in entries.items():
+        got = run(entry, call, known)
+        if got is not None:
+            assert_close(entry, got, expected, case.dtype, bound.max(initial=0))
+
+
+@budget("curvature")
+@given(case=head_cases())
+def test_curvature_with_keras_losses_per_head(case):
+    check_curvature_losses(case)
+
+
 # --- the instrument itself ----------------------------------------------------
 
 
@@ -417,7 +473,7 @@ def test_clear_refusal_tells_refusals_from_crashes():
 
 
 @pytest.mark.parametrize(
-    "strategy", [chain_cases, graph_cases, loss_cases, wide_cases]
+    "strategy", [chain_cases, graph_cases, loss_cases, wide_cases, head_cases]
 )
 def test_generated_programs_run_as_printed(strategy):
     """A case's printed program is a standalone reproduction."""
