@@ -306,8 +306,10 @@ def test_the_guides_cluster(monkeypatch):
 
         model = ju.question_mlp(seed=2)
         x = ju.regression_data(64, seed=4)[0]
-        J = ju.distributed_jacobian(model, x, client, progress=False)
-        one = ju.chunked_jacobian(model, x, method="rules", progress=False)
+        J = ju.distributed_jacobian(model, x, client, chunk_size=8, progress=False)
+        one = ju.chunked_jacobian(
+            model, x, chunk_size=8, method="rules", progress=False
+        )
         np.testing.assert_array_equal(J, one)
 
         # The guide's stop: every process goes.

@@ -100,7 +100,8 @@ def lazy_jacobian(
     Nothing runs until it is computed (``J.compute()``), persisted on the
     workers (``client.persist(J)``) or stored (``J.to_zarr(...)``,
     ``da.store``); each block is a chunk of :func:`jacutil.chunked_jacobian`
-    rows, equal to it bit for bit. Introduced in ``10-beyond-one-machine``.
+    rows, equal to it bit for bit with the same ``chunk_size``. Introduced
+    in ``10-beyond-one-machine``.
 
     Args:
         model: a Keras model (the workers rebuild it from its config).

@@ -317,7 +317,8 @@ def distributed_jacobian(
     (:mod:`jacutil.scale.executors`). Chunks of ``chunk_size`` samples
     (default: n / (4 x workers); a resumed run's own) are rows of the same
     compiled Jacobian as :func:`jacutil.chunked_jacobian`, so the result
-    equals it bit for bit.
+    equals it bit for bit when both use the same ``chunk_size`` (another
+    chunk size may round float32 differently in the last bit).
 
     ``x``: arrays, or a ``dask.array`` (or Dask futures) whose blocks are
     computed on the workers and never come to this process (one sample
