@@ -748,8 +748,7 @@ LOSSES = {
     ),
     # Keras's other built-in losses, with their options (issue 34)
     "ce_smoothing": (
-        "functools.partial(keras.losses.categorical_crossentropy, "
-        "label_smoothing=0.2)",
+        "functools.partial(keras.losses.categorical_crossentropy, label_smoothing=0.2)",
         "softmax",
         "one_hot",
     ),
@@ -822,14 +821,19 @@ class _Loss:
 
     def target_line(self, n, out_shape):
         kind = LOSSES[self.name][2]
-        width = self.width
-        if kind == "ids":
-            return f"y = rng.integers(0, {width}, ({n},))"
-        if kind == "one_hot":
-            return f"y = np.eye({width}, dtype=dtype)[rng.integers(0, {width}, {n})]"
-        if kind == "binary":
-            return f"y = rng.integers(0, 2, ({n}, {width})).astype(dtype)"
-        return f"y = rng.standard_normal({(n, *out_shape)!r}).astype(dtype)"
+        return "y = " + target_expression(kind, self.width, (n, *out_shape))
+
+
+def target_expression(kind, width, shape):
+    """Source that draws targets of ``kind`` for an output of ``shape``."""
+    n = shape[0]
+    if kind == "ids":
+        return f"rng.integers(0, {width}, ({n},))"
+    if kind == "one_hot":
+        return f"np.eye({width}, dtype=dtype)[rng.integers(0, {width}, {n})]"
+    if kind == "binary":
+        return f"rng.integers(0, 2, ({n}, {width})).astype(dtype)"
+    return f"rng.standard_normal({tuple(shape)!r}).astype(dtype)"
 
 
 @st.composite
@@ -1162,14 +1166,7 @@ class _HeadLoss(_Loss):
 
     def target_expression(self, n):
         kind = CURVATURE_LOSSES[self.name][2]
-        width = self.width
-        if kind == "ids":
-            return f"rng.integers(0, {width}, ({n},))"
-        if kind == "one_hot":
-            return f"np.eye({width}, dtype=dtype)[rng.integers(0, {width}, {n})]"
-        if kind == "binary":
-            return f"rng.integers(0, 2, ({n}, {width})).astype(dtype)"
-        return f"rng.standard_normal(({n}, {width})).astype(dtype)"
+        return target_expression(kind, self.width, (n, self.width))
 
 
 @st.composite
@@ -1241,10 +1238,14 @@ def head_cases(draw):
 JACUTIL_SUMS = {
     # jacutil's plain names: the sum over samples of each sample's loss
     "squared_error": lambda y, f: 0.5 * tf.reduce_sum(tf.square(f - y), axis=-1),
-    "softmax_cross_entropy": lambda y, f: -tf.reduce_sum(
-        tf.one_hot(tf.cast(tf.reshape(y, [-1]), tf.int32), f.shape[-1], dtype=f.dtype)
-        * tf.nn.log_softmax(f),
-        axis=-1,
+    "softmax_cross_entropy": lambda y, f: (
+        -tf.reduce_sum(
+            tf.one_hot(
+                tf.cast(tf.reshape(y, [-1]), tf.int32), f.shape[-1], dtype=f.dtype
+            )
+            * tf.nn.log_softmax(f),
+            axis=-1,
+        )
     ),
     "sigmoid_cross_entropy": lambda y, f: tf.reduce_sum(
         tf.math.softplus(f) - y * f, axis=-1
