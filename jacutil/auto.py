@@ -24,12 +24,13 @@ from dataclasses import dataclass, field
 from .core._shared import ceil_div
 from .core.arguments import check_memory_budget
 from .core.batch import as_batch, n_samples
-from .core.cache import compiled_for, forward_for
 from .core.formulation import ForwardModeBlindSpot
 from .core.outputs import output_layout
 from .core.target import variable_list
+from .matrix_free.forward import forward_for
 from .scale.resume import recorded_chunk_size
 from .stages.chunked import bytes_per_sample, chunk_size_for, chunked_jacobian
+from .stages.compiled import compiled_for
 
 
 @dataclass

@@ -32,7 +32,7 @@ def test_a_keras_model_is_not_kept_alive_by_any_cache():
     ju.jvp(model, x, np.ones(ju.flat_params(model).size, "float32"))
     ju.per_sample_gradients(model, keras.losses.mean_squared_error, x,
                             np.zeros((6, 2), "float32"))  # fmt: skip
-    assert len(cache._compiled.get(model, {})) >= 1
+    assert len(cache.entries("compiled", model)) >= 1
     reference = weakref.ref(model)
     del model
     assert _gone(reference)
@@ -57,7 +57,7 @@ def test_a_lambda_and_what_it_captured_are_not_kept_alive():
     f = lambda t: tf.tanh(t @ w) * captured[0]  # noqa: E731
     x = np.ones((4, 3))
     first = ju.jacobian(f, x, variables=[w])
-    jac = cache.compiled_for(f, [w], False, False, "rules")
+    jac = ju.stages.compiled.compiled_for(f, [w], False, False, "rules")
     traces = jac.trace_count
     np.testing.assert_array_equal(ju.jacobian(f, x, variables=[w]), first)
     assert jac.trace_count == traces  # the second call reuses the compiled one
@@ -71,4 +71,4 @@ def test_clear_forgets_every_compiled_function():
     x, _ = ju.regression_data(3, seed=1)
     ju.jacobian(model, x)
     cache.clear()
-    assert model not in cache._compiled
+    assert not cache.entries("compiled", model)

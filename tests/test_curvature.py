@@ -342,8 +342,7 @@ def test_kfac_and_the_diagonal_trace_once_per_model():
     ggn_diagonal(model, x)
     replays = [
         entry
-        for entries in cache._curvature.values()
-        for entry in entries.values()
+        for entry in cache.entries("curvature", model).values()
         if hasattr(entry, "trace_count")
     ]
     before = sum(r.trace_count for r in replays)

@@ -86,7 +86,7 @@ def test_the_second_call_traces_nothing(entry):
         again, choice = function(model, LOSS, x[:n], y[:n], explain=True)
         assert not choice.traced, f"n = {n} traced again"
         np.testing.assert_allclose(again, first[:n], rtol=1e-12)
-    job = ju.core.cache.gradients_for(model, LOSS, None, False)
+    job = ju.fitting.loss_gradients.gradients_for(model, LOSS, None, False)
     assert job.trace_count == 1
 
 

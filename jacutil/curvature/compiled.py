@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..core import cache
 from ..core._shared import joined_gradients, or_zeros, sizes_of
 from ..core._tf import tf
 from ..core.arguments import refuse_non_finite
@@ -30,7 +31,7 @@ from ..core.batch import as_batch, n_samples, signature, signature_key, take
 from ..core.formulation import kept_loops, new_ops, quiet_function, refuse_hidden_reads
 from ..core.guards import require_connected
 from ..core.outputs import output_layout
-from ..core.target import watched
+from ..core.target import resolve_target, watched
 from ..matrix_free.products import Products
 from .losses import losses_for
 
@@ -178,6 +179,26 @@ class CurvatureProducts(Products):
         return np.concatenate(parts)
 
 
+def curvature_for(model, variables, options, make):
+    """The compiled curvature products of ``model`` (notebook 11), kept in
+    :mod:`jacutil.core.cache` as long as the model lives.
+
+    Args:
+        model: a Keras model, or a callable ``f(x)`` with ``variables``.
+        variables: the variables to differentiate, or None for the model's
+            trainable variables.
+        options: a hashable tuple of what else the products depend on (the
+            loss's name and classes, the chunk size).
+        make: ``make(target)`` builds the products when none is kept.
+
+    Returns:
+        What ``make`` built for this model, variables and options, cached.
+    """
+    target = resolve_target(model, variables, False)
+    key = (options, *map(id, target.variables))
+    return cache.kept("curvature", model, key, lambda: make(target))
+
+
 def curvature_products(model, *, variables=None, chunk_size=None):
     """The model's :class:`CurvatureProducts`, cached per model.
 
@@ -189,8 +210,6 @@ def curvature_products(model, *, variables=None, chunk_size=None):
     Returns:
         A :class:`CurvatureProducts`.
     """
-    from ..core.cache import curvature_for
-
     return curvature_for(
         model,
         variables,

@@ -98,9 +98,10 @@ class _Fisher:
         self, model, x, loss, y, sample_weight, variables, memory_budget, check=None
     ):  # fmt: skip
         from ..auto import memory_budget_for
-        from ..core.cache import compiled_for, curvature_for
         from ..core.target import variable_list
         from ..stages.chunked import bytes_per_sample
+        from ..stages.compiled import compiled_for
+        from .compiled import curvature_for
 
         self.memory_budget = check_memory_budget(memory_budget)
         variables = None if variables is None else variable_list(variables)

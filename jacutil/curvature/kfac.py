@@ -301,7 +301,7 @@ def kfac(
         ValueError: not a Sequential, an unknown loss, a cross-entropy on
             probabilities, a bad chunk_size, an empty x, NaN in x or y.
     """
-    from ..core.cache import curvature_for
+    from .compiled import curvature_for
     from .diagonal import ggn_diagonal
 
     chunk_size = check_chunk_size(chunk_size) or 256

@@ -29,7 +29,6 @@ from ..core._shared import ceil_div, is_path
 from ..core._tf import keras, tf
 from ..core.arguments import check_chunk_size
 from ..core.batch import as_batch, n_samples, take
-from ..core.cache import compiled_for
 from ..core.outputs import output_layout
 from ..core.target import variable_list
 from ..scale.resume import (
@@ -41,6 +40,7 @@ from ..scale.resume import (
     writer_lock,
 )
 from ..stages.chunked import bytes_per_sample
+from ..stages.compiled import compiled_for
 
 
 class _Setup:

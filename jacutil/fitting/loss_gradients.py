@@ -13,7 +13,7 @@ The norms need not even the gradients where a rule knows how
 outer product ``a delta^T``, whose norm is ``|a| |delta|``.
 
 Both are compiled once per model, loss and variables (:class:`LossGradients`,
-cached by ``jacutil.core.cache.gradients_for``): the call a training loop
+cached by :func:`gradients_for`): the call a training loop
 repeats traces nothing, and a batch larger than the memory budget runs in
 chunks.
 """
@@ -23,6 +23,7 @@ import weakref
 import numpy as np
 from tqdm.auto import tqdm
 
+from ..core import cache
 from ..core._shared import ceil_div, joined_gradients, sizes_of
 from ..core._tf import tf
 from ..core.arguments import refuse_non_finite
@@ -43,7 +44,7 @@ from ..core.guards import JacobianError
 from ..core.target import watched
 from ..rules.engine import LogitsNotOnRules
 from ..rules.registry import LogitsSignal
-from ..stages.compiled import bucket_size
+from ..stages.compiled import bucket_size, compiled_for
 
 
 def _losses(loss_fn, y, prediction, n):
@@ -184,7 +185,7 @@ class LossGradients:
     """Per-sample gradients of one loss, and their norms, compiled once.
 
     One object per model, loss function, variables and ``training``
-    (:func:`jacutil.core.cache.gradients_for` keeps it as long as the model
+    (:func:`gradients_for` keeps it as long as the model
     lives): each input shape traces once (``trace_count``), then every call
     reuses the graph - a training loop's second step traces nothing. The
     layer rules run when the plan is proved on the batch's shape
@@ -358,9 +359,11 @@ def _targets(y, target, rows):
 
     if isinstance(y, (list, tuple, dict)) and not _is_one_array(y):
         leaves = tf.nest.flatten(y)
-        names = [f"y[{k!r}]" for k in sorted(y)] if isinstance(y, dict) else [
-            f"y[{i}]" for i in range(len(leaves))
-        ]
+        names = (
+            [f"y[{k!r}]" for k in sorted(y)]
+            if isinstance(y, dict)
+            else [f"y[{i}]" for i in range(len(leaves))]
+        )
         if len(names) != len(leaves):
             names = [f"y (target {i})" for i in range(len(leaves))]
         y = tf.nest.pack_sequence_as(
@@ -379,11 +382,40 @@ def _is_one_array(y):
     )
 
 
+def gradients_for(model, loss_fn, variables, training, x=None):
+    """The compiled per-sample gradients of ``loss_fn`` on ``model``, kept in
+    :mod:`jacutil.core.cache` as long as the model lives.
+
+    Keyed by the loss function's identity: pass the same function each call
+    (a new lambda each step compiles each step).
+
+    Args:
+        model: a Keras model, or a callable ``f(x)`` with ``variables``.
+        loss_fn: ``loss_fn(y, prediction)`` with one loss per sample.
+        variables: the variables to differentiate, or None for the model's
+            trainable variables.
+        training: run the model in training mode.
+        x: a batch, to build a model that is not built yet (optional).
+
+    Returns:
+        The model's :class:`LossGradients` for this loss, cached.
+    """
+    jac = compiled_for(model, variables, training, False, "rules", x)
+    key = (id(loss_fn), training, *map(id, jac.target.variables))
+    return cache.kept(
+        "gradients",
+        model,
+        key,
+        lambda: LossGradients(jac, loss_fn),
+        # a new function at a dead one's address, or new columns
+        still_valid=lambda found: found.loss_fn is loss_fn and found.jac is jac,
+    )
+
+
 def _run(model, loss_fn, x, y, what, options):
     """What both public functions share: the cached compiled object, x and y
     checked, the memory budget, chunks and the explanation."""
     from ..auto import Choice, memory_budget_for
-    from ..core.cache import gradients_for
     from ..stages.chunked import bytes_per_sample
 
     variables, training = options["variables"], options["training"]

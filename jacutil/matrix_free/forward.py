@@ -11,6 +11,7 @@ physical model fitted to long signals.
 
 import numpy as np
 
+from ..core import cache
 from ..core._shared import or_zeros, sizes_of
 from ..core._tf import tf
 from ..core.batch import as_batch, n_samples, signature, signature_key
@@ -155,3 +156,23 @@ def forward_jacobian(
     target = resolve_target(model, variables, training, x)
     jac = ForwardJacobian(target, columns_per_pass, owner=model)
     return jac if x is None else jac(x)
+
+
+def forward_for(model, variables, training):
+    """The forward-mode Jacobian of ``model``, compiled once per input shape
+    and kept in :mod:`jacutil.core.cache` as long as the model lives.
+
+    Args:
+        model: a Keras model, or a callable ``f(x)`` with ``variables``.
+        variables: the variables to differentiate, or None for the model's
+            trainable variables.
+        training: run the model in training mode.
+
+    Returns:
+        The model's :class:`ForwardJacobian`, cached.
+    """
+    target = resolve_target(model, variables, training)
+    key = (training, *map(id, target.variables))
+    return cache.kept(
+        "forward", model, key, lambda: ForwardJacobian(target, COLUMNS_PER_PASS)
+    )

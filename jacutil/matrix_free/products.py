@@ -251,9 +251,24 @@ def products(model, *, variables=None, training=False, chunk_size=None, mode="fo
     return Products(target, chunk_size, mode, owner=model)
 
 
-def _cached(model, options):
-    """The same compiled products for repeated ``jvp``/``vjp`` calls on a model."""
-    return cache.products_for(model, options)
+def products_for(model, options):
+    """The same compiled products for repeated ``jvp``/``vjp`` calls on a
+    model, kept in :mod:`jacutil.core.cache` as long as the model lives.
+
+    Args:
+        model: a Keras model, or a callable ``f(x)`` with ``variables``.
+        options: a mapping of keyword arguments for :class:`Products`, with
+            ``variables`` and ``training`` among them (optional).
+
+    Returns:
+        The model's :class:`Products`, cached.
+    """
+    options = dict(options)
+    variables = options.pop("variables", None)
+    training = options.pop("training", False)
+    target = resolve_target(model, variables, training)
+    key = (tuple(sorted(options.items())), training, *map(id, target.variables))
+    return cache.kept("products", model, key, lambda: Products(target, **options))
 
 
 def jvp(model, x, v, **options):
@@ -282,7 +297,7 @@ def jvp(model, x, v, **options):
         >>> jvp(model, x, np.ones(8)).shape  # v: (m,) -> (n, l)
         (4, 2)
     """
-    return _cached(model, options).jvp(x, v)
+    return products_for(model, options).jvp(x, v)
 
 
 def vjp(model, x, u, **options):
@@ -311,7 +326,7 @@ def vjp(model, x, u, **options):
         >>> vjp(model, x, np.ones((4, 2))).shape  # u: (n, l) -> (m,)
         (8,)
     """
-    return _cached(model, options).vjp(x, u)
+    return products_for(model, options).vjp(x, u)
 
 
 def jacobian_operator(model, x, **options):

@@ -34,10 +34,10 @@ from tqdm.auto import tqdm
 from ..core._shared import ceil_div, is_path
 from ..core._tf import keras, tf
 from ..core.batch import as_batch, n_samples, take
-from ..core.cache import compiled_for
 from ..core.outputs import output_layout
 from ..fitting.scipy_bridge import LeastSquaresProblem
 from ..stages.chunked import chunked_jacobian
+from ..stages.compiled import compiled_for
 from .chunk_files import open_chunk_folder, read_chunks, write_chunk
 from .dask_arrays import as_dask_array, blocks_by_samples, first_sample, is_dask_input
 from .executors import (

@@ -6,10 +6,9 @@ from tqdm.auto import tqdm
 from ..core._shared import is_path
 from ..core.arguments import check_chunk_size
 from ..core.batch import as_batch, n_samples, take
-from ..core.cache import compiled_for
 from ..core.outputs import output_layout
 from ..scale.resume import check_out, open_rows, run_record, write_rows, writer_lock
-from .compiled import bucket_size
+from .compiled import bucket_size, compiled_for
 
 # Working memory of a chunk of c samples, in bytes (itemsize bytes a number;
 # l outputs, m parameters; A: the activations of one sample's forward pass, as

@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from ..core import cache
 from ..core._tf import tf
 from ..core.batch import (
     as_batch,
@@ -281,6 +282,42 @@ class CompiledJacobian:
                 out = np.empty((n_rows, *block.shape[1:]), block.dtype)
             out[start:stop] = block
         return out
+
+
+def compiled_for(model, variables, training, jit_compile, method, x=None):
+    """One compiled Jacobian per model, variables and options: no retracing.
+
+    The key holds the variables themselves (their ids), so after
+    ``layer.trainable = False`` the model gets a compiled Jacobian of its new
+    columns. Kept in :mod:`jacutil.core.cache` as long as the model lives.
+
+    Args:
+        model: a Keras model, or a callable ``f(x)`` with ``variables``.
+        variables: the variables to differentiate, or None for the model's
+            trainable variables.
+        training: run the model in training mode.
+        jit_compile: compile with XLA.
+        method: the formulation (as for :class:`CompiledJacobian`).
+        x: a batch, to build a model that is not built yet (optional).
+
+    Returns:
+        The model's :class:`CompiledJacobian` for these options, cached (the
+        newest ``CACHED_PER_MODEL`` per model).
+    """
+    if variables is None and getattr(model, "built", False):
+        # the second call on a model: no checks to repeat, the key is at hand
+        quick = (training, jit_compile, method, *map(id, model.trainable_variables))
+        found = cache.find("compiled", model, quick)
+        if found is not None:
+            return found
+    target = resolve_target(model, variables, training, x)
+    key = (training, jit_compile, method, *map(id, target.variables))
+    return cache.kept(
+        "compiled",
+        model,
+        key,
+        lambda: CompiledJacobian(target, method, jit_compile, 1024, model=model),
+    )
 
 
 def compiled_jacobian(
