@@ -5,6 +5,7 @@ import pytest
 
 from jacutil.core import memory
 from jacutil.core.memory import MemoryModel, peak_memory
+from jacutil.teaching import memory_sweeps
 
 
 def test_fit_recovers_a_quadratic():
@@ -81,6 +82,6 @@ def test_pages_of_a_memory_mapped_file_are_not_counted(tmp_path):
 
 def test_batch_jacobian_memory_grows_faster_than_linearly():
     """Measured in a fresh process: 4x the samples costs far more than 4x."""
-    small, large = memory.measure_in_fresh_process("batch", [100, 400])
+    small, large = memory_sweeps.measure_in_fresh_process("batch", [100, 400])
     assert small > 0
     assert large / small > 6  # linear would give 4, quadratic 16

@@ -107,4 +107,3 @@ def refuse_non_finite(values, name):
             f"{shown}). Every quantity computed from them would be NaN: drop or "
             f"fix those samples first, e.g. keep = np.isfinite({name}).all(axis=1)."
         )
-

@@ -1,8 +1,9 @@
 """How the per-sample Jacobian is vectorized for a given model (notebook
 08-your-own-model).
 
-``per_sample_tape_jacobian`` maps a one-sample Jacobian over the batch with
-pfor (``tf.vectorized_map``). Four kinds of model need more:
+``jacutil.stages.vectorized.per_sample_tensor`` maps a one-sample Jacobian
+over the batch with pfor (``tf.vectorized_map``), and falls back on the tools
+here. Four kinds of model need more:
 
 * **Recurrent layers** (``LSTM``, ``GRU``, ``SimpleRNN``, ``Bidirectional``):
   a Keras RNN runs a ``tf.while_loop``, and pfor cannot vectorize the gradient
@@ -36,10 +37,8 @@ import warnings
 
 import jacutil.core._gradients  # noqa: F401 (registers gradients TF lacks)
 
-from ..stages.vectorized import batch_tape_jacobian, per_sample_tape_jacobian
 from ._tf import keras, tf
-from .batch import n_samples, pad_with_last
-from .guards import JacobianError, random_layers
+from .guards import JacobianError
 from .target import stack_columns
 
 # Errors with which pfor refuses a graph it cannot vectorize.
@@ -382,13 +381,6 @@ def map_fn_jacobian(target, x):
     return tf.map_fn(one_sample, x, fn_output_signature=signature)
 
 
-def _padded_per_sample(target, x):
-    """pfor's unrolled recurrent gradient fails at run time on a batch of one
-    sample (TF 2.21): run one copy of the last sample more, and drop it."""
-    rows = n_samples(x)
-    return per_sample_tape_jacobian(target, pad_with_last(x, rows + 1))[:rows]
-
-
 NOT_THE_MESSAGE = ("File ", "[[", "Detected at node", "Graph execution error")
 
 
@@ -417,9 +409,7 @@ def pfor_failed_when_run(error):
     Returns:
         A ``bool``.
     """
-    return isinstance(error, tf.errors.InvalidArgumentError) and "/pfor/" in str(
-        error
-    )
+    return isinstance(error, tf.errors.InvalidArgumentError) and "/pfor/" in str(error)
 
 
 def warn_sample_by_sample(reason, stacklevel=4):
@@ -436,85 +426,3 @@ def warn_sample_by_sample(reason, stacklevel=4):
         SlowPathWarning,
         stacklevel=stacklevel,
     )
-
-
-def _in_a_graph(method):
-    """Eagerly, trace ``method(target, x, xla)`` in a new tf.function first:
-    the graph is what tells the formulation (pfor's limits, oneDNN hazards)."""
-
-    def run(target, x, xla=False):
-        if not tf.executing_eagerly():
-            return method(target, x, xla)
-        said = {}
-
-        def traced(x):
-            J, said["formulation"] = method(target, x, xla)
-            return J
-
-        try:
-            return quiet_function(traced)(x), said["formulation"]
-        except tf.errors.InvalidArgumentError as error:
-            if not pfor_failed_when_run(error):
-                raise
-            reason = first_line(error)
-        if not said["formulation"].startswith("tf.map_fn"):  # not said yet
-            warn_sample_by_sample(reason)
-        J = quiet_function(lambda x: map_fn_jacobian(target, x))(x)
-        return J, f"tf.map_fn over samples: pfor failed when run ({reason})"
-
-    return functools.wraps(method)(run)
-
-
-@_in_a_graph
-def per_sample_tensor(target, x, xla=False):
-    """The per-sample Jacobian of ``x`` and the formulation that computed it.
-
-    Returns ``(tensor, formulation)``: ``tf.vectorized_map`` (recurrent
-    layers unrolled) when pfor can vectorize the model, ``tf.map_fn``
-    otherwise; ``xla`` says the caller compiles with XLA already.
-    Introduced in ``08-your-own-model``.
-    """
-    random = random_layers(target.layers) if target.training else []
-    if random:
-        return map_fn_jacobian(target, x), (
-            "tf.map_fn over samples: random layers in training mode "
-            f"({', '.join(random)}) draw one mask per sample"
-        )
-    kept = kept_loops(target)
-    if kept:  # pfor cannot vectorize a while_loop's gradient
-        return map_fn_jacobian(target, x), (
-            "tf.map_fn over samples: recurrent layers that keep their loop "
-            f"({', '.join(layer.name for layer in kept)})"
-        )
-    rnns = recurrent_layers(target)
-    formulation = ["tf.vectorized_map over samples"]
-    if rnns:
-        names = ", ".join(layer.name for layer in rnns)
-        formulation.append(f"recurrent layers unrolled while traced ({names})")
-    jacobian = _padded_per_sample if rnns else per_sample_tape_jacobian
-    try:
-        with unrolled(rnns):
-            J, notes = vectorize(jacobian, target, x, xla)
-        return J, "; ".join(formulation + notes)
-    except PFOR_ERRORS as error:
-        if isinstance(error, JacobianError):
-            raise
-        reason = first_line(error)
-    warn_sample_by_sample(reason)
-    return map_fn_jacobian(target, x), f"tf.map_fn over samples: pfor failed ({reason})"
-
-
-@_in_a_graph
-def batch_tensor(target, x, xla=False):
-    """``tape.jacobian`` over the batch, and its formulation (see above).
-
-    Args:
-        target: a :class:`jacutil.core.target.Target`.
-        x: the batch of n samples.
-        xla: the caller compiles with XLA already.
-
-    Returns:
-        ``(J, formulation)``: J, a tensor of shape (n, l, m), and a ``str``.
-    """
-    J, notes = vectorize(batch_tape_jacobian, target, x, xla)
-    return J, "; ".join(["tape.jacobian over the batch", *notes])

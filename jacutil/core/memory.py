@@ -13,15 +13,17 @@ nothing, and resident memory never falls back. Measure each size once, on its
 first call, in increasing order, above a baseline taken before the first.
 """
 
-import json
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import psutil
+
+from ._tf import tf
+from .batch import as_batch
+from .formulation import quiet_function, recurrent_layers, unrolled
+from .target import resolve_target
 
 
 @dataclass
@@ -230,9 +232,6 @@ def activation_elements(model, x, *, variables=None, training=False, unroll=True
     Returns:
         An ``int``: A, floating-point elements per sample.
     """
-    from .batch import as_batch
-    from .target import resolve_target
-
     target = resolve_target(model, variables, training, x)
     return count_activations(target, as_batch(x, target), unroll=unroll)
 
@@ -248,9 +247,6 @@ def count_activations(target, x, *, unroll=True):
     Returns:
         An ``int``: A, floating-point elements per sample.
     """
-    from ._tf import tf
-    from .formulation import quiet_function, recurrent_layers, unrolled
-
     spec = tf.nest.map_structure(lambda t: tf.TensorSpec([1, *t.shape[1:]], t.dtype), x)
     rnns = recurrent_layers(target) if unroll else []
     with unrolled(rnns):
@@ -295,77 +291,3 @@ def available_bytes(safety=0.5):
         An ``int``: bytes.
     """
     return int(safety * psutil.virtual_memory().available)
-
-
-# Models that measure_in_fresh_process can build: name -> (model, inputs).
-SWEEP_MODELS = {
-    "question_mlp": ("question_mlp", "regression_data"),
-    "small_cnn": ("small_cnn", "image_data"),
-    "sequence_lstm": ("sequence_lstm", "sequence_data"),
-}
-
-
-def _sweep(method, sizes, n_samples=None, model_name="question_mlp"):
-    """Peaks of one sweep, run in this process from a clean start (see below)."""
-    import tempfile
-
-    import jacutil as ju
-
-    from ._shared import count_params, size_of
-
-    build, data = (getattr(ju.teaching.models, f) for f in SWEEP_MODELS[model_name])
-    model = build()
-    largest = n_samples or max(sizes)
-    x = data(largest)
-    x = x[0] if isinstance(x, tuple) else x
-    if method == "chunked":
-        n_outputs = size_of(model(x[:1]).shape[1:])
-        n_params = count_params(model.trainable_variables)
-        shape = (largest, n_outputs, n_params)
-        folder = tempfile.TemporaryDirectory()
-        out = np.lib.format.open_memmap(
-            f"{folder.name}/J.npy", mode="w+", dtype="float32", shape=shape
-        )
-
-        def run(chunk_size):
-            ju.chunked_jacobian(
-                model, x, chunk_size=chunk_size, out=out, progress=False
-            )
-
-        run(1)  # warm-up: the trace
-    else:
-        stage = {"batch": ju.vectorized_jacobian, "per_sample": ju.per_sample_jacobian}
-
-        def run(n):
-            stage[method](model, x[:n])
-
-        run(2)  # warm-up: the trace
-    start = anonymous_rss()
-    return [peak_memory(run, n, baseline=start).peak for n in sizes]
-
-
-def measure_in_fresh_process(method, sizes, *, n_samples=None, model="question_mlp"):
-    """Peak bytes of each size, measured in a new Python process, sizes increasing.
-
-    ``method``: ``"batch"`` (``vectorized_jacobian``), ``"per_sample"``
-    (``per_sample_jacobian``), or ``"chunked"`` (``chunked_jacobian`` of
-    ``n_samples`` into a memory-mapped file; ``sizes`` are chunk sizes), on
-    ``model``, a name in :data:`SWEEP_MODELS` (``question_mlp()`` by
-    default). A fresh process starts with an empty memory pool, and each
-    peak is above the level before the first size: what the process had to
-    grow to. Introduced in ``02-vectorized``.
-    """
-    sizes = sorted(int(n) for n in sizes)
-    command = [sys.executable, "-m", "jacutil.core.memory", method, json.dumps(sizes)]
-    command += [str(int(n_samples or 0)), model]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"the measuring process failed:\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-if __name__ == "__main__":
-    _method, _sizes = sys.argv[1], json.loads(sys.argv[2])
-    _n = int(sys.argv[3]) or None if len(sys.argv) > 3 else None
-    _model = sys.argv[4] if len(sys.argv) > 4 else "question_mlp"
-    print(json.dumps(_sweep(_method, _sizes, _n, _model)))

@@ -19,12 +19,16 @@ chunks sized by the memory budget.
 import numpy as np
 from tqdm.auto import tqdm
 
+from ..auto import memory_budget_for
 from ..core._tf import tf
 from ..core.arguments import check_memory_budget
 from ..core.batch import signature, take
 from ..core.formulation import quiet_function
+from ..core.target import variable_list
 from ..rules.engine import OutputRows
-from .compiled import curvature_inputs
+from ..stages.chunked import bytes_per_sample
+from ..stages.compiled import compiled_for
+from .compiled import curvature_for, curvature_inputs
 
 
 class DiagonalOfG:
@@ -135,12 +139,6 @@ def ggn_diagonal(
             probabilities, a bad memory_budget, an empty x, NaN in x or y.
         jacutil.core.guards.JacobianError: no variable reaches the outputs.
     """
-    from ..auto import memory_budget_for
-    from ..core.target import variable_list
-    from ..stages.chunked import bytes_per_sample
-    from ..stages.compiled import compiled_for
-    from .compiled import curvature_for
-
     memory_budget = check_memory_budget(memory_budget)
     variables = None if variables is None else variable_list(variables)
     jac = compiled_for(model, variables, False, False, "rules")

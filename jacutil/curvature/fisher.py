@@ -30,14 +30,19 @@ import math
 import numpy as np
 from tqdm.auto import tqdm
 
+from ..auto import memory_budget_for
 from ..core._tf import tf
 from ..core.arguments import check_chunk_size, check_memory_budget
 from ..core.batch import as_batch, signature, signature_key, take
 from ..core.formulation import quiet_function
+from ..core.target import variable_list
 from ..rules.engine import OutputRows
-from .compiled import curvature_inputs
+from ..stages.chunked import bytes_per_sample
+from ..stages.compiled import compiled_for
+from .compiled import curvature_for, curvature_inputs
+from .hessian import hessian_operator
 from .losses import AutodiffLoss, losses_for
-from .spectra import Estimate
+from .spectra import Estimate, hutchinson_diagonal
 
 EXACT_UP_TO = 2000  # hessian_diagonal(method="auto"): exact up to this many parameters
 METHODS = ("auto", "exact", "hutchinson")
@@ -97,11 +102,6 @@ class _Fisher:
     def __init__(
         self, model, x, loss, y, sample_weight, variables, memory_budget, check=None
     ):  # fmt: skip
-        from ..auto import memory_budget_for
-        from ..core.target import variable_list
-        from ..stages.chunked import bytes_per_sample
-        from ..stages.compiled import compiled_for
-        from .compiled import curvature_for
 
         self.memory_budget = check_memory_budget(memory_budget)
         variables = None if variables is None else variable_list(variables)
@@ -467,9 +467,6 @@ def hessian_diagonal(
         ValueError: an unknown method, too few probes, no y, and as
             ``hessian_operator``.
     """
-    from .hessian import hessian_operator
-    from .spectra import hutchinson_diagonal
-
     if method not in METHODS:
         raise ValueError(
             f"method must be one of {', '.join(map(repr, METHODS))}; got {method!r}."

@@ -32,7 +32,8 @@ from ..core._tf import keras, tf
 from ..core.arguments import check_chunk_size
 from ..core.formulation import quiet_function
 from ..core.target import resolve_target, variable_list
-from .compiled import curvature_inputs
+from .compiled import curvature_for, curvature_inputs
+from .diagonal import ggn_diagonal
 
 FACTORED = (keras.layers.Dense, keras.layers.Conv2D)
 
@@ -301,9 +302,6 @@ def kfac(
         ValueError: not a Sequential, an unknown loss, a cross-entropy on
             probabilities, a bad chunk_size, an empty x, NaN in x or y.
     """
-    from .compiled import curvature_for
-    from .diagonal import ggn_diagonal
-
     chunk_size = check_chunk_size(chunk_size) or 256
     variables = None if variables is None else variable_list(variables)  # once
     target = resolve_target(model, variables, False)

@@ -58,6 +58,7 @@ import weakref
 import numpy as np
 
 from ..core._tf import keras, tf
+from ..core.batch import signature
 
 NAMES = ("squared_error", "softmax_cross_entropy", "sigmoid_cross_entropy")
 REDUCTIONS = ("sum", "sum_over_batch_size", "mean", "mean_with_sample_weight")
@@ -1162,8 +1163,6 @@ def output_loss(loss, model=None, x=None):
     """
     spec = None
     if x is not None:
-        from ..core.batch import signature
-
         spec = signature(tf.nest.map_structure(tf.convert_to_tensor, x))
     if model is None:
         described = describe(loss, [("output", None, None)])

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..matrix_free.products import jacobian_operator
+
 
 def as_operator(operator):
     """A square operator for SciPy: a ``LinearOperator`` or array as it is,
@@ -82,8 +84,6 @@ def top_singular_values(model, x, k=6, **options):
         A NumPy array (k,), descending.
     """
     from scipy.sparse.linalg import svds
-
-    from ..matrix_free.products import jacobian_operator
 
     J = jacobian_operator(model, x, **options)
     if not 1 <= k < min(J.shape):

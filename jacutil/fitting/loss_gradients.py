@@ -23,6 +23,7 @@ import weakref
 import numpy as np
 from tqdm.auto import tqdm
 
+from ..auto import Choice, memory_budget_for
 from ..core import cache
 from ..core._shared import ceil_div, joined_gradients, sizes_of
 from ..core._tf import tf
@@ -44,6 +45,7 @@ from ..core.guards import JacobianError
 from ..core.target import watched
 from ..rules.engine import LogitsNotOnRules
 from ..rules.registry import LogitsSignal
+from ..stages.chunked import bytes_per_sample
 from ..stages.compiled import bucket_size, compiled_for
 
 
@@ -415,9 +417,6 @@ def gradients_for(model, loss_fn, variables, training, x=None):
 def _run(model, loss_fn, x, y, what, options):
     """What both public functions share: the cached compiled object, x and y
     checked, the memory budget, chunks and the explanation."""
-    from ..auto import Choice, memory_budget_for
-    from ..stages.chunked import bytes_per_sample
-
     variables, training = options["variables"], options["training"]
     job = gradients_for(model, loss_fn, variables, training, x)
     traces = job.trace_count

@@ -3,7 +3,8 @@
 - ``resume``       the file and ledger that let a killed run resume
 - ``executors``    where chunks run: Dask (default) or a process pool
 - ``chunk_files``  a Jacobian as a folder of files, one per chunk
-- ``dask_arrays``  a dask.array in (x) and out (a lazy J), futures
+- ``dask_blocks``  a dask.array x read where it lies (its blocks, one sample)
+- ``dask_arrays``  a lazy J as a dask.array, and futures of its chunks
 - ``credentials``  TLS credentials for workers on a cluster
 - ``workers``      ``LocalWorkers``: worker processes on this machine
 - ``distributed``  ``distributed_jacobian`` and ``DistributedLeastSquares``
@@ -17,6 +18,7 @@ __getattr__ = lazy_modules(
         "chunk_files",
         "credentials",
         "dask_arrays",
+        "dask_blocks",
         "distributed",
         "executors",
         "resume",

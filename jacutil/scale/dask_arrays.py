@@ -17,72 +17,9 @@ import functools
 import operator
 import pickle
 
-import numpy as np
-
-
-def is_dask_input(x):
-    """Whether ``x`` is a ``dask.array``, a Dask future, or a list of futures."""
-    try:
-        import dask.array as da
-        from distributed import Future
-    except ImportError:  # pragma: no cover - distributed is a dependency
-        return False
-    if isinstance(x, da.Array | Future):
-        return True
-    return (
-        isinstance(x, list | tuple)
-        and bool(x)
-        and all(isinstance(f, Future) for f in x)
-    )
-
-
-def as_dask_array(x, client):
-    """``x`` as a ``dask.array`` whose data stays where it is.
-
-    Args:
-        x: a ``dask.array``; a Dask future of an array; or a list of futures,
-            each a block of samples (arrays with the same trailing shape).
-        client: the ``dask.distributed.Client`` that holds the futures.
-
-    Returns:
-        A ``dask.array`` (samples first).
-
-    Raises:
-        ValueError: the number of samples is unknown (``nan`` chunks: call
-            ``x.compute_chunk_sizes()`` first).
-    """
-    import dask.array as da
-    from distributed import Future
-
-    if isinstance(x, Future):
-        x = [x]
-    if isinstance(x, list | tuple):
-        metas = client.gather(
-            [client.submit(operator.attrgetter("shape", "dtype"), f) for f in x]
-        )
-        x = da.concatenate(
-            [
-                da.from_delayed(f, shape=shape, dtype=dtype)
-                for f, (shape, dtype) in zip(x, metas, strict=True)
-            ]
-        )
-    if any(np.isnan(size) for size in x.shape):
-        raise ValueError(
-            f"x is a dask.array of unknown shape {x.shape}: call "
-            "x.compute_chunk_sizes() (or give its shape) first."
-        )
-    return x
-
-
-def first_sample(x, client):
-    """Sample 0 of a ``dask.array``, computed on the workers."""
-    return np.asarray(client.compute(x[:1]).result())
-
-
-def blocks_by_samples(x, chunk_size):
-    """``x`` cut into blocks of ``chunk_size`` samples: a list of ``dask.delayed``."""
-    rest = {axis: -1 for axis in range(1, x.ndim)}
-    return list(x.rechunk({0: chunk_size, **rest}).to_delayed().ravel())
+from .dask_blocks import blocks_by_samples
+from .distributed import model_spec, prepare, rows_task
+from .workers import client_of
 
 
 def lazy_jacobian(
@@ -119,8 +56,6 @@ def lazy_jacobian(
     """
     import dask
     import dask.array as da
-
-    from .distributed import model_spec, prepare, rows_task
 
     chunk_size = int(chunk_size)
     if chunk_size < 1:
@@ -172,8 +107,6 @@ def jacobian_futures(model, x, workers, *, chunk_size, **options):
         A list of ``distributed.Future``, chunk k holding rows
         ``k * chunk_size ...``.
     """
-    from .workers import client_of
-
     client = client_of(workers)
     J = lazy_jacobian(model, x, chunk_size=chunk_size, client=client, **options)
     return client.compute(list(J.to_delayed().ravel()))

@@ -29,6 +29,8 @@ import uuid
 import weakref
 from pathlib import Path
 
+from .workers import client_of
+
 INTERFACE = ("share", "submit", "wait", "cancel", "n_workers")
 POLL_SECONDS = 0.5  # how often the collecting loop looks at its clocks
 WORKERS_LOST_AFTER = 30.0  # seconds with no worker at all: the run stops
@@ -267,7 +269,6 @@ def executor_for(workers):
         return workers  # ours, or any object with the five methods
     if isinstance(workers, concurrent.futures.ProcessPoolExecutor):
         return ProcessExecutor(pool=workers)
-    from .workers import client_of
 
     try:
         return DaskExecutor(client_of(workers))

@@ -13,18 +13,18 @@ from ..core.batch import (
     take,
 )
 from ..core.formulation import (
-    batch_tensor,
     first_line,
     map_fn_jacobian,
-    per_sample_tensor,
     pfor_failed_when_run,
     quiet_function,
     warn_sample_by_sample,
 )
 from ..core.guards import note_trace
+from ..core.memory import count_activations
 from ..core.outputs import output_layout
 from ..core.target import resolve_target
 from ..rules import plan_for
+from .vectorized import batch_tensor, per_sample_tensor
 
 METHODS = ("per_sample", "batch", "rules")
 
@@ -107,8 +107,6 @@ class CompiledJacobian:
         Returns:
             An ``int``: A, floating-point elements per sample.
         """
-        from ..core.memory import count_activations
-
         key = signature_key(x)
         if key not in self.activations:
             self.activations[key] = count_activations(

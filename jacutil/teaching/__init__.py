@@ -5,6 +5,7 @@
 - ``plots``     the figures
 - ``models``    the notebooks' models and seeded data
 - ``timing``    ``time_call``: medians of repeated calls
+- ``memory_sweeps`` each size's peak memory, measured in a fresh process
 """
 
-from . import check, models, notebook, plots, timing  # noqa: F401
+from . import check, memory_sweeps, models, notebook, plots, timing  # noqa: F401

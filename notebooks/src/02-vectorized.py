@@ -166,11 +166,11 @@ print(f"Finding: tape.jacobian over n = 10,000 samples would need about "
 # far the process had to grow.
 
 # %%
-ju.teaching.notebook.show_source(ju.core.memory.measure_in_fresh_process)
+ju.teaching.notebook.show_source(ju.teaching.memory_sweeps.measure_in_fresh_process)
 
 # %% tags=["nbval-ignore-output"]
 def measure(method, sizes):  # bytes; at least 1, for the log-log plots
-    peaks = ju.core.memory.measure_in_fresh_process(method, sizes)
+    peaks = ju.teaching.memory_sweeps.measure_in_fresh_process(method, sizes)
     return {n: max(peak, 1) for n, peak in zip(sizes, peaks, strict=True)}
 
 

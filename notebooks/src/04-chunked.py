@@ -84,8 +84,8 @@ print("WORKING_MEMORY_FACTOR =", ju.stages.chunked.WORKING_MEMORY_FACTOR)
 # cost (the pool, the code) that dominates the ratio at the smallest chunk.
 
 # %% tags=["nbval-ignore-output"]
-peaks = ju.core.memory.measure_in_fresh_process("chunked", chunk_sizes,
-                                           n_samples=n_sweep)
+peaks = ju.teaching.memory_sweeps.measure_in_fresh_process(
+    "chunked", chunk_sizes, n_samples=n_sweep)
 fitted = ju.core.memory.MemoryModel.fit(chunk_sizes, peaks, quadratic=False)
 for c, peak in zip(chunk_sizes, peaks, strict=True):
     print(f"chunk {c:>5}: peak {peak / 2**20:7.1f} MiB "

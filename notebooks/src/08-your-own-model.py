@@ -227,7 +227,7 @@ ju.teaching.notebook.show_source(ju.core.formulation.unrolled)
 # `jac.formulation` keeps its answer:
 
 # %%
-ju.teaching.notebook.show_source(ju.core.formulation.per_sample_tensor)
+ju.teaching.notebook.show_source(ju.stages.vectorized.per_sample_tensor)
 
 # %%
 for name, jac in jacs.items():
@@ -356,7 +356,7 @@ print(f"chunk for {budget_mib} MiB: {budget:,} // {per_sample:,} = "
 # %% tags=["nbval-ignore-output"]
 chunks = sorted({max(1, with_activations // 2), with_activations, rows_only,
                  2 * with_activations})
-peaks = dict(zip(chunks, ju.core.memory.measure_in_fresh_process(
+peaks = dict(zip(chunks, ju.teaching.memory_sweeps.measure_in_fresh_process(
     "chunked", chunks, n_samples=n_memory, model="small_cnn"), strict=True))
 slope, fixed = np.polyfit(chunks, [peaks[c] for c in chunks], 1)
 for c in chunks:

@@ -13,11 +13,15 @@ def parameters_of_a_network(answer):
     weights = 10 * 128 + 128 * 3
     biases = 128 + 3
     if count == weights:
-        raise Hint("that counts the weights only: each Dense layer also has one "
-                   "bias per output unit.")
+        raise Hint(
+            "that counts the weights only: each Dense layer also has one "
+            "bias per output unit."
+        )
     if count == biases:
-        raise Hint("that counts the biases only: a Dense layer from a to b "
-                   "units also has a*b weights.")
+        raise Hint(
+            "that counts the biases only: a Dense layer from a to b "
+            "units also has a*b weights."
+        )
     close_number(count, weights + biases, 0, "your count")
 
 
@@ -32,7 +36,11 @@ def derivative_by_a_bias(answer, J):
     )
     for sample in J[:, :, -n_outputs:]:
         close_array(
-            array, sample, "your matrix", rtol=1e-6, atol=1e-6,
+            array,
+            sample,
+            "your matrix",
+            rtol=1e-6,
+            atol=1e-6,
             wrong="it differs from the last l columns of J. Which terms of "
             "f_k = sum_j h_j W_jk + b_k contain b_k'? And how does the "
             "derivative depend on the sample?",
@@ -50,6 +58,8 @@ def columns_of_a_frozen_layer(answer):
     if fewer == kernel:
         raise Hint("that is the kernel alone: the layer's biases are frozen too.")
     if fewer == bias:
-        raise Hint("that is the biases alone: the kernel is height x width x "
-                   "input channels x filters numbers.")
+        raise Hint(
+            "that is the biases alone: the kernel is height x width x "
+            "input channels x filters numbers."
+        )
     close_number(fewer, kernel + bias, 0, "your number of columns")

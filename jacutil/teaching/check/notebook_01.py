@@ -56,7 +56,9 @@ def one_forward_pass_per_sample(answer, model, x):
             "shape (n samples, l outputs, m parameters)."
         )
     J = as_array(
-        answer, "the per-sample Jacobian", (n, n_out, m),
+        answer,
+        "the per-sample Jacobian",
+        (n, n_out, m),
         "(n samples, l outputs, m parameters)",
     )
 
@@ -73,16 +75,25 @@ def one_forward_pass_per_sample(answer, model, x):
             "gradient of each output y[k] (sliced inside the tape) on its own."
         )
     if n_out > 1 and same(expected[:, ::-1]):
-        raise Hint("the rows of each sample are in the wrong order: "
-                   "J[i, k] is the gradient of output k.")
+        raise Hint(
+            "the rows of each sample are in the wrong order: "
+            "J[i, k] is the gradient of output k."
+        )
     if n > 1 and same(expected[::-1]):
         raise Hint("the samples are in the wrong order: J[i] is sample i.")
-    if n_out > 1 and any(same(np.repeat(expected[:, k:k + 1], n_out, axis=1))
-                     for k in range(n_out)):
-        raise Hint("every row of a sample is the gradient of the same output: "
-                   "take output k's gradient for row k.")
+    if n_out > 1 and any(
+        same(np.repeat(expected[:, k : k + 1], n_out, axis=1)) for k in range(n_out)
+    ):
+        raise Hint(
+            "every row of a sample is the gradient of the same output: "
+            "take output k's gradient for row k."
+        )
     close_array(
-        J, expected, "your Jacobian", rtol=1e-5, atol=1e-6,
+        J,
+        expected,
+        "your Jacobian",
+        rtol=1e-5,
+        atol=1e-6,
         wrong="it differs from `loop_jacobian(model, x)`. Row J[i, k, :] is "
         "the gradient of output k of sample i with respect to every variable, "
         "flattened and joined in `model.trainable_variables` order.",

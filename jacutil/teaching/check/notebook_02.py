@@ -13,8 +13,10 @@ def _pair(answer, what):
     if isinstance(answer, dict) or np.ndim(answer) != 1 or len(answer) != 2:
         raise Hint(f"expected {what}: two numbers, e.g. `answer = (n, gib)`.")
     first, second = answer
-    return (as_number(first, "the largest n"),
-            as_number(second, "the GiB needed at 2n"))
+    return (
+        as_number(first, "the largest n"),
+        as_number(second, "the GiB needed at 2n"),
+    )
 
 
 @checks("02-1")
@@ -44,19 +46,24 @@ def doubling_the_batch(answer, batch_model):
         )
     for factor, unit in [(2**10, "MiB"), (2**30, "bytes")]:
         if abs(gib / (gib_best * factor) - 1) <= 0.1:
-            raise Hint(f"that second number looks like {unit}: give it in GiB "
-                       "(bytes / 2**30).")
+            raise Hint(
+                f"that second number looks like {unit}: give it in GiB (bytes / 2**30)."
+            )
     if abs(gib / BUDGET_GIB - 2) <= 0.25:
         raise Hint(
             "doubling n doubled your memory: that is a model linear in n. The "
             "batch tape's memory has an n^2 term (`batch_model.quadratic`)."
         )
     if abs(gib / BUDGET_GIB - 1) <= 0.1:
-        raise Hint("that is the memory at n itself (8 GiB): predict it at 2n "
-                   "(`batch_model.predict`).")
+        raise Hint(
+            "that is the memory at n itself (8 GiB): predict it at 2n "
+            "(`batch_model.predict`)."
+        )
     size = "too large" if gib > gib_best else "too small"
-    raise Hint(f"your GiB at 2n is {size}: predict the peak at 2n with the "
-               "fitted model, in GiB (bytes / 2**30).")
+    raise Hint(
+        f"your GiB at 2n is {size}: predict the peak at 2n with the "
+        "fitted model, in GiB (bytes / 2**30)."
+    )
 
 
 @checks("02-2")
@@ -71,17 +78,21 @@ def columns_of_the_last_layer(answer, model, x):
     count = sum(sizes)
     answered(answer, "the Jacobian with respect to the last layer's variables")
     if np.ndim(answer) == 3 and np.shape(answer)[2] == m and m != count:
-        raise Hint("that has a column for every parameter of the model: pass "
-                   "`variables=model.layers[-1].trainable_variables`.")
+        raise Hint(
+            "that has a column for every parameter of the model: pass "
+            "`variables=model.layers[-1].trainable_variables`."
+        )
     J = as_array(
-        answer, "the last layer's Jacobian", (n, n_out, count),
+        answer,
+        "the last layer's Jacobian",
+        (n, n_out, count),
         "(n samples, l outputs, the last layer's parameters)",
     )
 
     def same(candidate):
         return np.allclose(J, candidate, rtol=1e-5, atol=1e-6)
 
-    expected = full[:, :, m - count:]
+    expected = full[:, :, m - count :]
     if same(expected):
         return
     if same(full[:, :, :count]):
@@ -90,12 +101,19 @@ def columns_of_the_last_layer(answer, model, x):
             "`flat_params` order, `model.trainable_variables` from the first "
             "layer to the last."
         )
-    if len(sizes) == 2 and same(np.concatenate(
-            np.split(expected, [sizes[0]], axis=2)[::-1], axis=2)):
-        raise Hint("the bias comes before the kernel in your columns: within a "
-                   "layer the kernel comes first (trainable_variables order).")
+    if len(sizes) == 2 and same(
+        np.concatenate(np.split(expected, [sizes[0]], axis=2)[::-1], axis=2)
+    ):
+        raise Hint(
+            "the bias comes before the kernel in your columns: within a "
+            "layer the kernel comes first (trainable_variables order)."
+        )
     close_array(
-        J, expected, "your Jacobian", rtol=1e-5, atol=1e-6,
+        J,
+        expected,
+        "your Jacobian",
+        rtol=1e-5,
+        atol=1e-6,
         wrong="it is not the last columns of the loop's Jacobian on the same "
         "samples. Did you use `model` and `x_check`, and the last layer's "
         "kernel and bias (in that order)?",

@@ -36,35 +36,44 @@ def float64_chunks(answer, model, x):
 
     answered(answer, "(chunk, J): the chunk size and the float64 Jacobian")
     if not isinstance(answer, (tuple, list)) or len(answer) != 2:
-        raise Hint("expected two things, answer = (chunk, J): the chunk size "
-                   "that chunk_size_for gives for 16 MiB, then the Jacobian.")
+        raise Hint(
+            "expected two things, answer = (chunk, J): the chunk size "
+            "that chunk_size_for gives for 16 MiB, then the Jacobian."
+        )
     chunk, J = answer
     n, n_out, m = _sizes(model, x)
     chunk = as_number(chunk, "the chunk size (a number of samples)")
     if chunk == chunk_size_for(BUDGET, n_out, m, 4):
-        raise Hint("that chunk size is for float32 (itemsize 4); a float64 "
-                   "number takes 8 bytes.")
+        raise Hint(
+            "that chunk size is for float32 (itemsize 4); a float64 "
+            "number takes 8 bytes."
+        )
     if chunk in (chunk_size_for(16e6, n_out, m, 8), chunk_size_for(16e6, n_out, m, 4)):
-        raise Hint("1 MiB is 2**20 bytes, not 10**6: the budget is "
-                   "16 * 2**20 bytes.")
+        raise Hint("1 MiB is 2**20 bytes, not 10**6: the budget is 16 * 2**20 bytes.")
     close_number(chunk, chunk_size_for(BUDGET, n_out, m, 8), 0, "your chunk size")
     answered(J, "the float64 Jacobian as the second item of answer")
     if np.asarray(J).dtype == np.float32:
-        raise Hint("J is float32. chunked_jacobian computes in the model's "
-                   "dtype: build a float64 copy of the network (dtype="
-                   "'float64', the same weights) and give it float64 inputs.")
+        raise Hint(
+            "J is float32. chunked_jacobian computes in the model's "
+            "dtype: build a float64 copy of the network (dtype="
+            "'float64', the same weights) and give it float64 inputs."
+        )
     J = as_array(J, "J", (n, n_out, m), AXES)
     x64 = np.asarray(x, "float64")
     expected = per_sample_jacobian(_float64_copy(model), x64)
     if np.allclose(J, expected, rtol=1e-9, atol=1e-12):
         return
     if np.allclose(J, expected, rtol=1e-4, atol=1e-5):
-        raise Hint("J agrees with the float64 Jacobian only to float32 "
-                   "precision: it was computed in float32 and then cast. "
-                   "The weights must be float64 too, not only the result.")
-    raise Hint("J differs from the Jacobian of this network on these samples. "
-               "Does the float64 copy have the float32 model's weights "
-               "(set_weights(model.get_weights())), and is it x[:300]?")
+        raise Hint(
+            "J agrees with the float64 Jacobian only to float32 "
+            "precision: it was computed in float32 and then cast. "
+            "The weights must be float64 too, not only the result."
+        )
+    raise Hint(
+        "J differs from the Jacobian of this network on these samples. "
+        "Does the float64 copy have the float32 model's weights "
+        "(set_weights(model.get_weights())), and is it x[:300]?"
+    )
 
 
 @checks("04-2")
@@ -76,8 +85,10 @@ def two_halves(answer, model, x):
     n, n_out, m = _sizes(model, x)
     half = n // 2
     if np.shape(answer) in ((half, n_out, m), (n - half, n_out, m)) and half:
-        raise Hint("that is one half. The file holds every sample: read it "
-                   "back whole (np.load(file)) after the second call.")
+        raise Hint(
+            "that is one half. The file holds every sample: read it "
+            "back whole (np.load(file)) after the second call."
+        )
     array = as_array(answer, "the file's contents", (n, n_out, m), AXES)
     expected = per_sample_jacobian(model, x)
 
@@ -86,22 +97,31 @@ def two_halves(answer, model, x):
 
     first, second = array[:half], array[half:]
     if not np.any(array):
-        raise Hint("the file holds only zeros: no call wrote into it. Pass "
-                   "out=mm[:half] (a view of the memmap), not a copy of it.")
+        raise Hint(
+            "the file holds only zeros: no call wrote into it. Pass "
+            "out=mm[:half] (a view of the memmap), not a copy of it."
+        )
     if not np.any(first) and right(second, half, n):
-        raise Hint("the first half is zeros: opening the file again with "
-                   "mode='w+' creates a new, empty file. Reopen it with "
-                   "mode='r+' to keep what was written.")
+        raise Hint(
+            "the first half is zeros: opening the file again with "
+            "mode='w+' creates a new, empty file. Reopen it with "
+            "mode='r+' to keep what was written."
+        )
     if right(first, 0, half) and not np.any(second):
-        raise Hint("the second half is zeros: the second call's rows never "
-                   "reached the file. Write them with out=mm[half:] into the "
-                   "reopened memmap, and read the file after that call.")
+        raise Hint(
+            "the second half is zeros: the second call's rows never "
+            "reached the file. Write them with out=mm[half:] into the "
+            "reopened memmap, and read the file after that call."
+        )
     if right(array, 0, n):
         return
-    if half and np.allclose(first[: n - half], expected[half:], rtol=1e-5,
-                            atol=1e-6):
-        raise Hint("the halves are swapped: the rows of x[:half] belong in "
-                   "mm[:half], those of x[half:] in mm[half:].")
-    raise Hint("the file differs from the Jacobian of these samples. Row i of "
-               "the file is sample i: the first call takes x[:half], the "
-               "second x[half:] (of the same n samples).")
+    if half and np.allclose(first[: n - half], expected[half:], rtol=1e-5, atol=1e-6):
+        raise Hint(
+            "the halves are swapped: the rows of x[:half] belong in "
+            "mm[:half], those of x[half:] in mm[half:]."
+        )
+    raise Hint(
+        "the file differs from the Jacobian of these samples. Row i of "
+        "the file is sample i: the first call takes x[:half], the "
+        "second x[half:] (of the same n samples)."
+    )

@@ -46,7 +46,11 @@ def rows_split_per_step(answer, model, x):
             "tf.nest.flatten order, the last axis fastest."
         )
     close_array(
-        array, J.reshape(shape), what, rtol=1e-4, atol=1e-5,
+        array,
+        J.reshape(shape),
+        what,
+        rtol=1e-4,
+        atol=1e-5,
         wrong="it differs from the GRU's Jacobian computed by the loop of "
         "01. Was it computed on `gru` and `x_gru`, with the model's "
         "trainable variables in their own order?",
@@ -124,7 +128,11 @@ def derivative_by_a_moving_mean(answer, model, x, variable):
             "BatchNormalization computes (x - moving_mean) / sqrt(...)."
         )
     close_array(
-        array, expected, what, rtol=1e-6, atol=1e-9,
+        array,
+        expected,
+        what,
+        rtol=1e-6,
+        atol=1e-9,
         wrong="it differs from central differences on the float64 model. "
         "Which variable did you differentiate by, and in which dtype?",
     )

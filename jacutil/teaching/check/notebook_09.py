@@ -18,8 +18,9 @@ def seconds_for_adam_to_catch_up(answer, fit):
     try:
         seconds = float(np.asarray(answer).item())
     except (TypeError, ValueError):
-        raise Hint(f"expected {what}: one number, got "
-                   f"{type(answer).__name__}.") from None
+        raise Hint(
+            f"expected {what}: one number, got {type(answer).__name__}."
+        ) from None
     lsmr, adam = fit["lsmr"], fit["adam"]
     best = min(mse for _, mse in lsmr)
     expected = _first_time_at_or_below(adam, best)
@@ -58,10 +59,13 @@ def seconds_for_adam_to_catch_up(answer, fit):
     for t, mse in adam:
         if np.isclose(seconds, t, rtol=1e-9):
             if mse > best:
-                raise Hint("at that time Adam's MSE was still above least "
-                           "squares' lowest.")
-            raise Hint("Adam was already that low earlier: take the first "
-                       "entry at or below least squares' lowest MSE.")
+                raise Hint(
+                    "at that time Adam's MSE was still above least squares' lowest."
+                )
+            raise Hint(
+                "Adam was already that low earlier: take the first "
+                "entry at or below least squares' lowest MSE."
+            )
     close_number(seconds, expected, 1e-9, "your time")
 
 
@@ -94,14 +98,22 @@ def jvp_by_double_backward(answer, model, x, v):
     array = as_array(answer, what, (n, rows), words)
     if np.allclose(array, expected, rtol=1e-5, atol=1e-8):
         close_array(
-            array, expected, what, rtol=1e-10, atol=1e-12,
+            array,
+            expected,
+            what,
+            rtol=1e-10,
+            atol=1e-12,
             wrong="it agrees to about float32's precision only: the model "
             "and v are float64, so keep them float64 (jvp casts v to the "
             "model's dtype).",
         )
         return
     close_array(
-        array, expected, what, rtol=1e-10, atol=1e-12,
+        array,
+        expected,
+        what,
+        rtol=1e-10,
+        atol=1e-12,
         wrong="it differs from J @ v with J formed by the loop of 01. Was "
         "it computed on `small` and `x_small` with the notebook's `v`?",
     )

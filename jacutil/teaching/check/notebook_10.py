@@ -37,15 +37,14 @@ def _compare_rows(answer, model, x, what, unfinished, wrong):
         )
     zero_rows, differs = [], False
     for start in range(0, len(expected), _BLOCK):
-        block = np.asarray(answer[start:start + _BLOCK], dtype="float64")
+        block = np.asarray(answer[start : start + _BLOCK], dtype="float64")
         if not np.all(np.isfinite(block)):
             raise Hint(f"{what} holds NaN or inf.")
-        right = expected[start:start + _BLOCK]
+        right = expected[start : start + _BLOCK]
         empty = ~block.reshape(len(block), -1).any(axis=1)
         empty &= right.reshape(len(right), -1).any(axis=1)
         zero_rows.extend(start + np.flatnonzero(empty))
-        differs |= not np.allclose(block[~empty], right[~empty],
-                                   rtol=1e-5, atol=1e-7)
+        differs |= not np.allclose(block[~empty], right[~empty], rtol=1e-5, atol=1e-7)
     if zero_rows:
         raise Hint(
             f"the rows of {len(zero_rows):,} of {len(expected):,} samples "
@@ -59,7 +58,10 @@ def _compare_rows(answer, model, x, what, unfinished, wrong):
 def resumed_rows(answer, model, x):
     """The killed run's file, finished by resuming with the file's chunks."""
     _compare_rows(
-        answer, model, x, "the resumed Jacobian",
+        answer,
+        model,
+        x,
+        "the resumed Jacobian",
         unfinished="chunks that were never finished. The ledger lists what "
         "is done; resuming with the file's own chunk size computes the rest.",
         wrong="it differs from the Jacobian of `model` on `x_resume` "
@@ -72,7 +74,10 @@ def resumed_rows(answer, model, x):
 def rows_despite_lost_workers(answer, model, x):
     """The workers' Jacobian, computed while both workers were killed."""
     _compare_rows(
-        answer, model, x, "the Jacobian from the workers",
+        answer,
+        model,
+        x,
+        "the Jacobian from the workers",
         unfinished="chunks that no worker delivered. distributed_jacobian "
         "returns only when every chunk is in: take what it returns.",
         wrong="it differs from the Jacobian of `model` on `x_resume` "

@@ -38,7 +38,7 @@ def trace_of_ggn(answer, model, x):
     ):
         raise Hint(
             "that is the trace for the squared error (H = I, the sum of J's "
-            "squares): pass the loss, \"softmax_cross_entropy\"."
+            'squares): pass the loss, "softmax_cross_entropy".'
         )
     close_number(value, expected, 1e-8, "your trace")
 
@@ -70,7 +70,11 @@ def ntk_block(answer, model, x):
             "that is the transpose: rows are sample 0's outputs, columns sample 1's."
         )
     close_array(
-        array, expected, what, rtol=1e-4, atol=1e-5,
+        array,
+        expected,
+        what,
+        rtol=1e-4,
+        atol=1e-5,
         wrong="it differs from J(x_0) J(x_1).T with J formed by the loop of 01. "
         "Was it computed on the trained `net` and the first two samples of x_ntk?",
     )
