@@ -288,10 +288,6 @@ class OutputLoss:
         signal c a backward pass starts from."""
         return self.sqrt_hessian_tf(_tensor(f), self._t(y, f)).numpy()
 
-    def hessian_product(self, f, u, y=None):
-        """``H_i @ u_i`` for every sample, shape (n, l), without forming H."""
-        return self.hessian_product_tf(_tensor(f), _tensor(u), self._t(y, f)).numpy()
-
     # -- the model's own predictive distribution (the Monte Carlo Fisher) -----
 
     def sample_signals(self, f, draws, rng):

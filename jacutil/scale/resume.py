@@ -28,7 +28,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -517,42 +516,6 @@ def open_rows(path, shape, dtype, record, chunk_size, default_chunk_size):
         new = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
         del new  # the header is written; the rows stay a sparse file until then
     return ledger, chunk_size
-
-
-def check_run_file(path, token):
-    """On a worker, before it writes: the ``.npy`` at ``path`` is the run's -
-    the ledger beside it carries the run's ``token`` and the file matches it -
-    or RunFileError.
-
-    Args:
-        path: the ``.npy`` the worker is about to write.
-        token: the run's token.
-
-    Returns:
-        None; RunFileError when the file is not the run's.
-    """
-    ledger = Path(str(path) + LEDGER_SUFFIX)
-    try:
-        state = _read_ledger(ledger)
-    except FileNotFoundError:
-        problem = f"there is no {ledger.name} beside it"
-    except ResumeMismatch:
-        problem = f"its ledger {ledger.name} cannot be read"
-    else:
-        problem = (
-            "its ledger is another run's (another token)"
-            if state["token"] != token
-            else file_problem(path, state["shape"], state["dtype"])
-        )
-    if problem is not None:
-        raise RunFileError(
-            f"the worker on {socket.gethostname()} sees another file at {path} "
-            f"than the run's: {problem}. Workers write their rows into the one "
-            "file the driver created, so out= must be on a shared file system "
-            "that every worker sees at the same path (not a node-local scratch "
-            "directory). Use such a path, or out=None to send the rows back to "
-            "this process."
-        )
 
 
 def write_rows(path, start, rows):
