@@ -56,6 +56,7 @@ from hypothesis import strategies as st
 
 import jacutil as ju
 from jacutil.core.guards import JacobianError
+from jacutil.core.internals import layers_within
 from tests.generated import (
     chain_cases,
     clear_refusal,
@@ -127,7 +128,7 @@ def features(case, model, variables):
     """What a refusal of this case may name: the program's words, the
     layers' names and types, the variables' names."""
     found = set(case.features)
-    for layer in model._flatten_layers(include_self=False, recursive=True):
+    for layer in layers_within(model, include_self=False):
         found |= {layer.name} | stems(type(layer).__name__)
     found |= {v.name for v in variables} | {v.path for v in variables}
     return found

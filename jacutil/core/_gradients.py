@@ -22,17 +22,9 @@ TensorFlow marks ``ResizeBilinearGrad`` not differentiable.
 """
 
 from ._tf import tf
+from .internals import gradient_registry
 
-
-def _entries():
-    """TensorFlow's gradient registry: op type -> {"type": the gradient
-    function, or None for "not differentiable", ...} (private, TF 2.21)."""
-    from tensorflow.python.framework import ops
-
-    return getattr(getattr(ops, "_gradient_registry", None), "_registry", {})
-
-
-_ENTRIES = _entries()
+_ENTRIES = gradient_registry()
 
 
 def _register(op_type, gradient):

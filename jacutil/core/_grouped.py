@@ -15,9 +15,9 @@ import contextlib
 import threading
 
 from ._tf import keras, tf
+from .internals import keras_backend_nn
 
-_KERAS_NN = keras.src.backend.tensorflow.nn  # where keras.ops.conv finds conv
-_BY_GROUP = {"depth": 0, "conv": None}
+_BY_GROUP = {"depth": 0, "conv": None, "module": None}
 _BY_GROUP_LOCK = threading.Lock()
 
 
@@ -54,8 +54,9 @@ def convolutions_by_group():
     """
     with _BY_GROUP_LOCK:
         if _BY_GROUP["depth"] == 0:
-            _BY_GROUP["conv"] = _KERAS_NN.conv
-            _KERAS_NN.conv = _conv_by_group(_KERAS_NN.conv)
+            nn = _BY_GROUP["module"] = keras_backend_nn()  # where keras.ops finds conv
+            _BY_GROUP["conv"] = nn.conv
+            nn.conv = _conv_by_group(nn.conv)
         _BY_GROUP["depth"] += 1
     try:
         yield
@@ -63,4 +64,4 @@ def convolutions_by_group():
         with _BY_GROUP_LOCK:
             _BY_GROUP["depth"] -= 1
             if _BY_GROUP["depth"] == 0:
-                _KERAS_NN.conv = _BY_GROUP["conv"]
+                _BY_GROUP["module"].conv = _BY_GROUP["conv"]

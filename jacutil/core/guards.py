@@ -20,6 +20,7 @@ import warnings
 import weakref
 
 from ._tf import keras
+from .internals import layers_within
 
 DISCONNECTED = (
     "None of the {count} variables reaches the outputs, so every derivative "
@@ -67,15 +68,7 @@ _RANDOM_LAYERS = {
 
 def _all_layers(model):
     """The model and every layer inside it, however deeply nested."""
-    flatten = getattr(model, "_flatten_layers", None)
-    if flatten is not None:  # Keras 3: follows sublayers held as attributes too
-        return list(flatten(include_self=True, recursive=True))
-    layers, stack = [], [model]
-    while stack:
-        layer = stack.pop()
-        layers.append(layer)
-        stack.extend(getattr(layer, "layers", []))
-    return layers
+    return layers_within(model, include_self=True) or [model]
 
 
 def _random_layers(layers):

@@ -20,6 +20,7 @@ from ._shared import count_params, size_of
 from ._tf import keras, tf
 from .batch import n_samples, take
 from .guards import check_training_mode, require_connected
+from .internals import layers_within
 from .outputs import as_rows
 
 
@@ -320,10 +321,7 @@ def resolve_target(model, variables=None, training=False, x=None):
 
 def _all_layers(model):
     """Every layer inside the model (not the model: the target must not hold it)."""
-    flatten = getattr(model, "_flatten_layers", None)
-    if flatten is None:
-        return []
-    return list(flatten(include_self=False, recursive=True))
+    return layers_within(model, include_self=False)
 
 
 def stack_columns(jacobians, variables, n_rows):

@@ -59,6 +59,7 @@ import numpy as np
 
 from ..core._tf import keras, tf
 from ..core.batch import signature
+from ..core.internals import cached_logits
 
 NAMES = ("squared_error", "softmax_cross_entropy", "sigmoid_cross_entropy")
 REDUCTIONS = ("sum", "sum_over_batch_size", "mean", "mean_with_sample_weight")
@@ -841,16 +842,10 @@ def _refuse_probabilities(loss, probability):
 # --- reading the model's graph -------------------------------------------------
 
 
-def keras_logits_of(tensor):
-    """Keras's private ``_keras_logits`` mark on a softmax or sigmoid output
-    (Keras 3, TensorFlow backend), or None. The one place it is read."""
-    return getattr(tensor, "_keras_logits", None)
-
-
 def probability_op(tensor):
     """``"softmax"`` or ``"sigmoid"`` if a traced ``tensor`` is made by one
     (through identity, reshape, cast and transpose ops), else None."""
-    marked = keras_logits_of(tensor) is not None
+    marked = cached_logits(tensor) is not None
     t = tensor
     for _ in range(32):
         op = getattr(t, "op", None)

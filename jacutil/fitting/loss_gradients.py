@@ -42,6 +42,7 @@ from ..core.formulation import (
     warn_sample_by_sample,
 )
 from ..core.guards import JacobianError
+from ..core.internals import cached_logits
 from ..core.target import watched
 from ..rules.engine import LogitsNotOnRules
 from ..rules.registry import LogitsSignal
@@ -73,10 +74,11 @@ def _logits_of(prediction):
     """The logits a Keras loss reads instead of ``prediction``, or None.
 
     Keras 3 computes cross-entropy from the logits of a softmax or sigmoid
-    output, for accuracy: from ``prediction._keras_logits``, or in a graph
-    from the input of the ``Softmax``/``Sigmoid`` op that made it.
+    output, for accuracy: from the logits Keras keeps on it
+    (``cached_logits``), or in a graph from the input of the
+    ``Softmax``/``Sigmoid`` op that made it.
     """
-    logits = getattr(prediction, "_keras_logits", None)
+    logits = cached_logits(prediction)
     if logits is None and not tf.executing_eagerly():
         if getattr(prediction, "op", None) is not None:
             if prediction.op.type in LOGIT_OPS:

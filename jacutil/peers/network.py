@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ..core._tf import keras, tf
+from ..core.internals import made_by, output_structure
 from ..rules import chain_layers
 
 ACTIVATIONS = ("linear", "relu", "tanh", "sigmoid")
@@ -119,7 +120,8 @@ def read_layer(layer, weight):
 
 def _graph(model, weight):
     """A functional model's records in topological order, then ``"outputs"``."""
-    if not hasattr(model, "_outputs_struct") or len(model.inputs) != 1:
+    inputs = getattr(model, "inputs", None) if isinstance(model, keras.Model) else None
+    if not inputs or len(inputs) != 1 or not getattr(model, "outputs", None):
         raise ValueError("the peers rebuild a functional model with one input only")
     records = []
     values = {}  # id of a Keras tensor -> its value's index
@@ -127,10 +129,9 @@ def _graph(model, weight):
     def visit(tensor):
         if id(tensor) in values:
             return values[id(tensor)]
-        operation, node_index, tensor_index = tensor._keras_history
+        operation, node, tensor_index = made_by(tensor)
         if isinstance(operation, keras.layers.InputLayer):
             return 0  # the one input
-        node = operation._inbound_nodes[node_index]
         if tensor_index != 0 or len(node.outputs) != 1:
             raise ValueError(f"layer {operation.name!r}: one output only")
         if node.arguments.kwargs:
@@ -143,7 +144,7 @@ def _graph(model, weight):
         values[id(tensor)] = len(records)
         return len(records)
 
-    outputs = tuple(visit(t) for t in tf.nest.flatten(model._outputs_struct))
+    outputs = tuple(visit(t) for t in tf.nest.flatten(output_structure(model)))
     records.append(Layer("outputs", inputs=outputs))
     return records
 

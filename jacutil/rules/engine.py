@@ -24,6 +24,7 @@ from ..core._shared import joined_gradients, size_of, sizes_of
 from ..core._tf import keras, tf
 from ..core.batch import n_samples, signature_key, take
 from ..core.formulation import pfor_log
+from ..core.internals import calls_of, made_by, takes_training
 from ..core.target import watched
 from .autodiff import AutodiffRule
 from .merge import MERGE_RULES
@@ -119,7 +120,7 @@ class Node:
                 value_of = lambda t: by_id[id(t)]  # noqa: E731
             args = _filled(self.args, value_of)
             kwargs = _filled(self.kwargs, value_of)
-        if getattr(self.operation, "_call_has_training_arg", False):
+        if takes_training(self.operation):
             kwargs["training"] = False
         with convolutions_by_group():  # see jacutil.core._grouped
             return self.operation(*args, **kwargs)
@@ -173,10 +174,10 @@ def chain_nodes(model):
     chain = []
     tensor = model.outputs[0]
     while True:
-        operation, node_index, tensor_index = tensor._keras_history
+        operation, _, tensor_index = made_by(tensor)
         if isinstance(operation, _INPUT):
             break
-        nodes = operation._inbound_nodes
+        nodes = calls_of(operation)
         if len(nodes) != 1 or len(nodes[0].input_tensors) != 1:
             return None  # shared layers or several inputs
         if tensor_index != 0 or len(nodes[0].outputs) != 1:
@@ -308,12 +309,11 @@ class _GraphWalk:
         stack = [(t, False) for t in reversed(outputs)]
         while stack:
             tensor, ready = stack.pop()
-            operation, node_index, _ = tensor._keras_history
+            operation, keras_node, _ = made_by(tensor)
             if isinstance(operation, _INPUT):
                 if id(tensor) not in self.model_input_ids:
                     raise NotAGraph(f"input {tensor.name!r} is not the model's")
                 continue
-            keras_node = operation._inbound_nodes[node_index]
             if id(keras_node) in done:
                 continue
             sources = [self.resolve(t) for t in keras_node.input_tensors]
@@ -352,10 +352,10 @@ class _GraphWalk:
         """The tensor ``tensor`` stands for, past the bounds of nested models."""
         while True:
             tensor = self.canonical(tensor)
-            operation, node_index, _ = tensor._keras_history
+            operation, keras_node, _ = made_by(tensor)
             if not (isinstance(operation, keras.Model) and is_exact_keras(operation)):
                 return tensor
-            self.open(operation, operation._inbound_nodes[node_index])
+            self.open(operation, keras_node)
 
     def open(self, model, keras_node):
         """Wire a nested model's inputs and outputs to the tensors of its call."""

@@ -103,7 +103,8 @@ def registered(layer_types, rule):
 class LogitsSignal:
     """A signal at the logits ``z`` of a softmax or sigmoid, not at its
     output ``y``: what a Keras loss gives when it reads ``y``'s logits
-    (``y._keras_logits``, or the input of a ``Softmax``/``Sigmoid`` op).
+    (the logits Keras keeps on ``y``, ``cached_logits``, or the input of a
+    ``Softmax``/``Sigmoid`` op).
 
     Args:
         delta: the signal at the logits, shape ``(n or 1, r, *logits_shape)``.

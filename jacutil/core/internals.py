@@ -1,0 +1,121 @@
+"""Every touch of TensorFlow's and Keras's private internals, behind one door.
+
+jacutil reads a functional model's graph (which layer made each symbolic
+tensor, and from what), finds every layer of a model, reads the logits Keras
+keeps on a softmax or sigmoid output, runs grouped convolutions one group at
+a time, and registers second-order gradients that TensorFlow lacks. None of
+that has a public API in TensorFlow 2.21 / Keras 3.15, the versions tested
+(``pyproject.toml``). Each function here checks that the internal is what it
+expects and otherwise raises :class:`InternalsMoved`, naming the versions
+installed - never a silent skip.
+"""
+
+from ._tf import keras, tf
+
+TESTED = "TensorFlow 2.21 and Keras 3.15"
+
+
+class InternalsMoved(RuntimeError):
+    """A TensorFlow or Keras internal that jacutil reads is not where it was."""
+
+
+def _moved(what):
+    raise InternalsMoved(
+        f"{what} is not where jacutil expects it in TensorFlow {tf.__version__} "
+        f"with Keras {keras.__version__}; jacutil is tested with {TESTED} "
+        "(pyproject.toml). Install those versions, or report this with the "
+        "versions above."
+    )
+
+
+def made_by(tensor):
+    """Which Keras operation made a symbolic tensor, and how.
+
+    Args:
+        tensor: a symbolic Keras tensor of a functional model.
+
+    Returns:
+        ``(operation, node, index)``: the layer or op, the call (Keras node:
+        ``input_tensors``, ``outputs``, ``arguments``) that made the tensor,
+        and which of the call's outputs it is.
+    """
+    history = getattr(tensor, "_keras_history", None)
+    if history is None or len(history) != 3:
+        _moved("a Keras tensor's _keras_history (operation, node, index)")
+    operation, node_index, index = history
+    return operation, calls_of(operation)[node_index], index
+
+
+def calls_of(operation):
+    """Every call of a Keras layer or op in a functional graph (its nodes)."""
+    nodes = getattr(operation, "_inbound_nodes", None)
+    if nodes is None:
+        _moved(f"the calls (_inbound_nodes) of {type(operation).__name__}")
+    return nodes
+
+
+def output_structure(model):
+    """A functional model's outputs, as it was built (a tensor, list or dict)."""
+    if not hasattr(model, "_outputs_struct"):
+        _moved(f"the output structure (_outputs_struct) of {type(model).__name__}")
+    return model._outputs_struct
+
+
+def takes_training(operation):
+    """Whether a layer's ``call`` takes ``training`` (False for plain ops)."""
+    if not isinstance(operation, keras.layers.Layer):
+        return False
+    if not hasattr(operation, "_call_has_training_arg"):
+        _moved("a layer's _call_has_training_arg")
+    return bool(operation._call_has_training_arg)
+
+
+def layers_within(model, include_self):
+    """Every layer inside ``model``, however deeply nested (sublayers held as
+    attributes too), or [] for a callable that is no Keras layer.
+
+    Args:
+        model: a Keras model or layer, or any callable.
+        include_self: put ``model`` itself first.
+
+    Returns:
+        A list of layers.
+    """
+    if not isinstance(model, keras.layers.Layer):
+        return []
+    flatten = getattr(model, "_flatten_layers", None)
+    if flatten is None:
+        _moved("a layer's _flatten_layers")
+    return list(flatten(include_self=include_self, recursive=True))
+
+
+def cached_logits(tensor):
+    """The logits Keras keeps on the output of a softmax or sigmoid, or None.
+
+    Keras marks only those outputs (for its cross-entropies), so None is the
+    common answer, not a sign that the internal moved; the rules and the
+    losses find a softmax or sigmoid in the graph as well.
+    """
+    return getattr(tensor, "_keras_logits", None)
+
+
+def keras_backend_nn():
+    """Keras's TensorFlow backend module whose ``conv`` ``keras.ops`` calls."""
+    try:
+        module = keras.src.backend.tensorflow.nn
+    except AttributeError:
+        module = None
+    if module is None or not callable(getattr(module, "conv", None)):
+        _moved("keras.src.backend.tensorflow.nn.conv")
+    return module
+
+
+def gradient_registry():
+    """TensorFlow's gradient registry: op type -> {"type": the gradient
+    function, or None for "not differentiable", ...}."""
+    from tensorflow.python.framework import ops
+
+    registry = getattr(getattr(ops, "_gradient_registry", None), "_registry", None)
+    if not isinstance(registry, dict):
+        _moved("TensorFlow's gradient registry (ops._gradient_registry)")
+    return registry
