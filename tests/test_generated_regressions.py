@@ -460,3 +460,28 @@ def test_the_tape_reference_on_a_linear_model():
     np.testing.assert_array_equal(
         tape_jacobian(model, x, model.trainable_variables), x[:, None, :]
     )
+
+
+@pytest.mark.parametrize("loss", [MSE, keras.losses.binary_crossentropy])
+def test_dense_on_positions_below_a_pooling_without_weights(loss):
+    """Failed on a7b97c8 (make fuzz, seed 20261203, 150 examples): a crash.
+    The autodiff rule of a layer without weights (GlobalMaxPooling1D) gave its
+    signal without a static width, and the Dense on positions below it could
+    not reshape it ("None values not supported")."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((3, 1), dtype=F64),
+        layers.Activation("linear", dtype=F64),
+        layers.Dense(1, trainable=False, dtype=F64),
+        layers.Dense(1, dtype=F64),
+        layers.GlobalMaxPooling1D(dtype=F64),
+        layers.Dense(1, activation="sigmoid", trainable=False, dtype=F64),
+    ])  # fmt: skip
+    perturb(model, 0)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 3, 1))
+    y = rng.integers(0, 2, (1, 1)).astype(F64)
+    expected = tape_loss_gradients(model, loss, x, y, model.trainable_variables)
+    close(ju.per_sample_gradients(model, loss, x, y), expected)
+    norms = ju.per_sample_gradient_norms(model, loss, x, y)
+    close(norms, np.linalg.norm(expected, axis=1))

@@ -128,6 +128,12 @@ class AutodiffRule(Rule):
         inputs = list(a) if self.several_inputs else [a]
         needed = list(need_signal) if self.several_inputs else [need_signal]
         below, blocks = self._signals_and_blocks(inputs, delta, wanted, needed)
+        # (n, l, *input): the static shape that a reshape by tf.shape dropped,
+        # which the rules below read (a Dense on positions needs its width)
+        below = [
+            b if b is None else tf.ensure_shape(b, [None, None, *x.shape[1:]])
+            for b, x in zip(below, inputs, strict=True)
+        ]
         return blocks, below if self.several_inputs else below[0]
 
     def _signals_and_blocks(self, inputs, delta, wanted, need_signal):
