@@ -57,7 +57,7 @@ fuzz: setup
 	@echo "make fuzz: seed $(FUZZ_SEED), $(FUZZ_EXAMPLES) examples per test" \
 		"(repeat it: make fuzz FUZZ_SEED=$(FUZZ_SEED) FUZZ_EXAMPLES=$(FUZZ_EXAMPLES))"
 	JACUTIL_FUZZ=1 JACUTIL_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest \
-		tests/test_generated_models.py -n 2 --dist load -p no:cacheprovider \
+		tests/test_generated_models.py -n 2 --dist load -p no:cacheprovider --timeout 0 \
 		--hypothesis-seed=$(FUZZ_SEED) --hypothesis-show-statistics; \
 		status=$$?; echo "make fuzz: seed $(FUZZ_SEED)"; exit $$status
 

@@ -248,6 +248,7 @@ def test_killed_workers_lose_nothing(tmp_path, at_once):
             out=path,
             method="per_sample",
             progress=False,
+            deadline=240,  # about 15 s here: a stall is an error, not a hang
         )
         killer.join()
         assert len({pid for pid, _, _ in killed}) == at_once

@@ -107,6 +107,106 @@ def test_deadline_bounds_the_whole_run():
     assert time.monotonic() - started < 3.0
 
 
+class LostResult:
+    """A future a Dask cluster reports finished whose worker then died:
+    fetching its result fails ``lost`` times (Dask runs it again), or waits
+    forever when ``lost`` is None; ``result()`` without a limit is a hang."""
+
+    def __init__(self, value, lost):
+        self.value, self.lost, self.fetches = value, lost, 0
+        self.cancelled = False
+
+    def cancel(self):
+        self.cancelled = True
+
+    def exception(self, timeout=None):
+        return None
+
+    def result(self, timeout=None):
+        if timeout is None:
+            time.sleep(20)
+            raise AssertionError("a result was waited for without a limit")
+        self.fetches += 1
+        if self.lost is None or self.fetches <= self.lost:
+            time.sleep(timeout)
+            raise TimeoutError
+        return self.value
+
+
+class Finished(HeldBack):
+    """Every future is finished at once (as ``wait`` sees it)."""
+
+    def wait(self, pending, seconds):
+        return set(pending)
+
+
+def test_a_finished_chunk_whose_worker_died_is_fetched_again(monkeypatch):
+    monkeypatch.setattr(executors, "FETCH_SECONDS", 0.05)
+    futures = [LostResult(0, lost=0), LostResult(1, lost=2), LostResult(2, lost=0)]
+    arrived = dict(as_arrived(Finished(), futures, timeout=5))
+    assert sorted(arrived.values()) == [0, 1, 2]
+    # its fetches had growing limits: 0.05 s, 0.1 s, then 0.2 s, which worked
+    assert futures[1].fetches == 3
+
+
+@pytest.mark.parametrize("clock", ["timeout", "deadline"])
+def test_a_result_that_never_comes_cannot_outlast_the_clocks(monkeypatch, clock):
+    """Every worker died after its chunk finished, and none comes back: the
+    run ends with the clock (issue 37: it waited in future.result())."""
+    monkeypatch.setattr(executors, "FETCH_SECONDS", 0.05)
+    started = time.monotonic()
+    futures = [LostResult(0, lost=0), LostResult(1, lost=None)]
+    with pytest.raises(ChunkTimeoutError, match=f"{clock}=1 seconds"):
+        list(as_arrived(Finished(), futures, **{clock: 1}))
+    assert time.monotonic() - started < 5
+    assert futures[1].cancelled
+
+
+def test_a_fetch_ends_with_the_clock(monkeypatch):
+    """A fetch's limit is cut to what is left of the run's clocks: a
+    deadline of 1 s is not overrun by a 10 s fetch."""
+    started = time.monotonic()
+    with pytest.raises(ChunkTimeoutError, match="deadline=1 seconds"):
+        list(as_arrived(Finished(), [LostResult(1, lost=None)], deadline=1))
+    assert time.monotonic() - started < 3
+
+
+class DiesAfterFinishing(Finished):
+    """Chunks from ``held`` on finish, and then their worker dies for good:
+    their results can never be fetched."""
+
+    def submit(self, fn, spec, samples, start):
+        value = fn(spec, samples, start)
+        return LostResult(value, lost=None if start >= self.held else 0)
+
+
+@pytest.mark.parametrize("clock", ["timeout", "deadline"])
+def test_workers_dead_after_finishing_end_the_run_and_free_the_file(
+    tmp_path, monkeypatch, clock
+):
+    """Issue 37: every worker killed after its chunks finished hung the run in
+    ``future.result()`` past both clocks, holding the file's lock. Now the
+    clock ends it, the arrived chunks are on disk, and the next call resumes."""
+    monkeypatch.setattr(executors, "FETCH_SECONDS", 0.05)
+    model, x, one = _run()
+    path = tmp_path / "J.npy"
+    started = time.monotonic()
+    with pytest.raises(ChunkTimeoutError, match=f"{clock}=2 seconds") as caught:
+        distributed_jacobian(
+            model,
+            x,
+            DiesAfterFinishing(held=200),
+            out=path,
+            chunk_size=50,
+            progress=False,
+            **{clock: 2},
+        )
+    assert time.monotonic() - started < 10
+    assert caught.value.done == [0, 1, 2, 3]
+    J = distributed_jacobian(model, x, HeldBack(), out=path, progress=False)
+    np.testing.assert_array_equal(J, one)
+
+
 def test_a_stalled_chunk_stops_the_run_and_what_arrived_is_kept(tmp_path):
     model, x, one = _run()
     # warm: the model rebuilt from its spec and compiled, so that each chunk

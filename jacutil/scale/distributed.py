@@ -25,7 +25,6 @@ import contextlib
 import functools
 import threading
 import warnings
-from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
@@ -480,9 +479,8 @@ class Job:
         # closed on any error (a worker's too): the chunks still to come are cancelled
         arrivals = as_arrived(self.executor, futures, **self.clocks)
         try:
-            for future in arrivals:
+            for future, rows in arrivals:
                 k = futures[future]
-                rows = _result(future)
                 if write is not None:
                     write(k, rows)
                 arrived.add(k)
@@ -514,16 +512,6 @@ def _warn_threads(executor):
             "workers with --nthreads 1 (docs/cluster.md).",
             stacklevel=3,
         )
-
-
-def _result(future):
-    try:
-        return future.result()
-    except BrokenProcessPool as error:
-        raise WorkersLostError(
-            f"a process of the pool died ({error}): killed, or out of memory. "
-            "A process pool cannot rerun its chunk elsewhere (Dask workers can)"
-        ) from None
 
 
 class DistributedLeastSquares(LeastSquaresProblem):
@@ -587,7 +575,7 @@ class DistributedLeastSquares(LeastSquaresProblem):
             y_chunk = run.share(self._rows_y[start:stop])
             futures.append(run.submit(task, spec, x_chunk, y_chunk))
         with contextlib.closing(as_arrived(run, futures)) as arrivals:
-            parts = {f: _result(f) for f in arrivals}
+            parts = dict(arrivals)
         sums = (np.zeros((self.n_params, self.n_params)), np.zeros(self.n_params))
         for future in futures:  # in chunk order: the same sums as one process
             for total, part in zip(sums, parts[future], strict=True):

@@ -27,12 +27,14 @@ import tempfile
 import time
 import uuid
 import weakref
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 from .workers import client_of
 
 INTERFACE = ("share", "submit", "wait", "cancel", "n_workers")
 POLL_SECONDS = 0.5  # how often the collecting loop looks at its clocks
+FETCH_SECONDS = 10.0  # the first limit on fetching one finished chunk
 WORKERS_LOST_AFTER = 30.0  # seconds with no worker at all: the run stops
 
 
@@ -281,13 +283,21 @@ def executor_for(workers):
 
 
 def as_arrived(executor, futures, *, timeout=None, deadline=None):
-    """Each future of ``futures`` as it finishes, in the order they finish.
+    """Each future of ``futures`` with its result, in the order they finish.
 
     Two clocks: ``timeout`` is the longest wait for the next chunk (it starts
     again at each arrival), ``deadline`` the whole run's. When either passes,
     or no worker has been connected for ``WORKERS_LOST_AFTER`` seconds (a
     nanny restarts a killed worker within seconds; a lost cluster does not
     come back), the rest are cancelled and the error says which.
+
+    No wait here is without a limit: a result is fetched for at most
+    ``FETCH_SECONDS`` (doubled at each try of the same chunk; less where a
+    clock ends sooner), because a Dask
+    future can be finished on a worker that has just died - Dask then runs
+    it again ("Couldn't gather 1 keys, rescheduling"), and an unbounded
+    ``future.result()`` would wait for that past every clock. A fetch that
+    runs out puts the chunk back among those still to come.
 
     Args:
         executor: the executor that ran them.
@@ -296,22 +306,37 @@ def as_arrived(executor, futures, *, timeout=None, deadline=None):
         deadline: seconds for the whole run.
 
     Yields:
-        The finished futures.
+        ``(future, result)`` pairs.
 
     Raises:
         ChunkTimeoutError: a clock passed (the caller adds what arrived).
-        WorkersLostError: no worker for ``WORKERS_LOST_AFTER`` seconds.
+        WorkersLostError: no worker for ``WORKERS_LOST_AFTER`` seconds, or a
+            process of a pool died.
+        Exception: a chunk's own error, as the worker raised it.
     """
     pending = set(futures)
+    tries = dict.fromkeys(pending, 0)
     started = last = time.monotonic()
     without_workers = None
     try:
         while pending:
-            done = executor.wait(pending, POLL_SECONDS)
-            pending -= done
-            yield from done
+            arrived = 0
+            for future in executor.wait(pending, POLL_SECONDS):
+                limit = FETCH_SECONDS * 2 ** tries[future]
+                now = time.monotonic()
+                if timeout is not None:
+                    limit = min(limit, last + timeout - now)
+                if deadline is not None:
+                    limit = min(limit, started + deadline - now)
+                fetched, value = _fetch(future, max(limit, POLL_SECONDS))
+                if not fetched:
+                    tries[future] += 1
+                    continue
+                pending.discard(future)
+                arrived += 1
+                yield future, value
             now = time.monotonic()
-            if done:
+            if arrived:
                 last = now
             if not pending:
                 break
@@ -325,7 +350,7 @@ def as_arrived(executor, futures, *, timeout=None, deadline=None):
                     f"the run passed its deadline={deadline:g} seconds with "
                     f"{len(pending)} chunks still to come"
                 )
-            if done or executor.n_workers() > 0:
+            if arrived or executor.n_workers() > 0:
                 without_workers = None
             elif without_workers is None:
                 without_workers = now
@@ -338,3 +363,20 @@ def as_arrived(executor, futures, *, timeout=None, deadline=None):
     finally:
         if pending:
             executor.cancel(pending)
+
+
+def _fetch(future, seconds):
+    """``(True, result)`` of a finished future, or ``(False, None)`` when its
+    result could not be fetched within ``seconds`` (its worker died: Dask
+    runs the chunk again)."""
+    try:
+        if future.exception(timeout=seconds) is None:
+            return True, future.result(timeout=seconds)
+    except BrokenProcessPool as error:
+        raise WorkersLostError(
+            f"a process of the pool died ({error}): killed, or out of memory. "
+            "A process pool cannot rerun its chunk elsewhere (Dask workers can)"
+        ) from None
+    except (TimeoutError, concurrent.futures.TimeoutError):
+        return False, None
+    return True, future.result()  # raises the chunk's own error
