@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from .core._shared import ceil_div
 from .core.arguments import check_memory_budget
 from .core.batch import as_batch, n_samples
+from .core.data import read_data
 from .core.formulation import ForwardModeBlindSpot
 from .core.outputs import output_layout
 from .core.target import variable_list
@@ -147,7 +148,9 @@ def jacobian(
     Args:
         model: a Keras model, or a callable ``f(x)`` with ``variables=``.
         x: the n samples: an array, or a list or dict of arrays for several
-            inputs.
+            inputs, or a ``tf.data.Dataset`` / ``keras.utils.PyDataset`` of
+            ``model.fit``'s batches (``x`` or ``(x, y, ...)``; read once:
+            :func:`jacutil.core.data.read_data`).
         out: None, an array or ``np.lib.format.open_memmap`` of shape
             (n, l, m), or a ``.npy`` path: a resumable run, as in
             :func:`jacutil.chunked_jacobian`.
@@ -185,6 +188,7 @@ def jacobian(
             "Leave it out, or pass out='J.npy'."
         )
     variables = None if variables is None else variable_list(variables)
+    x = read_data(x, repeatable=isinstance(out, (str, os.PathLike)))[0]
     jac = compiled_for(model, variables, training, False, "rules", x)
     traces = jac.trace_count
     target = jac.target

@@ -28,6 +28,7 @@ from ..core._shared import joined_gradients, or_zeros, sizes_of
 from ..core._tf import tf
 from ..core.arguments import refuse_non_finite
 from ..core.batch import as_batch, n_samples, signature, signature_key, take
+from ..core.data import read_data
 from ..core.formulation import kept_loops, new_ops, quiet_function, refuse_hidden_reads
 from ..core.guards import require_connected
 from ..core.outputs import output_layout
@@ -272,7 +273,8 @@ def curvature_inputs(model, target, x, loss, y=None, sample_weight=None):
     Args:
         model: the model (what the heads are kept for).
         target: its :class:`jacutil.core.target.Target`.
-        x: the n samples.
+        x: the n samples, or a dataset of ``model.fit``'s batches
+            (:func:`jacutil.core.data.read_data`; then no y or sample_weight).
         loss: as ``jacutil.curvature.losses.output_loss`` takes it.
         y: the targets (one array per head), or None.
         sample_weight: (n,) weights, or None.
@@ -284,6 +286,7 @@ def curvature_inputs(model, target, x, loss, y=None, sample_weight=None):
         ValueError: a bad x, y, sample_weight or loss; a loss differentiated
             as given without y.
     """
+    x, y, sample_weight = read_data(x, y, sample_weight)
     batch = as_batch(x, target)
     refuse_non_finite(batch, "x")
     n = int(n_samples(batch))

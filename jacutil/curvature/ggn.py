@@ -31,7 +31,9 @@ def ggn_operator(
     Args:
         model: a Keras model (for a cross-entropy: one whose heads output
             logits), or a callable ``f(x)`` with ``variables=``.
-        x: the n samples.
+        x: the n samples, or a ``tf.data.Dataset`` / ``keras.utils.PyDataset``
+            of ``model.fit``'s batches: ``x``, ``(x, y)`` or ``(x, y,
+            sample_weight)`` (then neither ``y`` nor ``sample_weight``).
         loss: a plain name (``"squared_error"``, ``"softmax_cross_entropy"``,
             ``"sigmoid_cross_entropy"``: summed over samples), a Keras loss
             object or name (its reduction: ``"sum_over_batch_size"`` divides

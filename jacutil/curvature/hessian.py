@@ -11,6 +11,7 @@ product is forward mode over the reverse-mode gradient (one pass each).
 import numpy as np
 
 from ..core.arguments import check_chunk_size
+from ..core.data import read_data
 from ..core.target import variable_list
 from .compiled import curvature_inputs, curvature_products
 
@@ -51,6 +52,7 @@ def hessian_operator(
     chunk_size = check_chunk_size(chunk_size)
     variables = None if variables is None else variable_list(variables)
     products = curvature_products(model, variables=variables, chunk_size=chunk_size)
+    x, y, sample_weight = read_data(x, y, sample_weight)
     if y is None:
         raise ValueError("hessian_operator needs y: the Hessian depends on it.")
     given = curvature_inputs(model, products.target, x, loss, y, sample_weight)

@@ -51,6 +51,7 @@ from ..auto import jacobian
 from ..core._tf import keras, tf
 from ..core.arguments import check_memory_budget, refuse_non_finite
 from ..core.batch import n_samples, take
+from ..core.data import read_data
 from ..core.layout import flat_params
 from ..core.outputs import as_rows
 from ..core.target import resolve_target, variable_list
@@ -66,7 +67,7 @@ DEFAULT_MEMORY_BUDGET = 2**28  # bytes for one chunk of J (256 MiB)
 def laplace(
     model,
     x,
-    y,
+    y=None,
     loss="squared_error",
     structure="last_layer",
     *,
@@ -84,7 +85,8 @@ def laplace(
         model: a trained Keras model (its weights are theta*), or a callable
             ``f(x)`` with ``variables=``.
         x: the training inputs (n samples): an array, or a list or dict of
-            arrays.
+            arrays, or a ``tf.data.Dataset`` / ``keras.utils.PyDataset`` of
+            ``(x, y)`` batches as ``model.fit`` takes them (then no ``y``).
         y: the training targets: (n, l) values, or integer labels for
             ``"softmax_cross_entropy"``.
         loss: ``"squared_error"`` (a regression), ``"softmax_cross_entropy"``
@@ -119,6 +121,14 @@ def laplace(
             ``last_layer=``.
         TypeError: a plain callable without ``variables=``.
     """
+    x, y, weights = read_data(x, y)
+    if weights is not None:
+        raise ValueError(
+            "the dataset's batches carry sample weights; laplace takes none: "
+            "give batches of (x, y)."
+        )
+    if y is None:
+        raise ValueError("y is missing: pass the targets, or a dataset of (x, y).")
     return Laplace(
         model,
         x,

@@ -29,6 +29,7 @@ from ..core._shared import ceil_div, joined_gradients, sizes_of
 from ..core._tf import tf
 from ..core.arguments import refuse_non_finite
 from ..core.batch import as_batch, n_samples, pad_with_last, signature, take
+from ..core.data import read_data
 from ..core.formulation import (
     PFOR_ERRORS,
     first_line,
@@ -419,6 +420,17 @@ def gradients_for(model, loss_fn, variables, training, x=None):
 def _run(model, loss_fn, x, y, what, options):
     """What both public functions share: the cached compiled object, x and y
     checked, the memory budget, chunks and the explanation."""
+    x, y, weights = read_data(x, y)
+    if weights is not None:
+        raise ValueError(
+            "the dataset's batches carry sample weights, and a per-sample "
+            "gradient is each sample's own, unweighted loss: give batches of "
+            "(x, y), or scale each row by its weight afterwards."
+        )
+    if y is None:
+        raise ValueError(
+            "y is missing: pass the targets, or a dataset of (x, y) batches."
+        )
     variables, training = options["variables"], options["training"]
     job = gradients_for(model, loss_fn, variables, training, x)
     traces = job.trace_count
@@ -466,7 +478,7 @@ def per_sample_gradients(
     model,
     loss_fn,
     x,
-    y,
+    y=None,
     *,
     variables=None,
     training=False,
@@ -492,7 +504,8 @@ def per_sample_gradients(
         model: a Keras model, or a callable ``f(x)`` with ``variables=``.
         loss_fn: ``loss_fn(y, prediction)`` returning one loss per sample,
             shape (n,), e.g. ``keras.losses.mean_squared_error``.
-        x: the n samples.
+        x: the n samples, or a ``tf.data.Dataset`` / ``keras.utils.PyDataset``
+            of ``(x, y)`` batches as ``model.fit`` takes them (then no ``y``).
         y: the targets, one per sample: an array, or for a model of several
             outputs a list or dict of arrays (one per head, as ``model.fit``
             takes them), passed to ``loss_fn`` as that structure.
@@ -531,7 +544,7 @@ def per_sample_gradient_norms(
     model,
     loss_fn,
     x,
-    y,
+    y=None,
     *,
     variables=None,
     training=False,
@@ -553,7 +566,7 @@ def per_sample_gradient_norms(
     Args:
         model: a Keras model, or a callable ``f(x)`` with ``variables=``.
         loss_fn: ``loss_fn(y, prediction)`` with one loss per sample.
-        x: the n samples.
+        x: the n samples, or a dataset of ``(x, y)`` batches (then no ``y``).
         y: the targets, one per sample.
         variables: the variables differentiated (default: trainable ones).
         training: run the model in training mode.

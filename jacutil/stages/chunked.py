@@ -6,6 +6,7 @@ from tqdm.auto import tqdm
 from ..core._shared import is_path
 from ..core.arguments import check_chunk_size
 from ..core.batch import as_batch, n_samples, take
+from ..core.data import read_data
 from ..core.outputs import output_layout
 from ..scale.resume import check_out, open_rows, run_record, write_rows, writer_lock
 from .compiled import bucket_size, compiled_for
@@ -125,7 +126,9 @@ def chunked_jacobian(
 
     Args:
         model: a Keras model, or a callable ``f(x)`` with ``variables=``.
-        x: the n samples (an array, or a list or dict of arrays).
+        x: the n samples (an array, or a list or dict of arrays), or a
+            ``tf.data.Dataset`` / ``keras.utils.PyDataset`` of ``model.fit``'s
+            batches, read once (:func:`jacutil.core.data.read_data`).
         chunk_size: samples per chunk; None: the largest chunk whose working
             memory fits ``memory_budget``.
         memory_budget: bytes (default 256 MiB), when ``chunk_size`` is None.
@@ -154,6 +157,7 @@ def chunked_jacobian(
         >>> chunked_jacobian(model, x, chunk_size=3, progress=False).shape
         (4, 2, 8)
     """
+    x = read_data(x, repeatable=is_path(out))[0]  # a dataset: its x, in order
     jac = compiled_for(model, variables, training, jit_compile, method, x)
     target = jac.target
     if memory_budget is not None and memory_budget <= 0:

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
+import tensorflow as tf
 
 import jacutil as ju
 from jacutil.teaching import check
@@ -54,7 +55,7 @@ seed = 0
 
 # %%
 model = ju.question_mlp(seed=seed)
-x = ju.regression_data(max(n_samples, n_sweep), seed=seed)[0]
+x, y = ju.regression_data(max(n_samples, n_sweep), seed=seed)
 n_outputs, n_params, itemsize = 2, ju.flat_params(model).size, 4
 row_bytes = n_outputs * n_params * itemsize  # one sample's rows of J
 print(f"one sample's rows: {n_outputs} x {n_params:,} x {itemsize} bytes "
@@ -155,6 +156,24 @@ on_disk = np.load(path, mmap_mode="r")
 np.testing.assert_allclose(on_disk, unchunked, rtol=1e-5, atol=1e-6)
 print("chunked on disk", on_disk.shape, "== unchunked: True")
 del on_disk, unchunked
+
+# %% [markdown]
+# ## Data as `model.fit` takes it
+#
+# A Keras user's data is often a `tf.data.Dataset` of batches, not one array.
+# `chunked_jacobian` (and `jacobian`, the per-sample gradients of notebook 09,
+# the curvature of notebook 11) takes it as `model.fit` does: batches of `x`,
+# or of `(x, y)` - the Jacobian reads only `x`. It reads the batches once,
+# in order, into one array (x is small next to J, which has l·m numbers per
+# sample), then chunks by the memory budget as before. The proof: the same
+# numbers as from the array.
+
+# %%
+batches = tf.data.Dataset.from_tensor_slices((x[:300], y[:300])).batch(64)
+from_batches = ju.chunked_jacobian(model, batches, progress=False)
+from_array = ju.chunked_jacobian(model, x[:300], progress=False)
+print("from a tf.data.Dataset of (x, y) batches:", from_batches.shape,
+      "== from the array:", np.array_equal(from_batches, from_array))
 
 # %% [markdown]
 # ## Exercises

@@ -1,0 +1,148 @@
+"""Data as Keras users hold it (issue 35): a tf.data.Dataset or a Keras
+PyDataset of model.fit's batches gives, in every entry that takes x, exactly
+what the same data as arrays gives; a source that cannot serve is refused with
+what to do instead."""
+
+import numpy as np
+import pytest
+
+import jacutil as ju
+from jacutil import keras, tf
+from jacutil.curvature.ggn import ggn_operator
+from jacutil.curvature.laplace import laplace
+
+N = 23  # batches of 5: the last one short
+
+
+@pytest.fixture(scope="module")
+def data():
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential(
+        [
+            keras.Input((4,), dtype="float64"),
+            keras.layers.Dense(6, activation="tanh", dtype="float64"),
+            keras.layers.Dense(3, dtype="float64"),
+        ]
+    )
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((N, 4))
+    y = rng.standard_normal((N, 3))
+    w = rng.uniform(0.5, 2.0, N)
+    return model, x, y, w
+
+
+def dataset(*arrays, batch=5):
+    return tf.data.Dataset.from_tensor_slices(
+        arrays if len(arrays) > 1 else arrays[0]
+    ).batch(batch)
+
+
+class Batches(keras.utils.PyDataset):
+    """model.fit's other data type: batches by index."""
+
+    def __init__(self, *arrays, batch=5):
+        super().__init__()
+        self.arrays, self.batch = arrays, batch
+
+    def __len__(self):
+        return -(-len(self.arrays[0]) // self.batch)
+
+    def __getitem__(self, k):
+        part = tuple(a[k * self.batch : (k + 1) * self.batch] for a in self.arrays)
+        return part if len(part) > 1 else part[0]
+
+
+@pytest.mark.parametrize("source", ["dataset", "pydataset"])
+def test_jacobians_from_a_dataset_equal_those_from_arrays(data, source):
+    model, x, y, _ = data
+    make = dataset if source == "dataset" else Batches
+    J = ju.jacobian(model, x)
+    np.testing.assert_array_equal(ju.jacobian(model, make(x, y)), J)
+    np.testing.assert_array_equal(ju.jacobian(model, make(x)), J)
+    chunked = ju.chunked_jacobian(model, make(x, y), chunk_size=7, progress=False)
+    np.testing.assert_array_equal(
+        chunked, ju.chunked_jacobian(model, x, chunk_size=7, progress=False)
+    )
+
+
+def test_per_sample_gradients_from_a_dataset_equal_those_from_arrays(data):
+    model, x, y, _ = data
+    mse = keras.losses.mean_squared_error
+    G = ju.per_sample_gradients(model, mse, x, y)
+    np.testing.assert_array_equal(ju.per_sample_gradients(model, mse, dataset(x, y)), G)
+    np.testing.assert_array_equal(
+        ju.per_sample_gradient_norms(model, mse, Batches(x, y)),
+        ju.per_sample_gradient_norms(model, mse, x, y),
+    )
+    # and each row is that sample's own gradient (one tape per sample)
+    for i in (0, N - 1):
+        with tf.GradientTape() as tape:
+            loss = mse(y[i : i + 1], model(x[i : i + 1]))
+        row = np.concatenate(
+            [g.numpy().ravel() for g in tape.gradient(loss, model.trainable_variables)]
+        )
+        np.testing.assert_allclose(G[i], row, rtol=1e-12, atol=1e-14)
+
+
+def test_curvature_from_a_dataset_equals_that_from_arrays(data):
+    model, x, y, w = data
+    v = np.random.default_rng(0).standard_normal(ju.flat_params(model).size)
+    loss = keras.losses.MeanSquaredError()
+    from_arrays = ggn_operator(model, x, loss, y=y, sample_weight=w) @ v
+    np.testing.assert_array_equal(
+        ggn_operator(model, dataset(x, y, w), loss) @ v, from_arrays
+    )
+    fitted = laplace(model, x, y)
+    from_data = laplace(model, dataset(x, y))
+    np.testing.assert_array_equal(
+        from_data.predictive_variance(x[:4]), fitted.predictive_variance(x[:4])
+    )
+
+
+def test_several_inputs_as_a_dict(data):
+    keras.utils.set_random_seed(1)
+    a, b = keras.Input((2,), name="a"), keras.Input((3,), name="b")
+    out = keras.layers.Dense(2)(keras.layers.Concatenate()([a, b]))
+    model = keras.Model({"a": a, "b": b}, out)
+    rng = np.random.default_rng(1)
+    x = {"a": rng.standard_normal((11, 2)), "b": rng.standard_normal((11, 3))}
+    x = {k: v.astype("float32") for k, v in x.items()}
+    np.testing.assert_array_equal(
+        ju.jacobian(model, tf.data.Dataset.from_tensor_slices(x).batch(4)),
+        ju.jacobian(model, x),
+    )
+
+
+def test_a_dataset_is_refused_where_it_cannot_serve(data, tmp_path):
+    model, x, y, w = data
+    mse = keras.losses.mean_squared_error
+    with pytest.raises(ValueError, match=r"never ends \(\.repeat\(\)"):
+        ju.jacobian(model, dataset(x).repeat())
+    with pytest.raises(ValueError, match="y must not be given with a dataset"):
+        ju.per_sample_gradients(model, mse, dataset(x, y), y)
+    with pytest.raises(ValueError, match="y is missing"):
+        ju.per_sample_gradients(model, mse, dataset(x))
+    with pytest.raises(ValueError, match="carry sample weights"):
+        ju.per_sample_gradients(model, mse, dataset(x, y, w))
+    with pytest.raises(ValueError, match="the dataset is empty"):
+        ju.jacobian(model, dataset(x).take(0))
+    with pytest.raises(TypeError, match="Dataset.from_generator"):
+        ju.jacobian(model, (x[k : k + 5] for k in range(0, N, 5)))
+
+
+def test_a_resumable_file_needs_the_same_order_each_pass(data, tmp_path):
+    model, x, _, _ = data
+    shuffled = tf.data.Dataset.from_tensor_slices(x).shuffle(N).batch(5)
+    with pytest.raises(ValueError, match="another order each time"):
+        ju.chunked_jacobian(model, shuffled, out=tmp_path / "J.npy", progress=False)
+    # a seeded shuffle, the same each pass: resumable, and its rows in its order
+    fixed = (
+        tf.data.Dataset.from_tensor_slices(x)
+        .shuffle(N, seed=5, reshuffle_each_iteration=False)
+        .batch(5)
+    )
+    order = np.concatenate(list(fixed.as_numpy_iterator()))
+    J = ju.chunked_jacobian(
+        model, fixed, out=tmp_path / "J.npy", chunk_size=6, progress=False
+    )
+    np.testing.assert_array_equal(J, ju.jacobian(model, order))
