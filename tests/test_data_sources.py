@@ -8,7 +8,9 @@ import pytest
 
 import jacutil as ju
 from jacutil import keras, tf
+from jacutil.curvature.diagonal import ggn_diagonal
 from jacutil.curvature.ggn import ggn_operator
+from jacutil.curvature.kfac import kfac
 from jacutil.curvature.laplace import laplace
 
 N = 23  # batches of 5: the last one short
@@ -92,6 +94,19 @@ def test_curvature_from_a_dataset_equals_that_from_arrays(data):
     np.testing.assert_array_equal(
         ggn_operator(model, dataset(x, y, w), loss) @ v, from_arrays
     )
+    # the dataset's weights reach every entry (kfac hands them on to G's diagonal)
+    np.testing.assert_array_equal(
+        ggn_diagonal(model, dataset(x, y, w), loss),
+        ggn_diagonal(model, x, loss, y=y, sample_weight=w),
+    )
+    np.testing.assert_array_equal(
+        kfac(model, dataset(x, y, w), loss).matvec(v),
+        kfac(model, x, loss, y=y, sample_weight=w).matvec(v),
+    )
+    assert not np.array_equal(
+        ggn_diagonal(model, x, loss, y=y),
+        ggn_diagonal(model, x, loss, y=y, sample_weight=w),
+    )  # the weights matter: a lost weight would show
     fitted = laplace(model, x, y)
     from_data = laplace(model, dataset(x, y))
     np.testing.assert_array_equal(

@@ -23,6 +23,7 @@ from ..auto import memory_budget_for
 from ..core._tf import tf
 from ..core.arguments import check_memory_budget
 from ..core.batch import signature, take
+from ..core.data import read_data
 from ..core.formulation import quiet_function
 from ..core.target import variable_list
 from ..rules.engine import OutputRows
@@ -140,6 +141,7 @@ def ggn_diagonal(
         jacutil.core.guards.JacobianError: no variable reaches the outputs.
     """
     memory_budget = check_memory_budget(memory_budget)
+    x, y, sample_weight = read_data(x, y, sample_weight)
     variables = None if variables is None else variable_list(variables)
     jac = compiled_for(model, variables, False, False, "rules")
     target = jac.target

@@ -30,6 +30,7 @@ import numpy as np
 from ..core._shared import sizes_of
 from ..core._tf import keras, tf
 from ..core.arguments import check_chunk_size
+from ..core.data import read_data
 from ..core.formulation import quiet_function
 from ..core.target import resolve_target, variable_list
 from .compiled import curvature_for, curvature_inputs
@@ -303,6 +304,7 @@ def kfac(
             probabilities, a bad chunk_size, an empty x, NaN in x or y.
     """
     chunk_size = check_chunk_size(chunk_size) or 256
+    x, y, sample_weight = read_data(x, y, sample_weight)  # y, weights used below
     variables = None if variables is None else variable_list(variables)  # once
     target = resolve_target(model, variables, False)
     given = curvature_inputs(model, target, x, loss, y, sample_weight)
