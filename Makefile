@@ -35,14 +35,19 @@ run: setup
 
 # Lint, unit tests, papermill with small parameters, then nbval (strict) over the
 # stored outputs.
+# The last check judges only the folders of this run (build/.test-started): a
+# run killed earlier on this machine may have left its own.
 test: setup lint
+	@mkdir -p build && touch build/.test-started
 	$(BIN)/python -m pytest tests -n 2 --dist loadgroup --durations=20
 	$(BIN)/python -m pytest notebooks --nbval --nbval-current-env \
 		--nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout 600 \
 		-n 2 --dist loadfile
-	$(BIN)/python -c "from jacutil.scale.workers import leftovers as l, leftover_folders as f; \
+	$(BIN)/python -c "import os; \
+		from jacutil.scale.workers import leftovers as l, leftover_folders as f; \
+		since = os.path.getmtime('build/.test-started'); \
 		assert not l(), f'processes left behind by LocalWorkers: {l()}'; \
-		assert not f(), f'folders left behind by LocalWorkers or a pool: {f()}'"
+		assert not f(since), f'folders left behind by LocalWorkers or a pool: {f(since)}'"
 
 # The generated-model test (tests/test_generated_models.py) for longer, with a
 # random seed: FUZZ_EXAMPLES examples per test (5 tests; a model example costs

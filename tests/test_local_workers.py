@@ -241,3 +241,42 @@ def test_a_process_that_ignores_sigterm_is_killed_after_the_grace(tmp_path):
         assert not folder.exists()
     finally:
         child.kill()
+
+
+def test_a_dead_owners_folder_is_removed_at_the_next_start():
+    """Issue 37: a run killed with all its processes left its folder for good,
+    and make test's last check then failed on a machine where one once died.
+    The next LocalWorkers or pool removes folders left before its process
+    started; one left since stays, for that check to see (leftover_folders
+    with ``since``: only this run's)."""
+    import tempfile
+
+    from jacutil.scale.executors import ProcessExecutor
+    from jacutil.scale.workers import leftover_folders
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    pid = int(dead.stdout)
+    assert not psutil.pid_exists(pid)
+    temp = Path(tempfile.gettempdir())
+    old = temp / f"jacutil-workers-{pid}-killedlongago"
+    new = temp / f"jacutil-pool-{pid}-killedjustnow"
+    try:
+        for folder in (old, new):
+            folder.mkdir()
+            (folder / "scheduler.log").write_text("...")
+        an_hour_ago = psutil.Process().create_time() - 3600
+        os.utime(old, (an_hour_ago, an_hour_ago))
+        assert {old, new} <= set(leftover_folders())
+        assert old not in leftover_folders(since=an_hour_ago + 60)
+        with ProcessExecutor(1):
+            pass
+        assert not old.exists()
+        assert new in leftover_folders()
+    finally:
+        for folder in (old, new):
+            shutil.rmtree(folder, ignore_errors=True)

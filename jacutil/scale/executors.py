@@ -30,7 +30,7 @@ import weakref
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
-from .workers import client_of
+from .workers import client_of, remove_dead_owners_folders
 
 INTERFACE = ("share", "submit", "wait", "cancel", "n_workers")
 POLL_SECONDS = 0.5  # how often the collecting loop looks at its clocks
@@ -167,6 +167,7 @@ class ProcessExecutor:
         # results travel as files: a process killed while it sends a large
         # result through the pool's pipe leaves half a message there, and the
         # pool then waits for the rest forever (CPython's ProcessPoolExecutor)
+        remove_dead_owners_folders()
         self.results = Path(tempfile.mkdtemp(prefix=f"jacutil-pool-{os.getpid()}-"))
         self._remove = weakref.finalize(self, shutil.rmtree, self.results, True)
 

@@ -173,6 +173,7 @@ class LocalWorkers:
         self.processes = []
         self.client = None
         self.security = None
+        remove_dead_owners_folders()
         self._logs = Path(tempfile.mkdtemp(prefix=f"jacutil-workers-{os.getpid()}-"))
         # Nothing is written: the children's watchdogs see the end of file
         # when this write end closes, however this process ends. os.pipe()
@@ -419,10 +420,15 @@ def leftovers(address=None):
     return found
 
 
-def leftover_folders():
+def leftover_folders(since=None):
     """Temporary folders of LocalWorkers and process pools
     (``jacutil-workers-<pid>-…``, ``jacutil-pool-<pid>-…``) whose process has
-    ended: after a run, however it ended, none (``make test`` checks).
+    ended: after a run, however it ended, none (``make test`` checks the
+    folders of its own run).
+
+    Args:
+        since: a time (``time.time()``): only folders changed since then
+            (default: all).
 
     Returns:
         A list of ``pathlib.Path``.
@@ -434,9 +440,36 @@ def leftover_folders():
         kind, _, rest = path.name.removeprefix("jacutil-").partition("-")
         pid = rest.partition("-")[0]
         if kind in ("workers", "pool") and pid.isdigit():
-            if not psutil.pid_exists(int(pid)):
+            try:
+                recent = since is None or path.stat().st_mtime >= since
+            except FileNotFoundError:  # removed meanwhile
+                continue
+            if recent and not psutil.pid_exists(int(pid)):
                 found.append(path)
     return found
+
+
+def remove_dead_owners_folders():
+    """Remove the folders :func:`leftover_folders` finds that were left before
+    this process started: their owner was killed with every process it had
+    (SIGKILL, a lost machine), so no watchdog could remove them. Folders left
+    since this process started stay, for ``make test``'s check to see.
+
+    Returns:
+        The list of removed ``pathlib.Path``.
+    """
+    import psutil
+
+    started = psutil.Process().create_time()
+    removed = []
+    for path in leftover_folders():
+        try:
+            if path.stat().st_mtime < started:
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+        except FileNotFoundError:
+            continue
+    return removed
 
 
 def client_of(workers):
