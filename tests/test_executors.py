@@ -4,6 +4,7 @@ run keep what arrived; lost workers are an error in bounded time; a
 dask.array x never comes to the driver; the scheduler needs nothing of ours."""
 
 import concurrent.futures
+import json
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ import pytest
 import jacutil as ju
 from jacutil.scale import executors
 from jacutil.scale.chunk_files import chunk_name, read_chunks, write_chunk
+from jacutil.scale.dask_arrays import lazy_jacobian
 from jacutil.scale.distributed import LocalWorkers, distributed_jacobian
 from jacutil.scale.executors import (
     ChunkTimeoutError,
@@ -205,6 +207,42 @@ def test_workers_dead_after_finishing_end_the_run_and_free_the_file(
     assert caught.value.done == [0, 1, 2, 3]
     J = distributed_jacobian(model, x, HeldBack(), out=path, progress=False)
     np.testing.assert_array_equal(J, one)
+
+
+@pytest.mark.parametrize(
+    "chunk_size, error, words",
+    [
+        (-5, ValueError, "chunk_size must be at least 1; got -5"),
+        (0, ValueError, "chunk_size must be at least 1; got 0"),
+        (2.5, TypeError, "chunk_size must be a whole number; got 2.5"),
+        ("100", TypeError, "chunk_size must be a whole number; got '100'"),
+    ],
+)
+def test_a_bad_chunk_size_is_refused_as_the_stages_refuse_it(
+    tmp_path, chunk_size, error, words
+):
+    """Issue 37: -5 returned zeros (and wrote a ledger of -400 chunks that a
+    second call "resumed"), 0 meant the default, 2.5 and "100" raw errors."""
+    model, x, _ = _run(n=60)
+    for out in (None, tmp_path / "J.npy"):
+        with pytest.raises(error, match=words):
+            distributed_jacobian(
+                model, x, HeldBack(), chunk_size=chunk_size, out=out, progress=False
+            )
+    assert not (tmp_path / "J.npy").exists()
+    with pytest.raises(error, match=words):  # the lazy dask.array too (2.5 was 2)
+        lazy_jacobian(model, x, chunk_size=chunk_size)
+
+
+def test_a_ledger_without_chunks_is_refused(tmp_path):
+    model, x, _ = _run(n=60)
+    path = tmp_path / "J.npy"
+    distributed_jacobian(model, x, HeldBack(), chunk_size=20, out=path, progress=False)
+    ledger = tmp_path / ("J.npy" + LEDGER_SUFFIX)
+    state = json.loads(ledger.read_text())
+    ledger.write_text(json.dumps({**state, "chunk_size": -5, "n_chunks": -12}))
+    with pytest.raises(ResumeMismatch, match="not a readable ledger.*at least 1"):
+        distributed_jacobian(model, x, HeldBack(), out=path, progress=False)
 
 
 def test_a_stalled_chunk_stops_the_run_and_what_arrived_is_kept(tmp_path):

@@ -17,6 +17,7 @@ import functools
 import operator
 import pickle
 
+from ..core.arguments import check_chunk_size
 from .dask_blocks import blocks_by_samples
 from .distributed import model_spec, prepare, rows_task
 from .workers import client_of
@@ -57,9 +58,9 @@ def lazy_jacobian(
     import dask
     import dask.array as da
 
-    chunk_size = int(chunk_size)
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be at least 1; got {chunk_size}.")
+    chunk_size = check_chunk_size(chunk_size)  # the stages' check and words
+    if chunk_size is None:
+        raise TypeError("lazy_jacobian needs chunk_size: the samples per block.")
     run = prepare(model, x, client, training, jit_compile, method)
     loads = dask.delayed(pickle.loads, pure=True)
     options = {"training": training, "jit_compile": jit_compile, "method": method}

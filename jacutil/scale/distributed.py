@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 
 from ..core._shared import ceil_div, is_path
 from ..core._tf import keras, tf
+from ..core.arguments import check_chunk_size
 from ..core.batch import as_batch, n_samples, take
 from ..core.outputs import output_layout
 from ..fitting.scipy_bridge import LeastSquaresProblem
@@ -361,6 +362,7 @@ def distributed_jacobian(
         ChunkTimeoutError: a clock passed (the chunks that arrived are kept).
         WorkersLostError: every worker was lost (the same).
     """
+    chunk_size = check_chunk_size(chunk_size)  # the stages' check and words
     options = {
         "training": training,
         "jit_compile": jit_compile,

@@ -310,6 +310,11 @@ def _read_ledger(path):
             raise KeyError(", ".join(missing))
         state["done"] = _runs_to_chunks(state["done"])
         state["chunk_size"] = int(state["chunk_size"])
+        if state["chunk_size"] < 1 or int(state["n_chunks"]) < 1:
+            raise ValueError(
+                f"chunk_size {state['chunk_size']} and n_chunks "
+                f"{state['n_chunks']}: each must be at least 1"
+            )
     except (ValueError, KeyError, TypeError) as error:
         what = f"no {error}" if isinstance(error, KeyError) else str(error)
         raise ResumeMismatch(
