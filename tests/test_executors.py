@@ -245,6 +245,26 @@ def test_a_ledger_without_chunks_is_refused(tmp_path):
         distributed_jacobian(model, x, HeldBack(), out=path, progress=False)
 
 
+def test_a_file_of_another_method_names_the_method(tmp_path):
+    """Issue 37: a .npy started by distributed_jacobian (method "rules") and
+    continued by chunked_jacobian (its default: "per_sample") was refused for
+    "other model weights, inputs x or options"; the message names the method,
+    and with it the file is finished."""
+    model, x, one = _run()
+    path = tmp_path / "J.npy"
+    with pytest.raises(ChunkTimeoutError):
+        distributed_jacobian(
+            model, x, HeldBack(held=200), out=path, chunk_size=50, timeout=3,
+            progress=False,
+        )  # fmt: skip
+    with pytest.raises(
+        ResumeMismatch, match=r"method='rules' \(this run: method='per_sample'\)"
+    ):
+        ju.chunked_jacobian(model, x, out=path, progress=False)
+    J = ju.chunked_jacobian(model, x, out=path, method="rules", progress=False)
+    np.testing.assert_array_equal(J, one)
+
+
 def test_a_stalled_chunk_stops_the_run_and_what_arrived_is_kept(tmp_path):
     model, x, one = _run()
     # warm: the model rebuilt from its spec and compiled, so that each chunk

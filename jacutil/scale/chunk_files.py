@@ -30,7 +30,13 @@ from pathlib import Path
 import numpy as np
 
 from ..core._shared import ceil_div
-from .resume import ResumeMismatch, RunFileError, file_problem, write_atomically
+from .resume import (
+    ResumeMismatch,
+    RunFileError,
+    file_problem,
+    what_differs,
+    write_atomically,
+)
 
 RUN_FILE = "run.json"
 RECORD_KEYS = ("fingerprint", "key", "shape", "dtype")
@@ -131,19 +137,14 @@ def open_chunk_folder(path, shape, dtype, record, chunk_size, default_chunk_size
                 "written by a run. Empty it or choose another path."
             ) from None
     if earlier is not None:
-        for key in RECORD_KEYS:
-            if earlier.get(key) != state.get(key):
-                what = (
-                    "other model weights, inputs x or options"
-                    if key == "fingerprint"
-                    else f"{key} {earlier.get(key)!r} (this run: {state.get(key)!r})"
-                )
-                raise ResumeMismatch(
-                    f"{path} was started with {what}, so its chunks cannot be "
-                    "mixed with this run's. Resume it with the same model "
-                    "weights, x and options; to start afresh, delete the "
-                    "folder, or write to another path."
-                )
+        what = what_differs(earlier, state, RECORD_KEYS)
+        if what is not None:
+            raise ResumeMismatch(
+                f"{path} was started with {what}, so its chunks cannot be "
+                "mixed with this run's. Resume it with the same model "
+                "weights, x and options; to start afresh, delete the "
+                "folder, or write to another path."
+            )
         if chunk_size is not None and chunk_size != earlier["chunk_size"]:
             raise ResumeMismatch(
                 f"{path} was started with chunk_size={earlier['chunk_size']}; "

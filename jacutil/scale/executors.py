@@ -370,14 +370,19 @@ def _fetch(future, seconds):
     """``(True, result)`` of a finished future, or ``(False, None)`` when its
     result could not be fetched within ``seconds`` (its worker died: Dask
     runs the chunk again)."""
+    waited = (TimeoutError, concurrent.futures.TimeoutError)
     try:
-        if future.exception(timeout=seconds) is None:
-            return True, future.result(timeout=seconds)
-    except BrokenProcessPool as error:
+        error = future.exception(timeout=seconds)
+    except waited:
+        return False, None
+    if isinstance(error, BrokenProcessPool):
         raise WorkersLostError(
             f"a process of the pool died ({error}): killed, or out of memory. "
             "A process pool cannot rerun its chunk elsewhere (Dask workers can)"
         ) from None
-    except (TimeoutError, concurrent.futures.TimeoutError):
+    if error is not None:
+        return True, future.result()  # raises the chunk's own error
+    try:
+        return True, future.result(timeout=seconds)
+    except waited:
         return False, None
-    return True, future.result()  # raises the chunk's own error

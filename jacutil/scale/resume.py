@@ -150,7 +150,37 @@ def run_record(jac, model, x, key=None):
     options = {"method": jac.method, "jit_compile": jac.jit_compile}
     options["training"] = jac.target.training
     digest = fingerprint(model, jac.target.variables, x, **options)
-    return {"fingerprint": digest, "key": key}
+    return {"fingerprint": digest, "key": key, "options": options}
+
+
+def what_differs(earlier, now, keys):
+    """In words, what a file's record ``earlier`` holds that this run's
+    ``now`` does not, among ``keys``; None when they match. The options are
+    named one by one (the fingerprint covers them too, but "other options"
+    would not say which: ``distributed_jacobian``'s default method is not
+    ``chunked_jacobian``'s).
+
+    Args:
+        earlier: the record read from the file.
+        now: this run's record.
+        keys: the keys compared.
+
+    Returns:
+        A phrase, or None.
+    """
+    was = earlier.get("options")  # None in files of jacutil before it
+    if was is not None and was != now.get("options"):
+        return ", ".join(
+            f"{name}={was.get(name)!r} (this run: {name}={value!r})"
+            for name, value in now["options"].items()
+            if was.get(name) != value
+        )
+    for key in keys:
+        if key != "options" and earlier.get(key) != now.get(key):
+            if key == "fingerprint":
+                return "other model weights, inputs x or options"
+            return f"{key} {earlier.get(key)!r} (this run: {now.get(key)!r})"
+    return None
 
 
 def _temporary(path):
@@ -386,19 +416,14 @@ class Ledger:
             return None
         earlier = _read_ledger(self.path)
         name = self.data_path.name
-        for key, value in self.record.items():
-            if earlier.get(key) != value:
-                what = (
-                    "other model weights, inputs x or options"
-                    if key == "fingerprint"
-                    else f"{key} {earlier.get(key)!r} (this run: {value!r})"
-                )
-                raise ResumeMismatch(
-                    f"{name} was started with {what}, so its finished chunks "
-                    "cannot be mixed with this run's. Resume it with the same "
-                    f"model weights, x and options; to start afresh, delete "
-                    f"{name} and {self.path.name}, or write to another path."
-                )
+        what = what_differs(earlier, self.record, self.record)
+        if what is not None:
+            raise ResumeMismatch(
+                f"{name} was started with {what}, so its finished chunks "
+                "cannot be mixed with this run's. Resume it with the same "
+                f"model weights, x and options; to start afresh, delete "
+                f"{name} and {self.path.name}, or write to another path."
+            )
         if chunk_size is not None and chunk_size != earlier["chunk_size"]:
             raise ResumeMismatch(
                 f"{name} was started with chunk_size={earlier['chunk_size']}; "
