@@ -18,8 +18,8 @@ from jacutil.scale.resume import (
     FileBusy,
     ResumeMismatch,
     finished_chunks,
-    kill_part_way,
 )
+from jacutil.teaching.drills import kill_part_way
 
 N, CHUNK = 4000, 20  # 200 chunks: long enough to be killed part-way
 

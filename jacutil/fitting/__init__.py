@@ -2,7 +2,6 @@
 
 - ``scipy_bridge``    ``least_squares_problem``: a model as SciPy's fun and jac
 - ``gauss_newton``    ``levenberg_marquardt``: our own damped Gauss-Newton
-- ``wide_fit``        fitting when J does not fit in memory
 - ``loss_gradients``  ``per_sample_gradients`` and their norms
 - ``dp_sgd``          ``DPSGD``: differentially private SGD by ghost clipping (09)
 """
@@ -16,6 +15,5 @@ __getattr__ = lazy_modules(
         "gauss_newton",
         "loss_gradients",
         "scipy_bridge",
-        "wide_fit",
     },
 )

@@ -27,10 +27,6 @@ import hashlib
 import json
 import os
 import secrets
-import signal
-import subprocess
-import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -627,35 +623,3 @@ class SumCheckpoint:
             np.savez(file, record=self.record, next_chunk=next_chunk, **arrays)
 
         write_atomically(self.path, write)
-
-
-def kill_part_way(script, progress, at_least=1, timeout=120.0):
-    """A drill: run ``script`` in a fresh Python and ``SIGKILL`` it - no
-    clean-up, as a lost machine - once ``progress()`` (chunks finished) reaches
-    ``at_least``. Returns ``progress()`` after the kill.
-
-    Args:
-        script: Python source run with ``python -c``.
-        progress: a function returning the chunks finished so far.
-        at_least: the chunks finished before the kill.
-        timeout: seconds to wait at the most.
-
-    Returns:
-        ``progress()`` after the kill (int).
-    """
-    process = subprocess.Popen(
-        [sys.executable, "-c", script],
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
-    )
-    try:
-        deadline = time.monotonic() + timeout
-        while process.poll() is None and time.monotonic() < deadline:
-            if progress() >= at_least:
-                process.send_signal(signal.SIGKILL)
-                break
-            time.sleep(0.002)
-    finally:
-        if process.poll() is None:
-            process.kill()
-        process.wait()
-    return progress()

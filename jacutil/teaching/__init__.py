@@ -6,6 +6,17 @@
 - ``models``    the notebooks' models and seeded data
 - ``timing``    ``time_call``: medians of repeated calls
 - ``memory_sweeps`` each size's peak memory, measured in a fresh process
+- ``wide_fit``  notebook 09's fit of a wide network, in a fresh process
+- ``drills``    fault drills: a run killed part way (notebook 10)
 """
 
-from . import check, memory_sweeps, models, notebook, plots, timing  # noqa: F401
+from . import (  # noqa: F401
+    check,
+    drills,
+    memory_sweeps,
+    models,
+    notebook,
+    plots,
+    timing,
+    wide_fit,  # noqa: F401
+)

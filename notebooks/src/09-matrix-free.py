@@ -42,7 +42,7 @@ import numpy as np
 
 import jacutil as ju
 from jacutil import keras
-from jacutil.fitting import wide_fit
+from jacutil.teaching import wide_fit
 from jacutil.teaching import check
 
 # %% tags=["nbval-ignore-output"]

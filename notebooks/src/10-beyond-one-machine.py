@@ -111,7 +111,7 @@ ju.chunked_jacobian(ju.question_mlp(seed={seed}), x,
                     chunk_size={resume_chunk}, out={str(path)!r},
                     method="per_sample", progress=False)
 """
-    finished = ju.scale.resume.kill_part_way(
+    finished = ju.teaching.drills.kill_part_way(
         script, lambda: ju.scale.resume.finished_chunks(path)[0], at_least=at_least)
     assert finished < n_chunks, (
         "the run finished before it was killed: raise resume_samples")

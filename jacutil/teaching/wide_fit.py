@@ -8,7 +8,7 @@ and then, from the same start, with Adam for the same wall-clock time. It
 records both loss curves, the fit's peak memory above the level before it,
 and how long one ``matvec`` + ``rmatvec`` pair takes against one forward
 pass. ``run_in_fresh_process`` runs it in a new Python process, so that the
-memory counted is the fit's alone (``python -m jacutil.fitting.wide_fit``).
+memory counted is the fit's alone (``python -m jacutil.teaching.wide_fit``).
 Introduced in ``09-matrix-free``.
 """
 
@@ -22,8 +22,8 @@ import numpy as np
 
 from ..core import memory
 from ..core._tf import keras, tf
-from ..teaching.models import question_mlp, regression_data
-from .scipy_bridge import least_squares_problem
+from ..fitting.scipy_bridge import least_squares_problem
+from .models import question_mlp, regression_data
 
 
 def _median_seconds(fn, repeats=3):
@@ -158,7 +158,8 @@ def run_in_fresh_process(**parameters):
     Raises:
         RuntimeError: the process failed (the message holds its stderr's tail).
     """
-    command = [sys.executable, "-m", "jacutil.fitting.wide_fit", json.dumps(parameters)]
+    module = "jacutil.teaching.wide_fit"
+    command = [sys.executable, "-m", module, json.dumps(parameters)]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"the fit's process failed:\n{done.stderr[-2000:]}")
