@@ -75,3 +75,19 @@ def test_stored_notebook_matches_its_source(book):
     stored = nbformat.read(book, as_version=4)
     assert [c.source for c in stored.cells] == [c.source for c in source.cells]
     assert [c.cell_type for c in stored.cells] == [c.cell_type for c in source.cells]
+
+
+@pytest.mark.parametrize("book", BOOKS, ids=[b.stem for b in BOOKS])
+def test_no_stored_stderr_but_a_tagged_lesson(book):
+    """Standard error is a red box in JupyterLab: a stored one is a defect
+    (TensorFlow's C++ log, a stray warning) unless the cell is a deliberate,
+    explained lesson, tagged ``stderr-lesson`` (issue 39)."""
+    stored = nbformat.read(book, as_version=4)
+    found = [
+        f"cell {k}: {''.join(o.get('text', ''))[:120]!r}"
+        for k, cell in enumerate(stored.cells)
+        if "stderr-lesson" not in cell.metadata.get("tags", [])
+        for o in cell.get("outputs", [])
+        if o.get("output_type") == "stream" and o.get("name") == "stderr"
+    ]
+    assert not found, "\n".join(found)

@@ -266,10 +266,11 @@ print("d y / d x per sample:", tuple(J_input.shape),
 # | further | `08-your-own-model` | CNNs, LSTMs, several inputs and heads | `split_outputs` |
 # | further | `09-matrix-free` | when J does not fit: products with J | `jvp`, `vjp`, `jacobian_operator` |
 # | further | `10-beyond-one-machine` | resumable runs; chunks on worker processes | `distributed_jacobian`, `LocalWorkers` |
+# | further | `11-curvature-and-uncertainty` | curvature, the NTK and Laplace uncertainty from J | `ggn_operator`, `laplace` |
 #
 # The **core path**, 00 to 05, answers the question, from the loop to a
 # Keras model fitted by SciPy, in under 3 hours with one exercise a notebook.
-# Each core notebook ends with a "Going further" part, and 06 to 10 go
+# Each core notebook ends with a "Going further" part, and 06 to 11 go
 # further still: read them in any order after the core. The README's plan
 # gives the minutes of each, measured.
 #

@@ -523,7 +523,8 @@ for size in (4, 4, 5, 5):
 # %% [markdown]
 # The first call at each new size pays a compile; the repeat does not.
 # `ju.compiled_jacobian(model, jit_compile=True)` pads each batch to the
-# next power of two, so sizes 1 to 8 cost four compiles, not eight:
+# next power of two, and a batch of one to two, so sizes 1 to 8 cost three
+# compiles (at 2, 4 and 8), not eight:
 
 # %%
 jac_xla = ju.compiled_jacobian(model, jit_compile=True)

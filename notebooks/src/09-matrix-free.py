@@ -470,7 +470,8 @@ print(f"Finding: a DP-SGD step costs {dp_s / plain_s:.1f}x a plain step "
 # `dp-accounting`, the one TF Privacy uses, and the clipping is jacutil's
 # norms. No release of `dp-accounting` installs with this course's lock
 # file either (each pins an older `attrs` or `absl-py`), but its code runs
-# with ours; the line below adds it to `.venv`.
+# with ours; `make setup` installs it into `.venv` with the command below
+# (printed here; run it yourself in another environment).
 
 # %%
 print(ju.fitting.dp_sgd.INSTALL_COMMAND)
