@@ -231,3 +231,20 @@ def test_a_variable_of_no_model_is_known_by_its_value(tmp_path):
         ju.chunked_jacobian(f, x, out=path, variables=[w], key="f", progress=False)
     with pytest.raises(ValueError, match="key= names a resumable run"):
         ju.chunked_jacobian(f, x, variables=[w], key="f", progress=False)
+
+
+def test_a_folder_it_cannot_write_in_is_named_not_the_lock(tmp_path, monkeypatch):
+    """Issue 37: a read-only folder gave PermissionError on J.npy.lock, a
+    file the user never asked for. (Root writes in any folder, so the refusal
+    is made by os.open, as a read-only folder makes it.)"""
+    model, x = ju.question_mlp(seed=1), ju.regression_data(20)[0]
+    real_open = os.open
+
+    def denied(path, *args, **kwargs):
+        if str(path).endswith(LOCK_SUFFIX):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", denied)
+    with pytest.raises(PermissionError, match="cannot write in .*Choose a folder"):
+        ju.chunked_jacobian(model, x, out=tmp_path / "J.npy", progress=False)

@@ -100,7 +100,11 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", help="where to write ca.pem, cert.pem, key.pem")
     folder = parser.parse_args(argv).folder
-    for role, path in write_credentials(folder).items():
+    try:
+        written = write_credentials(folder)
+    except FileExistsError as error:  # a second run: one line, not a traceback
+        parser.exit(1, f"{parser.prog}: {error}\n")
+    for role, path in written.items():
         print(f"{role:>4}: {path}")
 
 

@@ -222,7 +222,13 @@ def writer_lock(path):
     """
     lock = Path(str(path) + LOCK_SUFFIX)
     while True:
-        descriptor = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            descriptor = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except PermissionError:
+            raise PermissionError(
+                f"cannot write in {lock.parent}: {Path(path).name} and its "
+                "ledger go there. Choose a folder you may write to."
+            ) from None
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
