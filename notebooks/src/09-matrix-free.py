@@ -29,7 +29,7 @@
 #   clipping each sample's gradient, and plot accuracy against the privacy
 #   spent (ε).
 #
-# *Teaching: 38 min · Exercises: 27 min*
+# *Teaching: 34 min · Exercises: 26 min*
 
 # %% [markdown]
 # ## Setup
