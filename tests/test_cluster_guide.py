@@ -292,6 +292,8 @@ def test_the_guides_cluster(monkeypatch):
         for ip, port in http:  # Dask's health and metrics; no dashboard
             assert _http(ip, port, "/health") == (200, "ok"), (ip, port)
             assert _http(ip, port, "/status")[0] == 404, (ip, port)
+            for internal in ("/json/identity.json", "/info/main/workers.html"):
+                assert _http(ip, port, internal)[0] == 404, (ip, port, internal)
 
         # Without the certificate: refused.
         _refused(f"tcp://{host}:{env['PORT']}")
