@@ -521,9 +521,12 @@ class DistributedLeastSquares(LeastSquaresProblem):
     summed over chunks computed on Dask workers.
 
     ``levenberg_marquardt(problem)`` takes it unchanged: each step's
-    ``JtJ`` and ``Jtr`` come from the workers, added in chunk order, so they
-    equal the single-process sums bit for bit. Introduced in
-    ``10-beyond-one-machine``.
+    ``JtJ`` and ``Jtr`` come from the workers and are added in chunk order.
+    Each chunk's J is the single process's bit for bit, but its products
+    ``J.T @ J`` and ``J.T @ r`` are NumPy's (BLAS), whose order of summation
+    depends on how many threads BLAS runs in that process: the sums equal
+    the single-process sums to rounding (relative 1e-16 where they differ),
+    not bit for bit. Introduced in ``10-beyond-one-machine``.
 
     Args:
         model: a Keras model.
