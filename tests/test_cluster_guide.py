@@ -31,6 +31,7 @@ import psutil
 import pytest
 
 import jacutil as ju
+from jacutil.scale.executors import WorkerMismatchError
 
 pytestmark = pytest.mark.xdist_group("dask")  # processes of its own: one at a time
 
@@ -313,6 +314,21 @@ def test_the_guides_cluster(monkeypatch):
             model, x, chunk_size=8, method="rules", progress=False
         )
         np.testing.assert_array_equal(J, one)
+
+        # A worker that cannot import jacutil joins: the next run is refused
+        # before any chunk is sent, naming that worker (issue 37).
+        before = set(client.scheduler_info()["workers"])
+        deadline = time.monotonic() + START_TIMEOUT
+        started.start("worker-without-jacutil", blocks["worker"],
+                      without_jacutil(env, folder / "second"))  # fmt: skip
+        while not set(client.scheduler_info()["workers"]) - before:
+            started.check_alive("the second worker", deadline)
+            time.sleep(0.2)
+        (newcomer,) = set(client.scheduler_info()["workers"]) - before
+        with pytest.raises(WorkerMismatchError) as refused:
+            ju.distributed_jacobian(model, x, client, chunk_size=8, progress=False)
+        assert f"{newcomer}: cannot import them (ImportError" in str(refused.value)
+        assert re.search(r"\b1 of \d+ workers", str(refused.value)), refused.value
 
         # The guide's stop: every process goes.
         exec(blocks["stop"], {"client": client})  # noqa: S102

@@ -590,3 +590,32 @@ def test_a_workers_model_takes_new_weights_and_threads_never_mix_them():
         ]
         for k, run in enumerate(runs):
             np.testing.assert_array_equal(run.result(), expected[k % 2])
+
+
+class FakeClient:
+    """What client.run returns: each worker's answer, or its error."""
+
+    def __init__(self, answers):
+        self.answers = answers
+
+    def run(self, function, *args, on_error="raise"):
+        assert on_error == "return"
+        return self.answers
+
+
+def test_a_worker_of_other_versions_is_named_before_a_run():
+    from jacutil.scale.executors import VERSIONS, WorkerMismatchError, check_workers
+
+    mine = eval(VERSIONS)  # noqa: S307
+    other = (mine[0], "2.16.1", *mine[2:])
+    missing = ModuleNotFoundError("No module named 'jacutil'")
+    check_workers(FakeClient({"tls://a:1": mine, "tls://b:2": mine}))  # all alike
+    with pytest.raises(WorkerMismatchError) as refused:
+        check_workers(
+            FakeClient({"tls://a:1": mine, "tls://b:2": other, "tls://c:3": missing})
+        )
+    said = str(refused.value)
+    assert said.startswith("2 of 3 workers cannot run this driver's chunks")
+    assert f"tls://b:2: tensorflow 2.16.1 (driver: {mine[1]})" in said
+    assert "tls://c:3: cannot import them (ModuleNotFoundError: No module" in said
+    assert "tls://a:1" not in said

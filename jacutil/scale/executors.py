@@ -51,6 +51,53 @@ class ChunkTimeoutError(TimeoutError):
         self.out = out
 
 
+class WorkerMismatchError(RuntimeError):
+    """A worker cannot import jacutil, or runs other versions of jacutil,
+    TensorFlow, Keras or NumPy than the driver (its chunks would fail, or
+    differ)."""
+
+
+# What each worker is asked, as source for the builtin eval: the scheduler
+# and the workers unpickle nothing of ours to answer it.
+PACKAGES = ("jacutil", "tensorflow", "keras", "numpy")
+VERSIONS = f"tuple(__import__(name).__version__ for name in {PACKAGES!r})"
+
+
+def check_workers(client):
+    """Ask every worker of ``client`` for its versions of ``PACKAGES``
+    before a run, and refuse a cluster where one differs from the driver.
+
+    Introduced in ``10-beyond-one-machine``.
+
+    Args:
+        client: a ``dask.distributed.Client``.
+
+    Raises:
+        WorkerMismatchError: naming each worker that cannot import them, or
+            has other versions, and what it has.
+    """
+    mine = eval(VERSIONS)  # noqa: S307 - our own constant expression
+    found = client.run(eval, VERSIONS, on_error="return")
+    wrong = {}
+    for address, theirs in sorted(found.items()):
+        if isinstance(theirs, BaseException):
+            wrong[address] = f"cannot import them ({type(theirs).__name__}: {theirs})"
+        elif tuple(theirs) != mine:
+            wrong[address] = ", ".join(
+                f"{name} {t} (driver: {m})"
+                for name, t, m in zip(PACKAGES, theirs, mine, strict=True)
+                if t != m
+            )
+    if wrong:
+        listed = "; ".join(f"{a}: {what}" for a, what in wrong.items())
+        raise WorkerMismatchError(
+            f"{len(wrong)} of {len(found)} workers cannot run this driver's "
+            f"chunks: {listed}. Install the driver's versions of "
+            f"{', '.join(PACKAGES)} on those machines (docs/cluster.md), or "
+            "stop those workers."
+        )
+
+
 class WorkersLostError(RuntimeError):
     """Every worker was lost (or a process pool broke) before the run ended."""
 
@@ -267,6 +314,8 @@ def executor_for(workers):
 
     Raises:
         TypeError: ``workers`` is none of these (or is closed).
+        WorkerMismatchError: a Dask worker cannot run this driver's chunks
+            (:func:`check_workers`).
     """
     if all(callable(getattr(workers, name, None)) for name in INTERFACE):
         return workers  # ours, or any object with the five methods
@@ -274,13 +323,15 @@ def executor_for(workers):
         return ProcessExecutor(pool=workers)
 
     try:
-        return DaskExecutor(client_of(workers))
+        client = client_of(workers)
     except TypeError:
         raise TypeError(
             "workers must be a running jacutil.LocalWorkers, a "
             "dask.distributed.Client, a concurrent.futures.ProcessPoolExecutor "
             f"or a jacutil.scale.executors executor; got {workers!r}."
         ) from None
+    check_workers(client)
+    return DaskExecutor(client)
 
 
 def as_arrived(executor, futures, *, timeout=None, deadline=None):
