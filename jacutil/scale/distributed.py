@@ -332,7 +332,10 @@ def distributed_jacobian(
 
     Two clocks, both off by default: ``timeout`` is the longest wait, in
     seconds, for the next chunk to arrive; ``deadline`` bounds the whole
-    run. When one passes, or every worker has been gone for
+    run. Both start when the chunks are sent, so the first wait includes
+    what a fresh worker does before its first chunk (TensorFlow's import and
+    the model's trace: seconds); give ``timeout`` that margin, or warm the
+    workers with a small run first. When one passes, or every worker has been gone for
     ``executors.WORKERS_LOST_AFTER`` seconds, the run stops with
     :class:`ChunkTimeoutError` or :class:`WorkersLostError`; the chunks that
     arrived are kept (``error.out`` and ``error.done`` in memory; on disk,
@@ -349,7 +352,8 @@ def distributed_jacobian(
         training: run the model in training mode.
         jit_compile: compile with XLA.
         method: as in :func:`jacutil.compiled_jacobian` (default ``"rules"``).
-        timeout: seconds to wait for the next chunk (None: no limit).
+        timeout: seconds to wait for the next chunk, the first one included
+            (None: no limit).
         deadline: seconds for the whole run (None: no limit).
         on_chunk: called with k after chunk k is written.
 
