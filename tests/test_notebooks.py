@@ -91,3 +91,20 @@ def test_no_stored_stderr_but_a_tagged_lesson(book):
         if o.get("output_type") == "stream" and o.get("name") == "stderr"
     ]
     assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("book", BOOKS, ids=[b.stem for b in BOOKS])
+def test_tensorflow_comes_from_jacutil(book):
+    """``import tensorflow`` before jacutil prints TensorFlow's C++ start-up
+    log (oneDNN, CUDA) into the notebook as stderr - a red box in a learner's
+    JupyterLab, hidden here by make's TF_CPP_MIN_LOG_LEVEL. Notebooks take
+    ``from jacutil import tf``, which imports it quietly."""
+    stored = nbformat.read(book, as_version=4)
+    direct = [
+        line
+        for cell in stored.cells
+        if cell.cell_type == "code"
+        for line in cell.source.splitlines()
+        if line.lstrip().startswith(("import tensorflow", "from tensorflow"))
+    ]
+    assert not direct, direct

@@ -37,9 +37,9 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
-import tensorflow as tf
 
 import jacutil as ju
+from jacutil import tf  # TensorFlow, imported by jacutil without its start-up log
 from jacutil.teaching import check
 
 # %% tags=["nbval-ignore-output"]
