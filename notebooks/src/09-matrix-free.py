@@ -42,8 +42,7 @@ import numpy as np
 
 import jacutil as ju
 from jacutil import keras
-from jacutil.teaching import wide_fit
-from jacutil.teaching import check
+from jacutil.teaching import check, wide_fit
 
 # %% tags=["nbval-ignore-output"]
 print(ju.teaching.notebook.device_summary())
