@@ -54,8 +54,8 @@ test: setup lint
 # about 2-5 CPU seconds, so the default runs about an hour on 2 cores), and
 # shrinking on, so that a failure prints as a small program that builds the
 # model. Repeat a run with make fuzz FUZZ_SEED=<the seed it printed>. Each test's
-# outcome prints as it ends (-v), and each failing example is kept in
-# build/hypothesis at once, so a run stopped early loses none: the next replays it.
+# outcome prints as it ends (-v), and the first failure ends the run and prints
+# its example at once (-x): pytest-xdist prints failures only in its last report.
 FUZZ_EXAMPLES ?= 500
 ifndef FUZZ_SEED
 FUZZ_SEED := $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
@@ -64,7 +64,7 @@ fuzz: setup
 	@echo "make fuzz: seed $(FUZZ_SEED), $(FUZZ_EXAMPLES) examples per test" \
 		"(repeat it: make fuzz FUZZ_SEED=$(FUZZ_SEED) FUZZ_EXAMPLES=$(FUZZ_EXAMPLES))"
 	JACUTIL_FUZZ=1 JACUTIL_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest \
-		tests/test_generated_models.py -n 2 --dist load -p no:cacheprovider --timeout 0 -v \
+		tests/test_generated_models.py -n 2 --dist load -p no:cacheprovider --timeout 0 -v -x \
 		--hypothesis-seed=$(FUZZ_SEED) --hypothesis-show-statistics; \
 		status=$$?; echo "make fuzz: seed $(FUZZ_SEED)"; exit $$status
 

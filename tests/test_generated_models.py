@@ -41,22 +41,20 @@ Profiles (this module's tests only, not other Hypothesis tests):
   (``--hypothesis-seed`` to repeat one), ``JACUTIL_FUZZ_EXAMPLES`` examples
   per test (default 500), and shrinking, so a failure prints minimal.
 
-Nothing is written into the repository: the ``ci`` profile keeps no
-database, and ``fuzz`` keeps its failing examples in ``build/hypothesis``
-(ignored by git; the next fuzz run replays them first). Each distinct
+Nothing is written into the repository (``database=None``; with a seed, as
+``make fuzz`` gives one, Hypothesis keeps none anyway: the seed repeats the
+run). Each distinct
 failure found so far is a named test in ``tests/test_generated_regressions.py``.
 """
 
 import os
 import re
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, assume, given, note, reject, settings
 from hypothesis import strategies as st
-from hypothesis.database import DirectoryBasedExampleDatabase
 
 import jacutil as ju
 from jacutil.core.guards import JacobianError
@@ -94,14 +92,10 @@ settings.register_profile(
     phases=list(Phase) if SHRINK else [Phase.explicit, Phase.reuse, Phase.generate],
     **_common,
 )
-# make fuzz keeps each failing example in build/hypothesis (ignored by git) as
-# soon as it is found: a run stopped before its report loses nothing, and the
-# next run replays it first
-FUZZ_DATABASE = Path(__file__).resolve().parent.parent / "build" / "hypothesis"
 settings.register_profile(
     "fuzz",
     max_examples=int(os.environ.get("JACUTIL_FUZZ_EXAMPLES", "500")),
-    **{**_common, "database": DirectoryBasedExampleDatabase(str(FUZZ_DATABASE))},
+    **_common,
 )
 PROFILE = settings.get_profile("fuzz" if FUZZ else "ci")
 
