@@ -164,6 +164,15 @@ def flat_outputs(y):
     return tf.concat([tf.reshape(leaf, [-1]) for leaf in tf.nest.flatten(y)], 0)
 
 
+def runs_on_its_batch(model, x):
+    """Call the model on the whole batch, as its user would; Keras's own error
+    if it cannot. The tapes below call it one sample at a time, where a model
+    can run that fails on its batch: a Softmax under an Embedding's mask
+    broadcasts the mask (n, T) against its scores (n, T, features), which
+    works for n = 1 (or n = T) only (make fuzz, seed 20261205)."""
+    model(x, training=False)
+
+
 def tape_jacobian(model, x, variables):
     """(n, l, m): one persistent tape per sample, one gradient per output."""
     watched = [_watched(v) for v in variables]

@@ -67,6 +67,7 @@ from tests.generated import (
     loss_cases,
     loss_hessian_product,
     output_hessians,
+    runs_on_its_batch,
     stems,
     tape_jacobian,
     tape_loss_gradients,
@@ -198,12 +199,14 @@ def build(case):
 
 
 def reference(case, ns, compute=None):
-    """The tape's answer; an example Keras itself cannot run (a Softmax layer
-    under an Embedding's mask, say) or that overflows is drawn again."""
+    """The tape's answer; an example Keras itself cannot run on its batch (a
+    Softmax layer under an Embedding's mask, say) or that overflows is drawn
+    again."""
     compute = compute or (lambda: tape_jacobian(ns["model"], ns["x"], ns["variables"]))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            runs_on_its_batch(ns["model"], ns["x"])
             answer = compute()
     except Exception as error:  # noqa: BLE001 - the model, not jacutil
         note(f"the model itself fails: {type(error).__name__}: {error}")

@@ -21,6 +21,7 @@ from tests.generated import (
     Clip,
     clear_refusal,
     perturb,
+    runs_on_its_batch,
     stems,
     tape_jacobian,
     tape_loss_gradients,
@@ -460,6 +461,25 @@ def test_the_tape_reference_on_a_linear_model():
     np.testing.assert_array_equal(
         tape_jacobian(model, x, model.trainable_variables), x[:, None, :]
     )
+
+
+def test_a_model_keras_cannot_run_on_its_batch_is_not_charged_to_jacutil():
+    """Failed on 0596803 (make fuzz, seed 20261205, 330 examples), in the
+    test, not in jacutil: a Softmax under an Embedding's mask. The tape,
+    one sample at a time, gave numbers; on the batch of 2 Keras itself raises
+    (the mask (2, 3) against scores (2, 3, 3)), so forward_jacobian, which
+    calls the model on the batch, passed Keras's error on and was charged with
+    a crash. The reference now calls the model on its batch first, and such
+    an example is drawn again."""
+    model = keras.Sequential([keras.Input((3,), dtype="int32"),
+                              layers.Embedding(4, 3, mask_zero=True),
+                              layers.Softmax(axis=-1)])  # fmt: skip
+    x = np.array([[1, 0, 2], [3, 1, 0]], dtype="int32")
+    assert tape_jacobian(model, x[:1], model.trainable_variables).shape == (1, 9, 12)
+    with pytest.raises(ValueError, match="broadcast"):
+        runs_on_its_batch(model, x)
+    with pytest.raises(ValueError, match="broadcast"):
+        ju.forward_jacobian(model, x)  # the user's own model(x) fails alike
 
 
 @pytest.mark.parametrize("loss", [MSE, keras.losses.binary_crossentropy])
