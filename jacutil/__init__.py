@@ -21,6 +21,8 @@ The package, by job:
 - ``matrix_free``  products with J without forming it, forward mode (09)
 - ``fitting``   SciPy least squares, Levenberg-Marquardt, per-sample gradients (05),
                 DP-SGD by ghost clipping (09)
+- ``privacy``   make_private, then plain model.fit: DP-SGD with sigma from a
+                target epsilon, and a validator (09)
 - ``scale``     resumable files and several processes or machines (10)
 - ``curvature`` G and its diagonal, KFAC, Hessian products, the empirical NTK,
                 spectra and Laplace uncertainty (11)
@@ -36,6 +38,7 @@ from . import (
     curvature,
     fitting,
     matrix_free,
+    privacy,
     rules,
     scale,
     stages,
@@ -61,6 +64,7 @@ from .fitting.scipy_bridge import (
 )
 from .matrix_free.forward import forward_jacobian
 from .matrix_free.products import jacobian_operator, jvp, products, vjp
+from .privacy import make_private
 from .rules.dense_jacobian import compiled_dense_jacobian, dense_jacobian
 from .scale.distributed import (
     DistributedLeastSquares,
@@ -98,7 +102,7 @@ __all__ = [
     "least_squares_problem", "LeastSquaresProblem", "fit_least_squares",
     "levenberg_marquardt", "per_sample_gradients", "per_sample_gradient_norms",
     # DP-SGD by ghost clipping (09)
-    "DPSGD",
+    "DPSGD", "make_private",
     # beyond one machine (10)
     "distributed_jacobian", "DistributedLeastSquares", "LocalWorkers",
     # parameters and layouts
@@ -109,6 +113,6 @@ __all__ = [
     # an independent reference
     "finite_difference_jacobian",
     # the package by job (see above)
-    "stages", "rules", "matrix_free", "fitting", "scale", "curvature", "core",
-    "teaching", "testing",
+    "stages", "rules", "matrix_free", "fitting", "privacy", "scale", "curvature",
+    "core", "teaching", "testing",
 ]  # fmt: skip

@@ -53,7 +53,16 @@ import warnings
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, assume, given, note, reject, settings
+from hypothesis import (
+    HealthCheck,
+    Phase,
+    assume,
+    event,
+    given,
+    note,
+    reject,
+    settings,
+)
 from hypothesis import strategies as st
 
 import jacutil as ju
@@ -401,6 +410,7 @@ def check_dp_step(case, ns, G):
             f"DPSGD: a sample's clipped contribution has norm {largest:.6g} > C = "
             f"{clip:.6g}: the clip bound is broken"
         )
+    check_private_fit(case, ns, G, clip)
     before = np.concatenate([np.ravel(v.numpy()) for v in model.trainable_variables])
     if run("DPSGD.step", lambda: dp.step(x, y), known) is None:
         return
@@ -409,6 +419,42 @@ def check_dp_step(case, ns, G):
     expected = (reference[:, None] * G).sum(axis=0) / len(G)
     scale = np.abs(G).max(initial=0)
     assert_close("DPSGD.step", before - after, expected, case.dtype, scale)
+
+
+def check_private_fit(case, ns, G, clip):
+    """make_private's ``model.fit`` (issue 36): one epoch of one step at
+    rate 1 (every sample in its batch), learning rate 0 (the model stays).
+    The clip weights its step used are ``min(1, C / |g_i|)`` of the tape's
+    gradients: the clip invariant inside Keras's fit."""
+    from jacutil.privacy import make_private
+
+    model, x, y, loss, known = ns["model"], ns["x"], ns["y"], ns["loss"], ns["known"]
+    n = len(G)
+    model.compile(ju.keras.optimizers.SGD(0.0), loss)
+    entry = "make_private"
+    training = run(entry, lambda: make_private(
+        model, epsilon=8.0, delta=0.1 / n, l2_norm_clip=clip, batch_size=n,
+        epochs=1, train_size=n, accountant="rdp", verbose=False), known)  # fmt: skip
+    if training is None:
+        return
+    used = []
+    clip_weights = training.dpsgd.clip_weights
+    training.dpsgd.clip_weights = lambda *a: used.append(clip_weights(*a)) or used[-1]
+    if run("model.fit (private)", lambda: model.fit(x, y, verbose=0), known) is None:
+        return
+    norms = np.linalg.norm(G, axis=1)
+    expected = np.minimum(1.0, clip / np.maximum(norms, 1e-300))
+    scale = 1.0
+    assert_close("model.fit (private): clip weights", used[-1], expected,
+                 case.dtype, scale)  # fmt: skip
+    largest = float(np.linalg.norm(used[-1][:, None] * G, axis=1).max())
+    if not largest <= clip * (1 + TOLERANCE[case.dtype]):
+        raise failure(entry, "clip")(
+            f"model.fit (private): a sample's clipped contribution has norm "
+            f"{largest:.6g} > C = {clip:.6g}: the clip bound is broken"
+        )
+    assert training.steps == 1
+    event("make_private: fit's clip weights checked")
 
 
 def check_curvature_losses(case):

@@ -119,3 +119,21 @@ def gradient_registry():
     if not isinstance(registry, dict):
         _moved("TensorFlow's gradient registry (ops._gradient_registry)")
     return registry
+
+
+def loss_tracker(model):
+    """Keras's running mean of a compiled model's loss
+    (``model._loss_tracker``), which ``model.fit`` shows as "loss":
+    ``jacutil.privacy``'s train function updates it, as Keras's own
+    ``train_step`` does.
+
+    Args:
+        model: a compiled Keras model.
+
+    Returns:
+        A ``keras.metrics.Mean``.
+    """
+    tracker = getattr(model, "_loss_tracker", None)
+    if not isinstance(tracker, keras.metrics.Mean):
+        _moved("Model._loss_tracker (Keras's running mean of the loss)")
+    return tracker

@@ -112,6 +112,24 @@ def _take(data, index):
     return tf.nest.map_structure(lambda a: tf.gather(a, index), data)
 
 
+def check_batch_size(batch_size, n):
+    """A ValueError unless the expected batch size is in [1, n]."""
+    if not 1 <= batch_size <= n:
+        raise ValueError(
+            f"batch_size is {batch_size} but the data has {n} samples: the "
+            "expected batch size is batch_size, and each sample joins a batch "
+            f"with probability batch_size / n, which must be in (0, 1] (use "
+            f"batch_size <= {n})."
+        )
+
+
+def steps_per_epoch(n, batch_size):
+    """Poisson-sampled steps in an epoch of n samples: ``round(n / batch_size)``,
+    at least 1 (an epoch sees each sample once in expectation)."""
+    check_batch_size(batch_size, n)
+    return max(1, round(n / batch_size))
+
+
 @contextmanager
 def _quiet_absl():
     """dp-accounting's RDP accountant logs a WARNING for each order whose
@@ -127,7 +145,7 @@ def _quiet_absl():
         logger.setLevel(level)
 
 
-def _refuse_activity_regularizers(model):
+def refuse_activity_regularizers(model):
     """An activity regularizer's loss depends on the samples, so adding its
     gradient unclipped would break the privacy guarantee: refuse it."""
     stack = list(getattr(model, "layers", []))
@@ -226,9 +244,10 @@ class DPSGD:
         if not self.variables:
             raise ValueError("the model has no trainable variables to train.")
         self.dtype = tf.as_dtype(self.variables[0].dtype)
-        _refuse_activity_regularizers(model)
+        refuse_activity_regularizers(model)
         self.skipped = 0  # samples whose gradient was not finite
-        optimizer.build(self.variables)
+        if not optimizer.built:  # a compiled model's optimizer may be built already
+            optimizer.build(self.variables)
         self._noise = tf.random.Generator.from_seed(seed)
         self._sampler = np.random.default_rng([seed, 1])
         self._steps_at = {}  # sampling rate -> steps taken at it
@@ -316,8 +335,27 @@ class DPSGD:
         norms = per_sample_gradient_norms(self.model, self.loss_fn, x, y)
         return clip_weights(norms, self.l2_norm_clip)
 
-    def _apply(self, x, y, valid, denominator, sampling_rate):
-        weights = self.clip_weights(x, y) * valid
+    def padded_step(self, x, y, valid, *, denominator, sampling_rate):
+        """One DP-SGD step on a batch padded to a fixed size: the rows whose
+        ``valid`` is 0 are padding and weigh nothing. :meth:`fit` and
+        ``jacutil.privacy.make_private``'s ``model.fit`` take their steps
+        here. Introduced in ``09-matrix-free``.
+
+        Args:
+            x: the padded batch (tensors, cast by the caller as
+                :meth:`step` casts them).
+            y: its targets.
+            valid: 1 for a sampled row, 0 for padding, shape (rows,).
+            denominator: what the noisy sum is divided by.
+            sampling_rate: the Poisson rate that drew the batch (for the
+                accountant).
+
+        Returns:
+            ``(losses, prediction)``: the per-sample losses before the step
+            (NaN where a sample's gradient was not finite) and the model's
+            predictions, tensors with one row per padded row.
+        """
+        weights = self.clip_weights(x, y) * np.asarray(valid)
         skipped = (weights == 0) & (np.asarray(valid) > 0)  # non-finite gradients
         if skipped.any():
             x, y = self._without(skipped, weights, x, y)
@@ -405,12 +443,64 @@ class DPSGD:
             raise ValueError(f"sampling_rate is {sampling_rate!r}; it is in (0, 1].")
         x, y = self._as_inputs(x, y)
         n = _rows(x)
-        losses, _ = self._apply(
-            x, y, np.ones(n), n if denominator is None else denominator, sampling_rate
+        losses, _ = self.padded_step(
+            x,
+            y,
+            np.ones(n),
+            denominator=n if denominator is None else denominator,
+            sampling_rate=sampling_rate,
         )
         return losses.numpy()
 
     # -- training ---------------------------------------------------------------
+
+    def sampled_step(self, x, y, batch_size, physical_batch_size=None):
+        """One step on a Poisson-sampled batch of the whole data set.
+
+        Each of the n samples joins the batch independently with probability
+        ``q = batch_size / n``; the noisy sum is divided by ``batch_size``
+        (the expected size, as Opacus does), and the accountant records one
+        step at rate q: exactly the mechanism it accounts for. The batch is
+        padded with weight-0 rows to ``physical_batch_size`` (or a multiple of
+        it when larger), so the compiled step traces once or twice, not once
+        per batch size. :meth:`fit` and ``jacutil.privacy.make_private``'s
+        ``model.fit`` take their steps here. Introduced in ``09-matrix-free``.
+
+        Args:
+            x: all n training samples, as :meth:`step` takes them.
+            y: their targets.
+            batch_size: the expected batch size, at most n.
+            physical_batch_size: the padded batch's size (default: the
+                expected size plus two standard deviations of the Poisson
+                batch size, exceeded in about 2% of the steps).
+
+        Returns:
+            ``(losses, y, prediction)`` of the sampled samples (none are
+            padding): the losses before the step (NaN where a gradient was not
+            finite), their targets and the model's predictions.
+        """
+        x, y = self._as_inputs(x, y)
+        n = _rows(x)
+        check_batch_size(batch_size, n)
+        rate = batch_size / n
+        physical = physical_batch_size or batch_size + math.ceil(
+            2 * math.sqrt(batch_size * (1 - rate))
+        )
+        chosen = np.flatnonzero(self._sampler.random(n) < rate)
+        size = physical * max(1, math.ceil(len(chosen) / physical))
+        index = np.zeros(size, dtype=np.int64)  # padding: sample 0, weight 0
+        index[: len(chosen)] = chosen
+        valid = np.arange(size) < len(chosen)
+        batch_y = tf.gather(y, index)
+        losses, prediction = self.padded_step(
+            _take(x, index), batch_y, valid, denominator=batch_size, sampling_rate=rate
+        )
+        k = len(chosen)
+        return (
+            losses[:k],
+            batch_y[:k],
+            tf.nest.map_structure(lambda p: p[:k], prediction),
+        )
 
     def fit(
         self,
@@ -455,44 +545,24 @@ class DPSGD:
             "epsilon" to one value per epoch.
         """
         x, y = self._as_inputs(x, y)
-        n = _rows(x)
-        if not 1 <= batch_size <= n:
-            raise ValueError(
-                f"batch_size is {batch_size} but the data has {n} samples: the "
-                "expected batch size is batch_size, and each sample joins a batch "
-                f"with probability batch_size / n, which must be in (0, 1] (use "
-                f"batch_size <= {n})."
-            )
+        steps = steps_per_epoch(_rows(x), batch_size)
         if delta is not None:
             _dp_accounting()  # say how to install it before training, not after
-        rate = batch_size / n
-        steps_per_epoch = max(1, round(n / batch_size))
-        physical = physical_batch_size or batch_size + math.ceil(
-            2 * math.sqrt(batch_size * (1 - rate))
-        )
         history = keras.callbacks.History()
         history.history = {"loss": []}
         for _ in range(epochs):
             for metric in metrics:
                 metric.reset_state()
             total, count = 0.0, 0
-            for _ in range(steps_per_epoch):
-                chosen = np.flatnonzero(self._sampler.random(n) < rate)
-                size = physical * max(1, math.ceil(len(chosen) / physical))
-                index = np.zeros(size, dtype=np.int64)  # padding: sample 0, weight 0
-                index[: len(chosen)] = chosen
-                valid = np.arange(size) < len(chosen)
-                batch_y = tf.gather(y, index)
-                losses, prediction = self._apply(
-                    _take(x, index), batch_y, valid, batch_size, rate
+            for _ in range(steps):
+                losses, batch_y, prediction = self.sampled_step(
+                    x, y, batch_size, physical_batch_size
                 )
-                kept = np.asarray(losses[: len(chosen)])
+                kept = np.asarray(losses)
                 total += float(np.nansum(kept))
                 count += int(np.isfinite(kept).sum())
                 for metric in metrics:
-                    metric.update_state(
-                        batch_y[: len(chosen)], prediction[: len(chosen)]
-                    )
+                    metric.update_state(batch_y, prediction)
             history.history["loss"].append(total / max(count, 1))
             for metric in metrics:
                 values = history.history.setdefault(metric.name, [])
@@ -505,35 +575,18 @@ class DPSGD:
     # -- privacy ----------------------------------------------------------------
 
     def dp_event(self):
-        """The steps taken so far as a ``dp_accounting.DpEvent``.
-
-        Each step is a Gaussian mechanism of noise multiplier sigma (on a
-        sum of sensitivity C), Poisson-sampled at its rate; any accountant of
-        ``dp-accounting`` takes it. Introduced in ``09-matrix-free``.
-
-        Returns:
-            A ``dp_accounting.ComposedDpEvent``.
+        """The steps taken so far as a ``dp_accounting.DpEvent``
+        (:func:`dp_event` of sigma and the steps at each sampling rate).
+        Introduced in ``09-matrix-free``.
 
         Raises:
             ImportError: dp-accounting is not installed (the message says how).
         """
-        dpa = _dp_accounting()
-        gaussian = dpa.GaussianDpEvent(self.noise_multiplier)
-        return dpa.ComposedDpEvent(
-            [
-                dpa.SelfComposedDpEvent(
-                    gaussian if q == 1 else dpa.PoissonSampledDpEvent(q, gaussian),
-                    count,
-                )
-                for q, count in sorted(self._steps_at.items())
-            ]
-        )
+        return dp_event(self.noise_multiplier, self._steps_at)
 
     def epsilon(self, delta, accountant="rdp"):
-        """The epsilon spent so far at ``delta``, from Google's dp-accounting.
-
-        Adjacent data sets differ by one sample added or removed. Introduced
-        in ``09-matrix-free``.
+        """The epsilon spent so far at ``delta``, from Google's dp-accounting
+        (:func:`epsilon_of`). Introduced in ``09-matrix-free``.
 
         Args:
             delta: the delta of the (epsilon, delta) guarantee, in (0, 1);
@@ -547,19 +600,77 @@ class DPSGD:
         Raises:
             ImportError: dp-accounting is not installed (the message says how).
         """
-        if not 0 < delta < 1:
-            raise ValueError(f"delta is {delta!r}; it must be in (0, 1).")
-        if accountant not in ACCOUNTANTS:
-            raise ValueError(f"accountant is {accountant!r}; one of {ACCOUNTANTS}.")
-        dpa = _dp_accounting()
-        if not self.steps:
-            return 0.0
-        if self.noise_multiplier == 0:
-            return math.inf
-        if accountant == "rdp":
-            ledger = dpa.rdp.RdpAccountant()
-        else:
-            ledger = dpa.pld.PLDAccountant()
-        with _quiet_absl():
-            ledger.compose(self.dp_event())
-            return float(ledger.get_epsilon(delta))
+        return epsilon_of(self.noise_multiplier, self._steps_at, delta, accountant)
+
+
+# -- privacy accounting ---------------------------------------------------------
+
+
+def dp_event(noise_multiplier, steps_at):
+    """DP-SGD's steps as a ``dp_accounting.DpEvent``.
+
+    Each step is a Gaussian mechanism of noise multiplier sigma (on a sum of
+    sensitivity C), Poisson-sampled at its rate; any accountant of
+    ``dp-accounting`` takes it. Introduced in ``09-matrix-free``.
+
+    Args:
+        noise_multiplier: sigma.
+        steps_at: ``{sampling rate: steps taken at it}`` (rate 1: no sampling).
+
+    Returns:
+        A ``dp_accounting.ComposedDpEvent``.
+
+    Raises:
+        ImportError: dp-accounting is not installed (the message says how).
+    """
+    dpa = _dp_accounting()
+    gaussian = dpa.GaussianDpEvent(noise_multiplier)
+    return dpa.ComposedDpEvent(
+        [
+            dpa.SelfComposedDpEvent(
+                gaussian if q == 1 else dpa.PoissonSampledDpEvent(q, gaussian),
+                count,
+            )
+            for q, count in sorted(steps_at.items())
+        ]
+    )
+
+
+def new_accountant(accountant):
+    """A fresh ``dp-accounting`` accountant: "rdp" or "pld"."""
+    if accountant not in ACCOUNTANTS:
+        raise ValueError(f"accountant is {accountant!r}; one of {ACCOUNTANTS}.")
+    dpa = _dp_accounting()
+    return dpa.rdp.RdpAccountant() if accountant == "rdp" else dpa.pld.PLDAccountant()
+
+
+def epsilon_of(noise_multiplier, steps_at, delta, accountant="rdp"):
+    """The epsilon of DP-SGD's steps at ``delta``, from Google's dp-accounting.
+
+    Adjacent data sets differ by one sample added or removed. Introduced in
+    ``09-matrix-free``.
+
+    Args:
+        noise_multiplier: sigma.
+        steps_at: ``{sampling rate: steps taken at it}``.
+        delta: the delta of the (epsilon, delta) guarantee, in (0, 1);
+            usually below 1 / n.
+        accountant: "rdp" (Renyi DP, as TensorFlow Privacy reports) or "pld"
+            (privacy loss distributions: tighter, slower).
+
+    Returns:
+        Epsilon, a float (``inf`` with no noise; 0.0 before any step).
+
+    Raises:
+        ImportError: dp-accounting is not installed (the message says how).
+    """
+    if not 0 < delta < 1:
+        raise ValueError(f"delta is {delta!r}; it must be in (0, 1).")
+    ledger = new_accountant(accountant)
+    if not sum(steps_at.values()):
+        return 0.0
+    if noise_multiplier == 0:
+        return math.inf
+    with _quiet_absl():
+        ledger.compose(dp_event(noise_multiplier, steps_at))
+        return float(ledger.get_epsilon(delta))

@@ -1,0 +1,71 @@
+"""The noise multiplier sigma for a target epsilon (notebook 09-matrix-free).
+
+DP-SGD's privacy comes from sigma, the noise's standard deviation in units of
+the clip norm C. A Keras user thinks in epsilon: :func:`noise_multiplier_for`
+finds the smallest sigma whose epsilon, after all the planned steps, is at
+most the target, by Google's ``dp-accounting`` (its
+``calibrate_dp_mechanism``, with the same events and accountants that
+``DPSGD.epsilon`` uses: :func:`jacutil.fitting.dp_sgd.dp_event`).
+"""
+
+from ..fitting.dp_sgd import (
+    _dp_accounting,
+    _quiet_absl,
+    dp_event,
+    epsilon_of,
+    new_accountant,
+)
+
+TOLERANCE = 1e-4  # sigma is found to within this; epsilon never exceeds the target
+
+
+def noise_multiplier_for(epsilon, delta, sampling_rate, steps, accountant="pld"):
+    """The smallest noise multiplier whose epsilon is at most ``epsilon``.
+
+    The steps are Poisson-sampled Gaussian mechanisms at ``sampling_rate``
+    (what ``DPSGD.sampled_step`` and ``make_private``'s ``model.fit`` do);
+    adjacent data sets differ by one sample added or removed. The sigma
+    returned gives, by the same accountant, an epsilon at most the target (the
+    tests call dp-accounting directly to check it). Introduced in
+    ``09-matrix-free``.
+
+    Args:
+        epsilon: the target epsilon, > 0.
+        delta: the delta of the (epsilon, delta) guarantee, in (0, 1).
+        sampling_rate: q, each sample's probability of joining a batch, in
+            (0, 1].
+        steps: how many steps the training takes, >= 1.
+        accountant: "pld" (privacy loss distributions: tight) or "rdp"
+            (Renyi DP: looser, so a larger sigma).
+
+    Returns:
+        sigma, a float.
+
+    Raises:
+        ImportError: dp-accounting is not installed (the message says how).
+    """
+    if not epsilon > 0:
+        raise ValueError(
+            f"epsilon is {epsilon!r}; the target must be > 0 (common choices: "
+            "1 to 8; smaller is more private and costs accuracy)."
+        )
+    if not 0 < sampling_rate <= 1:
+        raise ValueError(f"sampling_rate is {sampling_rate!r}; it is in (0, 1].")
+    if int(steps) != steps or steps < 1:
+        raise ValueError(f"steps is {steps!r}; a whole number >= 1.")
+    epsilon_of(1.0, {sampling_rate: 1}, delta, accountant)  # checks delta, accountant
+    dpa = _dp_accounting()
+
+    def event(sigma):
+        return dp_event(sigma, {sampling_rate: int(steps)})
+
+    with _quiet_absl():
+        sigma = dpa.calibrate_dp_mechanism(
+            lambda: new_accountant(accountant),
+            event,
+            epsilon,
+            delta,
+            dpa.LowerEndpointAndGuess(0.0, 1.0),
+            tol=TOLERANCE,
+        )
+    return float(sigma)

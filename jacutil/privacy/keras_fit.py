@@ -1,0 +1,377 @@
+"""Private training the Keras way (notebook 09-matrix-free): ``make_private``
+on a compiled model, then plain ``model.fit``.
+
+``model.fit`` keeps what Keras gives - the History, callbacks
+(EarlyStopping, ModelCheckpoint, ...), compiled metrics, the progress bar,
+``validation_data`` - and each training step becomes one DP-SGD step of
+:class:`jacutil.fitting.dp_sgd.DPSGD` (ghost clipping: the per-sample norms
+without the per-sample gradients, one weighted backward pass), on a batch that
+DPSGD samples itself: Poisson sampling, the mechanism the accountant
+assumes. sigma comes from a target epsilon
+(:func:`jacutil.privacy.accounting.noise_multiplier_for`), and ``fit``
+refuses, before its first step, what would break that accounting.
+"""
+
+import numpy as np
+
+from ..core._tf import keras, tf
+from ..core.internals import loss_tracker
+from ..fitting.dp_sgd import DPSGD, steps_per_epoch
+from .accounting import noise_multiplier_for
+from .validator import validate_private
+
+REFUSED = {  # model.fit's arguments that would break the accounting
+    "sample_weight": "a sample weight scales one sample's loss, and so its "
+    "influence, in ways the clip norm does not see",
+    "class_weight": "a class weight scales some samples' losses, and so their "
+    "influence, in ways the clip norm does not see",
+    "validation_split": "it would hold out rows from the train_size the noise "
+    "was calibrated for: pass validation_data instead",
+    "steps_per_epoch": "each epoch takes round(train_size / batch_size) "
+    "Poisson-sampled steps, the number the noise was calibrated for",
+}
+
+
+def per_sample_loss(loss):
+    """The loss ``model.compile`` took, as a function with one loss per sample.
+
+    A Keras ``Loss`` object (``keras.losses.SparseCategoricalCrossentropy(
+    from_logits=True)``) gives its unreduced ``call``, with its options; a name
+    gives the Keras function of that name; a function is taken as it is.
+    Introduced in ``09-matrix-free``.
+
+    Args:
+        loss: ``model.loss`` of a compiled model.
+
+    Returns:
+        ``loss_fn(y, prediction)``; the same object for the same ``loss``
+        is not promised, so keep the one returned.
+    """
+    if isinstance(loss, str):
+        loss = keras.losses.get(loss)
+    if isinstance(loss, keras.losses.Loss):
+        unreduced = loss.call
+
+        def loss_fn(y, prediction):
+            return unreduced(y, prediction)
+
+        return loss_fn
+    if callable(loss):
+        return loss
+    raise ValueError(
+        f"the model was compiled with loss={loss!r}; make_private needs one "
+        "loss for the whole output (a Keras loss, its name, or a function of "
+        "(y, prediction)): DP-SGD clips each sample's gradient of that loss. "
+        "For several outputs, write one function of the structure of targets "
+        "and predictions."
+    )
+
+
+class PrivateTraining:
+    """A model's private training: what :func:`make_private` returns.
+
+    It holds the configuration the noise was calibrated for and the
+    :class:`DPSGD` that takes the steps. ``model.fit`` calls :meth:`fit`.
+    Introduced in ``09-matrix-free``.
+
+    Attributes:
+        dpsgd: the :class:`DPSGD` (its ``steps``, ``noise_multiplier``).
+        noise_multiplier: sigma, calibrated to ``target_epsilon``.
+        budget_steps: the steps sigma was calibrated for (``epochs`` epochs
+            of ``steps_per_epoch``).
+    """
+
+    def __init__(
+        self,
+        model,
+        dpsgd,
+        *,
+        target_epsilon,
+        delta,
+        accountant,
+        batch_size,
+        train_size,
+        epochs,
+    ):
+        self.model = model
+        self.dpsgd = dpsgd
+        self.target_epsilon = target_epsilon
+        self.delta = delta
+        self.accountant = accountant
+        self.batch_size = batch_size
+        self.train_size = train_size
+        self.epochs = epochs
+        self.steps_per_epoch = steps_per_epoch(train_size, batch_size)
+        self.budget_steps = epochs * self.steps_per_epoch
+        self.sampling_rate = batch_size / train_size
+        self._keras_fit = type(model).fit  # Keras's own, bound at each call
+        self._data = None
+        self._in_epoch = 0
+        self._epsilon = 0.0
+
+    @property
+    def noise_multiplier(self):
+        return self.dpsgd.noise_multiplier
+
+    @property
+    def steps(self):
+        """The DP-SGD steps taken so far."""
+        return self.dpsgd.steps
+
+    def epsilon(self):
+        """The epsilon spent so far at ``delta``, by the accountant that
+        calibrated sigma (0.0 before the first step). Evaluation
+        (``validation_data``, ``model.evaluate``) is not private and spends
+        nothing: it releases its own results."""
+        return self.dpsgd.epsilon(self.delta, self.accountant)
+
+    # -- model.fit --------------------------------------------------------------
+
+    def fit(
+        self,
+        x=None,
+        y=None,
+        batch_size=None,
+        epochs=1,
+        callbacks=None,
+        initial_epoch=0,
+        **options,
+    ):
+        """``model.fit`` of a private model: Keras's own loop, DP-SGD steps.
+
+        Takes ``model.fit``'s arguments; refuses, before the first step, those
+        that would break the accounting (a dataset or generator, a size or
+        batch size other than the calibrated ones, more steps than budgeted,
+        sample or class weights, ``validation_split``, ``steps_per_epoch``).
+        ``shuffle`` is ignored: each step Poisson-samples its batch.
+        """
+        for name, why in REFUSED.items():
+            value = options.get(name)
+            if value is not None and not (isinstance(value, float | int) and not value):
+                raise ValueError(
+                    f"model.fit({name}=...) is refused on a private model: {why}."
+                )
+        options = {k: v for k, v in options.items() if k not in REFUSED}
+        options.pop("shuffle", None)
+        self._check_data(x, y)
+        if batch_size not in (None, self.batch_size):
+            raise ValueError(
+                f"model.fit(batch_size={batch_size}) disagrees with make_private("
+                f"batch_size={self.batch_size}), which the noise was calibrated "
+                "for: leave batch_size out, or call make_private again with it."
+            )
+        if self.model.optimizer is not self.dpsgd.optimizer:
+            raise ValueError(
+                "the model was compiled again after make_private: call "
+                "make_private again, so that its steps use the new optimizer."
+            )
+        self._check_budget(epochs - initial_epoch)
+        self.dpsgd.clip_weights(_first(x, 2), _first(y, 2))  # refuse early, clearly
+        self._data = (x, y)
+        tokens = np.zeros((self.steps_per_epoch, 1), np.float32)  # one per step
+        callbacks = [*(callbacks or []), _EpochStart(self)]
+        try:
+            return self._keras_fit(
+                self.model,
+                tokens,
+                None,
+                batch_size=1,
+                epochs=epochs,
+                callbacks=callbacks,
+                initial_epoch=initial_epoch,
+                shuffle=False,
+                **options,
+            )
+        finally:
+            self._data = None
+
+    def _check_data(self, x, y):
+        leaves = tf.nest.flatten(x) if x is not None else []
+        if (
+            not leaves
+            or not all(hasattr(a, "shape") for a in leaves)
+            or isinstance(x, (tf.data.Dataset, keras.utils.PyDataset))
+        ):
+            raise ValueError(
+                f"model.fit got x of type {type(x).__name__}; a private model "
+                "samples each batch itself (Poisson sampling, what the accountant "
+                f"assumes), so it needs all train_size={self.train_size} samples "
+                "as arrays: model.fit(x, y) with NumPy arrays or tensors. A "
+                "dataset's or generator's size and order cannot be checked."
+            )
+        if y is None:
+            raise ValueError("model.fit needs y, the targets, on a private model.")
+        rows = {int(a.shape[0]) for a in leaves + tf.nest.flatten(y)}
+        if rows != {self.train_size}:
+            raise ValueError(
+                f"model.fit got {sorted(rows)} rows, and make_private was told "
+                f"train_size={self.train_size}: the sampling rate, and so the "
+                "noise, depend on it. Pass the whole training set, or call "
+                "make_private again with its size."
+            )
+
+    def _check_budget(self, epochs):
+        if int(epochs) != epochs or epochs < 1:
+            raise ValueError(f"epochs - initial_epoch is {epochs!r}; at least 1.")
+        planned = epochs * self.steps_per_epoch
+        if self.steps + planned > self.budget_steps:
+            left = (self.budget_steps - self.steps) // self.steps_per_epoch
+            raise ValueError(
+                f"this fit would take {planned} steps ({epochs} epochs of "
+                f"{self.steps_per_epoch}) after the {self.steps} taken: more than "
+                f"the {self.budget_steps} steps (epochs={self.epochs}) that "
+                f"make_private calibrated the noise for, so epsilon = "
+                f"{self.target_epsilon:g} would not hold. Fit at most {left} more "
+                "epoch(s), or call make_private again with more epochs (more "
+                "noise per step)."
+            )
+
+    def make_train_function(self, force=False):
+        """Keras's hook: the private step is the model's train function."""
+        self.model.train_function = self.train_function
+        return self.train_function
+
+    def train_function(self, iterator):
+        """One ``model.fit`` step: a DP-SGD step on a Poisson-sampled batch,
+        the loss and compiled metrics updated on the sampled rows, and
+        epsilon (after each epoch's last step) in the logs."""
+        iterator.get_next()  # the step's token: Keras counts the steps
+        x, y = self._data
+        losses, batch_y, prediction = self.dpsgd.sampled_step(x, y, self.batch_size)
+        kept = np.asarray(losses)
+        finite = np.isfinite(kept)
+        if finite.any():
+            loss_tracker(self.model).update_state(
+                float(kept[finite].mean()), sample_weight=int(finite.sum())
+            )
+            logs = self.model.compute_metrics(None, batch_y, prediction)
+        else:  # an empty Poisson batch: a step of noise alone, nothing to score
+            logs = self.model.get_metrics_result()
+        self._in_epoch += 1
+        if self._in_epoch == self.steps_per_epoch:
+            self._epsilon = self.epsilon()
+        return {**logs, "epsilon": self._epsilon}
+
+
+class _EpochStart(keras.callbacks.Callback):
+    def __init__(self, training):
+        super().__init__()
+        self.training = training
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.training._in_epoch = 0
+
+
+def _first(data, k):
+    return tf.nest.map_structure(lambda a: a[:k], data)
+
+
+def make_private(
+    model,
+    *,
+    epsilon,
+    delta,
+    l2_norm_clip,
+    batch_size,
+    epochs,
+    train_size,
+    accountant="pld",
+    seed=0,
+    verbose=True,
+):
+    """Make ``model.fit`` train by DP-SGD with at most ``epsilon`` spent.
+
+    On a compiled model (its optimizer and loss are used): the model is
+    checked (:func:`jacutil.privacy.validator.validate_private`), sigma is
+    calibrated so that ``epochs`` epochs of ``round(train_size / batch_size)``
+    Poisson-sampled steps spend at most ``epsilon`` at ``delta``, and printed
+    once. Then ``model.fit(x, y, epochs=..., validation_data=...,
+    callbacks=[...])`` trains privately: each sample joins each batch
+    independently with probability ``batch_size / train_size``, its gradient
+    is clipped to ``l2_norm_clip`` (ghost clipping), Gaussian noise of
+    standard deviation ``sigma * l2_norm_clip`` is added to the sum, and the
+    compiled optimizer applies the result. The logs hold ``epsilon``, spent
+    after each epoch. Validation and ``model.evaluate`` are not private and
+    spend nothing: they release their own results (a held-out set's).
+
+    The steps run the model in inference mode (dropout off; see
+    :class:`DPSGD`). The model saves and loads as any Keras model; a loaded
+    model is a plain one (call make_private again to train it privately).
+    The random generators are not cryptographically secure: for learning and
+    research, not a release. Introduced in ``09-matrix-free``.
+
+    Args:
+        model: a compiled, built Keras 3 model.
+        epsilon: the target epsilon, > 0.
+        delta: the delta of the guarantee, in (0, 1); below 1 / train_size.
+        l2_norm_clip: C, the largest norm a sample's gradient keeps.
+        batch_size: the expected batch size.
+        epochs: the epochs the budget covers; ``fit`` refuses more.
+        train_size: the number of training samples ``fit`` will get.
+        accountant: "pld" (tight; the default) or "rdp".
+        seed: seeds the sampling and the noise.
+        verbose: print the calibrated sigma once.
+
+    Returns:
+        The :class:`PrivateTraining` (``epsilon()``, ``noise_multiplier``,
+        ``steps``).
+    """
+    if (
+        getattr(model, "optimizer", None) is None
+        or getattr(model, "loss", None) is None
+    ):
+        raise ValueError(
+            "the model is not compiled: call model.compile(optimizer=..., "
+            "loss=..., metrics=[...]) first; make_private uses its optimizer and "
+            "loss."
+        )
+    if getattr(model, "steps_per_execution", 1) != 1:
+        raise ValueError(
+            "the model was compiled with steps_per_execution="
+            f"{model.steps_per_execution}; a private model takes one step per "
+            "execution: compile with steps_per_execution=1."
+        )
+    if int(train_size) != train_size or train_size < 1:
+        raise ValueError(f"train_size is {train_size!r}; a whole number >= 1.")
+    if not 0 < delta < 1 / train_size:
+        raise ValueError(
+            f"delta is {delta!r}; it must be in (0, 1 / train_size = "
+            f"{1 / train_size:.3g}): a larger delta allows leaking one sample "
+            "outright. A common choice: 1 / (10 * train_size)."
+        )
+    if int(epochs) != epochs or epochs < 1:
+        raise ValueError(f"epochs is {epochs!r}; a whole number >= 1.")
+    validate_private(model)
+    steps = epochs * steps_per_epoch(train_size, batch_size)
+    rate = batch_size / train_size
+    sigma = noise_multiplier_for(epsilon, delta, rate, steps, accountant)
+    dpsgd = DPSGD(
+        model,
+        per_sample_loss(model.loss),
+        model.optimizer,
+        l2_norm_clip=l2_norm_clip,
+        noise_multiplier=sigma,
+        seed=seed,
+    )
+    training = PrivateTraining(
+        model,
+        dpsgd,
+        target_epsilon=epsilon,
+        delta=delta,
+        accountant=accountant,
+        batch_size=batch_size,
+        train_size=train_size,
+        epochs=epochs,
+    )
+    if verbose:
+        print(
+            f"make_private: noise multiplier {sigma:.4f} (in units of "
+            f"l2_norm_clip = {l2_norm_clip:g}), so that {steps} steps ({epochs} "
+            f"epochs of {training.steps_per_epoch}), each batch Poisson-sampled "
+            f"at rate {rate:.4g}, spend epsilon <= {epsilon:g} at delta = "
+            f"{delta:g} ({accountant.upper()} accountant)."
+        )
+    model.fit = training.fit  # this model only: nothing is patched elsewhere
+    model.make_train_function = training.make_train_function
+    model.train_function = None
+    return training

@@ -1,0 +1,258 @@
+"""make_private, then plain model.fit (issue 36): private training the Keras
+way, checked against dp-accounting called directly, Keras's own fit and a tape
+per sample."""
+
+import numpy as np
+import pytest
+
+from jacutil import keras, tf
+from jacutil.privacy import make_private, noise_multiplier_for, per_sample_loss
+
+dp_accounting = pytest.importorskip("dp_accounting")
+
+N, FEATURES, CLASSES, BATCH = 200, 6, 3, 20
+
+
+def data(n=N, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, FEATURES)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0.5).astype("int32")
+    return x, y
+
+
+def compiled(learning_rate=0.5, hidden=None):
+    keras.utils.set_random_seed(0)
+    hidden = hidden or [keras.layers.Dense(8, activation="tanh")]
+    model = keras.Sequential([keras.Input((FEATURES,)), *hidden,
+                              keras.layers.Dense(CLASSES)])  # fmt: skip
+    model.compile(
+        keras.optimizers.SGD(learning_rate),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def private(model, **options):
+    settings = dict(epsilon=4.0, delta=1e-4, l2_norm_clip=1.0, batch_size=BATCH,
+                    epochs=3, train_size=N, verbose=False)  # fmt: skip
+    return make_private(model, **{**settings, **options})
+
+
+def direct_epsilon(sigma, rate, steps, delta, accountant):
+    """epsilon by dp-accounting itself, not through jacutil."""
+    event = dp_accounting.PoissonSampledDpEvent(
+        rate, dp_accounting.GaussianDpEvent(sigma)
+    )
+    if accountant == "pld":
+        ledger = dp_accounting.pld.PLDAccountant()
+    else:
+        ledger = dp_accounting.rdp.RdpAccountant()
+    return ledger.compose(dp_accounting.SelfComposedDpEvent(event, steps)).get_epsilon(
+        delta
+    )
+
+
+@pytest.mark.parametrize("accountant", ["pld", "rdp"])
+def test_sigma_is_the_smallest_that_keeps_epsilon_under_the_target(accountant):
+    rate, steps, delta = 0.05, 60, 1e-5
+    sigma = noise_multiplier_for(2.0, delta, rate, steps, accountant)
+    assert direct_epsilon(sigma, rate, steps, delta, accountant) <= 2.0
+    assert direct_epsilon(sigma * 0.99, rate, steps, delta, accountant) > 2.0
+
+
+def test_fit_trains_privately_with_callbacks_and_validation_data(tmp_path):
+    x, y = data()
+    xv, yv = data(100, seed=1)
+    model = compiled()
+    training = private(model)
+    seen = []
+
+    class Seen(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            seen.append(dict(logs))
+
+    checkpoint = tmp_path / "best.keras"
+    history = model.fit(
+        x, y, epochs=3, validation_data=(xv, yv), verbose=0,
+        callbacks=[Seen(), keras.callbacks.ModelCheckpoint(checkpoint)],
+    )  # fmt: skip
+    assert set(history.history) == {"loss", "accuracy", "epsilon", "val_loss",
+                                    "val_accuracy"}  # fmt: skip
+    assert len(seen) == 3 and all("val_accuracy" in logs for logs in seen)
+    assert checkpoint.exists()
+    steps = 3 * round(N / BATCH)
+    assert training.steps == steps
+    spent = history.history["epsilon"]
+    assert spent == sorted(spent) and 0 < spent[0] < spent[-1]
+    direct = direct_epsilon(training.noise_multiplier, BATCH / N, steps, 1e-4, "pld")
+    assert spent[-1] == pytest.approx(direct, rel=1e-9) and direct <= 4.0
+    # the compiled metrics are Keras's own, on the sampled rows
+    assert 0 <= history.history["accuracy"][-1] <= 1
+    assert history.history["val_loss"][-1] < history.history["val_loss"][0]
+
+
+def test_the_loss_in_the_logs_is_the_mean_of_the_sampled_rows():
+    x, y = data()
+    model = compiled(learning_rate=0.0)  # the model stays: every step sees it
+    training = private(model, epochs=1)
+    loss_fn = per_sample_loss(model.loss)
+    history = model.fit(x, y, epochs=1, verbose=0)
+    # at learning rate 0 each batch's losses come from the same model, so the
+    # epoch's mean loss is the mean over all sampled rows of that model's losses
+    losses = loss_fn(y, model(x)).numpy()
+    assert training.steps == N // BATCH
+    assert history.history["loss"][0] == pytest.approx(losses.mean(), rel=0.25)
+
+
+def test_the_clip_invariant_holds_inside_fit():
+    """Each step's weights are min(1, C / |g_i|) of a tape per sample, so
+    every sample's contribution has norm at most C."""
+    x, y = data()
+    model = compiled(learning_rate=0.0)
+    training = private(model, l2_norm_clip=0.05, epochs=1)
+    used, batches = [], []
+    clip_weights = training.dpsgd.clip_weights
+
+    def spy(bx, by):
+        batches.append((bx, by))
+        used.append(clip_weights(bx, by))
+        return used[-1]
+
+    training.dpsgd.clip_weights = spy
+    model.fit(x, y, epochs=1, verbose=0)
+    loss_fn = per_sample_loss(model.loss)
+    clipped = 0
+    for (bx, by), weights in list(zip(batches, used, strict=True))[1:]:  # [0]: check
+        for i in range(len(weights)):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(loss_fn(by[i : i + 1], model(bx[i : i + 1])))
+            grads = tape.gradient(loss, model.trainable_variables)
+            norm = float(tf.linalg.global_norm(grads))
+            assert weights[i] == pytest.approx(min(1.0, 0.05 / norm), rel=1e-4)
+            assert weights[i] * norm <= 0.05 * (1 + 1e-5)
+            clipped += norm > 0.05
+    assert clipped > 0  # the bound was tested where it binds
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        "sparse_categorical_crossentropy",
+        keras.losses.sparse_categorical_crossentropy,
+    ],
+    ids=["object", "name", "function"],
+)
+def test_per_sample_loss_is_keras_unreduced(loss):
+    y = np.array([0, 2, 1])
+    p = np.array([[0.2, 0.3, 0.5], [0.1, 0.1, 0.8], [0.6, 0.3, 0.1]], "float32")
+    from_logits = isinstance(loss, keras.losses.Loss)
+    expected = keras.losses.sparse_categorical_crossentropy(
+        y, p, from_logits=from_logits
+    )
+    np.testing.assert_allclose(per_sample_loss(loss)(y, p), expected, rtol=1e-6)
+
+
+def test_a_saved_private_model_loads_with_its_weights(tmp_path):
+    x, y = data()
+    model = compiled()
+    private(model)
+    model.fit(x, y, epochs=1, verbose=0)
+    path = tmp_path / "private.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0),
+                                  model.predict(x, verbose=0))  # fmt: skip
+    assert "fit" not in vars(loaded)  # a plain model: make_private again to go on
+
+
+def test_early_stopping_ends_the_fit_and_the_budget_counts_what_ran():
+    x, y = data()
+    model = compiled(learning_rate=0.0)
+    training = private(model)
+    stop = keras.callbacks.EarlyStopping("loss", patience=0, min_delta=10.0)
+    history = model.fit(x, y, epochs=3, verbose=0, callbacks=[stop])
+    assert len(history.history["loss"]) == 2
+    assert training.steps == 2 * round(N / BATCH)
+    model.fit(x, y, epochs=1, verbose=0)  # the last budgeted epoch
+    with pytest.raises(ValueError, match="at most 0 more epoch"):
+        model.fit(x, y, epochs=1, verbose=0)
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda m, x, y: m.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(20)),
+         "needs all train_size=200 samples as arrays"),
+        (lambda m, x, y: m.fit(x[:100], y[:100]), "train_size=200"),
+        (lambda m, x, y: m.fit(x, y, batch_size=50), "batch_size=20"),
+        (lambda m, x, y: m.fit(x, y, epochs=4), "more than the 30 steps"),
+        (lambda m, x, y: m.fit(x, y, sample_weight=np.ones(N)), "sample_weight"),
+        (lambda m, x, y: m.fit(x, y, class_weight={0: 2.0}), "class_weight"),
+        (lambda m, x, y: m.fit(x, y, validation_split=0.2), "validation_data"),
+        (lambda m, x, y: m.fit(x, y, steps_per_epoch=3), "steps_per_epoch"),
+        (lambda m, x, y: m.fit(x), "needs y"),
+    ],
+    ids=["dataset", "size", "batch_size", "epochs", "sample_weight",
+         "class_weight", "validation_split", "steps_per_epoch", "no_y"],
+)  # fmt: skip
+def test_fit_refuses_what_breaks_the_accounting_before_a_step(call, message):
+    x, y = data()
+    model = compiled()
+    training = private(model)
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError, match=message):
+        call(model, x, y)
+    assert training.steps == 0
+    for a, b in zip(before, model.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_recompiled_model_asks_for_make_private_again():
+    x, y = data()
+    model = compiled()
+    private(model)
+    model.compile(keras.optimizers.Adam(), "sparse_categorical_crossentropy")
+    with pytest.raises(ValueError, match="call make_private again"):
+        model.fit(x, y, epochs=1, verbose=0)
+
+
+def test_batch_norm_is_refused_with_what_to_use_instead():
+    model = compiled(hidden=(keras.layers.Dense(8), keras.layers.BatchNormalization()))
+    with pytest.raises(ValueError, match="LayerNormalization or GroupNormalization"):
+        private(model)
+    model.layers[1].trainable = False  # frozen: statistics from public data
+    model.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy")
+    private(model)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"delta": 0.01}, "1 / train_size"),
+        ({"epsilon": 0.0}, "must be > 0"),
+        ({"batch_size": 500}, "batch_size <= 200"),
+        ({"epochs": 0}, "epochs is 0"),
+        ({"accountant": "moments"}, "accountant is 'moments'"),
+    ],
+)
+def test_make_private_refuses_a_bad_configuration(options, message):
+    with pytest.raises(ValueError, match=message):
+        private(compiled(), **options)
+
+
+def test_an_uncompiled_model_and_an_activity_regularizer_are_refused():
+    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match="not compiled"):
+        private(model)
+    model = compiled(hidden=(keras.layers.Dense(4, activity_regularizer="l2"),))
+    with pytest.raises(ValueError, match="activity_regularizer"):
+        private(model)
+
+
+def test_calibration_is_printed_once(capsys):
+    private(compiled(), verbose=True)
+    printed = capsys.readouterr().out
+    assert printed.count("make_private: noise multiplier") == 1
+    assert "epsilon <= 4 at delta = 0.0001" in printed
