@@ -217,8 +217,9 @@ class PrivateTraining:
         if self.steps + planned > self.budget_steps:
             left = (self.budget_steps - self.steps) // self.steps_per_epoch
             raise ValueError(
-                f"this fit would take {planned} steps ({epochs} epochs of "
-                f"{self.steps_per_epoch}) after the {self.steps} taken: more than "
+                f"this fit would take {planned} steps ({epochs} "
+                f"epoch{'s' * (epochs != 1)} of {self.steps_per_epoch}) after "
+                f"the {self.steps} taken: more than "
                 f"the {self.budget_steps} steps (epochs={self.epochs}) that "
                 f"make_private calibrated the noise for, so epsilon = "
                 f"{self.target_epsilon:g} would not hold. Fit at most {left} more "

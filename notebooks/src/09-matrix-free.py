@@ -26,10 +26,11 @@
 # - Compare forward and reverse mode for the whole J as m and l vary.
 # - Compute per-sample gradients of a loss and their norms.
 # - Train a classifier by DP-SGD with ghost clipping, prove its step equal to
-#   clipping each sample's gradient, and plot accuracy against the privacy
-#   spent (ε).
+#   clipping each sample's gradient, then train it privately with plain
+#   `model.fit` after `make_private` for three target ε, and plot accuracy
+#   against the privacy spent.
 #
-# *Teaching: 34 min · Exercises: 26 min*
+# *Teaching: 39 min · Exercises: 26 min*
 
 # %% [markdown]
 # ## Setup
@@ -58,7 +59,7 @@ crossover_outputs = [4, 64, 1024]  # l for the forward / reverse comparison
 crossover_hidden = [2, 8, 32]  # hidden units (m grows with them)
 dp_samples = 1000  # training samples of the DP-SGD classifier
 dp_epochs = 4  # its epochs, plain and private
-dp_noise = [0.8, 2.0, 5.0]  # DP-SGD noise multipliers sigma
+dp_budgets = [0.5, 2.0, 8.0]  # target epsilons, one private fit each
 seed = 0
 
 # %% [markdown]
@@ -344,11 +345,17 @@ print(f"{(norms > clip).sum()} of {len(norms)} gradients clipped; "
       "the step == the mean of the clipped gradients: True")
 
 # %% [markdown]
-# Now a classifier: three classes of points in ten dimensions (generated,
-# seeded), trained with plain SGD and with DP-SGD at each noise multiplier
-# in `dp_noise`. `DPSGD.fit` draws each batch by Poisson sampling (every
-# sample joins with probability batch size / n), which is what the
-# accountant assumes; `epsilon(delta)` asks Google's `dp-accounting` for ε.
+# Now a classifier, trained the Keras way: three classes of points in ten
+# dimensions (generated, seeded), first with plain `model.fit`, then
+# privately. `ju.make_private(model, epsilon=..., delta=..., ...)` takes a
+# compiled model and a *target* ε: it asks Google's `dp-accounting` for the
+# smallest noise multiplier σ that keeps ε under the target after all the
+# planned steps, and prints it. Then plain `model.fit` (with its callbacks,
+# `validation_data`, metrics and progress bar) takes DP-SGD steps. Each
+# step draws its batch by Poisson sampling (every sample joins with
+# probability batch size / n): the sampling the accountant assumes. The
+# validation data is not private and spends no ε: only training touches
+# the training samples.
 
 # %%
 n_features, n_classes, batch, delta = 10, 3, 25, 1e-5
@@ -372,61 +379,98 @@ def cross_entropy(y, logits):  # one loss per sample
         y, logits, from_logits=True)
 
 
-def test_accuracy():
-    guess = np.argmax(net.predict(x_test, verbose=0), axis=1)
-    return float(np.mean(guess == y_test))
+def compiled_net():
+    net.set_weights(start)
+    net.compile(keras.optimizers.SGD(0.5), cross_entropy,
+                metrics=["accuracy"])
+    return net
 
 # %% tags=["nbval-ignore-output"]
 try:
     import dp_accounting  # noqa: F401
     has_accountant = True
-except ImportError:  # then the plot shows sigma, not epsilon
+except ImportError:  # make_private needs it: the private fits are skipped
     has_accountant = False
     print(ju.fitting.dp_sgd.INSTALL_HINT)
-net.compile(keras.optimizers.SGD(0.5), cross_entropy)
-net.fit(x_train, y_train, epochs=dp_epochs, batch_size=batch, verbose=0)
-plain_accuracy = test_accuracy()
-print(f"plain SGD: test accuracy {plain_accuracy:.3f}")
+plain = compiled_net().fit(x_train, y_train, epochs=dp_epochs, batch_size=batch,
+                           validation_data=(x_test, y_test), verbose=0)
+plain_accuracy = plain.history["val_accuracy"][-1]
+print(f"plain model.fit: test accuracy {plain_accuracy:.3f}")
 private = {}
-for sigma in dp_noise:
-    net.set_weights(start)
-    dp = ju.DPSGD(net, cross_entropy, keras.optimizers.SGD(0.5),
-                  l2_norm_clip=1.0, noise_multiplier=sigma, seed=seed)
-    dp.fit(x_train, y_train, epochs=dp_epochs, batch_size=batch)
-    eps = dp.epsilon(delta) if has_accountant else np.nan
-    private[sigma] = (eps, test_accuracy())
-    print(f"DP-SGD, sigma = {sigma}: epsilon = {eps:.2f} at delta = "
-          f"{delta:g} after {dp.steps} steps, test accuracy "
-          f"{private[sigma][1]:.3f}")
+for target in dp_budgets if has_accountant else []:
+    training = ju.make_private(
+        compiled_net(), epsilon=target, delta=delta, l2_norm_clip=1.0,
+        batch_size=batch, epochs=dp_epochs, train_size=dp_samples, seed=seed)
+    history = net.fit(x_train, y_train, epochs=dp_epochs,
+                      validation_data=(x_test, y_test), verbose=0)
+    private[target] = (training.noise_multiplier, history.history)
+    print(f"  then {training.steps} steps: epsilon {training.epsilon():.3f} "
+          f"<= {target:g}, test accuracy "
+          f"{history.history['val_accuracy'][-1]:.3f}")
 
 # %% tags=["nbval-ignore-output"]
 fig, ax = plt.subplots(figsize=(6, 3.5))
-spent = [private[s][0] if has_accountant else s for s in dp_noise]
-ax.plot(spent, [private[s][1] for s in dp_noise], "o-", label="DP-SGD")
-for s, x_at in zip(dp_noise, spent, strict=True):
-    ax.annotate(f"σ = {s}", (x_at, private[s][1]), ha="center",
+spent = [private[t][1]["epsilon"][-1] for t in private]
+accuracy = [private[t][1]["val_accuracy"][-1] for t in private]
+ax.plot(spent, accuracy, "o-", label="make_private, then model.fit")
+for t, x_at, y_at in zip(private, spent, accuracy, strict=True):
+    ax.annotate(f"σ = {private[t][0]:.2f}", (x_at, y_at), ha="center",
                 va="top", textcoords="offset points", xytext=(0, -8))
 ax.axhline(plain_accuracy, color="black", ls="--",
-           label="plain SGD (no privacy)")
+           label="plain model.fit (no privacy)")
 ax.set_xscale("log")
 ax.set_xticks(spent, [f"{e:.2g}" for e in spent])
 ax.minorticks_off()
 ax.margins(x=0.15, y=0.2)
-ax.set_xlabel(f"ε at δ = {delta:g} (smaller: more private)"
-              if has_accountant else "noise multiplier σ")
+ax.set_xlabel(f"ε spent at δ = {delta:g} (smaller: more private)")
 ax.set_ylabel("test accuracy")
 ax.legend(loc="lower right")
 fig.tight_layout()
-print("Finding: test accuracy against the privacy spent; plain SGD "
-      f"{plain_accuracy:.3f}; DP-SGD " + "; ".join(
-          f"sigma {s}: " + (f"epsilon {private[s][0]:.2f}, "
-                            if has_accountant else "")
-          + f"accuracy {private[s][1]:.3f}" for s in dp_noise))
+print("Finding: test accuracy against the privacy spent; plain fit "
+      f"{plain_accuracy:.3f}; private " + "; ".join(
+          f"epsilon {private[t][1]['epsilon'][-1]:.2f} (sigma "
+          f"{private[t][0]:.2f}): accuracy {private[t][1]['val_accuracy'][-1]:.3f}"
+          for t in private))
 
 # %% [markdown]
-# More noise buys a smaller ε and costs accuracy; read the printed lines
-# for how much on this data. What a DP step costs in time, against a plain
-# step on the same batch (both compiled, timed after a first call):
+# `model.fit`'s History holds ε after each epoch, beside the loss and the
+# metrics: the privacy spent grows with every step, and `fit` refuses to go
+# past the epochs that σ was calibrated for (the guarantee would not hold):
+
+# %% tags=["nbval-ignore-output"]
+for t in private:
+    print(f"target {t:g}: epsilon after each epoch",
+          [round(e, 3) for e in private[t][1]["epsilon"]])
+if private:
+    try:
+        net.fit(x_train, y_train, epochs=1, verbose=0)
+    except ValueError as error:
+        print("one more epoch:", error)
+
+# %% [markdown]
+# Some layers cannot be trained privately at all. `BatchNormalization` in
+# training normalizes each sample by its batch's statistics, so one
+# sample's gradient depends on the others and clipping no longer bounds any
+# sample's influence. `make_private` checks the model first and says what
+# to use instead:
+
+# %%
+with_batch_norm = keras.Sequential([
+    keras.Input((n_features,)), keras.layers.Dense(32),
+    keras.layers.BatchNormalization(), keras.layers.Dense(n_classes)])
+with_batch_norm.compile(keras.optimizers.SGD(0.5), cross_entropy)
+try:
+    ju.make_private(with_batch_norm, epsilon=2.0, delta=delta,
+                    l2_norm_clip=1.0, batch_size=batch, epochs=dp_epochs,
+                    train_size=dp_samples)
+except ValueError as error:
+    print(error)
+
+# %% [markdown]
+# A smaller target ε takes more noise, and costs accuracy; read the
+# printed lines for how much on this data. What one DP step costs in time,
+# against a plain step on the same batch (both compiled, timed after a
+# first call):
 
 # %% tags=["nbval-ignore-output"]
 x_batch, y_batch = x_train[:batch], y_train[:batch]
@@ -546,5 +590,8 @@ check.exercise("09-2", answer, model=small, x=x_small, v=v)
 # - Per-sample gradients of a loss are J's rows weighted by `dloss/df`:
 #   `per_sample_gradients`, and `per_sample_gradient_norms` for clipping.
 # - DP-SGD needs only the norms: the gradient of Σᵢ wᵢ Lᵢ with
-#   wᵢ = min(1, C / ‖gᵢ‖) is the clipped sum (`ju.DPSGD`); more noise, a
-#   smaller ε, a lower accuracy; `dp-accounting` computes ε.
+#   wᵢ = min(1, C / ‖gᵢ‖) is the clipped sum (`ju.DPSGD`).
+# - `ju.make_private(model, epsilon=..., ...)`, then plain `model.fit`:
+#   σ from the target ε by `dp-accounting`, ε in the History, and a refusal
+#   for what would break the guarantee (BatchNorm, more epochs than
+#   budgeted). A smaller ε costs accuracy.

@@ -1,0 +1,137 @@
+"""A private epoch against a plain Keras epoch (notebook 09-matrix-free).
+
+``python -m jacutil.bench.privacy_rows`` trains each model below twice from
+the same weights, on the same data, at batch size 256: with plain
+``model.fit``, and with ``jacutil.privacy.make_private`` then ``model.fit``.
+It times epochs after a first (tracing) one and prints a Markdown table:
+the median epoch of each, their ratio (the aim: at most 1.5) and the test
+accuracy of each after the same epochs. The private epoch includes what
+``model.fit`` does for a learner: sampling, the norms, the step, and epsilon
+in the logs after the epoch. The models: notebook 09's classifier (10
+features, Dense 32 tanh, 3 classes) and ``jacutil.small_cnn`` on
+``jacutil.image_data`` (4 classes from a fixed teacher network).
+Introduced in ``09-matrix-free``.
+"""
+
+import argparse
+import time
+
+import numpy as np
+
+from ..core._tf import keras
+from ..privacy import make_private
+from ..teaching.models import image_data, small_cnn
+from .machine import machine_summary
+
+BATCH, EPSILON, CLIP = 256, 3.0, 1.0
+AIM = 1.5
+
+
+def _classifier(seed):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((10,)),
+                             keras.layers.Dense(32, activation="tanh"),
+                             keras.layers.Dense(3)])  # fmt: skip
+
+
+def _classifier_data(n, seed):
+    rng = np.random.default_rng(seed)
+    centers = 0.8 * np.random.default_rng(0).standard_normal((3, 10))
+    labels = rng.integers(0, 3, n)
+    x = (centers[labels] + rng.standard_normal((n, 10))).astype("float32")
+    return x, labels
+
+
+def _cnn_data(n, seed):
+    x = image_data(n, seed=seed)
+    teacher = small_cnn(seed=99)
+    return x, np.argmax(teacher.predict(x, batch_size=1024, verbose=0), axis=1)
+
+
+MODELS = {
+    "classifier": ("notebook 09's classifier", _classifier, _classifier_data, 10240),
+    "cnn": ("small CNN", lambda seed: small_cnn(seed=seed), _cnn_data, 5120),
+}
+
+
+class _EpochClock(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        self.start = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seconds.append(time.perf_counter() - self.start)
+
+    def __init__(self):
+        super().__init__()
+        self.seconds = []
+
+
+def _train(name, private, epochs, seed):
+    _, build, data, n = MODELS[name]
+    x, y = data(n, seed)
+    x_test, y_test = data(2048, seed + 1)
+    model = build(seed)
+    model.compile(
+        keras.optimizers.SGD(0.5),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    options = {"batch_size": BATCH}
+    if private:
+        make_private(model, epsilon=EPSILON, delta=1 / (10 * n), l2_norm_clip=CLIP,
+                     batch_size=BATCH, epochs=epochs, train_size=n, seed=seed,
+                     verbose=False)  # fmt: skip
+        options = {}
+    clock = _EpochClock()
+    model.fit(x, y, epochs=epochs, verbose=0, callbacks=[clock], **options)
+    accuracy = model.evaluate(x_test, y_test, verbose=0, return_dict=True)["accuracy"]
+    return float(np.median(clock.seconds[1:])), accuracy
+
+
+def run_row(name, epochs=4, seed=0):
+    """Time one model's plain and private epochs; a dict for the table."""
+    plain, plain_accuracy = _train(name, False, epochs, seed)
+    private, private_accuracy = _train(name, True, epochs, seed)
+    return {
+        "model": MODELS[name][0],
+        "n": MODELS[name][3],
+        "plain_s": plain,
+        "private_s": private,
+        "ratio": private / plain,
+        "plain_accuracy": plain_accuracy,
+        "private_accuracy": private_accuracy,
+    }
+
+
+def main(argv=None):
+    """``python -m jacutil.bench.privacy_rows``: run the rows, print the table.
+
+    Introduced in ``09-matrix-free``.
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m jacutil.bench.privacy_rows",
+        description="Time a make_private model.fit epoch against a plain one.",
+    )
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS),
+                        default=sorted(MODELS))  # fmt: skip
+    parser.add_argument("--epochs", type=int, default=4)
+    args = parser.parse_args(argv)
+    rows = [run_row(name, args.epochs) for name in args.models]
+    m = machine_summary()
+    print(f"\n{m['date']}, {m['cpu_count']} CPUs, load average {m['load_average']}. "
+          f"Batch {BATCH}, epsilon {EPSILON:g}, C = {CLIP:g}; median epoch of "
+          f"{args.epochs - 1} after the first.\n")  # fmt: skip
+    print("| model | n | plain epoch | private epoch | private / plain (aim <= "
+          f"{AIM:g}) | accuracy plain | accuracy private |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['model']} | {r['n']:,} | {r['plain_s']:.3f} s | "
+              f"{r['private_s']:.3f} s | {r['ratio']:.2f} | "
+              f"{r['plain_accuracy']:.3f} | {r['private_accuracy']:.3f} |")  # fmt: skip
+    print("\nOpacus (PyTorch) and jax_privacy's Keras API (JAX backend) are not "
+          "in this table: neither is installed next to the lock.")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
