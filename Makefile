@@ -118,6 +118,7 @@ lock:
 # build/bench/. A quick look: make bench BENCH_ARGS=--quick (n = 100, 1,000).
 bench: setup
 	$(BIN)/python -m jacutil.bench --model mlp cnn lstm $(BENCH_ARGS)
+	$(BIN)/python -m jacutil.bench.privacy_rows
 
 # The same, with JAX and PyTorch (torch==2.13.0, CPU) as peers in the same run.
 # They install next to the locked packages without changing any of them; the
