@@ -301,7 +301,10 @@ class DPSGD:
             total = tf.add_n([tf.cast(p, self.dtype) for p in penalties])
         return tape.gradient(total, self.variables)
 
-    def _as_inputs(self, x, y):
+    def as_inputs(self, x, y):
+        """``x`` and ``y`` as tensors, floating ones in the model's dtype
+        (already such tensors: unchanged, no copy)."""
+
         def cast(a):
             a = tf.convert_to_tensor(a)
             return tf.cast(a, self.dtype) if a.dtype.is_floating else a
@@ -330,7 +333,7 @@ class DPSGD:
         Returns:
             A float64 NumPy array of shape (n,).
         """
-        x, y = self._as_inputs(x, y)
+        x, y = self.as_inputs(x, y)
         self._check_losses(x, y)
         norms = per_sample_gradient_norms(self.model, self.loss_fn, x, y)
         return clip_weights(norms, self.l2_norm_clip)
@@ -407,7 +410,7 @@ class DPSGD:
             ``max_i |w_i g_i| / C``, a float.
         """
         weights = self.clip_weights(x, y)
-        x, y = self._as_inputs(x, y)
+        x, y = self.as_inputs(x, y)
         largest = 0.0
         for i in range(_rows(x)):
             with tf.GradientTape() as tape:
@@ -441,7 +444,7 @@ class DPSGD:
         """
         if not 0 < sampling_rate <= 1:
             raise ValueError(f"sampling_rate is {sampling_rate!r}; it is in (0, 1].")
-        x, y = self._as_inputs(x, y)
+        x, y = self.as_inputs(x, y)
         n = _rows(x)
         losses, _ = self.padded_step(
             x,
@@ -479,7 +482,7 @@ class DPSGD:
             padding): the losses before the step (NaN where a gradient was not
             finite), their targets and the model's predictions.
         """
-        x, y = self._as_inputs(x, y)
+        x, y = self.as_inputs(x, y)
         n = _rows(x)
         check_batch_size(batch_size, n)
         rate = batch_size / n
@@ -544,7 +547,7 @@ class DPSGD:
             mean per-sample loss of each epoch), each metric's name and
             "epsilon" to one value per epoch.
         """
-        x, y = self._as_inputs(x, y)
+        x, y = self.as_inputs(x, y)
         steps = steps_per_epoch(_rows(x), batch_size)
         if delta is not None:
             _dp_accounting()  # say how to install it before training, not after

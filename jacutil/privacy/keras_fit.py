@@ -167,7 +167,7 @@ class PrivateTraining:
             )
         self._check_budget(epochs - initial_epoch)
         self.dpsgd.clip_weights(_first(x, 2), _first(y, 2))  # refuse early, clearly
-        self._data = (x, y)
+        self._data = self.dpsgd.as_inputs(x, y)  # once: each step gathers rows
         tokens = np.zeros((self.steps_per_epoch, 1), np.float32)  # one per step
         callbacks = [*(callbacks or []), _EpochStart(self)]
         try:
