@@ -527,9 +527,12 @@ print(f"Finding: run time against machines N; the model gives "
 # computes longer for each byte it writes), the more machines pay. The
 # measured two-worker point is drawn at N = 2 but ran on one machine: its
 # computing did not split (s = 1), so it stands `T_compute / 2` above the
-# dashed `T_w` line, which assumes two machines. Where in the band a
-# cluster lands is for its own file system to say: time the same run with
-# 2, 4 and 8 workers there and put the points beside the band. The
+# dashed `T_w` line, which assumes two machines. That point does not test
+# the model: `T_w` was computed from this very run, so where it lands
+# follows by arithmetic. A test needs a run the model did not see. Where in
+# the band a cluster lands is for its own file system to say: time the same
+# run with 2, 4 and 8 workers there, take `T_w` from the 2-worker run, and
+# see whether the 4- and 8-worker points fall in the band. The
 # scheduler's cost, `K · τ`, stays small while chunks take far longer than
 # `τ`: keep chunks at seconds, not milliseconds.
 
