@@ -692,10 +692,10 @@ for name, errs in errors.items():
     tolerance = 1e-6 + 1e-5 * np.abs(exact).max()  # the check's, above
     at = int(np.argmin(np.abs(np.log(steps / 1e-6))))  # the reference's step
     print(f"Finding: {name} finite differences are at best "
-          f"{errs[best]:.1g} off (step {steps[best]:.0e}, "
+          f"{errs[best]:.2g} off (step {steps[best]:.0e}, "
           f"{steps[best] / eps ** (1 / 3):.0f} x eps^(1/3); "
           f"eps^(2/3) = {eps ** (2 / 3):.0e}); the check's tolerance "
-          f"{tolerance:.1g} {'met' if errs[best] <= tolerance else 'missed'} "
+          f"{tolerance:.2g} {'met' if errs[best] <= tolerance else 'missed'} "
           f"there, {'met' if errs[at] <= tolerance else 'missed'} at the "
           f"reference's step {steps[at]:.0e}")
 
@@ -859,8 +859,9 @@ check.exercise("06-3", answer, model=model64, x=x, direction=direction)
 #   build the compiled Jacobian outside the loop (`jacutil` warns past
 #   `RETRACE_LIMIT` traces).
 # - Check Jacobians against finite differences in **float64**; in float32
-#   a correct Jacobian misses at the reference's step, and passes only near
-#   a best step that a scan must find first (the float32 Finding above).
+#   a correct Jacobian misses at the reference's step, and at best just
+#   reaches the tolerance, at a step a scan must find first (the float32
+#   Finding above says whether it does).
 #   The best step of a central difference is
 #   $(3\varepsilon|f|/|f'''|)^{1/3}$: $\varepsilon^{1/3}$ only when $|f'''|$
 #   is about $3|f|$.

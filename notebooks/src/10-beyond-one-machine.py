@@ -28,7 +28,7 @@
 # - Write down the cost model for N workers and put the 2-worker measurement
 #   beside it.
 #
-# *Teaching: 36 min · Exercises: 24 min*
+# *Teaching: 37 min · Exercises: 24 min*
 
 # %% [markdown]
 # ## Setup
