@@ -278,3 +278,60 @@ def test_errors_that_teach():
     with pytest.raises(ValueError, match=r"one loss per sample.*reduction=None"):
         reducing.step(x, y)
     assert reducing.steps == 0 and dp.steps == 0
+
+
+# --- the fused sampled step (make_private's speed) ------------------------------
+
+
+def test_the_fused_sampled_step_equals_the_step_through_numpy():
+    """sampled_step runs gather, norms, clip weights and update in one graph
+    where the norms are on the layer rules; the same seeds through
+    padded_step (NumPy between the parts) give the same steps."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(60, 5)), rng.normal(size=(60, 3))
+    runs = []
+    for fused in (True, False):
+        dp = DPSGD(dense_model(), mse, keras.optimizers.SGD(0.1),
+                   l2_norm_clip=0.5, noise_multiplier=0.7, seed=5)  # fmt: skip
+        if not fused:
+            as_tensors = dp._fused_step
+            dp._fused_step = lambda x, y, f=as_tensors: (None, *f(x, y)[1:])
+        weights = []
+        for _ in range(6):
+            dp.sampled_step(x, y, 12)
+            weights.append((dp.last_index.copy(), dp.last_weights.copy()))
+        runs.append((flat(dp.model), weights, dp.steps))
+        if fused:
+            assert dp._fused[2] is not None, "the fused step did not run"
+            assert dp.trace_count <= 2  # one padded shape (rarely twice it)
+    (theta, weights, steps), (theta_np, weights_np, steps_np) = runs
+    assert steps == steps_np == 6
+    for (i, w), (i_np, w_np) in zip(weights, weights_np, strict=True):
+        np.testing.assert_array_equal(i, i_np)
+        np.testing.assert_allclose(w, w_np, rtol=1e-12)
+        assert (w < 1).any()  # clipping bound somewhere
+    np.testing.assert_allclose(theta, theta_np, rtol=1e-12, atol=1e-14)
+
+
+def test_the_fused_step_skips_a_non_finite_gradient_and_refuses_all():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(8, 5))
+
+    def sqrt_loss(y, p):  # finite, but its gradient is NaN where y is 0
+        return tf.reduce_sum(tf.sqrt(y * tf.square(p)), axis=-1)
+
+    y = np.ones((8, 3))
+    y[2] = 0.0
+    dp = DPSGD(dense_model(), sqrt_loss, keras.optimizers.SGD(0.1),
+               l2_norm_clip=1.0, noise_multiplier=0.0)  # fmt: skip
+    with pytest.warns(RuntimeWarning, match="non-finite gradient"):
+        losses, _, _ = dp.sampled_step(x, y, 8)  # rate 1: every sample
+    assert dp._fused[2] is not None
+    assert dp.skipped == 1 and dp.last_weights[2] == 0
+    assert np.isnan(losses[2]) and np.isfinite(np.delete(np.asarray(losses), 2)).all()
+    assert np.isfinite(flat(dp.model)).all()
+    before = flat(dp.model)
+    with pytest.raises(FloatingPointError, match="every sample"):
+        dp.sampled_step(x, np.zeros((8, 3)), 8)
+    np.testing.assert_array_equal(flat(dp.model), before)
+    assert dp.steps == 1

@@ -437,17 +437,14 @@ def check_private_fit(case, ns, G, clip):
         epochs=1, train_size=n, accountant="rdp", verbose=False), known)  # fmt: skip
     if training is None:
         return
-    used = []
-    clip_weights = training.dpsgd.clip_weights
-    training.dpsgd.clip_weights = lambda *a: used.append(clip_weights(*a)) or used[-1]
     if run("model.fit (private)", lambda: model.fit(x, y, verbose=0), known) is None:
         return
+    index, used = training.dpsgd.last_index, training.dpsgd.last_weights
+    np.testing.assert_array_equal(index, np.arange(n))  # rate 1: every sample
     norms = np.linalg.norm(G, axis=1)
     expected = np.minimum(1.0, clip / np.maximum(norms, 1e-300))
-    scale = 1.0
-    assert_close("model.fit (private): clip weights", used[-1], expected,
-                 case.dtype, scale)  # fmt: skip
-    largest = float(np.linalg.norm(used[-1][:, None] * G, axis=1).max())
+    assert_close("model.fit (private): clip weights", used, expected, case.dtype, 1.0)
+    largest = float(np.linalg.norm(used[:, None] * G, axis=1).max())
     if not largest <= clip * (1 + TOLERANCE[case.dtype]):
         raise failure(entry, "clip")(
             f"model.fit (private): a sample's clipped contribution has norm "

@@ -181,7 +181,10 @@ class DPSGD:
     random generator is cryptographically secure (as in Opacus without
     ``secure_mode``): this is for learning and research, not for a release.
     ``trace_count`` counts the traces of the compiled step (one per shape of
-    the batch); ``steps`` the steps taken.
+    the batch); ``steps`` the steps taken. ``last_weights`` holds the clip
+    weights of the last step, one per row of its (padded) batch, and
+    ``last_index`` which samples those rows were: what a test checks the clip
+    invariant on, whichever way the step ran.
 
     Weight regularizers (``kernel_regularizer=...``) depend on no sample: the
     gradient of ``sum(model.losses)`` is added once to each update, outside
@@ -254,6 +257,9 @@ class DPSGD:
         self._checked_losses = False
         self.trace_count = 0
         self._compiled_step = tf.function(self.clipped_noisy_update, autograph=False)
+        self._fused = None  # (x, y, the compiled sampled step or None)
+        self.last_weights = None  # the clip weights of the last step, row by row
+        self.last_index = None  # which samples of x its rows were (padding too)
 
     @property
     def steps(self):
@@ -359,6 +365,7 @@ class DPSGD:
             predictions, tensors with one row per padded row.
         """
         weights = self.clip_weights(x, y) * np.asarray(valid)
+        self.last_weights = weights
         skipped = (weights == 0) & (np.asarray(valid) > 0)  # non-finite gradients
         if skipped.any():
             x, y = self._without(skipped, weights, x, y)
@@ -374,12 +381,21 @@ class DPSGD:
         """The batch with each sample of non-finite gradient replaced by a
         kept sample of weight 0: its NaN never reaches the backward pass."""
         kept = np.flatnonzero(weights > 0)
-        if not kept.size:
+        self._count_skipped(skipped, any_kept=bool(kept.size))
+        index = np.where(skipped, kept[0], np.arange(len(weights)))
+        return _take(x, index), tf.gather(y, index)
+
+    def _count_skipped(self, skipped, any_kept):
+        """Count and report the samples of non-finite gradient in a step; a
+        FloatingPointError when no sample is left."""
+        if not any_kept:
             raise FloatingPointError(
                 "every sample of this batch has a non-finite gradient (NaN or "
                 "infinity): training has diverged, or the loss takes log(0). "
                 "Lower the learning rate, or check the loss on these samples."
             )
+        if not skipped.any():
+            return
         self.skipped += int(skipped.sum())
         warnings.warn(
             f"DP-SGD: {int(skipped.sum())} sample(s) of this batch have a "
@@ -387,10 +403,8 @@ class DPSGD:
             f"this step ({self.skipped} so far). Check the loss for log(0) or "
             "an overflow on them.",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
-        index = np.where(skipped, kept[0], np.arange(len(weights)))
-        return _take(x, index), tf.gather(y, index)
 
     def largest_clipped_norm(self, x, y):
         """The largest norm of one sample's contribution ``w_i g_i`` to the
@@ -446,6 +460,7 @@ class DPSGD:
             raise ValueError(f"sampling_rate is {sampling_rate!r}; it is in (0, 1].")
         x, y = self.as_inputs(x, y)
         n = _rows(x)
+        self.last_index = np.arange(n)
         losses, _ = self.padded_step(
             x,
             y,
@@ -482,7 +497,7 @@ class DPSGD:
             padding): the losses before the step (NaN where a gradient was not
             finite), their targets and the model's predictions.
         """
-        x, y = self.as_inputs(x, y)
+        fused, x, y = self._fused_step(x, y)
         n = _rows(x)
         check_batch_size(batch_size, n)
         rate = batch_size / n
@@ -495,15 +510,101 @@ class DPSGD:
         index[: len(chosen)] = chosen
         valid = np.arange(size) < len(chosen)
         batch_y = tf.gather(y, index)
-        losses, prediction = self.padded_step(
-            _take(x, index), batch_y, valid, denominator=batch_size, sampling_rate=rate
-        )
+        if fused is None:
+            losses, prediction = self.padded_step(
+                _take(x, index), batch_y, valid, denominator=batch_size,
+                sampling_rate=rate,
+            )  # fmt: skip
+        else:
+            losses, prediction, skipped, applied, weights = fused(
+                x, y, tf.constant(index), tf.constant(valid, tf.float64),
+                tf.constant(batch_size, tf.float64),
+            )  # fmt: skip
+            self.last_weights = weights.numpy()
+            self._count_skipped(skipped.numpy(), any_kept=bool(applied))
+            self._steps_at[rate] = self._steps_at.get(rate, 0) + 1
+        self.last_index = index
         k = len(chosen)
         return (
             losses[:k],
             batch_y[:k],
             tf.nest.map_structure(lambda p: p[:k], prediction),
         )
+
+    def _fused_step(self, x, y):
+        """One compiled function for a sampled step on the data ``(x, y)``:
+        the rows gathered, their norms, the clip weights and
+        :meth:`clipped_noisy_update`, with no trip through NumPy between them.
+
+        Returns ``(step, x, y)``: the step, or None where the norms do not
+        run on the layer rules in a plain graph (then :meth:`padded_step`
+        takes the step, as it always could), and ``x``, ``y`` as tensors.
+        Kept for the same arrays: each step of a fit reuses it."""
+        leaves = [id(a) for a in tf.nest.flatten((x, y))]
+        if self._fused is not None and self._fused[0] == leaves:
+            return self._fused[2:]
+        source = (x, y)  # held, so that the ids above stay theirs
+        x, y = self.as_inputs(x, y)
+        from .loss_gradients import gradients_for, prepared
+
+        job = gradients_for(self.model, self.loss_fn, None, False, x)
+        rows = tf.range(min(2, _rows(x)))
+        few = prepared(job, _take(x, rows), tf.gather(y, rows))
+        job(*few, "norms")  # an eager call chooses the mode for this signature
+        graph = job.norms_graph(*few)
+        step = None
+        if graph is not None:
+            batch_all, targets_all = prepared(job, x, y)
+
+            def step_on(x, y, index, valid, denominator):
+                return self._sampled_update(
+                    graph, batch_all, targets_all, x, y, index, valid, denominator
+                )
+
+            step = tf.function(step_on, autograph=False)
+        self._fused = (leaves, source, step, x, y)
+        return step, x, y
+
+    def _sampled_update(
+        self, norms_of, batch_all, targets_all, x_all, y_all, index, valid, denominator
+    ):
+        """Compiled (in :meth:`_fused_step`): what :meth:`padded_step` does,
+        in one graph. The weights are :func:`clip_weights` of the norms in
+        float64; a sample of non-finite gradient weighs 0 and its rows are
+        replaced by a kept sample's, so that its NaN never reaches the
+        backward pass; with no kept sample nothing is applied."""
+
+        def rows(data, at):
+            return tf.nest.map_structure(lambda a: tf.gather(a, at), data)
+
+        norms = tf.cast(norms_of(rows(batch_all, index), rows(targets_all, index)),
+                        tf.float64)  # fmt: skip
+        clip = tf.constant(self.l2_norm_clip, tf.float64)
+        finite = tf.math.is_finite(norms)
+        one = tf.where(finite, tf.ones_like(norms), tf.zeros_like(norms))
+        weights = tf.where(finite & (norms > clip), clip / norms, one) * valid
+        skipped = tf.logical_not(finite) & (valid > 0)
+        kept = weights > 0
+        # nothing to apply only when samples were skipped and none is kept (an
+        # empty Poisson batch still takes its step: the noise alone)
+        applied = tf.reduce_any(kept) | tf.logical_not(tf.reduce_any(skipped))
+        first_kept = tf.gather(index, tf.argmax(tf.cast(kept, tf.int32)))
+        index = tf.where(skipped, first_kept, index)
+        x, y = rows(x_all, index), tf.gather(y_all, index)
+
+        def apply():
+            return self.clipped_noisy_update(x, y, weights, denominator)
+
+        def nothing():  # every sampled row skipped: the caller raises
+            prediction = self.model(x, training=False)
+            losses = _per_sample(self.loss_fn(y, prediction), _rows(x))
+            return tf.fill(tf.shape(losses), tf.constant(np.nan, losses.dtype)), (
+                prediction
+            )
+
+        losses, prediction = tf.cond(applied, apply, nothing)
+        losses = tf.where(skipped, tf.constant(np.nan, losses.dtype), losses)
+        return losses, prediction, skipped, applied, weights
 
     def fit(
         self,

@@ -265,6 +265,27 @@ class LossGradients:
         )
         return np.asarray(result)[:rows]  # a view: no eager slicing op
 
+    def norms_graph(self, x, y):
+        """The norms of a batch like ``(x, y)`` as a plain ``tf.function``
+        that another compiled function can call, or None.
+
+        Only where an earlier call on this signature ran on the layer rules
+        and the batch has two rows or more: the other modes (XLA, pfor, one
+        sample at a time) are chosen by an eager call that can fall back.
+        ``DPSGD.sampled_step`` fuses it into its compiled step.
+
+        Args:
+            x: a batch checked by ``as_batch``.
+            y: its targets, as :func:`prepared` gives them.
+
+        Returns:
+            ``f(x, y)`` giving the norms, shape (rows,), or None.
+        """
+        key = ("norms", _signature_key(x), _signature_key(y))
+        if self._mode.get(key) != "rules" or int(n_samples(x)) < 2:
+            return None
+        return self._function("norms", "rules", x, y)
+
     def _norms_under_xla(self, key, rows):
         return (
             key[0] == "norms"
@@ -378,6 +399,14 @@ def _targets(y, target, rows):
         y = leaf(y, "y")
     refuse_non_finite(y, "y")
     return y
+
+
+def prepared(job, x, y):
+    """``(x, y)`` checked and cast as the norms of ``job`` take them (the
+    batch as ``as_batch`` gives it, the targets in the variables' dtype),
+    for :meth:`LossGradients.norms_graph`."""
+    batch = as_batch(x, job.target)
+    return batch, _targets(y, job.target, int(n_samples(batch)))
 
 
 def _is_one_array(y):
