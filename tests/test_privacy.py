@@ -258,3 +258,16 @@ def test_calibration_is_printed_once(capsys):
     printed = capsys.readouterr().out
     assert printed.count("make_private: noise multiplier") == 1
     assert "epsilon <= 4 at delta = 0.0001" in printed
+
+
+def test_the_bench_rows_time_both_fits_and_the_accountant(monkeypatch, capsys):
+    from jacutil.bench import privacy_rows
+
+    name, build, make_data, _ = privacy_rows.MODELS["classifier"]
+    monkeypatch.setitem(privacy_rows.MODELS, "classifier",
+                        (name, build, make_data, 1024))  # fmt: skip
+    (row,) = privacy_rows.main(["--models", "classifier", "--epochs", "2"])
+    assert row["plain_s"] > 0 and row["private_s"] > row["accounting_s"] > 0
+    assert row["ratio"] == pytest.approx(row["private_s"] / row["plain_s"])
+    assert 0 <= row["private_accuracy"] <= 1
+    assert "| notebook 09's classifier | 1,024 |" in capsys.readouterr().out
