@@ -211,6 +211,15 @@ def test_fit_refuses_what_breaks_the_accounting_before_a_step(call, message):
         np.testing.assert_array_equal(a, b)
 
 
+def test_train_on_batch_is_refused():
+    x, y = data()
+    model = compiled()
+    training = private(model)
+    with pytest.raises(TypeError, match="trains only through model.fit"):
+        model.train_on_batch(x[:20], y[:20])
+    assert training.steps == 0
+
+
 def test_a_recompiled_model_asks_for_make_private_again():
     x, y = data()
     model = compiled()

@@ -236,6 +236,13 @@ class PrivateTraining:
         """One ``model.fit`` step: a DP-SGD step on a Poisson-sampled batch,
         the loss and compiled metrics updated on the sampled rows, and
         epsilon (after each epoch's last step) in the logs."""
+        if self._data is None:  # train_on_batch, or a loop of one's own
+            raise TypeError(
+                "a private model trains only through model.fit(x, y), whose steps "
+                "Poisson-sample the training set as the accountant assumes; "
+                "model.train_on_batch would train on a batch it does not know. "
+                "Use model.fit, or jacutil.DPSGD.step for a step of your own."
+            )
         iterator.get_next()  # the step's token: Keras counts the steps
         x, y = self._data
         losses, batch_y, prediction = self.dpsgd.sampled_step(x, y, self.batch_size)
