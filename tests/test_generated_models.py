@@ -451,7 +451,8 @@ def check_private_fit(case, ns, G, clip):
             f"{largest:.6g} > C = {clip:.6g}: the clip bound is broken"
         )
     assert training.steps == 1
-    event("make_private: fit's clip weights checked")
+    fused = training.dpsgd._fused[2] is not None
+    event(f"make_private: fit's clip weights checked ({'fused' if fused else 'eager'})")
 
 
 def check_curvature_losses(case):
