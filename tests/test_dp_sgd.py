@@ -325,7 +325,8 @@ def test_the_fused_step_skips_a_non_finite_gradient_and_refuses_all():
     dp = DPSGD(dense_model(), sqrt_loss, keras.optimizers.SGD(0.1),
                l2_norm_clip=1.0, noise_multiplier=0.0)  # fmt: skip
     with pytest.warns(RuntimeWarning, match="non-finite gradient"):
-        losses, _, _ = dp.sampled_step(x, y, 8)  # rate 1: every sample
+        losses, _, _, valid = dp.sampled_step(x, y, 8)  # rate 1: every sample
+    assert np.asarray(valid).tolist() == [1.0] * 8
     assert dp._fused[2] is not None
     assert dp.skipped == 1 and dp.last_weights[2] == 0
     assert np.isnan(losses[2]) and np.isfinite(np.delete(np.asarray(losses), 2)).all()

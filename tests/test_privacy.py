@@ -272,9 +272,9 @@ def test_calibration_is_printed_once(capsys):
 def test_the_bench_rows_time_both_fits_and_the_accountant(monkeypatch, capsys):
     from jacutil.bench import privacy_rows
 
-    name, build, make_data, _ = privacy_rows.MODELS["classifier"]
+    name, build, make_data, _, rate = privacy_rows.MODELS["classifier"]
     monkeypatch.setitem(privacy_rows.MODELS, "classifier",
-                        (name, build, make_data, 1024))  # fmt: skip
+                        (name, build, make_data, 1024, rate))  # fmt: skip
     (row,) = privacy_rows.main(["--models", "classifier", "--epochs", "2"])
     assert row["plain_s"] > 0 and row["private_s"] > row["accounting_s"] > 0
     assert row["ratio"] == pytest.approx(row["private_s"] / row["plain_s"])

@@ -50,9 +50,15 @@ def _cnn_data(n, seed):
     return x, np.argmax(teacher.predict(x, batch_size=1024, verbose=0), axis=1)
 
 
-MODELS = {
-    "classifier": ("notebook 09's classifier", _classifier, _classifier_data, 10240),
-    "cnn": ("small CNN", lambda seed: small_cnn(seed=seed), _cnn_data, 5120),
+MODELS = {  # name: (in words, model, data, n, SGD's learning rate)
+    "classifier": (
+        "notebook 09's classifier",
+        _classifier,
+        _classifier_data,
+        10240,
+        0.5,
+    ),
+    "cnn": ("small CNN", lambda seed: small_cnn(seed=seed), _cnn_data, 5120, 0.05),
 }
 
 
@@ -69,12 +75,12 @@ class _EpochClock(keras.callbacks.Callback):
 
 
 def _train(name, private, epochs, seed):
-    _, build, data, n = MODELS[name]
+    _, build, data, n, learning_rate = MODELS[name]
     x, y = data(n, seed)
     x_test, y_test = data(2048, seed + 1)
     model = build(seed)
     model.compile(
-        keras.optimizers.SGD(0.5),
+        keras.optimizers.SGD(learning_rate),
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
     )
@@ -135,17 +141,21 @@ def main(argv=None):
     print(f"\n{m['date']}, {m['cpu_count']} CPUs, load average {m['load_average']}. "
           f"Batch {BATCH}, epsilon {EPSILON:g}, C = {CLIP:g}; median epoch of "
           f"{args.epochs - 1} after the first.\n")  # fmt: skip
-    print("| model | n | plain epoch | private epoch | of which epsilon (PLD) | "
-          f"private / plain (aim <= {AIM:g}) | without epsilon | accuracy plain "
-          "| accuracy private |")
+    print(
+        "| model | n | plain epoch | private epoch | of which epsilon (PLD) | "
+        f"private / plain (aim <= {AIM:g}) | without epsilon | accuracy plain "
+        "| accuracy private |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['model']} | {r['n']:,} | {r['plain_s']:.3f} s | "
               f"{r['private_s']:.3f} s | {r['accounting_s']:.3f} s | "
               f"{r['ratio']:.2f} | {r['steps_ratio']:.2f} | "
               f"{r['plain_accuracy']:.3f} | {r['private_accuracy']:.3f} |")  # fmt: skip
-    print("\nOpacus (PyTorch) and jax_privacy's Keras API (JAX backend) are not "
-          "in this table: neither is installed next to the lock.")
+    print(
+        "\nOpacus (PyTorch) and jax_privacy's Keras API (JAX backend) are not "
+        "in this table: neither is installed next to the lock."
+    )
     return rows
 
 

@@ -493,9 +493,11 @@ class DPSGD:
                 batch size, exceeded in about 2% of the steps).
 
         Returns:
-            ``(losses, y, prediction)`` of the sampled samples (none are
-            padding): the losses before the step (NaN where a gradient was not
-            finite), their targets and the model's predictions.
+            ``(losses, y, prediction, valid)``, one row per row of the padded
+            batch: the losses before the step (NaN where a gradient was not
+            finite), the targets, the model's predictions, and 1.0 for a
+            sampled row, 0.0 for padding (a metric's ``sample_weight``; the
+            padding's rows are some sample's, and mean nothing).
         """
         fused, x, y = self._fused_step(x, y)
         n = _rows(x)
@@ -524,12 +526,7 @@ class DPSGD:
             self._count_skipped(skipped.numpy(), any_kept=bool(applied))
             self._steps_at[rate] = self._steps_at.get(rate, 0) + 1
         self.last_index = index
-        k = len(chosen)
-        return (
-            losses[:k],
-            batch_y[:k],
-            tf.nest.map_structure(lambda p: p[:k], prediction),
-        )
+        return losses, batch_y, prediction, tf.constant(valid, losses.dtype)
 
     def _fused_step(self, x, y):
         """One compiled function for a sampled step on the data ``(x, y)``:
@@ -659,14 +656,14 @@ class DPSGD:
                 metric.reset_state()
             total, count = 0.0, 0
             for _ in range(steps):
-                losses, batch_y, prediction = self.sampled_step(
+                losses, batch_y, prediction, valid = self.sampled_step(
                     x, y, batch_size, physical_batch_size
                 )
-                kept = np.asarray(losses)
+                kept = np.asarray(losses)[np.asarray(valid) > 0]
                 total += float(np.nansum(kept))
                 count += int(np.isfinite(kept).sum())
                 for metric in metrics:
-                    metric.update_state(batch_y, prediction)
+                    metric.update_state(batch_y, prediction, sample_weight=valid)
             history.history["loss"].append(total / max(count, 1))
             for metric in metrics:
                 values = history.history.setdefault(metric.name, [])

@@ -106,6 +106,7 @@ class PrivateTraining:
         self.sampling_rate = batch_size / train_size
         self._keras_fit = type(model).fit  # Keras's own, bound at each call
         self._data = None
+        self._record = None  # the compiled record(), made at the first step
         self._in_epoch = 0
         self._epsilon = 0.0
 
@@ -227,6 +228,18 @@ class PrivateTraining:
                 "noise per step)."
             )
 
+    def record(self, losses, y, prediction, valid):
+        """Compiled: the step's mean loss into Keras's loss tracker and its
+        predictions into the compiled metrics, padding and samples of
+        non-finite loss weighing nothing (an empty Poisson batch changes
+        nothing); Keras's logs."""
+        finite = tf.math.is_finite(losses) & (valid > 0)
+        count = tf.reduce_sum(tf.cast(finite, losses.dtype))
+        total = tf.reduce_sum(tf.where(finite, losses, tf.zeros_like(losses)))
+        mean = total / tf.maximum(count, tf.ones_like(count))
+        loss_tracker(self.model).update_state(mean, sample_weight=count)
+        return self.model.compute_metrics(None, y, prediction, sample_weight=valid)
+
     def make_train_function(self, force=False):
         """Keras's hook: the private step is the model's train function."""
         self.model.train_function = self.train_function
@@ -245,16 +258,10 @@ class PrivateTraining:
             )
         iterator.get_next()  # the step's token: Keras counts the steps
         x, y = self._data
-        losses, batch_y, prediction = self.dpsgd.sampled_step(x, y, self.batch_size)
-        kept = np.asarray(losses)
-        finite = np.isfinite(kept)
-        if finite.any():
-            loss_tracker(self.model).update_state(
-                float(kept[finite].mean()), sample_weight=int(finite.sum())
-            )
-            logs = self.model.compute_metrics(None, batch_y, prediction)
-        else:  # an empty Poisson batch: a step of noise alone, nothing to score
-            logs = self.model.get_metrics_result()
+        step = self.dpsgd.sampled_step(x, y, self.batch_size)
+        if self._record is None:
+            self._record = tf.function(self.record, autograph=False)
+        logs = self._record(*step)
         self._in_epoch += 1
         if self._in_epoch == self.steps_per_epoch:
             self._epsilon = self.epsilon()
