@@ -49,7 +49,7 @@ INSTALL_HINT = (
 ACCOUNTANTS = ("rdp", "pld")
 
 
-def _dp_accounting():
+def dp_accounting_module():
     """The ``dp_accounting`` module, or an ImportError that says how to install it."""
     try:
         import dp_accounting
@@ -131,7 +131,7 @@ def steps_per_epoch(n, batch_size):
 
 
 @contextmanager
-def _quiet_absl():
+def quiet_absl():
     """dp-accounting's RDP accountant logs a WARNING for each order whose
     series does not converge ("Excluding this order from the epsilon
     computation"): the epsilon it returns is still a valid bound, taken over
@@ -648,7 +648,7 @@ class DPSGD:
         x, y = self.as_inputs(x, y)
         steps = steps_per_epoch(_rows(x), batch_size)
         if delta is not None:
-            _dp_accounting()  # say how to install it before training, not after
+            dp_accounting_module()  # say how to install it before training, not after
         history = keras.callbacks.History()
         history.history = {"loss": []}
         for _ in range(epochs):
@@ -724,7 +724,7 @@ def dp_event(noise_multiplier, steps_at):
     Raises:
         ImportError: dp-accounting is not installed (the message says how).
     """
-    dpa = _dp_accounting()
+    dpa = dp_accounting_module()
     gaussian = dpa.GaussianDpEvent(noise_multiplier)
     return dpa.ComposedDpEvent(
         [
@@ -741,7 +741,7 @@ def new_accountant(accountant):
     """A fresh ``dp-accounting`` accountant: "rdp" or "pld"."""
     if accountant not in ACCOUNTANTS:
         raise ValueError(f"accountant is {accountant!r}; one of {ACCOUNTANTS}.")
-    dpa = _dp_accounting()
+    dpa = dp_accounting_module()
     return dpa.rdp.RdpAccountant() if accountant == "rdp" else dpa.pld.PLDAccountant()
 
 
@@ -772,6 +772,6 @@ def epsilon_of(noise_multiplier, steps_at, delta, accountant="rdp"):
         return 0.0
     if noise_multiplier == 0:
         return math.inf
-    with _quiet_absl():
+    with quiet_absl():
         ledger.compose(dp_event(noise_multiplier, steps_at))
         return float(ledger.get_epsilon(delta))

@@ -9,11 +9,11 @@ most the target, by Google's ``dp-accounting`` (its
 """
 
 from ..fitting.dp_sgd import (
-    _dp_accounting,
-    _quiet_absl,
+    dp_accounting_module,
     dp_event,
     epsilon_of,
     new_accountant,
+    quiet_absl,
 )
 
 TOLERANCE = 1e-4  # sigma is found to within this; epsilon never exceeds the target
@@ -54,12 +54,12 @@ def noise_multiplier_for(epsilon, delta, sampling_rate, steps, accountant="pld")
     if int(steps) != steps or steps < 1:
         raise ValueError(f"steps is {steps!r}; a whole number >= 1.")
     epsilon_of(1.0, {sampling_rate: 1}, delta, accountant)  # checks delta, accountant
-    dpa = _dp_accounting()
+    dpa = dp_accounting_module()
 
     def event(sigma):
         return dp_event(sigma, {sampling_rate: int(steps)})
 
-    with _quiet_absl():
+    with quiet_absl():
         sigma = dpa.calibrate_dp_mechanism(
             lambda: new_accountant(accountant),
             event,
