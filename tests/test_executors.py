@@ -429,6 +429,58 @@ def test_a_worker_that_sees_another_folder_fails(tmp_path):
     assert not list(other.glob("rows-*"))
 
 
+def test_a_chunk_that_arrives_after_its_run_ended_is_not_written(
+    tmp_path, monkeypatch
+):
+    """ChunkFolder.end: the token is checked again before the file takes its
+    name, so a run's count of its files stays true (issue 37 item 7)."""
+    from jacutil.scale import chunk_files
+
+    folder = chunk_files.open_chunk_folder(
+        tmp_path / "J", (10, 1, 3), "float32", {"key": "k"}, 5, 5
+    )
+    rows = np.ones((5, 1, 3), "float32")
+    write_chunk(folder.path, 0, rows, folder.token)
+    real, calls = chunk_files._check_token, []
+
+    def ended_while_writing(*args):  # the driver ends the run mid-write
+        calls.append(args)
+        if len(calls) == 2:
+            folder.end()
+        return real(*args)
+
+    monkeypatch.setattr(chunk_files, "_check_token", ended_while_writing)
+    with pytest.raises(chunk_files.RunEndedError, match="calling .* again"):
+        write_chunk(folder.path, 5, rows, folder.token)
+    assert len(calls) == 2 and folder.complete() == [0]
+    assert sorted(p.name for p in folder.path.iterdir()) == [
+        chunk_name(0, 5),
+        "run.json",
+    ]
+
+
+def test_a_deadline_in_folder_mode_counts_the_files_and_stops_the_writes(
+    workers, tmp_path
+):
+    """Workers write their own files, so more chunks can be done than have
+    arrived: the error counts the files, no file appears after it, and the
+    run resumes (issue 37 item 7)."""
+    model, (x, _) = ju.question_mlp(seed=2), ju.regression_data(20000, seed=7)
+    options = {"chunk_size": 50, "method": "per_sample", "progress": False}
+    distributed_jacobian(model, x[:200], workers, **options)  # warm both workers
+    folder = tmp_path / "J"
+    with pytest.raises(ChunkTimeoutError, match="chunks complete on disk") as caught:
+        distributed_jacobian(model, x, workers, out=folder, deadline=1, **options)
+    counted = int(str(caught.value).split("The ")[1].split(" chunks")[0])
+    time.sleep(3)  # a task still running when the run ended has finished now
+    files = sorted(folder.glob("rows-*.npy"))
+    assert len(files) == counted == len(caught.value.done)
+    assert 0 < counted < 400  # about 3 s for all 400 here
+    J = distributed_jacobian(model, x, workers, out=folder, **options)
+    one = ju.chunked_jacobian(model, x, **options)
+    np.testing.assert_array_equal(J.compute(), one)
+
+
 # --- data on the workers --------------------------------------------------------
 
 WIDE = 256  # inputs per sample: x is 8 MB, J 33 MB

@@ -97,6 +97,19 @@ class ChunkFolder:
         """The chunks whose file is missing or not complete (a list of ints)."""
         return [k for k in range(self.n_chunks) if self.problem(k) is not None]
 
+    def complete(self):
+        """The chunks whose file is complete (a list of ints)."""
+        return [k for k in range(self.n_chunks) if self.problem(k) is None]
+
+    def end(self):
+        """End this run: its workers write no chunk after this (a task still
+        running when a clock passed finishes, but its file is refused), so
+        :meth:`complete` then counts what the run left. Called by the driver,
+        holding the folder's lock."""
+        state = {**_read_run(self.path), "token": None, "ended": self.token}
+        text = json.dumps(state).encode()
+        write_atomically(self.path / RUN_FILE, lambda file: file.write(text))
+
     def rows_done(self):
         """The rows (samples) in complete chunk files."""
         todo = set(self.todo())
@@ -163,7 +176,8 @@ def open_chunk_folder(path, shape, dtype, record, chunk_size, default_chunk_size
 def write_chunk(folder, start, rows, token):
     """On a worker: rows ``start..`` into their own file of ``folder``, after
     checking that the folder is the run's (its ``run.json`` carries
-    ``token``). Written under a temporary name, flushed, renamed.
+    ``token``). Written under a temporary name, flushed, and renamed only if
+    the run has not ended meanwhile (:meth:`ChunkFolder.end`).
 
     Args:
         folder: the run's folder (on a file system every worker sees).
@@ -173,15 +187,50 @@ def write_chunk(folder, start, rows, token):
 
     Raises:
         RunFileError: the folder is not the run's.
+        RunEndedError: the run ended before the file could take its name.
     """
     folder = Path(folder)
+
+    def still_the_runs():
+        _check_token(folder, token)
+
+    still_the_runs()  # before writing: a wrong folder fails at once
+    rows = np.ascontiguousarray(rows)
+    path = folder / chunk_name(start, start + len(rows))
+    write_atomically(
+        path,
+        lambda file: np.lib.format.write_array(file, rows),
+        before_replace=still_the_runs,  # and again: the run may have ended since
+    )
+    descriptor = os.open(folder, os.O_RDONLY)  # the rename itself, on disk
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+class RunEndedError(RuntimeError):
+    """A worker's chunk arrived after its run ended (a clock passed, or its
+    workers were lost): it is not written, so the folder keeps what the run
+    counted."""
+
+
+def _check_token(folder, token):
+    """Raise unless ``folder``'s ``run.json`` carries ``token`` now."""
     try:
         state = _read_run(folder)
-        problem = None if state.get("token") == token else "another run's run.json"
     except FileNotFoundError:
         problem = f"no {RUN_FILE} in it"
     except ResumeMismatch:
         problem = f"its {RUN_FILE} cannot be read"
+    else:
+        if state.get("ended") == token:
+            raise RunEndedError(
+                f"the run ended (a clock passed, or its workers were lost) "
+                f"before this chunk could be written into {folder}; calling "
+                "distributed_jacobian again computes it"
+            )
+        problem = None if state.get("token") == token else "another run's run.json"
     if problem is not None:
         raise RunFileError(
             f"the worker on {socket.gethostname()} sees another folder at "
@@ -190,14 +239,6 @@ def write_chunk(folder, start, rows, token):
             "system that every worker sees at the same path (not a node-local "
             "scratch directory), or out=None to send the rows back."
         )
-    rows = np.ascontiguousarray(rows)
-    path = folder / chunk_name(start, start + len(rows))
-    write_atomically(path, lambda file: np.lib.format.write_array(file, rows))
-    descriptor = os.open(folder, os.O_RDONLY)  # the rename itself, on disk
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 def read_chunks(folder, *, lazy=False):

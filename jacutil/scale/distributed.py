@@ -339,7 +339,9 @@ def distributed_jacobian(
     ``executors.WORKERS_LOST_AFTER`` seconds, the run stops with
     :class:`ChunkTimeoutError` or :class:`WorkersLostError`; the chunks that
     arrived are kept (``error.out`` and ``error.done`` in memory; on disk,
-    where calling again resumes). ``on_chunk(k)`` is called after chunk
+    where calling again resumes). The chunks not yet started are cancelled;
+    in a folder, a chunk still running is not written when it ends, and
+    ``error.done`` lists the chunk files complete when the run stopped. ``on_chunk(k)`` is called after chunk
     ``k`` is written (and recorded). Introduced in ``10-beyond-one-machine``.
 
     Args:
@@ -436,7 +438,12 @@ def _into_folder(job, path, asked, default):
     where = {"folder": str(Path(path).resolve()), "token": folder.token}
     futures = job.submit(folder.todo(), folder.chunk_size, where)
     kept = f"in {Path(path).name}/: {AGAIN}"
-    job.collect(futures, None, folder.rows_done(), folder.chunk_size, kept)
+
+    def on_disk():  # chunks that arrived late were still written: count files
+        folder.end()
+        return folder.complete()
+
+    job.collect(futures, None, folder.rows_done(), folder.chunk_size, kept, on_disk)
     return read_chunks(path, lazy=True)
 
 
@@ -475,11 +482,15 @@ class Job:
             for k, part in zip(todo, samples, strict=True)
         }
 
-    def collect(self, futures, write, done, chunk_size, kept):
+    def collect(self, futures, write, done, chunk_size, kept, on_disk=None):
         """Each chunk as it arrives, written by ``write(k, rows)`` (None: the
         worker wrote it). A clock that passes, or workers lost, stop the run
         with an error that says where the chunks that arrived are (``kept``:
-        the array in memory, or a sentence)."""
+        the array in memory, or a sentence). Workers that write their own
+        files may have finished more chunks than arrived here: then
+        ``on_disk()`` ends the run (after the chunks still to come are
+        cancelled) and returns the chunks complete on disk, which the error
+        counts."""
         n_rows, arrived = self.run.n_rows, set()
         bar = tqdm(total=n_rows, initial=done, disable=not self.progress, unit="sample")
         # closed on any error (a worker's too): the chunks still to come are cancelled
@@ -494,10 +505,14 @@ class Job:
                 if self.on_chunk is not None:
                     self.on_chunk(k)
         except (ChunkTimeoutError, WorkersLostError) as error:
+            arrivals.close()  # cancel the rest before counting
             in_memory = isinstance(kept, np.ndarray)
             where = "in error.out (the chunks in error.done)" if in_memory else kept
+            what = "that arrived"
+            if on_disk is not None:
+                arrived, what = set(on_disk()), "complete on disk"
             raise type(error)(
-                f"{error}. The {len(arrived)} chunks that arrived are kept {where}.",
+                f"{error}. The {len(arrived)} chunks {what} are kept {where}.",
                 arrived,
                 kept if in_memory else None,
             ) from None

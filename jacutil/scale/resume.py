@@ -184,13 +184,15 @@ def _temporary(path):
     return path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
 
 
-def write_atomically(path, write):
+def write_atomically(path, write, before_replace=None):
     """``write(file)`` into a temporary file, fsynced, then swapped in: all or
     nothing (used for the run file here and by ``jacutil.scale.chunk_files``).
 
     Args:
         path: the file to write.
         write: a function of the open binary file.
+        before_replace: called after the temporary file is complete, just
+            before it takes its name; an error it raises leaves no file.
     """
     path = Path(path)
     temporary = _temporary(path)
@@ -199,6 +201,8 @@ def write_atomically(path, write):
             write(file)
             file.flush()
             os.fsync(file.fileno())
+        if before_replace is not None:
+            before_replace()
         os.replace(temporary, path)
     except BaseException:
         temporary.unlink(missing_ok=True)
