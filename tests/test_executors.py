@@ -429,9 +429,7 @@ def test_a_worker_that_sees_another_folder_fails(tmp_path):
     assert not list(other.glob("rows-*"))
 
 
-def test_a_chunk_that_arrives_after_its_run_ended_is_not_written(
-    tmp_path, monkeypatch
-):
+def test_a_chunk_that_arrives_after_its_run_ended_is_not_written(tmp_path, monkeypatch):
     """ChunkFolder.end: the token is checked again before the file takes its
     name, so a run's count of its files stays true (issue 37 item 7)."""
     from jacutil.scale import chunk_files

@@ -341,8 +341,9 @@ def distributed_jacobian(
     arrived are kept (``error.out`` and ``error.done`` in memory; on disk,
     where calling again resumes). The chunks not yet started are cancelled;
     in a folder, a chunk still running is not written when it ends, and
-    ``error.done`` lists the chunk files complete when the run stopped. ``on_chunk(k)`` is called after chunk
-    ``k`` is written (and recorded). Introduced in ``10-beyond-one-machine``.
+    ``error.done`` lists the chunk files complete when the run stopped.
+    ``on_chunk(k)`` is called after chunk ``k`` is written (and recorded).
+    Introduced in ``10-beyond-one-machine``.
 
     Args:
         model: a Keras model (workers rebuild it from its config).
