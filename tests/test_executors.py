@@ -338,6 +338,38 @@ def test_several_threads_per_worker_are_warned_about():
     np.testing.assert_array_equal(J, one[:100])
 
 
+def test_a_killed_scheduler_is_workers_lost_and_the_rows_that_arrived_are_kept():
+    """Issue 37 item 8: a scheduler killed mid-run gave Dask's raw
+    CommClosedError, and with out=None the chunks that had arrived were lost."""
+    model, (x, _) = ju.question_mlp(seed=2), ju.regression_data(20000, seed=7)
+    options = {"chunk_size": 50, "method": "per_sample", "progress": False}
+    with LocalWorkers(1, start_timeout=120) as running:
+        distributed_jacobian(model, x[:100], running, **options)  # warm
+        scheduler = next(p for p in running.processes if p.name == "scheduler")
+        arrived = []
+
+        def kill(k):
+            arrived.append(k)
+            if len(arrived) == 10:
+                os.kill(scheduler.pid, signal.SIGKILL)
+
+        started = time.monotonic()
+        with pytest.raises(
+            WorkersLostError, match="connection to the cluster"
+        ) as caught:
+            distributed_jacobian(
+                model, x, running, on_chunk=kill, timeout=60, **options
+            )
+        assert time.monotonic() - started < 30
+    done = caught.value.done
+    assert "chunks that arrived are kept in error.out" in str(caught.value)
+    assert len(done) >= 10 and sorted(arrived) == done
+    one = ju.chunked_jacobian(model, x[: 50 * (max(done) + 1)], **options)
+    for k in done:
+        rows = slice(50 * k, 50 * (k + 1))
+        np.testing.assert_array_equal(caught.value.out[rows], one[rows])
+
+
 # --- a process pool -------------------------------------------------------------
 
 

@@ -19,6 +19,7 @@ the loop that collects chunks, with its two clocks and its lost-workers rule.
 """
 
 import concurrent.futures
+import contextlib
 import operator
 import os
 import pickle
@@ -373,7 +374,9 @@ def as_arrived(executor, futures, *, timeout=None, deadline=None):
     try:
         while pending:
             arrived = 0
-            for future in executor.wait(pending, POLL_SECONDS):
+            with connection_kept():
+                finished = executor.wait(pending, POLL_SECONDS)
+            for future in finished:
                 limit = FETCH_SECONDS * 2 ** tries[future]
                 now = time.monotonic()
                 if timeout is not None:
@@ -402,7 +405,9 @@ def as_arrived(executor, futures, *, timeout=None, deadline=None):
                     f"the run passed its deadline={deadline:g} seconds with "
                     f"{len(pending)} chunks still to come"
                 )
-            if arrived or executor.n_workers() > 0:
+            with connection_kept():
+                connected = executor.n_workers()
+            if arrived or connected > 0:
                 without_workers = None
             elif without_workers is None:
                 without_workers = now
@@ -423,7 +428,8 @@ def _fetch(future, seconds):
     runs the chunk again)."""
     waited = (TimeoutError, concurrent.futures.TimeoutError)
     try:
-        error = future.exception(timeout=seconds)
+        with connection_kept():
+            error = future.exception(timeout=seconds)
     except waited:
         return False, None
     if isinstance(error, BrokenProcessPool):
@@ -434,6 +440,26 @@ def _fetch(future, seconds):
     if error is not None:
         return True, future.result()  # raises the chunk's own error
     try:
-        return True, future.result(timeout=seconds)
+        with connection_kept():
+            return True, future.result(timeout=seconds)
     except waited:
         return False, None
+
+
+@contextlib.contextmanager
+def connection_kept():
+    """Turn a lost connection to the cluster (Dask's ``CommClosedError``, an
+    ``OSError``; or a future cancelled by someone else: Dask cancels them all
+    when its scheduler goes) into :class:`WorkersLostError`; a timeout passes
+    through."""
+    try:
+        yield
+    except (TimeoutError, concurrent.futures.TimeoutError):
+        raise
+    except (OSError, concurrent.futures.CancelledError) as error:
+        raise WorkersLostError(
+            f"the connection to the cluster was lost ({type(error).__name__}: "
+            f"{error}): its scheduler stopped (killed, or its machine gone) or "
+            "the network failed, and the chunks still to come went with it. "
+            "Start the cluster again (LocalWorkers, or docs/cluster.md)"
+        ) from None
