@@ -58,10 +58,10 @@ class HeldBack:
         self.pool = concurrent.futures.ThreadPoolExecutor(2)
         self.held, self._threads, self.workers = held, threads or {}, workers
 
-    def share(self, value):
+    def share(self, value, name=None):
         return value
 
-    def submit(self, fn, spec, samples, start):
+    def submit(self, fn, spec, samples, start, name=None):
         if self.held is not None and start >= self.held:
             return concurrent.futures.Future()  # never finishes
         return self.pool.submit(fn, spec, samples, start)
@@ -177,7 +177,7 @@ class DiesAfterFinishing(Finished):
     """Chunks from ``held`` on finish, and then their worker dies for good:
     their results can never be fetched."""
 
-    def submit(self, fn, spec, samples, start):
+    def submit(self, fn, spec, samples, start, name=None):
         value = fn(spec, samples, start)
         return LostResult(value, lost=None if start >= self.held else 0)
 
@@ -300,7 +300,7 @@ def test_a_chunk_that_fails_cancels_the_rest():
     still to come are cancelled, not left running."""
 
     class Failing(HeldBack):
-        def submit(self, fn, spec, samples, start):
+        def submit(self, fn, spec, samples, start, name=None):
             if start == 50:
                 failed = concurrent.futures.Future()
                 failed.set_exception(RunFileError("a worker sees another folder"))
@@ -571,6 +571,84 @@ def test_lazy_jacobian_and_futures_equal_one_process(workers):
     x_future = client.scatter(x)
     futures = jacobian_futures(model, x_future, workers, chunk_size=50)
     np.testing.assert_array_equal(np.concatenate(client.gather(futures)), one)
+
+
+# --- Dask's own habits ------------------------------------------------------------
+
+
+def test_the_current_client_is_used_when_none_is_given(workers):
+    """As Dask's own functions: inside ``with LocalWorkers(...)`` (or
+    ``with Client(...)``) workers= may be left out (issue 37)."""
+    import dask.array as da
+    from distributed import default_client
+
+    from jacutil.scale.dask_arrays import jacobian_futures, lazy_jacobian
+
+    model, x, one = _run()
+    with workers.client.as_current():
+        assert default_client() is workers.client
+        J = distributed_jacobian(model, x, chunk_size=50, progress=False)
+        lazy = lazy_jacobian(model, da.from_array(x, chunks=37), chunk_size=50)
+        futures = jacobian_futures(model, x, chunk_size=50)
+        np.testing.assert_array_equal(lazy.compute(), one)
+        np.testing.assert_array_equal(
+            np.concatenate(workers.client.gather(futures)), one
+        )
+    np.testing.assert_array_equal(J, one)
+
+
+def test_no_workers_and_no_current_client_says_what_to_pass(monkeypatch):
+    import distributed
+
+    def none_current():
+        raise ValueError("No clients found")
+
+    monkeypatch.setattr(distributed, "default_client", none_current)
+    model, x, _ = _run(n=10)
+    with pytest.raises(TypeError, match="no Dask client is current: pass workers="):
+        distributed_jacobian(model, x, progress=False)
+
+
+def test_tasks_carry_readable_keys(workers):
+    """The dashboard and Dask's logs say what runs: jacobian-chunk-000003."""
+    from distributed import get_task_stream
+
+    model, x, one = _run()
+    with get_task_stream(workers.client) as stream:
+        J = distributed_jacobian(model, x, workers, chunk_size=50, progress=False)
+    np.testing.assert_array_equal(J, one)
+    keys = [str(task["key"]) for task in stream.data]
+    chunks = sorted(k.split("-")[2] for k in keys if k.startswith("jacobian-chunk-"))
+    assert chunks == [f"{k:06d}" for k in range(8)]
+    assert any(k.startswith("jacobian-model-") for k in keys)
+    assert any(k.startswith("jacobian-samples-000007-") for k in keys)
+
+
+def test_retries_and_readable_keys_reach_dask():
+    class Recording:
+        def submit(self, *args, **kwargs):
+            self.kwargs = kwargs
+
+    client = Recording()
+    executors.DaskExecutor(client, retries=2).submit(len, "x", name="jacobian-chunk-1")
+    assert client.kwargs["retries"] == 2
+    assert client.kwargs["key"].startswith("jacobian-chunk-1-")
+
+
+@pytest.mark.parametrize(
+    "retries, error, words",
+    [
+        (1, ValueError, "retries=1 asks Dask to run a failed chunk again; HeldBack"),
+        (-1, ValueError, "retries must be 0 or more; got -1"),
+        (1.5, TypeError, "retries must be a whole number; got 1.5"),
+    ],
+)
+def test_retries_are_refused_where_nothing_reruns_or_when_not_a_count(
+    retries, error, words
+):
+    model, x, _ = _run(n=10)
+    with pytest.raises(error, match=words):
+        distributed_jacobian(model, x, HeldBack(), retries=retries, progress=False)
 
 
 # --- the scheduler needs nothing of ours ----------------------------------------

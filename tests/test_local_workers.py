@@ -1,8 +1,9 @@
 """LocalWorkers: its processes end with the process that started them, however
 it ends; only a client holding its key connects; it listens on 127.0.0.1 only,
-with no dashboard; its scheduler never imports jacutil (TensorFlow)."""
+with no dashboard unless asked; its scheduler never imports jacutil (TensorFlow)."""
 
 import asyncio
+import gc
 import json
 import os
 import select
@@ -150,12 +151,19 @@ def test_a_client_without_the_key_is_refused(workers):
     for address in addresses:  # the scheduler, the workers, the nannies
         with pytest.raises(Exception):  # noqa: B017 - refused, whichever way
             asyncio.run(_try_plain_tcp(address.replace("tls://", "tcp://")))
+    # A Client whose start failed is closed by its __del__ when collected;
+    # collected inside the next Client's start (in its new loop thread), it
+    # waits for the lock that start holds (distributed.utils.LoopRunner._lock,
+    # one for the class): a deadlock. So each is collected here, at once.
     with pytest.raises(Exception):  # noqa: B017
         Client(workers.address.replace("tls://", "tcp://"), timeout=3)
+    gc.collect()
     with pytest.raises(Exception):  # noqa: B017 - TLS, but no certificate
         Client(workers.address, timeout=3)
+    gc.collect()
     with pytest.raises(Exception):  # noqa: B017 - a key of one's own
         Client(workers.address, security=Security.temporary(), timeout=3)
+    gc.collect()
     assert time.monotonic() - started < 60
     with Client(workers.address, security=workers.security, timeout=30) as second:
         pids = second.run(os.getpid)
@@ -184,6 +192,45 @@ def test_every_process_listens_on_loopback_only_and_serves_no_dashboard(workers)
             except OSError:  # a TLS port: no HTTP
                 continue
             assert status == 404, f"{url} answers {status}: a dashboard"
+
+
+def _status(url):
+    try:
+        with urllib.request.urlopen(url, timeout=10) as answer:
+            return answer.status
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
+def test_a_dashboard_on_request_on_loopback_without_logs_or_call_stacks():
+    """Issue 37: dashboard=True opens Dask's dashboard on 127.0.0.1; the
+    scheduler's logs, call stacks and identity stay off."""
+    with LocalWorkers(1, dashboard=True, start_timeout=120) as running:
+        link = running.dashboard_link
+        assert link.startswith("http://127.0.0.1:") and link.endswith("/status")
+        assert running.client.dashboard_link == link
+        assert _status(link) == 200
+        root = link.rsplit("/", 1)[0]
+        for page in ("/info/main/workers.html", "/json/identity.json"):
+            assert _status(root + page) == 404, page
+        port = int(link.split(":")[2].split("/")[0])
+        scheduler = next(p for p in running.processes if p.name == "scheduler")
+        served = [
+            c.laddr.ip
+            for c in psutil.Process(scheduler.pid).net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+        ]
+        assert served == ["127.0.0.1"]
+
+
+def test_a_dashboard_without_bokeh_is_refused_before_any_process(tmp_path):
+    python = tmp_path / "python"  # an interpreter that cannot import bokeh
+    python.write_text(
+        f"#!/bin/sh\nexec {sys.executable} -c 'raise ImportError' \"$@\"\n"
+    )
+    python.chmod(0o755)
+    with pytest.raises(ImportError, match="pip install bokeh"):
+        LocalWorkers(1, dashboard=True, python=str(python))
 
 
 def test_the_scheduler_and_nannies_never_load_tensorflow(workers):

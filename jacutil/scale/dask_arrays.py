@@ -18,7 +18,7 @@ import operator
 import pickle
 
 from ..core.arguments import check_chunk_size
-from .dask_blocks import blocks_by_samples
+from .dask_blocks import blocks_by_samples, is_dask_input
 from .distributed import model_spec, prepare, rows_task
 from .workers import client_of
 
@@ -49,8 +49,8 @@ def lazy_jacobian(
         training: run the model in training mode.
         jit_compile: compile with XLA.
         method: as in :func:`jacutil.compiled_jacobian`.
-        client: the ``dask.distributed.Client`` (needed for futures, and to
-            compute a ``dask.array`` x's first sample on the workers).
+        client: the ``dask.distributed.Client`` that computes a ``dask.array``
+            x's first sample (and holds futures); None: the current client.
 
     Returns:
         A ``dask.array`` of shape (n, l, m).
@@ -61,6 +61,8 @@ def lazy_jacobian(
     chunk_size = check_chunk_size(chunk_size)  # the stages' check and words
     if chunk_size is None:
         raise TypeError("lazy_jacobian needs chunk_size: the samples per block.")
+    if client is None and is_dask_input(x):
+        client = client_of(None)  # the current one, as Dask's own functions do
     run = prepare(model, x, client, training, jit_compile, method)
     loads = dask.delayed(pickle.loads, pure=True)
     options = {"training": training, "jit_compile": jit_compile, "method": method}
@@ -88,7 +90,7 @@ def lazy_jacobian(
     return da.concatenate(parts)
 
 
-def jacobian_futures(model, x, workers, *, chunk_size, **options):
+def jacobian_futures(model, x, workers=None, *, chunk_size, **options):
     """Start every chunk on the workers now; one future per chunk.
 
     For asynchronous use: the driver goes on while the workers compute;
@@ -99,7 +101,8 @@ def jacobian_futures(model, x, workers, *, chunk_size, **options):
     Args:
         model: a Keras model.
         x: the n samples (an array, a ``dask.array`` or futures).
-        workers: a :class:`jacutil.LocalWorkers` or ``dask.distributed.Client``.
+        workers: a :class:`jacutil.LocalWorkers` or ``dask.distributed.Client``
+            (None: the current client).
         chunk_size: samples per chunk.
         **options: ``training``, ``jit_compile``, ``method`` as in
             :func:`lazy_jacobian`.

@@ -298,7 +298,7 @@ def prepare(model, x, client, training, jit_compile, method):
 def distributed_jacobian(
     model,
     x,
-    workers,
+    workers=None,
     *,
     chunk_size=None,
     out=None,
@@ -309,12 +309,15 @@ def distributed_jacobian(
     timeout=None,
     deadline=None,
     on_chunk=None,
+    retries=0,
 ):
     """Per-sample Jacobian with its chunks computed on workers.
 
     ``workers``: a :class:`LocalWorkers`, a ``dask.distributed.Client``, a
     ``concurrent.futures.ProcessPoolExecutor`` or an executor
-    (:mod:`jacutil.scale.executors`). Chunks of ``chunk_size`` samples
+    (:mod:`jacutil.scale.executors`); None, the current Dask client (inside
+    ``with LocalWorkers(...)`` or ``with Client(...)``), as Dask's own
+    functions do. Chunks of ``chunk_size`` samples
     (default: n / (4 x workers); a resumed run's own) are rows of the same
     compiled Jacobian as :func:`jacutil.chunked_jacobian`, so the result
     equals it bit for bit when both use the same ``chunk_size`` (another
@@ -348,7 +351,7 @@ def distributed_jacobian(
     Args:
         model: a Keras model (workers rebuild it from its config).
         x: the n samples (arrays, a ``dask.array`` or Dask futures).
-        workers: where chunks run (see above).
+        workers: where chunks run (see above; None: the current Dask client).
         chunk_size: samples per chunk (default n / (4 x workers)).
         out: None, an array of shape (n, l, m), a ``.npy`` path or a folder.
         progress: show a progress bar over samples.
@@ -359,6 +362,8 @@ def distributed_jacobian(
             (None: no limit).
         deadline: seconds for the whole run (None: no limit).
         on_chunk: called with k after chunk k is written.
+        retries: times Dask runs a chunk again after an error of its own
+            (as ``Client.submit``; a chunk of a lost worker is rerun anyway).
 
     Returns:
         An array of shape (n, l, m): ``out``, the ``.npy`` opened read-only,
@@ -378,7 +383,7 @@ def distributed_jacobian(
         "deadline": deadline,
         "on_chunk": on_chunk,
     }
-    executor = executor_for(workers)
+    executor = executor_for(workers, retries=retries)
     try:
         return _distributed(executor, model, x, chunk_size, out, progress, options)
     finally:
@@ -468,18 +473,23 @@ class Job:
         writing into a chunk folder when ``where`` says so."""
         executor, run = self.executor, self.run
         task = functools.partial(rows_task, options=self.options, **(where or {}))
-        task = executor.share(task)
-        spec = executor.share(model_spec(self.model, run.probe))
+        task = executor.share(task, name="jacobian-task")
+        spec = executor.share(model_spec(self.model, run.probe), name="jacobian-model")
         if run.dask_x is not None:
             blocks = blocks_by_samples(run.dask_x, chunk_size)
             samples = executor.client.compute([blocks[k] for k in todo])
         else:
             samples = [
-                executor.share(run.chunk(k * chunk_size, (k + 1) * chunk_size))
+                executor.share(
+                    run.chunk(k * chunk_size, (k + 1) * chunk_size),
+                    name=f"jacobian-samples-{k:06d}",
+                )
                 for k in todo
             ]
         return {
-            executor.submit(task, spec, part, k * chunk_size): k
+            executor.submit(
+                task, spec, part, k * chunk_size, name=f"jacobian-chunk-{k:06d}"
+            ): k
             for k, part in zip(todo, samples, strict=True)
         }
 

@@ -1,8 +1,9 @@
 """Where the chunks run: one interface, two backends (notebook 10-beyond-one-machine).
 
 An executor does five things, and :func:`jacutil.distributed_jacobian` needs
-no more: ``share(value)`` (data that many tasks read: the model), ``submit(fn,
-*args)`` (one chunk's task), ``wait(pending, seconds)`` (the finished ones),
+no more: ``share(value, name=None)`` (data that many tasks read: the model),
+``submit(fn, *args, name=None)`` (one chunk's task; ``name`` a readable start
+of its key, ``jacobian-chunk-000017``), ``wait(pending, seconds)`` (the finished ones),
 ``cancel(futures)`` and ``n_workers()``. :func:`as_arrived` turns them into
 the loop that collects chunks, with its two clocks and its lost-workers rule.
 
@@ -30,6 +31,8 @@ import uuid
 import weakref
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
+
+import numpy as np
 
 from .workers import client_of, remove_dead_owners_folders
 
@@ -111,35 +114,59 @@ class WorkersLostError(RuntimeError):
 class DaskExecutor:
     """Chunks as tasks on a Dask cluster.
 
-    Introduced in ``10-beyond-one-machine``.
+    Tasks carry readable keys (``jacobian-chunk-000017-<run>``), so Dask's
+    dashboard and its logs say what runs. Introduced in
+    ``10-beyond-one-machine``.
 
     Args:
         client: a ``dask.distributed.Client``.
+        retries: times Dask runs a chunk again after an error of its own
+            (``Client.submit``'s ``retries``; a lost worker's chunks are rerun
+            anyway).
     """
 
-    def __init__(self, client):
-        self.client = client
+    def __init__(self, client, retries=0):
+        self.client, self.retries = client, check_retries(retries)
+        self.run = uuid.uuid4().hex[:8]  # keys of one executor never collide
 
-    def share(self, value):
+    def _key(self, name):
+        return None if name is None else f"{name}-{self.run}-{uuid.uuid4().hex[:8]}"
+
+    def share(self, value, name=None):
         """A future of ``value``: a task that unpickles it on a worker (run
         again if every worker holding it dies).
 
         Args:
             value: anything picklable (the model's spec, a chunk's samples).
+            name: the start of its key (``jacobian-model``).
 
         Returns:
             A ``distributed.Future``.
         """
-        return self.client.submit(pickle.loads, pickle.dumps(value), pure=False)
+        return self.client.submit(
+            pickle.loads, pickle.dumps(value), pure=False, key=self._key(name)
+        )
 
-    def submit(self, fn, *args):
+    def submit(self, fn, *args, name=None):
         """Run ``fn(*args)`` on a worker; ``fn`` and ``args`` are futures of
         :meth:`share` (or small plain values: ints, strings).
 
+        Args:
+            fn: the task.
+            *args: its arguments.
+            name: the start of its key (``jacobian-chunk-000017``).
+
         Returns:
             A ``distributed.Future``.
         """
-        return self.client.submit(operator.call, fn, *args, pure=False)
+        return self.client.submit(
+            operator.call,
+            fn,
+            *args,
+            pure=False,
+            key=self._key(name),
+            retries=self.retries,
+        )
 
     def wait(self, pending, seconds):
         """The futures among ``pending`` that finished within ``seconds``.
@@ -219,12 +246,12 @@ class ProcessExecutor:
         self.results = Path(tempfile.mkdtemp(prefix=f"jacutil-pool-{os.getpid()}-"))
         self._remove = weakref.finalize(self, shutil.rmtree, self.results, True)
 
-    def share(self, value):
+    def share(self, value, name=None):
         """``value`` itself: it travels with each task."""
         return value
 
-    def submit(self, fn, *args):
-        """Run ``fn(*args)`` in a process of the pool.
+    def submit(self, fn, *args, name=None):
+        """Run ``fn(*args)`` in a process of the pool (``name`` is unused).
 
         Returns:
             A ``concurrent.futures.Future``.
@@ -301,23 +328,38 @@ def result_in_file(folder, fn, *args):
     return str(path)
 
 
-def executor_for(workers):
+def executor_for(workers, *, retries=0):
     """The executor behind ``workers``.
 
     Args:
-        workers: a :class:`jacutil.LocalWorkers`, a ``dask.distributed.Client``,
+        workers: a :class:`jacutil.LocalWorkers`, a ``dask.distributed.Client``
+            (None: the current client, :func:`~jacutil.scale.workers.client_of`),
             a ``concurrent.futures.ProcessPoolExecutor``, or an executor:
             :class:`DaskExecutor`, :class:`ProcessExecutor`, or any object
             with the methods in ``INTERFACE`` (``threads()`` optional).
+        retries: times a chunk that fails is run again (Dask only).
 
     Returns:
         An executor.
 
     Raises:
         TypeError: ``workers`` is none of these (or is closed).
+        ValueError: ``retries`` for an executor that cannot rerun a chunk.
         WorkerMismatchError: a Dask worker cannot run this driver's chunks
             (:func:`check_workers`).
     """
+    retries = check_retries(retries)
+    if isinstance(workers, DaskExecutor):
+        return DaskExecutor(workers.client, retries) if retries else workers
+    if retries and (
+        isinstance(workers, concurrent.futures.ProcessPoolExecutor)
+        or all(callable(getattr(workers, name, None)) for name in INTERFACE)
+    ):
+        raise ValueError(
+            f"retries={retries} asks Dask to run a failed chunk again; "
+            f"{type(workers).__name__} does not. Use a Dask client or "
+            "LocalWorkers, or leave retries out."
+        )
     if all(callable(getattr(workers, name, None)) for name in INTERFACE):
         return workers  # ours, or any object with the five methods
     if isinstance(workers, concurrent.futures.ProcessPoolExecutor):
@@ -326,13 +368,26 @@ def executor_for(workers):
     try:
         client = client_of(workers)
     except TypeError:
+        if workers is None:
+            raise
         raise TypeError(
             "workers must be a running jacutil.LocalWorkers, a "
             "dask.distributed.Client, a concurrent.futures.ProcessPoolExecutor "
             f"or a jacutil.scale.executors executor; got {workers!r}."
         ) from None
     check_workers(client)
-    return DaskExecutor(client)
+    return DaskExecutor(client, retries)
+
+
+def check_retries(retries):
+    """``retries`` as a whole number of at least 0 (None: 0)."""
+    if retries is None:
+        return 0
+    if isinstance(retries, bool) or not isinstance(retries, int | np.integer):
+        raise TypeError(f"retries must be a whole number; got {retries!r}.")
+    if retries < 0:
+        raise ValueError(f"retries must be 0 or more; got {retries}.")
+    return int(retries)
 
 
 def as_arrived(executor, futures, *, timeout=None, deadline=None):

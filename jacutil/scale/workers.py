@@ -42,6 +42,7 @@ A scheduler or worker that does not come up within ``start_timeout`` seconds,
 or a port that is taken, is an error that says which and shows its log.
 """
 
+import gc
 import os
 import shutil
 import signal
@@ -60,6 +61,8 @@ PARENT_WATCH = str(Path(__file__).with_name("parent_watch.py"))
 FD_VARIABLE = "JACUTIL_PARENT_FD"  # as in parent_watch.py (not imported here)
 FOLDER_VARIABLE = "JACUTIL_REMOVE_ON_EXIT"
 HTTP_ROUTES = '["distributed.http.health"]'  # read by Dask from the environment
+DASHBOARD_ROUTES = '["distributed.http.health", "distributed.http.statics"]'
+
 STOP_BOUND = 10.0  # seconds from the driver's end to nothing left (measured: 0.5)
 
 
@@ -133,7 +136,11 @@ class LocalWorkers:
     interpreter that runs them. ``client`` is the connected
     ``dask.distributed.Client``; ``address`` the scheduler's
     (``tls://127.0.0.1:PORT``); ``security`` the ``distributed.Security``
-    that a second client needs. Introduced in ``10-beyond-one-machine``.
+    that a second client needs. ``dashboard=True`` opens Dask's dashboard
+    on 127.0.0.1 (``dashboard_link``; it needs ``bokeh``: ``pip install
+    bokeh``): plain HTTP without a key, so every user of this machine can
+    read it while it runs (task names, workers' memory; not the logs nor
+    the call stacks, which stay off). Introduced in ``10-beyond-one-machine``.
 
     Use it as a context manager, or call :meth:`close`. If the Python
     process that made it ends without either (a normal exit, ``SIGTERM``,
@@ -146,9 +153,11 @@ class LocalWorkers:
         port: the scheduler's port (default: a free one).
         start_timeout: seconds to wait for the scheduler and each worker.
         python: the interpreter that runs them.
+        dashboard: open Dask's dashboard on 127.0.0.1 (default: none).
 
     Raises:
         ValueError: ``n_workers`` is below 1.
+        ImportError: ``dashboard=True`` and ``bokeh`` is not installed.
         jacutil.scale.workers.WorkerStartError: the scheduler or a worker
             did not start (the message holds the tail of its log).
     """
@@ -161,9 +170,14 @@ class LocalWorkers:
         port=None,
         start_timeout=60.0,
         python=sys.executable,
+        dashboard=False,
     ):
         if int(n_workers) < 1:
             raise ValueError(f"n_workers must be at least 1; got {n_workers}.")
+        self.dashboard_link = None
+        if dashboard:
+            _check_bokeh(python)
+            self.dashboard_link = f"http://{HOST}:{free_port()}/status"
         self.n_workers = int(n_workers)
         self.threads = threads or max(1, (os.cpu_count() or 1) // self.n_workers)
         self.port = port or free_port()
@@ -205,6 +219,8 @@ class LocalWorkers:
         # the scheduler's info pages (logs, call stacks) nor /metrics.
         for role in ("SCHEDULER", "WORKER"):
             env[f"DASK_DISTRIBUTED__{role}__HTTP__ROUTES"] = HTTP_ROUTES
+        if name == "scheduler" and self.dashboard_link:  # its pages' images
+            env["DASK_DISTRIBUTED__SCHEDULER__HTTP__ROUTES"] = DASHBOARD_ROUTES
         env[FD_VARIABLE] = str(self._watch_fd)  # for parent_watch.py
         env.pop(FOLDER_VARIABLE, None)
         if name == "scheduler":  # its watchdog removes the folder
@@ -266,9 +282,7 @@ class LocalWorkers:
                 "--port",
                 str(self.port),
                 *tls,
-                "--no-dashboard",
-                "--dashboard-address",
-                f"{HOST}:0",
+                *self._dashboard_arguments(),
                 "--preload",
                 PARENT_WATCH,
             ],
@@ -309,11 +323,22 @@ class LocalWorkers:
                 ],
             )
         wait = max(1.0, deadline - time.monotonic())
+        # A Client left unclosed (one whose start failed) is closed by its
+        # __del__; collected inside this Client's start, in its new loop
+        # thread, it waits for a lock that start holds (LoopRunner._lock, one
+        # for the class) and both wait forever. Collect such garbage now.
+        gc.collect()
         self.client = Client(self.address, security=self.security, timeout=wait)
         while len(self.client.scheduler_info()["workers"]) < self.n_workers:
             self._check_alive(deadline, f"{self.n_workers} Dask workers")
             time.sleep(0.1)
         del scheduler
+
+    def _dashboard_arguments(self):
+        if self.dashboard_link is None:
+            return ["--no-dashboard", "--dashboard-address", f"{HOST}:0"]
+        port = self.dashboard_link.split(":")[2].split("/")[0]
+        return ["--dashboard", "--dashboard-address", f"{HOST}:{port}"]
 
     def _check_alive(self, deadline, what):
         for process in self.processes:
@@ -397,6 +422,19 @@ class LocalWorkers:
         )
 
 
+def _check_bokeh(python):
+    """Dask's dashboard is a bokeh app: refuse before starting without it."""
+    found = subprocess.run(
+        [python, "-c", "import bokeh"], capture_output=True, check=False
+    )
+    if found.returncode != 0:
+        raise ImportError(
+            "dashboard=True needs bokeh, which Dask's dashboard is made with, "
+            f"and {python} cannot import it: pip install bokeh (or leave "
+            "dashboard out)."
+        )
+
+
 def leftovers(address=None):
     """Processes that a LocalWorkers (any, or the one at ``address``) started
     and that still run: after ``close()``, none (``make test`` checks).
@@ -473,17 +511,31 @@ def remove_dead_owners_folders():
 
 
 def client_of(workers):
-    """The ``dask.distributed.Client`` of a :class:`LocalWorkers` or a Client.
+    """The ``dask.distributed.Client`` of a :class:`LocalWorkers` or a Client;
+    for None, the current one, as Dask's own functions use it (inside
+    ``with Client(...)`` or ``with LocalWorkers(...)``, or the last one made).
 
     Args:
-        workers: a running :class:`LocalWorkers`, or a Client.
+        workers: a running :class:`LocalWorkers`, a Client, or None.
 
     Returns:
         The ``dask.distributed.Client``.
 
     Raises:
-        TypeError: ``workers`` is neither (or is closed).
+        TypeError: ``workers`` is neither (or is closed), or is None and no
+            client is current.
     """
+    if workers is None:
+        try:
+            from distributed import default_client
+
+            return default_client()
+        except (ImportError, ValueError):
+            raise TypeError(
+                "no workers were given and no Dask client is current: pass "
+                "workers= a jacutil.LocalWorkers or a dask.distributed.Client, "
+                "or call inside `with LocalWorkers(2):` or `with Client(...):`."
+            ) from None
     client = getattr(workers, "client", workers)
     if client is None or not hasattr(client, "submit"):
         raise TypeError(
