@@ -14,6 +14,7 @@ from pathlib import Path
 import jupytext
 import nbformat
 from course_minutes import LINE, measure
+from local_kernel import LocalKernelManager
 from nbclient import NotebookClient
 
 KERNELSPEC = {"display_name": "Python 3", "language": "python", "name": "python3"}
@@ -39,6 +40,7 @@ def build(source: Path) -> Path:
         nb,
         timeout=600,
         kernel_name="python3",
+        kernel_manager_class=LocalKernelManager,  # no TCP warning
         resources={"metadata": {"path": str(target.parent)}},
     ).execute()
     for cell in nb.cells:

@@ -13,6 +13,7 @@ from pathlib import Path
 import nbformat
 import papermill
 from course_minutes import stated
+from local_kernel import LocalKernelManager
 from nbconvert import HTMLExporter
 
 BUILD = Path("build")
@@ -54,6 +55,7 @@ def run(notebook: Path):
             kernel_name="python3",
             cwd=str(notebook.parent),
             progress_bar=False,
+            kernel_manager_class=LocalKernelManager,  # no TCP warning
         )
     except papermill.PapermillExecutionError as err:
         error = f"{err.ename}: {err.evalue}"

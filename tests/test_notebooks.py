@@ -108,3 +108,29 @@ def test_tensorflow_comes_from_jacutil(book):
         if line.lstrip().startswith(("import tensorflow", "from tensorflow"))
     ]
     assert not direct, direct
+
+
+def test_make_run_starts_its_kernels_without_a_security_warning(tmp_path, capfd):
+    """Issue 39: `make run` printed ipykernel's "Kernel is running over TCP
+    without encryption" once per notebook; its kernels now talk over IPC."""
+    import sys
+
+    sys.path.insert(0, str(NOTEBOOKS.parent / "scripts"))
+    from local_kernel import LocalKernelManager
+
+    book = tmp_path / "one.ipynb"
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("print(6 * 7)")]
+    nbformat.write(nb, book)
+    for manager, warned in [(None, True), (LocalKernelManager, False)]:
+        chosen = {"kernel_manager_class": manager} if manager else {}
+        executed = papermill.execute_notebook(
+            str(book),
+            str(tmp_path / "out.ipynb"),
+            kernel_name="python3",
+            progress_bar=False,
+            **chosen,
+        )
+        assert executed.cells[0].outputs[0]["text"] == "42\n"
+        said = capfd.readouterr()
+        assert ("without encryption" in said.err + said.out) is warned

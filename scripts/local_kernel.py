@@ -1,0 +1,22 @@
+"""The kernel that `make run` and `make notebooks` start: over IPC, not TCP.
+
+A kernel started over TCP logs "Kernel is running over TCP without
+encryption" (ipykernel) once per notebook: a security warning on a learner's
+first screen, for a kernel that only this process talks to. Over IPC (Unix
+domain sockets in Jupyter's runtime folder, readable by you only) there is
+nothing to warn about; jupyter_client removes the sockets with the kernel.
+Windows has no IPC transport for ZeroMQ: there the kernel stays on TCP.
+"""
+
+import os
+
+from jupyter_client.manager import AsyncKernelManager
+from traitlets import CaselessStrEnum
+
+
+class LocalKernelManager(AsyncKernelManager):
+    """A kernel manager whose kernels talk over IPC (TCP on Windows)."""
+
+    transport = CaselessStrEnum(
+        ["tcp", "ipc"], default_value="tcp" if os.name == "nt" else "ipc", config=True
+    )
