@@ -9,9 +9,11 @@ Windows has no IPC transport for ZeroMQ: there the kernel stays on TCP.
 """
 
 import os
+import uuid
 
 from jupyter_client.manager import AsyncKernelManager
-from traitlets import CaselessStrEnum
+from jupyter_core.paths import jupyter_runtime_dir
+from traitlets import CaselessStrEnum, default
 
 
 class LocalKernelManager(AsyncKernelManager):
@@ -20,3 +22,14 @@ class LocalKernelManager(AsyncKernelManager):
     transport = CaselessStrEnum(
         ["tcp", "ipc"], default_value="tcp" if os.name == "nt" else "ipc", config=True
     )
+
+    @default("ip")
+    def _ip_default(self):
+        """An absolute path for the sockets: jupyter_client's default,
+        ``kernel-ipc``, is relative, and a kernel started in the notebook's
+        folder would listen where its client does not look."""
+        if self.transport != "ipc":
+            return super()._ip_default()
+        folder = jupyter_runtime_dir()
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        return os.path.join(folder, f"kernel-{uuid.uuid4()}-ipc")

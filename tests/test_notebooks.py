@@ -112,25 +112,55 @@ def test_tensorflow_comes_from_jacutil(book):
 
 def test_make_run_starts_its_kernels_without_a_security_warning(tmp_path, capfd):
     """Issue 39: `make run` printed ipykernel's "Kernel is running over TCP
-    without encryption" once per notebook; its kernels now talk over IPC."""
+    without encryption" once per notebook; its kernels (and make notebooks')
+    now talk over IPC, their sockets at an absolute path that is removed."""
     import sys
+
+    from jupyter_core.paths import jupyter_runtime_dir
+    from nbclient import NotebookClient
 
     sys.path.insert(0, str(NOTEBOOKS.parent / "scripts"))
     from local_kernel import LocalKernelManager
 
+    def sockets():
+        folders = (NOTEBOOKS, Path(jupyter_runtime_dir()), Path.cwd())
+        return {p for f in folders if f.exists() for p in f.glob("kernel-*ipc*")}
+
+    before = sockets()
     book = tmp_path / "one.ipynb"
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell("print(6 * 7)")]
     nbformat.write(nb, book)
-    for manager, warned in [(None, True), (LocalKernelManager, False)]:
+
+    def as_make_run(manager):  # scripts/run_notebooks.py
         chosen = {"kernel_manager_class": manager} if manager else {}
-        executed = papermill.execute_notebook(
+        return papermill.execute_notebook(
             str(book),
             str(tmp_path / "out.ipynb"),
             kernel_name="python3",
             progress_bar=False,
+            cwd=str(NOTEBOOKS),
             **chosen,
         )
-        assert executed.cells[0].outputs[0]["text"] == "42\n"
-        said = capfd.readouterr()
-        assert ("without encryption" in said.err + said.out) is warned
+
+    def as_make_notebooks(manager):  # scripts/build_notebooks.py
+        run = nbformat.read(book, as_version=4)
+        NotebookClient(
+            run,
+            timeout=60,
+            kernel_name="python3",
+            kernel_manager_class=manager,
+            resources={"metadata": {"path": str(NOTEBOOKS)}},
+        ).execute()
+        return run
+
+    assert "without encryption" in _said(as_make_run(None), capfd)
+    for execute in (as_make_run, as_make_notebooks):
+        assert "without encryption" not in _said(execute(LocalKernelManager), capfd)
+    assert sockets() == before, "IPC sockets were left behind"
+
+
+def _said(executed, capfd):
+    assert executed.cells[0].outputs[0]["text"] == "42\n"
+    said = capfd.readouterr()
+    return said.err + said.out
