@@ -9,7 +9,8 @@ STAMP := $(VENV)/.installed
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9]*.ipynb))
 SHARED_CHECK := ../shared/tools/check_notebooks.py
 PROSE_CHECK := ../shared/tools/check_prose_numbers.py
-export TF_CPP_MIN_LOG_LEVEL := 2
+# TensorFlow C++ log: fatal only (jacutil/core/_tf.py says why)
+export TF_CPP_MIN_LOG_LEVEL := 3
 export JUPYTER_PREFER_ENV_PATH := 1
 export PYDEVD_DISABLE_FILE_VALIDATION := 1
 
