@@ -39,11 +39,14 @@ def test_03_2_shapes_xla_compiles():
 
 def test_03_1_traces_with_reduce_retracing():
     sizes = [3, 5, 8, 13, 21]
-    assert check.verdict("03-1", 2, sizes=sizes).correct
-    assert check.verdict("03-1", 2, sizes=[2, 3]).correct
-    assert check.verdict("03-1", 1, sizes=[4, 4]).correct
-    message = hint("03-1", 5, sizes=sizes)
+    assert check.verdict("03-1", (2, None), sizes=sizes).correct
+    assert check.verdict("03-1", [2, None], sizes=[2, 3]).correct
+    assert check.verdict("03-1", (1, 4), sizes=[4, 4]).correct
+    message = hint("03-1", (5, None), sizes=sizes)
     assert "one trace per batch size" in message and "2" not in message
-    assert "exact shape" in hint("03-1", 1, sizes=sizes)
-    assert "too large" in hint("03-1", 4, sizes=sizes)
-    assert "one number" in hint("03-1", [3, None], sizes=sizes)
+    assert "exact shape" in hint("03-1", (1, None), sizes=sizes)
+    assert "too large" in hint("03-1", (4, None), sizes=sizes)
+    assert "two things" in hint("03-1", 2, sizes=sizes)  # the count alone
+    message = hint("03-1", (2, 21), sizes=sizes)  # the right count, unexplained
+    assert "could not serve" in message and "None" not in message
+    assert "one number" in hint("03-1", ([3, 4], None), sizes=sizes)

@@ -42,6 +42,10 @@ def test_04_1_float64_chunks(tiny, float64_answer):
     assert "float32 precision" in hint("04-1", (chunk, cast), model=model, x=x)
     assert "shape" in hint("04-1", (chunk, J64[:3]), model=model, x=x)
     assert "weights" in hint("04-1", (chunk, J64 * 1.1), model=model, x=x)
+    message = hint("04-1", (chunk + 1, J64), model=model, x=x)  # issue 39
+    assert "one sample too many" in message and "factor" not in message
+    message = hint("04-1", (chunk - 3, J64), model=model, x=x)
+    assert "close but too small: by 3" in message and "factor" not in message
 
 
 def test_04_2_two_halves(tiny):

@@ -228,7 +228,9 @@ for method in ["per_sample", "batch"]:
 # **1.** `tf.function(..., reduce_retracing=True)` is another way to stop
 # retracing without a signature. Wrap `jacobian_of_batch` with it, call it
 # on each size of `trace_sizes`, and count its traces (`traces` records
-# them). Put the number of traces in `answer`, and explain it.
+# the batch dimension each one saw). Put two things in `answer`: the number
+# of traces, and the batch dimension the last trace recorded (a number, or
+# None) - `answer = (count, batch)`. The second one explains the first.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
 # Solution: the second new shape makes TensorFlow trace a general graph with
@@ -239,8 +241,8 @@ traces.clear()
 relaxed = tf.function(jacobian_of_batch, reduce_retracing=True)
 for n in trace_sizes:
     relaxed(tf.constant(x_all[:n]))
-answer = len(traces)
-print(answer, "traces; traced batch sizes:", traces)
+answer = (len(traces), traces[-1])
+print(answer[0], "traces; traced batch sizes:", traces)
 
 # %%
 check.exercise("03-1", answer, sizes=trace_sizes)

@@ -196,8 +196,12 @@ def as_number(answer, what):
     return value
 
 
+NEAR_MISS = 1.5  # within this factor, a hint gives the gap, not the factor
+
+
 def close_number(value, expected, rel, what):
-    """A Hint with the order of magnitude if ``value`` is not within ``rel``.
+    """A Hint with the order of magnitude if ``value`` is not within ``rel``;
+    for a near miss (within a factor ``NEAR_MISS``), how far off it is.
 
     Args:
         value: the learner's number.
@@ -212,9 +216,16 @@ def close_number(value, expected, rel, what):
         return
     if expected and value and np.sign(value) == np.sign(expected):
         factor = value / expected
-        if factor > 1:
-            raise Hint(f"{what} is too large, by a factor of about {factor:.2g}.")
-        raise Hint(f"{what} is too small, by a factor of about {1 / factor:.2g}.")
+        size = "too large" if factor > 1 else "too small"
+        if max(factor, 1 / factor) < NEAR_MISS:  # "a factor of about 1" says nothing
+            gap = abs(value - expected)
+            by = f"{gap:.0f}" if float(gap).is_integer() else f"{gap:.3g}"
+            raise Hint(
+                f"{what} is close but {size}: by {by}, "
+                f"{gap / abs(expected):.1%} of the right value."
+            )
+        factor = max(factor, 1 / factor)
+        raise Hint(f"{what} is {size}, by a factor of about {factor:.2g}.")
     raise Hint(f"{what} has the wrong sign or is zero.")
 
 

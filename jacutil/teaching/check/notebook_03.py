@@ -65,7 +65,8 @@ def shapes_xla_compiles(answer, sizes, block_size):
 
 @checks("03-1")
 def traces_with_reduce_retracing(answer, sizes):
-    """Count the traces of a tiny reduce_retracing tf.function over ``sizes``."""
+    """(the traces of a tiny reduce_retracing tf.function over ``sizes``, the
+    batch dimension its last trace recorded: None for "any")."""
     from ... import tf
 
     traces = []
@@ -77,20 +78,34 @@ def traces_with_reduce_retracing(answer, sizes):
     relaxed = tf.function(tiny, reduce_retracing=True)
     for n in sizes:
         relaxed(tf.zeros([int(n), 1]))
-    count = as_number(answer, "the number of traces")
+    answered(answer, "(traces, batch dimension)")
+    if not isinstance(answer, (tuple, list)) or len(answer) != 2:
+        raise Hint(
+            "expected two things, answer = (traces, batch): the number of "
+            "traces, then the batch dimension that the last trace recorded "
+            "(a number, or None), which says why there are no more."
+        )
+    count, batch = answer
+    count = as_number(count, "the number of traces")
     distinct = len(set(sizes))
-    if count == len(traces):
-        return
-    if count == distinct:
+    if count == distinct and count != len(traces):
         raise Hint(
             "that is one trace per batch size, a plain tf.function's count. "
             "With reduce_retracing=True, TensorFlow generalises the shape "
             "after it has seen more than one: which batch dimension does the "
             "second trace record (print `traces`)?"
         )
-    if count == 1:
+    if count == 1 and len(traces) > 1:
         raise Hint(
             "the first call cannot know that the batch size will change: it "
             "traces for the exact shape it sees. What happens at the next size?"
         )
     close_number(count, len(traces), 0, "your number of traces")
+    if batch != traces[-1]:
+        if traces[-1] is None:
+            raise Hint(
+                f"the last trace did not record {batch!r}: a graph traced for "
+                "one batch size could not serve the sizes after it. Print "
+                "`traces`: what is its last entry?"
+            )
+        raise Hint(f"the last trace recorded {traces[-1]}, one size: print `traces`.")

@@ -50,7 +50,13 @@ def float64_chunks(answer, model, x):
         )
     if chunk in (chunk_size_for(16e6, n_out, m, 8), chunk_size_for(16e6, n_out, m, 4)):
         raise Hint("1 MiB is 2**20 bytes, not 10**6: the budget is 16 * 2**20 bytes.")
-    close_number(chunk, chunk_size_for(BUDGET, n_out, m, 8), 0, "your chunk size")
+    right = chunk_size_for(BUDGET, n_out, m, 8)
+    if chunk == right + 1:
+        raise Hint(
+            "one sample too many: that chunk's Jacobian is larger than 16 MiB. "
+            "The chunk must fit the budget, so the division rounds down."
+        )
+    close_number(chunk, right, 0, "your chunk size")
     answered(J, "the float64 Jacobian as the second item of answer")
     if np.asarray(J).dtype == np.float32:
         raise Hint(
