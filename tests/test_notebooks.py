@@ -164,3 +164,77 @@ def _said(executed, capfd):
     assert executed.cells[0].outputs[0]["text"] == "42\n"
     said = capfd.readouterr()
     return said.err + said.out
+
+
+# Notebooks whose library source comes after the idea in plain TensorFlow
+# (issue 39); the other notebooks' show_source cells do not have one yet.
+PLAIN_FIRST = ("01-nested-loop", "03-compiled", "04-chunked")
+
+
+def _asserts_about(trees, name):
+    """The assert statements and np.testing.assert_* calls in ``trees`` that
+    use ``name``, or a variable assigned from it."""
+    import ast
+
+    names = {name}
+    for tree in trees:  # J = plain(...) makes J a result of plain too
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign) and any(
+                isinstance(n, ast.Name) and n.id in names for n in ast.walk(node.value)
+            ):
+                names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+
+    def uses(node):
+        return any(isinstance(n, ast.Name) and n.id in names for n in ast.walk(node))
+
+    return [
+        node
+        for tree in trees
+        for node in ast.walk(tree)
+        if (
+            isinstance(node, ast.Assert)
+            or (isinstance(node, ast.Call) and "assert" in ast.unparse(node.func))
+        )
+        and uses(node)
+    ]
+
+
+@pytest.mark.parametrize("stem", PLAIN_FIRST)
+def test_library_source_comes_after_its_plain_version_proved_equal(stem):
+    """Before each shown library source, a cell tagged plain-version defines
+    the idea in a few lines of plain TensorFlow, and an assertion (run by
+    nbval and papermill) proves it equal to the library function."""
+    import ast
+
+    code = [
+        c
+        for c in nbformat.read(NOTEBOOKS / f"{stem}.ipynb", 4).cells
+        if c.cell_type == "code"
+    ]
+    trees = [
+        ast.parse(
+            "\n".join(
+                line
+                for line in c.source.splitlines()
+                if not line.startswith(("%", "!"))
+            )
+        )
+        for c in code
+    ]
+    plain_since_last, functions = False, []
+    for cell, tree in zip(code, trees, strict=True):
+        if "plain-version" in cell.metadata.get("tags", []):
+            plain_since_last = True
+            functions += [n for n in tree.body if isinstance(n, ast.FunctionDef)]
+        elif "show_source(" in cell.source:
+            assert plain_since_last, (
+                f"library source before its plain version: {cell.source}"
+            )
+            plain_since_last = False
+    assert functions, "no plain version"
+    for function in functions:
+        length = function.end_lineno - function.lineno + 1
+        assert length <= 15, f"{function.name} is {length} lines: not a short idea"
+        assert _asserts_about(trees, function.name), (
+            f"{function.name} is never asserted equal to the library function"
+        )

@@ -24,7 +24,7 @@
 # - Compare eager, graph and XLA for both vectorizations, as a table and a
 #   plot.
 #
-# *Teaching: 16 min · Exercises: 10 min · Going further: 14 min*
+# *Teaching: 17 min · Exercises: 10 min · Going further: 16 min*
 
 # %% [markdown]
 # ## Setup
@@ -64,8 +64,34 @@ target = ju.core.target.resolve_target(model)  # its forward pass and variables
 # of `02` is wrapped in a `tf.function` (a Python function turned into a
 # graph: [TensorFlow words](00-welcome.ipynb#TensorFlow-words)) whose input
 # signature - the shapes and dtypes it accepts - has the batch dimension
-# `None`: one graph serves every n. `CompiledJacobian.build` makes that
-# `tf.function`:
+# `None`: one graph serves every n. The idea in plain TensorFlow, for a
+# model with one input of `d` features, is the per-sample Jacobian of `02`
+# inside such a `tf.function`:
+
+# %% tags=["plain-version"]
+def plain_compiled_jacobian(model, d):
+    """One graph for every batch size: the signature's batch dimension is None."""
+    @tf.function(input_signature=[tf.TensorSpec([None, d], tf.float32)])
+    def jac(x):
+        def rows(x_i):  # one sample's (l, m) rows
+            with tf.GradientTape() as tape:
+                y = model(x_i[None])[0]
+            blocks = tape.jacobian(y, model.trainable_variables)
+            return tf.concat([tf.reshape(b, [y.shape[0], -1]) for b in blocks], 1)
+        return tf.vectorized_map(rows, x)
+    return jac
+
+
+# %% [markdown]
+# `CompiledJacobian.build` makes `jacutil`'s `tf.function`. Its extras:
+# `signature(x)` writes the signature for any inputs (several, dicts, any
+# shape and dtype), `trace_count` and `note_trace` count the traces (the
+# next section uses them), `quiet_function` is `tf.function` without
+# TensorFlow's retracing warning, which `jacutil` replaces with its own
+# count, and `jit_compile` hands the graph to XLA (later in this notebook).
+# The graph itself, `self._jacobian`, is the fastest method that applies:
+# the layer rules (notebook 07) where every layer has one, else the
+# vectorized tape above.
 
 # %%
 ju.teaching.notebook.show_source(ju.stages.compiled.CompiledJacobian.build)
@@ -75,6 +101,9 @@ jac = ju.compiled_jacobian(model)
 J_compiled = jac(x_check)
 J_per_sample = ju.per_sample_jacobian(model, x_check)
 np.testing.assert_allclose(J_compiled, J_per_sample, rtol=1e-5, atol=1e-6)
+plain = plain_compiled_jacobian(model, x_check.shape[1])
+np.testing.assert_allclose(plain(x_check), J_compiled, rtol=1e-5, atol=1e-6)
+print("plain_compiled_jacobian == compiled_jacobian (float32 rounding): True")
 for method in ["per_sample", "batch"]:
     for jit_compile in [False, True]:
         other = ju.compiled_jacobian(model, method=method,
@@ -278,7 +307,24 @@ print("traces:", len(traces))
 # in blocks of `block_size`, the last one padded to its own power of two),
 # and cut the padded rows off the result. Each sample's rows depend on that
 # sample only, so the padding changes nothing (copies, not zeros: a model
-# that takes a log is not finite at zero):
+# that takes a log is not finite at zero). In plain NumPy, for a batch of at
+# most `block_size` samples:
+
+# %% tags=["plain-version"]
+def plain_padded(jac, x):
+    """jac on x padded with copies of its last sample to a power of two (>= 2)."""
+    n = len(x)
+    size = max(2, 2 ** int(np.ceil(np.log2(n))))
+    padded = np.concatenate([x, np.repeat(x[-1:], size - n, axis=0)])
+    return np.asarray(jac(padded))[:n]  # the padded rows cut off
+
+
+# %% [markdown]
+# `CompiledJacobian.tensor` does this for inputs of any structure
+# (`pad_with_last`), keeps one compiled function per input signature
+# (`checked_plan` first checks the model against it), records each shape
+# XLA compiles in `compiled_shapes`, and pads even a batch of one sample to
+# two. The blocks of `block_size` are cut one level up, in `__call__`.
 
 # %%
 ju.teaching.notebook.show_source(ju.stages.compiled.CompiledJacobian.tensor)
@@ -292,6 +338,10 @@ np.testing.assert_allclose(J_xla, ju.per_sample_jacobian(model, x_all[:n]),
 print(len(xla_sizes), "sizes ->", len(jac_xla.compiled_shapes),
       "XLA shapes:", sorted(jac_xla.compiled_shapes),
       "; traces:", jac_xla.trace_count)
+for n in xla_sizes:
+    np.testing.assert_array_equal(plain_padded(jac_xla, x_all[:n]),
+                                  jac_xla(x_all[:n]))
+print("plain_padded == compiled_jacobian with XLA, at every size: True")
 
 # %% [markdown]
 # **2.** With `block_size=64`, which batch shapes does XLA compile when `jac`

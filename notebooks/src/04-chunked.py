@@ -26,7 +26,7 @@
 # against the chunk size, for both vectorizations inside a chunk; a
 # Jacobian written in two runs, as after a restart.
 #
-# *Teaching: 16 min · Exercises: 10 min · Going further: 27 min*
+# *Teaching: 18 min · Exercises: 10 min · Going further: 27 min*
 
 # %% [markdown]
 # ## Setup
@@ -70,12 +70,34 @@ print(f"J of {n_samples:,} samples: {n_samples * row_bytes / 2**20:,.0f} MiB;"
 # per-variable blocks before they are joined, and what TensorFlow keeps in
 # its pool: a multiple of `c · l · m · itemsize`. The multiple was
 # **measured** (not guessed) on nine models, rounded up by a margin, and is
-# stored in `jacutil.stages.chunked` (the comment above it there says how):
+# stored in `jacutil.stages.chunked` as `WORKING_MEMORY_FACTOR` (the comment
+# above it there says how). A chunk size is then one division:
+
+# %% tags=["plain-version"]
+def plain_chunk_size(budget, n_outputs, n_params, itemsize):
+    """The most samples whose working memory fits in budget bytes."""
+    factor = ju.stages.chunked.WORKING_MEMORY_FACTOR
+    return int(budget // (factor * n_outputs * n_params * itemsize))
+
+
+print("WORKING_MEMORY_FACTOR =", ju.stages.chunked.WORKING_MEMORY_FACTOR)
+for mib in (1, 16, 64, 1024):
+    assert plain_chunk_size(mib * 2**20, n_outputs, n_params, itemsize) == (
+        ju.chunk_size_for(mib * 2**20, n_outputs, n_params, itemsize))
+print("plain_chunk_size == chunk_size_for at 1, 16, 64 and 1024 MiB: True")
+
+# %% [markdown]
+# `jacutil`'s two functions are that division, split in two. What they add:
+# `activations`, the numbers of one sample's forward pass, counted for
+# models whose activations are large beside their parameters (a CNN's, in
+# notebook 08), weighted by a second measured multiple,
+# `ACTIVATION_FACTOR`; `method="batch"`, the tape over the whole chunk of
+# notebook 02, whose memory grows as `c²`, so the chunk solves a quadratic;
+# and an error that says what to do when not even one sample fits:
 
 # %%
 ju.teaching.notebook.show_source(ju.stages.chunked.bytes_per_sample)
 ju.teaching.notebook.show_source(ju.chunk_size_for)
-print("WORKING_MEMORY_FACTOR =", ju.stages.chunked.WORKING_MEMORY_FACTOR)
 
 # %% [markdown]
 # Measure it again. Each chunk size runs `chunked_jacobian` of `n_sweep`
@@ -114,7 +136,30 @@ print(f"budget {budget_mib} MiB -> chunks of {chunk} samples, "
 # call on two samples first traces the compiled function, so that the
 # trace's own memory is not measured. (Give `out` a path instead, and the
 # run keeps a ledger of finished chunks and can be resumed after a crash:
-# notebook 10.)
+# notebook 10.) The idea, in plain Python around the compiled Jacobian of
+# notebook 03:
+
+# %% tags=["plain-version"]
+def plain_chunked_jacobian(model, x, chunk_size, out):
+    """J in chunks of chunk_size samples, each written into out (n, l, m)."""
+    jac = ju.compiled_jacobian(model)
+    for start in range(0, len(x), chunk_size):
+        out[start : start + chunk_size] = jac(x[start : start + chunk_size])
+    return out
+
+
+J_plain = plain_chunked_jacobian(model, x[:500], chunk, np.empty((500, 2, n_params),
+                                                                  "float32"))
+np.testing.assert_array_equal(J_plain, ju.chunked_jacobian(
+    model, x[:500], chunk_size=chunk, progress=False))
+print("plain_chunked_jacobian == chunked_jacobian, bit for bit: True")
+
+# %% [markdown]
+# `chunked_jacobian` is that loop. What it adds: the chunk size from
+# `memory_budget` (above) when none is given, and the checks of its
+# arguments; `out` as an array, a memory-mapped file, or a path (then the
+# run is resumable: `resumable_chunks`, notebook 10); a progress bar; and,
+# with XLA, each chunk padded to a power of two (notebook 03).
 
 # %%
 ju.teaching.notebook.show_source(ju.chunked_jacobian)
