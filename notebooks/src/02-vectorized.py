@@ -23,7 +23,7 @@
 # - Predict the memory of a size before running it, and refuse a size that
 #   would not fit.
 #
-# *Teaching: 24 min · Exercises: 7 min · Going further: 15 min*
+# *Teaching: 26 min · Exercises: 7 min · Going further: 15 min*
 
 # %% [markdown]
 # ## Setup
@@ -64,27 +64,62 @@ print("n_outputs =", n_outputs, " n_params =", n_params)
 # *pfor* (parallel for:
 # [TensorFlow words](00-welcome.ipynb#TensorFlow-words)): it rewrites "one
 # backward pass per output row" into batched operations, so Python runs
-# once.
+# once. In plain TensorFlow:
+
+# %% tags=["plain-version"]
+def plain_batch_jacobian(model, x):
+    """tape.jacobian of the whole batch's outputs: (n, l, m)."""
+    with tf.GradientTape() as tape:
+        y = model(x)  # (n, l): one forward pass of the batch
+    blocks = tape.jacobian(y, model.trainable_variables)  # (n, l, *shape) each
+    n, n_out = y.shape
+    return tf.concat([tf.reshape(b, [n, n_out, -1]) for b in blocks], 2).numpy()
+
+
+# %% [markdown]
+# `jacutil`'s `batch_tape_jacobian` is the same tape. Its `target` is the
+# model's forward pass and variables as every stage sees them (any inputs,
+# training mode or not, chosen variables: notebook 01), and `stack_columns`
+# joins the blocks, with zeros for a variable the outputs do not use:
 
 # %%
 ju.teaching.notebook.show_source(ju.stages.vectorized.batch_tape_jacobian)
 
 # %% [markdown]
 # `vectorized_jacobian(model, x)` checks its input and calls that function.
-# It must return exactly what the loop returned:
+# It must return exactly what the loop returned, and what the plain version
+# does:
 
 # %%
 J_loop = ju.loop_jacobian(model, x_check)
 J_batch = ju.vectorized_jacobian(model, x_check)
 np.testing.assert_allclose(J_batch, J_loop, rtol=1e-5, atol=1e-6)
-print("vectorized_jacobian:", J_batch.shape, "== loop_jacobian: True")
+np.testing.assert_array_equal(plain_batch_jacobian(model, x_check), J_batch)
+print("vectorized_jacobian:", J_batch.shape, "== loop_jacobian: True;",
+      "== plain_batch_jacobian, bit for bit: True")
 
 # %% [markdown]
 # ## One Jacobian per sample, vectorized over samples
 #
 # The other way round: write the Jacobian of **one** sample (`l` rows), and
 # let `tf.vectorized_map` run it for every sample at once. This is
-# TensorFlow's counterpart of JAX's `vmap(jacrev(f))`.
+# TensorFlow's counterpart of JAX's `vmap(jacrev(f))`. In plain TensorFlow:
+
+# %% tags=["plain-version"]
+def plain_per_sample_jacobian(model, x):
+    """One sample's (l, m) Jacobian, vectorized over the n samples."""
+    def one_sample(x_i):
+        with tf.GradientTape() as tape:
+            y = model(x_i[None])[0]  # (l,): a batch of one sample
+        blocks = tape.jacobian(y, model.trainable_variables)
+        return tf.concat([tf.reshape(b, [y.shape[0], -1]) for b in blocks], 1)
+    return tf.vectorized_map(one_sample, tf.constant(x)).numpy()
+
+
+# %% [markdown]
+# `jacutil`'s version differs only where the batch tape's did: `target`
+# and `stack_columns`, and a sample that is a list or dict of arrays
+# (`tf.nest.map_structure`):
 
 # %%
 ju.teaching.notebook.show_source(ju.stages.vectorized.per_sample_tape_jacobian)
@@ -92,7 +127,10 @@ ju.teaching.notebook.show_source(ju.stages.vectorized.per_sample_tape_jacobian)
 # %%
 J_per_sample = ju.per_sample_jacobian(model, x_check)
 np.testing.assert_allclose(J_per_sample, J_loop, rtol=1e-5, atol=1e-6)
-print("per_sample_jacobian:", J_per_sample.shape, "== loop_jacobian: True")
+np.testing.assert_array_equal(plain_per_sample_jacobian(model, x_check),
+                              J_per_sample)
+print("per_sample_jacobian:", J_per_sample.shape, "== loop_jacobian: True;",
+      "== plain_per_sample_jacobian, bit for bit: True")
 
 # %% [markdown]
 # ## Why the batch tape is quadratic
@@ -131,7 +169,25 @@ print("non-zero (i, j) blocks:\n", (blocks > 0).astype(int))
 # `a·n² + b·n + c`, whose constants are stored in `jacutil.core.memory` (they
 # were measured on this network), and run only sizes that need less than
 # `safety` of the memory that is free now. The per-sample Jacobian has its
-# own model, linear in n.
+# own model, linear in n. In plain Python, the batch tape's prediction is
+# that polynomial:
+
+# %% tags=["plain-version"]
+def plain_predicted_bytes(n):
+    """a n^2 + b n + c bytes, with the constants measured for the batch tape."""
+    measured = ju.core.memory.BATCH_JACOBIAN
+    a, b, c = measured.quadratic, measured.linear, measured.constant
+    return a * n**2 + b * n + c
+
+
+for n in batch_sizes:
+    assert plain_predicted_bytes(n) == ju.core.memory.predicted_bytes(n, "batch")
+print("plain_predicted_bytes == predicted_bytes: True")
+
+# %% [markdown]
+# `predicted_bytes` keeps both models, the batch tape's and the per-sample
+# Jacobian's, as `MemoryModel`s (which can also be fitted, below) and
+# chooses by `method`:
 
 # %%
 ju.teaching.notebook.show_source(ju.core.memory.predicted_bytes)
@@ -162,11 +218,9 @@ print(f"Finding: tape.jacobian over n = 10,000 samples would need about "
 # (RSS) while a call runs. One more trap: on x86 CPUs TensorFlow (with oneDNN)
 # keeps the memory it grew in a **pool** and reuses it, so a second call at
 # the same size measures almost nothing. `measure_in_fresh_process` therefore
-# runs each sweep in a new Python process, sizes increasing, and reports how
-# far the process had to grow.
-
-# %%
-ju.teaching.notebook.show_source(ju.teaching.memory_sweeps.measure_in_fresh_process)
+# runs each sweep in a new Python process (`python -m
+# jacutil.teaching.memory_sweeps`, with `subprocess.run`), sizes increasing,
+# and reads back how far that process had to grow at each size.
 
 # %% tags=["nbval-ignore-output"]
 def measure(method, sizes):  # bytes; at least 1, for the log-log plots
