@@ -30,7 +30,7 @@
 # SciPy's `(n·l) × m`; the chain rule with a derivative computed outside
 # TensorFlow; one Gauss–Newton step without holding J; two more exercises.
 #
-# *Teaching: 22 min · Exercises: 11 min · Going further: 40 min*
+# *Teaching: 24 min · Exercises: 11 min · Going further: 44 min*
 
 # %% [markdown]
 # ## Setup
@@ -91,8 +91,36 @@ print(f"one QR factorisation of the (n*l) x m matrix: 2*n*l*m**2 = "
 # the `(n, l, m)` Jacobian of the earlier notebooks, with no transpose.
 # (That is SciPy's layout, not the layout question's $(l·m) \times n$ of
 # [`00-welcome`](00-welcome.ipynb#The-two-questions): the going-further
-# part relates the two.) `least_squares_problem` builds the three from a
-# model and data; its `fun` and `jac`:
+# part relates the two.) In plain TensorFlow and NumPy, `fun` and `jac`
+# write `theta` into the model's variables, in order, and run it:
+
+# %% tags=["plain-version"]
+def plain_fun_and_jac(model, x, y):
+    """SciPy's fun(theta) and jac(theta) for a Keras model and its data."""
+    sizes = [int(np.prod(v.shape)) for v in model.trainable_variables]
+
+    def set_params(theta):  # theta's pieces into the variables, in order
+        pieces = np.split(theta, np.cumsum(sizes)[:-1])
+        for v, piece in zip(model.trainable_variables, pieces, strict=True):
+            v.assign(piece.reshape(v.shape).astype(v.dtype))
+
+    def fun(theta):
+        set_params(theta)
+        return (np.asarray(model(x)) - y).ravel().astype("float64")
+
+    def jac(theta):
+        set_params(theta)
+        return ju.chunked_jacobian(model, x).reshape(len(fun(theta)), -1)
+
+    return fun, jac
+
+
+# %% [markdown]
+# `least_squares_problem` builds the three from a model and data. Its `fun`
+# and `jac` are these, with the parameters written once per `theta` (and
+# only the variables that changed), the residuals and J computed in chunks
+# of a memory budget (`_residuals`, `_jacobian`), any inputs and outputs,
+# and `jacobian="operator"`, a J that is never formed (notebook 09):
 
 # %%
 ju.teaching.notebook.show_source(ju.LeastSquaresProblem.fun)
@@ -119,6 +147,10 @@ x_few = x[:5]
 J_few = ju.per_sample_jacobian(model, x_few).reshape(5 * l, m)
 np.testing.assert_allclose(J0[: 5 * l], J_few, rtol=1e-5, atol=1e-6)
 np.testing.assert_allclose(r0, (model(x).numpy() - y).ravel(), atol=1e-6)
+plain_fun, plain_jac = plain_fun_and_jac(model, x, y)
+np.testing.assert_allclose(plain_fun(theta0), r0, rtol=1e-6, atol=1e-7)
+np.testing.assert_allclose(plain_jac(theta0), J0, rtol=1e-5, atol=1e-6)
+print("plain_fun_and_jac == problem.fun and problem.jac: True")
 problem.jac(theta0 + 0.01)  # note: writes theta0 + 0.01 into the model
 problem.set_params(theta0)  # ... so put the start back
 print("jac == per_sample_jacobian, reshaped: True")
@@ -529,7 +561,27 @@ print(f"chain rule == finite differences along {len(directions)} directions")
 # Summing pays only when the residuals outnumber the parameters,
 # $n·l > m$: below that, $J^\top J$ is larger than J itself. This check is
 # small, so compare the sizes printed below, and then the last line, which
-# gives J at $n$ = 100,000, where the sums save almost everything.
+# gives J at $n$ = 100,000, where the sums save almost everything. In plain
+# NumPy around the chunked Jacobian of 04:
+
+# %% tags=["plain-version"]
+def plain_normal_equations(model, x, y, chunk):
+    """J.T J and J.T r summed chunk by chunk: one chunk of J at a time."""
+    m = ju.flat_params(model).size
+    JtJ, Jtr = np.zeros((m, m)), np.zeros(m)
+    for start in range(0, len(x), chunk):
+        x_c, y_c = x[start : start + chunk], y[start : start + chunk]
+        J_c = ju.chunked_jacobian(model, x_c).reshape(-1, m)
+        r_c = (np.asarray(model(x_c)) - y_c).ravel()
+        JtJ += J_c.T @ J_c
+        Jtr += J_c.T @ r_c
+    return JtJ, Jtr
+
+
+# %% [markdown]
+# `normal_equations` is that loop (`chunk_normal_equations` makes one
+# chunk's pair), with the parameters written first and a `checkpoint` that
+# lets an interrupted sum go on from its last chunk (notebook 10):
 
 # %%
 ju.teaching.notebook.show_source(ju.LeastSquaresProblem.normal_equations)
@@ -539,6 +591,11 @@ damping = 1.0
 gn = ju.least_squares_problem(model64, x[:n_gn].astype("float64"),
                               y[:n_gn], chunk_size=gn_chunk)
 JtJ, Jtr = gn.normal_equations(theta64)
+plain_sums = plain_normal_equations(model64, x[:n_gn].astype("float64"),
+                                    y[:n_gn], gn_chunk)
+for ours, plain in zip((JtJ, Jtr), plain_sums, strict=True):
+    np.testing.assert_allclose(plain, ours, rtol=1e-10, atol=1e-12)
+print("plain_normal_equations == normal_equations: True")
 step_chunked = np.linalg.solve(JtJ + damping * np.eye(m), -Jtr)
 
 J_full, r_full = gn.jac(theta64), gn.fun(theta64)
@@ -559,7 +616,39 @@ print(f"at n = 100,000 the whole J would need "
 
 # %% [markdown]
 # `levenberg_marquardt`, the `"lm-jtj"` of the race, takes this step with
-# Marquardt's damping, again and again, and adapts $\lambda$:
+# Marquardt's damping, again and again, and adapts $\lambda$. In plain
+# NumPy:
+
+# %% tags=["plain-version"]
+def plain_levenberg_marquardt(problem, theta, steps, damping, factor=10.0):
+    """Damped Gauss-Newton steps; one that does not lower the MSE is undone."""
+    mse = np.mean(problem.fun(theta) ** 2)
+    JtJ, Jtr = problem.normal_equations(theta)
+    for _ in range(steps):
+        curvature = np.diag(JtJ)  # Marquardt: each parameter by its own,
+        D = np.diag(np.maximum(curvature, 1e-9 * curvature.max()))  # floored
+        trial = theta + np.linalg.solve(JtJ + damping * D, -Jtr)
+        trial_mse = np.mean(problem.fun(trial) ** 2)
+        if trial_mse < mse:  # keep it, damp less, sum J at the new point
+            theta, mse, damping = trial, trial_mse, damping / factor
+            JtJ, Jtr = problem.normal_equations(theta)
+        else:  # undo it, damp more, reuse J.T J
+            damping *= factor
+    return theta
+
+
+theta_plain = plain_levenberg_marquardt(gn, theta64, 3, damping)
+theta_ours = ju.levenberg_marquardt(gn, theta64, max_steps=3, damping=damping)
+np.testing.assert_allclose(theta_plain, theta_ours["theta"], rtol=1e-8, atol=1e-10)
+gn.set_params(theta64)
+print("plain_levenberg_marquardt == levenberg_marquardt, 3 steps: True")
+
+# %% [markdown]
+# `levenberg_marquardt` adds a record of each step (`history`, the counts
+# SciPy reports), `scaling="identity"` (Levenberg's $\lambda I$),
+# `solver="cg"` (conjugate gradients on products with J, no $J^\top J$:
+# notebook 09), Cholesky for the solve, and a step it cannot factor
+# treated as a rejected one:
 
 # %%
 ju.teaching.notebook.show_source(ju.levenberg_marquardt)
