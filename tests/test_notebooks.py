@@ -183,17 +183,24 @@ def _asserts_about(trees, name):
     import ast
 
     names = {name}
-    for tree in trees:  # J = plain(...) makes J a result of plain too
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Assign) and any(
-                isinstance(n, ast.Name) and n.id in names for n in ast.walk(node.value)
-            ):
-                names |= {
-                    n.id
-                    for target in node.targets
-                    for n in ast.walk(target)
-                    if isinstance(n, ast.Name)
-                }
+    for _ in range(3):  # J = plain(...), for a, b in zip(..., J): results of plain too
+        for tree in trees:
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Assign):
+                    source, targets = node.value, node.targets
+                elif isinstance(node, ast.For):
+                    source, targets = node.iter, [node.target]
+                else:
+                    continue
+                if any(
+                    isinstance(n, ast.Name) and n.id in names for n in ast.walk(source)
+                ):
+                    names |= {
+                        n.id
+                        for target in targets
+                        for n in ast.walk(target)
+                        if isinstance(n, ast.Name)
+                    }
 
     def uses(node):
         return any(isinstance(n, ast.Name) and n.id in names for n in ast.walk(node))
