@@ -30,7 +30,7 @@
 #   `model.fit` after `make_private` for three target ε, and plot accuracy
 #   against the privacy spent.
 #
-# *Teaching: 39 min · Exercises: 26 min*
+# *Teaching: 40 min · Exercises: 26 min*
 
 # %% [markdown]
 # ## Setup
@@ -309,18 +309,30 @@ print("norms without the gradients == norms of the gradients: True")
 # %% [markdown]
 # ## Private training: DP-SGD from the norms
 #
-# Differentially private SGD (DP-SGD) limits how much any one sample can
-# move the model: each step clips every sample's gradient to norm at most C,
-# sums, adds Gaussian noise of standard deviation σC to every coordinate,
-# and divides by the batch size. The privacy spent is a pair (ε, δ): smaller
-# ε is more private; δ is a small probability that the bound fails. An
-# *accountant* computes ε from σ, the sampling rate and the number of steps.
+# Differentially private SGD (DP-SGD) trains a model that reveals little
+# about any one of its training samples. Its terms, one at a time:
 #
-# Clipping needs each gradient's norm, not the gradient. With the weights
-# wᵢ = min(1, C / ‖gᵢ‖), the gradient of Σᵢ wᵢ Lᵢ is Σᵢ wᵢ gᵢ, the clipped
-# sum: one ordinary backward pass, after `per_sample_gradient_norms`
-# ("ghost clipping"). `ju.DPSGD` wraps that around any Keras model and
-# optimizer; this is its compiled part:
+# - **Clipping and noise.** Each step clips every sample's gradient to norm
+#   at most C, sums them, adds Gaussian noise of standard deviation σC to
+#   every coordinate, and divides by the batch size. σ is the *noise
+#   multiplier*. Why: clipping bounds how far one sample can move the model,
+#   and the noise hides whether that sample was there at all.
+# - **(ε, δ)**, the privacy spent. Training with or without any one sample
+#   changes the probability of any outcome by at most a factor e^ε, except
+#   with a small probability δ (kept far below 1/n). Smaller ε is more
+#   private. Why: it is the promise made to the people in the data, so it
+#   is what you choose, and σ follows from it.
+# - **An accountant** adds up the ε that all the steps spend, from σ, the
+#   sampling rate and the number of steps. Why: ε grows with every step,
+#   and only the accountant knows by how much.
+# - **Ghost clipping.** Clipping needs each gradient's *norm*, not the
+#   gradient. With the weights wᵢ = min(1, C / ‖gᵢ‖), the gradient of
+#   Σᵢ wᵢ Lᵢ is Σᵢ wᵢ gᵢ, the clipped sum: one ordinary backward pass, after
+#   `per_sample_gradient_norms`. Why: n per-sample gradients take n times
+#   the memory of one; their norms take n numbers.
+#
+# `ju.DPSGD` wraps that around any Keras model and optimizer; this is its
+# compiled part:
 
 # %%
 ju.teaching.notebook.show_source(ju.DPSGD.clipped_noisy_update)
@@ -351,11 +363,14 @@ print(f"{(norms > clip).sum()} of {len(norms)} gradients clipped; "
 # compiled model and a *target* ε: it asks Google's `dp-accounting` for the
 # smallest noise multiplier σ that keeps ε under the target after all the
 # planned steps, and prints it. Then plain `model.fit` (with its callbacks,
-# `validation_data`, metrics and progress bar) takes DP-SGD steps. Each
-# step draws its batch by Poisson sampling (every sample joins with
-# probability batch size / n): the sampling the accountant assumes. The
-# validation data is not private and spends no ε: only training touches
-# the training samples.
+# `validation_data`, metrics and progress bar) takes DP-SGD steps.
+#
+# **Poisson sampling.** Each step draws its batch by letting every sample
+# join, independently, with probability batch size / n, so batches vary in
+# size. Why: the accountant's ε assumes exactly this sampling (it is what
+# makes a step's privacy depend on the sampling rate), so `fit` does it
+# instead of shuffling. The validation data is not private and spends no
+# ε: only training touches the training samples.
 
 # %%
 n_features, n_classes, batch, delta = 10, 3, 25, 1e-5

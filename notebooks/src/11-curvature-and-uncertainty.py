@@ -27,7 +27,7 @@
 #   by the marginal likelihood, and plot predictive bands for a regression
 #   and a two-class problem.
 #
-# *Teaching: 32 min · Exercises: 14 min*
+# *Teaching: 33 min · Exercises: 14 min*
 
 # %% [markdown]
 # ## Setup
@@ -70,8 +70,10 @@ seed = 0
 # `G = Σᵢ Jᵢᵀ Hᵢ Jᵢ`  (m × m),
 #
 # the curvature that Gauss–Newton steps (notebook 05), natural gradient
-# (for these losses G equals the Fisher) and the Laplace approximation
-# below use. A cross-entropy's curvature is taken at the *logits*, so the
+# and the Laplace approximation below use. For these losses G equals the
+# *Fisher information*, the expected curvature of the log-likelihood under
+# the model's own predictions: code written with "the Fisher" (natural
+# gradient, many Laplace libraries) means this same matrix here. A cross-entropy's curvature is taken at the *logits*, so the
 # model must end without a softmax: `output_loss` refuses one that does,
 # with that advice.
 
@@ -170,9 +172,12 @@ except ValueError as error:
 # columns of a square root `S` of each `H` (`H = S Sᵀ`, one signal per
 # class) instead of the identity, and the blocks are squared and summed
 # over samples. **KFAC** keeps, for each Dense or Conv layer, the
-# Kronecker product of two small matrices: `A`, the covariance of the
-# layer's inputs (with a 1 for the bias), and `B`, that of the signals at
-# its outputs. Both are compared below with the exact G of a small
+# *Kronecker product* `A ⊗ B` of two small matrices - the matrix whose
+# block (i, j) is `A[i, j] · B`: `A`, the covariance of the layer's inputs
+# (with a 1 for the bias), and `B`, that of the signals at its outputs.
+# Why: a layer with `a` inputs and `b` outputs has a block of G with
+# `(a·b)²` entries; its two factors hold `a² + b²`, and each inverts on its
+# own. Both are compared below with the exact G of a small
 # classifier, entry by entry.
 
 # %%
@@ -238,9 +243,12 @@ print(f"Finding: G of the 4-6-3 classifier on {n_heat} samples; KFAC keeps each 
 # The Hessian of the loss adds to G the outputs' own second derivatives,
 # weighted by the residuals; it can have negative eigenvalues where G never
 # has. `hessian_operator` multiplies by it with forward mode over the
-# reverse-mode gradient. SciPy's Lanczos (`eigsh`) takes any of these
-# operators as it is, and Hutchinson's estimator gives the trace from
-# products with random ±1 vectors, `E[zᵀ A z] = tr(A)`:
+# reverse-mode gradient. *Lanczos*'s method (SciPy's `eigsh`) finds the
+# largest eigenvalues of a symmetric matrix from products with it alone;
+# why: G and the Hessian are m × m, and their sharpest directions come from
+# a few dozen products, never the matrix. It takes any of these operators
+# as it is, and Hutchinson's estimator gives the trace from products with
+# random ±1 vectors, `E[zᵀ A z] = tr(A)`:
 
 # %%
 y_check = rng.integers(0, 3, n_heat)
@@ -261,8 +269,13 @@ print(f"trace of G: exact {np.trace(G_exact):.2f}; Hutchinson with {n_probes} "
 # gradient step on one sample moves the outputs on another: it is G's
 # twin, `J Jᵀ` (n·l × n·l) instead of `Jᵀ J` (m × m), with the same
 # nonzero eigenvalues. `empirical_ntk` builds it in blocks of samples
-# within a memory budget (into memory, or into a resumable `.npy`). Below,
-# the question's network before and after training with Adam:
+# within a memory budget (into memory, or into a resumable `.npy`). A
+# network in the *lazy regime* (very wide, small steps) keeps its NTK
+# nearly fixed while it trains, and then behaves like a kernel method with
+# that kernel; why: theory about wide networks rests on it, and the NTK
+# before training predicts such a network's training only then. Below, the
+# question's network before and after training with Adam, and how far it
+# is from that regime:
 
 # %% tags=["nbval-ignore-output"]
 x_ntk, y_ntk = ju.regression_data(n_ntk, seed=seed)
@@ -307,9 +320,8 @@ print(f"Finding: the NTK's eigenvalues, largest first, fall over orders of "
       "fixed-kernel regime")
 
 # %% [markdown]
-# A network in the "lazy" regime (very wide, small steps) keeps its NTK
-# nearly fixed during training, and then behaves like a kernel method with
-# it. The figure measures how far this one is from that.
+# The Finding measures how far this network is from the lazy regime: the
+# relative change of its kernel by training.
 
 # %% [markdown]
 # ## Error bars for a regression: the Laplace approximation
@@ -322,7 +334,11 @@ print(f"Finding: the NTK's eigenvalues, largest first, fall over orders of "
 # pieces above: the **last layer** with its full G, the **diagonal** of G
 # over all weights, and **KFAC** over all weights. The noise σ is the
 # fitted model's residual standard deviation; the prior precision δ is
-# chosen by maximizing the marginal likelihood - no validation set. The
+# chosen by maximizing the *marginal likelihood*, the probability of the
+# training data with the weights averaged over the Gaussian (prior
+# included). Why: it rewards a fit and penalizes a prior that leaves the
+# weights freer than the data need, so δ comes from the training data
+# alone - no validation set. The
 # data below have a gap in the middle; the bands of the model's own
 # uncertainty (the noise left out) should widen there and outside.
 
@@ -383,8 +399,11 @@ print("Finding: predictive mean ± 2 standard deviations of the model's "
 # ## Two classes: confidence where there are no data
 #
 # For a classification, `predict` turns the Gaussian over the logits into
-# probabilities by the probit approximation, `sigmoid(f / √(1 + π/8 var))`:
-# a large variance pulls the probability towards ½. A network fitted to
+# probabilities by the *probit approximation*: the sigmoid averaged over a
+# Gaussian has no formula, but the normal CDF (the probit) has one and
+# nearly the same shape, which gives `sigmoid(f / √(1 + π/8 var))`. Why: one
+# line turns a logit's mean and variance into a probability, without
+# sampling; a large variance pulls the probability towards ½. A network fitted to
 # two clusters is nearly as confident far from both as on them. The Laplace
 # predictive lowers its confidence everywhere, and more where there are no
 # data - the more of the network it treats as uncertain, the more: all
