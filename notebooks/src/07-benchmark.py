@@ -21,7 +21,7 @@
 #   loop, the fastest path and the *write floor*.
 # - Explain where the fastest path's time goes, and choose a path for a job.
 #
-# *Teaching: 31 min · Exercises: 15 min*
+# *Teaching: 33 min · Exercises: 15 min*
 
 # %% [markdown]
 # ## Setup
@@ -31,7 +31,7 @@ import numpy as np
 from IPython.display import Markdown, display
 
 import jacutil as ju
-from jacutil import bench, keras
+from jacutil import bench, keras, tf
 from jacutil.bench import format_seconds
 from jacutil.teaching import check
 
@@ -72,8 +72,36 @@ seed = 0
 # forward step computes the layer and keeps the input $a$ and the slope
 # $\sigma'(z)$; its backward step multiplies the signal by the slope,
 # writes the layer's block of columns, and passes $\delta W^\top$ to the
-# layer below. The block is written by `kernel_and_bias`, which appends the
-# column of ones and takes the outer products for every sample and output:
+# layer below. In plain TensorFlow, for a chain of Dense layers (the rule's
+# whole idea; it is proved equal to `jacutil`'s below):
+
+# %% tags=["plain-version"]
+def plain_dense_jacobian(model, x):
+    """J of a chain of Dense layers by the rule: an outer product per layer."""
+    a, inputs, slopes = tf.constant(x), [], []
+    for layer in model.layers:  # forward: keep each layer's input and slope
+        with tf.GradientTape() as tape:
+            z = a @ layer.kernel + layer.bias
+            tape.watch(z)
+            out = layer.activation(z)
+        inputs.append(a), slopes.append(tape.gradient(out, z))
+        a = out
+    n, l = a.shape
+    delta = tf.eye(l, dtype=a.dtype)[None] * slopes[-1][:, None, :]  # (n, l, q)
+    blocks = []
+    for k in reversed(range(len(model.layers))):  # backward: write, pass down
+        a1 = tf.concat([inputs[k], tf.ones_like(inputs[k][:, :1])], 1)  # [a, 1]
+        blocks.insert(0, tf.reshape(a1[:, None, :, None] * delta[:, :, None], [n, l, -1]))
+        delta = delta @ tf.transpose(model.layers[k].kernel) * slopes[k - 1][:, None] if k else None
+    return tf.concat(blocks, 2).numpy()
+
+
+# %% [markdown]
+# In `jacutil` the block is written by `kernel_and_bias`, which appends the
+# column of ones and takes the outer products for every sample and output.
+# What it adds: inputs with positions (a convolution's patches, a
+# sequence's steps, `by_position`), a kernel or a bias that is not wanted
+# (frozen, or not asked for), and one joint block for a kernel and its bias:
 
 # %%
 ju.teaching.notebook.show_source(ju.rules.blocks.kernel_and_bias)
@@ -97,6 +125,8 @@ small64 = ju.question_mlp(n_inputs=4, n_outputs=3, hidden=(8, 6),
                           seed=seed, dtype="float64")
 x_small = np.random.default_rng(seed).standard_normal((n_check, 4))
 J_hand = ju.dense_jacobian(small64, x_small)
+np.testing.assert_array_equal(plain_dense_jacobian(small64, x_small), J_hand)
+print("plain_dense_jacobian == dense_jacobian, bit for bit: True")
 J_fd = ju.finite_difference_jacobian(small64, x_small)
 np.testing.assert_allclose(J_hand, J_fd, rtol=1e-6, atol=1e-9)
 print("hand-derived:", J_hand.shape, J_hand.dtype,

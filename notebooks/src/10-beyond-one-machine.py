@@ -28,7 +28,7 @@
 # - Write down the cost model for N workers and put the 2-worker measurement
 #   beside it.
 #
-# *Teaching: 37 min · Exercises: 24 min*
+# *Teaching: 39 min · Exercises: 24 min*
 
 # %% [markdown]
 # ## Setup
@@ -48,6 +48,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import jacutil as ju
+from jacutil import keras
 from jacutil.teaching import check
 
 # Dask (set up when `distributed` is imported) logs a warning for each chunk
@@ -91,7 +92,36 @@ print(f"J for {n_samples:,} samples: {n_samples:,} x 2 x {m:,} float32 = "
 # `J.npy.progress.json`: a fingerprint of the model's weights, `x` and the
 # options, and the chunks finished so far. After each chunk the rows are
 # flushed to disk *first*, then the ledger is replaced in one atomic step, so
-# whatever instant the run dies at, every chunk the ledger lists is complete:
+# whatever instant the run dies at, every chunk the ledger lists is complete.
+# In plain Python, the idea:
+
+# %% tags=["plain-version"]
+def plain_resumable(model, x, path, chunk):
+    """Rows into a .npy file; after each chunk, the list of finished ones."""
+    jac, ledger = ju.compiled_jacobian(model), Path(f"{path}.done.json")
+    done = set(json.loads(ledger.read_text())) if ledger.exists() else set()
+    shape = (len(x), *jac(x[:2]).shape[1:])
+    out = np.lib.format.open_memmap(path, "r+" if done else "w+", "float32", shape)
+    for k in sorted(set(range(-(-len(x) // chunk))) - done):  # the rest only
+        out[k * chunk : (k + 1) * chunk] = jac(x[k * chunk : (k + 1) * chunk])
+        out.flush()  # the rows on disk first ...
+        done.add(k)
+        Path(f"{ledger}.tmp").write_text(json.dumps(sorted(done)))
+        os.replace(f"{ledger}.tmp", ledger)  # ... then the ledger, in one step
+    return out
+
+
+plain_J = plain_resumable(model, x[:2_000], folder / "plain.npy", 500)
+np.testing.assert_array_equal(plain_J, ju.chunked_jacobian(
+    model, x[:2_000], chunk_size=500, progress=False))
+print("plain_resumable == chunked_jacobian, bit for bit: True")
+
+# %% [markdown]
+# `resumable_chunks` is that loop. What it adds: the ledger holds a
+# fingerprint of the weights, `x` and the options, so a file of another
+# computation is refused instead of mixed in; a lock, so a second writer
+# is refused; its own temporary names, checked for a cut or grown file;
+# and the finished chunks kept as runs `[first, last + 1)`:
 
 # %%
 ju.teaching.notebook.show_source(ju.stages.chunked.resumable_chunks)
@@ -218,7 +248,28 @@ except ju.scale.resume.ResumeMismatch as error:
 # chunk files (below), it first checks the run's random token in the
 # folder's `run.json`: a worker that sees another folder at that path (a
 # disk of its own instead of the shared one) fails, rather than write rows
-# nobody reads:
+# nobody reads. In plain Keras, what a worker does with a chunk:
+
+# %% tags=["plain-version"]
+def plain_rows_task(config, weights, x_chunk):
+    """On a worker: the model rebuilt from what travelled, then its rows."""
+    rebuilt = keras.models.model_from_json(config)
+    rebuilt.set_weights(weights)
+    return ju.chunked_jacobian(rebuilt, x_chunk, chunk_size=len(x_chunk),
+                               progress=False)
+
+
+rows = plain_rows_task(model.to_json(), model.get_weights(), x[:1_000])
+np.testing.assert_array_equal(rows, ju.chunked_jacobian(model, x[:1_000], progress=False,
+                                                        chunk_size=1_000))
+print("plain_rows_task == chunked_jacobian here, bit for bit: True")
+
+# %% [markdown]
+# `rows_task` adds what a worker that serves many runs needs: `model_from`
+# keeps one rebuilt model per architecture and only sets new weights,
+# checked against the spec's fingerprint; the options travel with the
+# task; and the rows go back, or into the run's folder after its token is
+# checked:
 
 # %%
 ju.teaching.notebook.show_source(ju.scale.distributed.rows_task)

@@ -27,7 +27,7 @@
 #   by the marginal likelihood, and plot predictive bands for a regression
 #   and a two-class problem.
 #
-# *Teaching: 33 min · Exercises: 14 min*
+# *Teaching: 35 min · Exercises: 14 min*
 
 # %% [markdown]
 # ## Setup
@@ -38,7 +38,7 @@ import numpy as np
 from matplotlib.colors import SymLogNorm
 
 import jacutil as ju
-from jacutil import keras
+from jacutil import keras, tf
 from jacutil.curvature import diagonal, ggn, hessian, kfac, laplace, ntk, spectra
 from jacutil.curvature.losses import output_loss
 from jacutil.teaching import check
@@ -98,13 +98,39 @@ print(np.round(H[0], 3))
 #
 # `ggn_operator` multiplies by G with one forward pass that carries the
 # tangent `J v` (forward mode, notebook 09), `H` applied to it at the
-# outputs, and one backward pass started from `H J v`. This is the code:
+# outputs, and one backward pass started from `H J v`. In plain
+# TensorFlow, for softmax cross-entropy:
+
+# %% tags=["plain-version"]
+def plain_ggn_product(model, x, v):
+    """G v = sum_i J_i.T H_i J_i v: forward mode, H at the logits, reverse mode."""
+    variables = [w.value for w in model.trainable_variables]  # TensorFlow's own
+    pieces = np.split(v, np.cumsum([int(np.prod(w.shape)) for w in variables])[:-1])
+    tangents = [tf.constant(t.reshape(w.shape))
+                for t, w in zip(pieces, variables, strict=True)]
+    with tf.GradientTape() as tape:
+        with tf.autodiff.ForwardAccumulator(variables, tangents) as forward:
+            f = model(x)
+    jv = forward.jvp(f)  # J v, (n, l)
+    p = tf.nn.softmax(f)
+    hjv = p * jv - p * tf.reduce_sum(p * jv, -1, keepdims=True)  # (diag(p) - p pT) J v
+    grads = tape.gradient(f, variables, output_gradients=hjv)  # J.T H J v
+    return np.concatenate([g.numpy().ravel() for g in grads])
+
+
+# %% [markdown]
+# `jacutil`'s `ggn_chunk` does this for one chunk of samples, for every
+# loss and head (`loss.hessian_product_tf`, with per-sample weights `w`),
+# in a compiled function (`_traced`), and where forward mode cannot see a
+# layer's reads (`refuse_hidden_reads`) it takes `J v` by a double
+# backward pass instead:
 
 # %%
 ju.teaching.notebook.show_source(ju.curvature.compiled.CurvatureProducts.ggn_chunk)
 
 # %% [markdown]
-# Proved against `Σᵢ Jᵢᵀ Hᵢ Jᵢ` built from the formed float64 J:
+# Proved against `Σᵢ Jᵢᵀ Hᵢ Jᵢ` built from the formed float64 J, and
+# against the plain version:
 
 # %%
 J = ju.jacobian(small, x_check)
@@ -113,6 +139,9 @@ G = ggn.ggn_operator(small, x_check, "softmax_cross_entropy")
 V = rng.standard_normal((G.shape[0], 3))
 np.testing.assert_allclose(G @ V, G_formed @ V, rtol=1e-10, atol=1e-12)
 print(f"G: a LinearOperator {G.shape}; G @ V == (J.T H J) @ V: True")
+np.testing.assert_allclose(plain_ggn_product(small, x_check, V[:, 0]), G @ V[:, 0],
+                           rtol=1e-10, atol=1e-12)
+print("plain_ggn_product == G @ v: True")
 
 # %% [markdown]
 # ## Several heads, each with its own Keras loss
