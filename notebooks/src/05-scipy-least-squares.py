@@ -426,7 +426,7 @@ show_race(f"narrow network, m = {problem_small.n_params}", rows_small,
 # its speed in operations a second (its residuals and Jacobians counted in,
 # so the estimate errs on the fast side).
 
-# %%
+# %% tags=["nbval-ignore-output"]
 lm_row = next(row for row in rows_small if row[0] == "lm")
 _, _, lm_njev, _, lm_seconds = lm_row
 m_small = problem_small.n_params

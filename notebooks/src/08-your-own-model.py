@@ -28,7 +28,7 @@
 # - Write a rule for your own layer, prove it alone with `check_rule`, and
 #   use it with `registered`.
 #
-# *Teaching: 37 min · Exercises: 33 min*
+# *Teaching: 43 min · Exercises: 33 min*
 
 # %% [markdown]
 # ## Setup
@@ -104,8 +104,20 @@ for name, model in models.items():
 # name) of arrays that share their first dimension, the samples. The
 # outputs may be any nest. Each sample's row is **every output leaf,
 # flattened, joined in `tf.nest.flatten` order** (a list in its order, a
-# dict by sorted keys), so the two heads above give `l = 2 + 3 = 5`. This is
-# the rule, in the code every stage runs:
+# dict by sorted keys), so the two heads above give `l = 2 + 3 = 5`. In
+# plain TensorFlow, the rule is one line:
+
+# %% tags=["plain-version"]
+def plain_as_rows(y, n):
+    """Every output leaf flattened per sample, joined in tf.nest order: (n, l)."""
+    return tf.concat([tf.reshape(leaf, [n, -1]) for leaf in tf.nest.flatten(y)], 1)
+
+
+# %% [markdown]
+# This is the rule in the code every stage runs; what it adds are errors
+# that say what is wrong with an output that has no per-sample Jacobian (a
+# scalar, a leaf whose first dimension is not the samples, integers) and
+# one dtype for heads of several:
 
 # %%
 ju.teaching.notebook.show_source(ju.core.outputs.as_rows)
@@ -118,6 +130,9 @@ ju.teaching.notebook.show_source(ju.core.outputs.as_rows)
 # %%
 x_two = first(inputs["two_heads"], n_check)
 J_two = ju.per_sample_jacobian(two_heads, x_two)
+y_two = two_heads(x_two)
+np.testing.assert_array_equal(plain_as_rows(y_two, n_check),
+                              ju.core.outputs.as_rows(y_two, n_check))
 score_only = keras.Model(two_heads.inputs, score)
 probs_only = keras.Model(two_heads.inputs, probabilities)
 columns, start = {}, 0
@@ -135,13 +150,32 @@ print("rows 0-1 = the score head, rows 2-4 = the probs head: True")
 
 # %% [markdown]
 # `split_outputs` gives the rows back in the model's own structure, each
-# output with its per-sample shape and then the parameters:
+# output with its per-sample shape and then the parameters. In plain
+# NumPy, from the outputs themselves:
+
+# %% tags=["plain-version"]
+def plain_split_outputs(J, y):
+    """J's rows back into the outputs' structure: (n, *shape, m) per output."""
+    leaves = tf.nest.flatten(y)
+    ends = np.cumsum([int(np.prod(leaf.shape[1:])) for leaf in leaves])
+    parts = [J[:, end - int(np.prod(leaf.shape[1:])) : end].reshape(
+                 len(J), *leaf.shape[1:], J.shape[2])
+             for end, leaf in zip(ends, leaves, strict=True)]
+    return tf.nest.pack_sequence_as(y, parts)
+
+
+# %% [markdown]
+# `jacutil`'s reads the structure from one forward pass of the model (so
+# it needs the model and `x`, not the outputs), and checks J's shape
+# against it first:
 
 # %%
 ju.teaching.notebook.show_source(ju.split_outputs)
 
 # %%
 parts = ju.split_outputs(J_two, two_heads, x_two)
+for ours, plain in zip(parts, plain_split_outputs(J_two, y_two), strict=True):
+    np.testing.assert_array_equal(plain, ours)
 for name, part in zip(["score", "probs"], parts, strict=True):
     print(f"{name}: {part.shape}")
 
@@ -216,7 +250,42 @@ with ju.core.formulation.pfor_log():  # pfor logs each op it fails on; keep it
 # "TensorFlow words" in 00-welcome), set each RNN layer's `unroll`
 # flag - the same layer, the same weights. Unrolled, the time steps become
 # copies of the step's operations, which pfor vectorizes. The flag is put
-# back afterwards:
+# back afterwards. In plain TensorFlow, for a model whose recurrent layers
+# are its own layers:
+
+# %% tags=["plain-version"]
+def rows_of_one(model):
+    """As in 02: a function of one sample that returns its (l, m) rows."""
+    def rows(x_i):
+        with tf.GradientTape() as tape:
+            y = model(x_i[None])[0]
+        blocks = tape.jacobian(y, model.trainable_variables)
+        return tf.concat([tf.reshape(b, [y.shape[0], -1]) for b in blocks], 1)
+    return rows
+
+
+def plain_unrolled_jacobian(model, x):
+    """The per-sample Jacobian of 02, traced with every RNN layer unrolled."""
+    rnns = [layer for layer in model.layers if isinstance(layer, keras.layers.RNN)]
+    saved = [layer.unroll for layer in rnns]
+    for layer in rnns:
+        layer.unroll = True  # only while the function is traced
+    try:
+        return tf.function(lambda x: tf.vectorized_map(rows_of_one(model), x))(x)
+    finally:
+        for layer, flag in zip(rnns, saved, strict=True):
+            layer.unroll = flag
+
+
+J_unrolled = plain_unrolled_jacobian(lstm, x_lstm).numpy()
+np.testing.assert_allclose(J_unrolled, ju.per_sample_jacobian(lstm, x_lstm),
+                           rtol=1e-5, atol=1e-6)
+print("plain_unrolled_jacobian == per_sample_jacobian: True")
+
+# %% [markdown]
+# `jacutil`'s `unrolled` is that flag and its restoring, as a context
+# manager, for the recurrent layers found anywhere in the model
+# (`recurrent_layers` looks inside wrappers and nested models):
 
 # %%
 ju.teaching.notebook.show_source(ju.core.formulation.unrolled)
@@ -224,7 +293,31 @@ ju.teaching.notebook.show_source(ju.core.formulation.unrolled)
 # %% [markdown]
 # `per_sample_tensor` picks the formulation for each model and says which
 # one it used; the compiled and chunked stages call it, and
-# `jac.formulation` keeps its answer:
+# `jac.formulation` keeps its answer. Its idea in plain TensorFlow: pfor
+# where it can, sample by sample where it cannot:
+
+# %% tags=["plain-version"]
+def plain_per_sample_tensor(rows_of_one, x):
+    """(J, formulation): tf.vectorized_map, or tf.map_fn when pfor fails."""
+    try:
+        return tf.function(lambda x: tf.vectorized_map(rows_of_one, x))(x), "pfor"
+    except ValueError:  # pfor cannot rewrite an operation (the LSTM's loop)
+        shape = tf.TensorSpec(None, x.dtype)
+        return tf.function(lambda x: tf.map_fn(rows_of_one, x,
+                                               fn_output_signature=shape))(x), "map_fn"
+
+
+with ju.core.formulation.pfor_log():  # as above: pfor's log of its failure
+    J_plain, how = plain_per_sample_tensor(rows_of_one(lstm), x_lstm)
+np.testing.assert_allclose(J_plain, ju.per_sample_jacobian(lstm, x_lstm),
+                           rtol=1e-5, atol=1e-6)
+print(f"plain_per_sample_tensor ({how}) == per_sample_jacobian: True")
+
+# %% [markdown]
+# `jacutil`'s adds the reasons a model needs `tf.map_fn` before pfor is
+# tried (random layers in training mode draw one mask per sample; a
+# recurrent layer that must keep its loop), the unrolling above, and the
+# formulation it used, in words:
 
 # %%
 ju.teaching.notebook.show_source(ju.stages.vectorized.per_sample_tensor)
@@ -315,7 +408,18 @@ print(f"Finding: the figure, log scale: per call at n = {n_time:,} (blue), "
 # every layer. For the MLP of `04` those are tiny beside the Jacobian's
 # rows; a convolution's feature maps are not. `chunked_jacobian` counts one
 # sample's activations from the model's traced forward pass and sizes the
-# chunk with both terms:
+# chunk with both terms. In plain Python, 04's rule with a second term:
+
+# %% tags=["plain-version"]
+def plain_bytes_per_sample(n_outputs, n_params, itemsize, activations):
+    """One sample's working memory: its rows and its back-propagated signals."""
+    rows = ju.stages.chunked.WORKING_MEMORY_FACTOR * n_params
+    signals = ju.stages.chunked.ACTIVATION_FACTOR * activations
+    return int(itemsize * n_outputs * (rows + signals))
+
+
+# %% [markdown]
+# `jacutil`'s, the same two terms (both factors were measured, as 04 says):
 
 # %%
 ju.teaching.notebook.show_source(ju.stages.chunked.bytes_per_sample)
@@ -327,6 +431,7 @@ activations = ju.core.memory.activation_elements(cnn, x_cnn[:1])
 budget = budget_mib * 2**20
 chunked = ju.stages.chunked  # the module shown above: its two factors
 per_sample = chunked.bytes_per_sample(n_outputs, n_params, 4, activations)
+assert plain_bytes_per_sample(n_outputs, n_params, 4, activations) == per_sample
 rows_alone = chunked.bytes_per_sample(n_outputs, n_params, 4)
 rows_only = ju.chunk_size_for(budget, n_outputs, n_params, 4)
 with_activations = ju.chunk_size_for(budget, n_outputs, n_params, 4,

@@ -30,7 +30,7 @@
 #   `model.fit` after `make_private` for three target ε, and plot accuracy
 #   against the privacy spent.
 #
-# *Teaching: 40 min · Exercises: 26 min*
+# *Teaching: 44 min · Exercises: 26 min*
 
 # %% [markdown]
 # ## Setup
@@ -42,7 +42,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import jacutil as ju
-from jacutil import keras
+from jacutil import keras, tf
 from jacutil.teaching import check, wide_fit
 
 # %% tags=["nbval-ignore-output"]
@@ -88,7 +88,35 @@ print(f"m = {m_wide:,} parameters; J: {rows:,} x {m_wide:,} float64 = "
 #
 # Forward mode pushes a *tangent* - the direction v, carried beside every
 # value - through the network (`tf.autodiff.ForwardAccumulator`); reverse
-# mode is one `tape.gradient` with `output_gradients=u`:
+# mode is one `tape.gradient` with `output_gradients=u`. In plain
+# TensorFlow:
+
+# %% tags=["plain-version"]
+def plain_jvp(model, x, v):
+    """J @ v, (n, l): one forward pass carrying the tangent v, split per variable."""
+    variables = [w.value for w in model.trainable_variables]  # TensorFlow's own
+    pieces = np.split(v, np.cumsum([int(np.prod(w.shape)) for w in variables])[:-1])
+    tangents = [tf.constant(t.reshape(w.shape), w.dtype)
+                for t, w in zip(pieces, variables, strict=True)]
+    with tf.autodiff.ForwardAccumulator(variables, tangents) as forward:
+        y = model(x)
+    return forward.jvp(y).numpy()
+
+
+def plain_vjp(model, x, u):
+    """J.T @ u, (m,): one backward pass started from u."""
+    with tf.GradientTape() as tape:
+        y = model(x)
+    grads = tape.gradient(y, model.trainable_variables, output_gradients=u)
+    return np.concatenate([g.numpy().ravel() for g in grads])
+
+
+# %% [markdown]
+# `jacutil`'s products are these, for one chunk of samples, compiled once
+# per chunk shape (`_traced`), with any inputs and outputs, zeros for an
+# output that does not move (`or_zeros`), and a refusal where forward mode
+# would miss a layer's read of its weights (`refuse_hidden_reads`); `jvp`
+# and `vjp` run them chunk by chunk:
 
 # %%
 ju.teaching.notebook.show_source(ju.matrix_free.products.Products.forward_chunk)
@@ -109,6 +137,10 @@ v, u = rng.standard_normal(m), rng.standard_normal((n, l))
 np.testing.assert_allclose(ju.jvp(small, x_small, v), J @ v, rtol=1e-10)
 np.testing.assert_allclose(ju.vjp(small, x_small, u),
                            np.einsum("ik,ikp->p", u, J), rtol=1e-10)
+np.testing.assert_allclose(plain_jvp(small, x_small, v), J @ v, rtol=1e-10)
+np.testing.assert_allclose(plain_vjp(small, x_small, u),
+                           np.einsum("ik,ikp->p", u, J), rtol=1e-10)
+print("plain_jvp and plain_vjp == jvp and vjp == the formed J: True")
 A = ju.jacobian_operator(small, x_small)
 rows_J = J.reshape(n * l, m)
 V = rng.standard_normal((m, 3))
@@ -181,10 +213,30 @@ print(f"Finding: training MSE against seconds; in the same "
 # sample's column at once): `forward_jacobian`. Forward mode should pay off
 # when there are fewer parameters than outputs. Below, a tanh layer of h
 # units (its m = 5h parameters are the columns) feeds a frozen Dense layer of
-# l outputs:
+# l outputs. In plain TensorFlow, one JVP per unit vector:
+
+# %% tags=["plain-version"]
+def plain_forward_jacobian(model, x):
+    """J, (n, l, m), a column at a time: the JVP along each unit vector."""
+    m = sum(int(np.prod(w.shape)) for w in model.trainable_variables)
+    return np.stack([plain_jvp(model, x, e) for e in np.eye(m)], axis=-1)
+
+
+# %% [markdown]
+# `jacutil`'s `forward_jacobian` compiles `jvp_columns`, which takes many
+# unit vectors in one pass (`tf.vectorized_map` over the tangents), with
+# recurrent layers unrolled as in 08:
 
 # %%
 ju.teaching.notebook.show_source(ju.matrix_free.forward.ForwardJacobian.jvp_columns)
+
+# %%
+tiny = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"),
+                         keras.layers.Dense(3, trainable=False)])
+x_tiny = np.random.default_rng(seed).standard_normal((n_check, 4)).astype("float32")
+np.testing.assert_allclose(plain_forward_jacobian(tiny, x_tiny),
+                           ju.forward_jacobian(tiny)(x_tiny), rtol=1e-5, atol=1e-6)
+print("plain_forward_jacobian == forward_jacobian: True")
 
 # %% tags=["nbval-ignore-output"]
 x_cross = np.random.default_rng(seed).standard_normal((500, 4))
@@ -331,7 +383,32 @@ print("norms without the gradients == norms of the gradients: True")
 #   `per_sample_gradient_norms`. Why: n per-sample gradients take n times
 #   the memory of one; their norms take n numbers.
 #
-# `ju.DPSGD` wraps that around any Keras model and optimizer; this is its
+# One DP-SGD step in plain TensorFlow, the slow way - a gradient per
+# sample, each clipped:
+
+# %% tags=["plain-version"]
+def plain_dp_sgd_step(model, loss, optimizer, x, y, clip, sigma, rng):
+    """Each sample's gradient clipped to norm clip, summed, noised, averaged."""
+    clipped = []
+    for i in range(len(x)):
+        with tf.GradientTape() as tape:
+            loss_i = tf.reduce_sum(loss(y[i : i + 1], model(x[i : i + 1])))
+        g = tape.gradient(loss_i, model.trainable_variables)
+        norm = float(tf.sqrt(sum(tf.reduce_sum(t**2) for t in g)))
+        clipped.append([t * min(1.0, clip / norm) for t in g])
+    noisy = [sum(parts) + sigma * clip * rng.standard_normal(parts[0].shape)
+             for parts in zip(*clipped, strict=True)]
+    optimizer.apply_gradients(
+        zip([t / len(x) for t in noisy], model.trainable_variables, strict=True))
+    return model  # its variables took the step
+
+
+# %% [markdown]
+# `ju.DPSGD` gets the same step from the norms alone (ghost clipping, above)
+# and one backward pass of the weighted loss, compiled; it adds the noise
+# from its own seeded generator, divides by the batch size it was told (the
+# accountant's, under Poisson sampling: below), and adds the gradient of
+# any weight penalty unclipped, since no sample is in it. This is its
 # compiled part:
 
 # %%
@@ -355,6 +432,13 @@ np.testing.assert_allclose(before - ju.flat_params(copy),
                            clipped.mean(axis=0), rtol=1e-10, atol=1e-14)
 print(f"{(norms > clip).sum()} of {len(norms)} gradients clipped; "
       "the step == the mean of the clipped gradients: True")
+plain_copy = keras.models.clone_model(small)
+plain_copy.set_weights(small.get_weights())
+stepped = plain_dp_sgd_step(plain_copy, loss, keras.optimizers.SGD(1.0),
+                            x_small, y_small.astype("float64"), clip, 0.0, rng)
+np.testing.assert_allclose(ju.flat_params(stepped), ju.flat_params(copy),
+                           rtol=1e-10, atol=1e-14)
+print("plain_dp_sgd_step == DPSGD.step, without noise: True")
 
 # %% [markdown]
 # Now a classifier, trained the Keras way: three classes of points in ten
