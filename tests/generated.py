@@ -1262,10 +1262,12 @@ JACUTIL_SUMS = {
 }
 
 
-def total_loss(loss, y, outputs, sample_weight, summed=False):
-    """The scalar loss of a batch as Keras computes it: each head's loss
-    with its own reduction (a plain function: Keras's default mean), the
-    heads added; jacutil's names sum over samples. ``outputs`` is the model's
+def _head_terms(loss, y, outputs, sample_weight, summed=False):
+    """Each head's ``(values, coefficient)`` as Keras reduces them: the head's
+    unreduced loss per sample (n,), summed over its positions, and each
+    sample's share of it in the batch's loss (n,): the sample weight over the
+    head's reduction (a plain function: Keras's default mean, over the
+    values; jacutil's names sum over samples). ``outputs`` is the model's
     output structure, float64. ``summed``: every head summed over samples
     (a likelihood, as Laplace takes it), whatever its reduction."""
     heads = tf.nest.flatten(outputs)
@@ -1275,13 +1277,12 @@ def total_loss(loss, y, outputs, sample_weight, summed=False):
         losses, targets = list(loss), list(y)
     else:
         losses, targets = [loss] * len(heads), [y]
-    weights = None if sample_weight is None else tf.constant(sample_weight, tf.float64)
-    total = tf.constant(0.0, tf.float64)
+    n = int(heads[0].shape[0])
+    weights = np.ones(n) if sample_weight is None else np.asarray(sample_weight)
     for fn, t, f in zip(losses, targets, heads, strict=True):
         t = tf.constant(np.asarray(t), tf.float64)
         if isinstance(fn, str) and fn in JACUTIL_SUMS:
-            values = JACUTIL_SUMS[fn](t, f)
-            total += tf.reduce_sum(values if weights is None else weights * values)
+            yield JACUTIL_SUMS[fn](t, f), weights
             continue
         if isinstance(fn, str):
             fn = keras.losses.get(fn)
@@ -1291,32 +1292,62 @@ def total_loss(loss, y, outputs, sample_weight, summed=False):
             # its own dtype (float32 by default), whatever the model's
             mean, fn = fn.reduction == "sum_over_batch_size", fn.call
         values = tf.cast(fn(t, f), tf.float64)
-        if weights is not None:
-            shape = [-1] + [1] * (values.shape.rank - 1)
-            values = values * tf.reshape(weights, shape)
-        size = tf.cast(tf.size(values), tf.float64) if mean and not summed else 1.0
-        total += tf.reduce_sum(values) / size
+        size = int(np.prod(values.shape)) if mean and not summed else 1
+        per_sample = tf.reduce_sum(tf.reshape(values, [n, -1]), axis=1)
+        yield per_sample, weights / size
+
+
+def total_loss(loss, y, outputs, sample_weight, summed=False):
+    """The scalar loss of a batch as Keras computes it: each head's loss
+    with its own reduction, the heads added (:func:`_head_terms`)."""
+    total = tf.constant(0.0, tf.float64)
+    for values, coefficient in _head_terms(loss, y, outputs, sample_weight, summed):
+        total += tf.reduce_sum(tf.constant(coefficient, tf.float64) * values)
     return total
+
+
+def _flat_outputs(model, x):
+    """The model's outputs as (n, l) float64 rows, their sizes and shapes."""
+    outputs = model(x, training=False)
+    leaves = [tf.cast(tf.reshape(f, [f.shape[0], -1]), tf.float64)
+              for f in tf.nest.flatten(outputs)]  # fmt: skip
+    sizes = [int(leaf.shape[1]) for leaf in leaves]
+    shapes = [tuple(f.shape) for f in tf.nest.flatten(outputs)]
+    return outputs, tf.concat(leaves, axis=1), sizes, shapes
+
+
+def _packed(outputs, flat, sizes, shapes):
+    pieces = tf.split(flat, sizes, axis=1)
+    parts = [tf.reshape(p, s) for p, s in zip(pieces, shapes, strict=True)]
+    return tf.nest.pack_sequence_as(outputs, parts)
+
+
+def fisher_rows(model, x, loss, y, sample_weight):
+    """(n, l): each sample's ``sum_h sqrt(c_ih) dL_ih/df_i``, ``c_ih`` its
+    share of head h's loss in the batch's (:func:`_head_terms`), by a
+    float64 tape: the empirical Fisher is ``sum_i J_i.T r_i r_i.T J_i``."""
+    outputs, flat, sizes, shapes = _flat_outputs(model, x)
+    with tf.GradientTape() as tape:
+        tape.watch(flat)
+        terms = _head_terms(loss, y, _packed(outputs, flat, sizes, shapes), sample_weight)
+        score = tf.add_n([
+            tf.reduce_sum(tf.constant(np.sqrt(c), tf.float64) * values)
+            for values, c in terms
+        ])  # fmt: skip
+    return tape.gradient(score, flat).numpy()
 
 
 def output_hessians(model, x, loss, y, sample_weight, summed=False):
     """(n, l, l): each sample's Hessian of the batch's loss at its outputs,
     by nested tapes in float64 (the off-diagonal sample blocks are zero for
     every loss here, and are checked to be)."""
-    outputs = model(x, training=False)
-    leaves = [tf.cast(tf.reshape(f, [f.shape[0], -1]), tf.float64)
-              for f in tf.nest.flatten(outputs)]  # fmt: skip
-    flat = tf.concat(leaves, axis=1)
+    outputs, flat, sizes, shapes = _flat_outputs(model, x)
     n, width = flat.shape
-    sizes = [int(leaf.shape[1]) for leaf in leaves]
-    shapes = [tuple(f.shape) for f in tf.nest.flatten(outputs)]
     with tf.GradientTape(persistent=True) as outer:
         outer.watch(flat)
         with tf.GradientTape() as inner:
             inner.watch(flat)
-            pieces = tf.split(flat, sizes, axis=1)
-            parts = [tf.reshape(p, s) for p, s in zip(pieces, shapes, strict=True)]
-            value = total_loss(loss, y, tf.nest.pack_sequence_as(outputs, parts),
+            value = total_loss(loss, y, _packed(outputs, flat, sizes, shapes),
                                sample_weight, summed)  # fmt: skip
         gradient = inner.gradient(value, flat)
     H = outer.jacobian(gradient, flat, experimental_use_pfor=False).numpy()

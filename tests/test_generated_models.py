@@ -17,7 +17,9 @@ float64, and checks each public entry against ``tape_jacobian`` /
 * ``ggn_operator``, ``ggn_diagonal``, ``hessian_operator`` and Laplace's
   diagonal posterior with Keras losses, one per head (one or two heads of
   their own class counts, reductions, label smoothing, sample weights),
-  against ``J.T H J`` with H by nested float64 tapes (:func:`head_cases`);
+  against ``J.T H J`` with H by nested float64 tapes (:func:`head_cases`),
+  and the empirical Fisher's operator and diagonal against ``P.T P``, P's
+  rows each sample's gradient from a float64 tape (``fisher_rows``);
 * ``per_sample_gradients`` and ``per_sample_gradient_norms`` with every
   Keras loss (``tests/generated.py``'s ``LOSSES``: built-ins with their
   options, from probabilities or logits, and custom losses that read the
@@ -73,6 +75,7 @@ from tests.generated import (
     clear_refusal,
     graph_cases,
     head_cases,
+    fisher_rows,
     loss_cases,
     loss_hessian_product,
     output_hessians,
@@ -460,7 +463,7 @@ def check_curvature_losses(case):
     Keras losses, one per head, against ``J.T H J`` from the tape's J and
     the loss's Hessian at the outputs by nested float64 tapes, and H v by
     reverse over reverse."""
-    from jacutil.curvature import diagonal, ggn, hessian, laplace
+    from jacutil.curvature import diagonal, fisher, ggn, hessian, laplace
 
     ns = build(case)
     model, x, options, known = ns["model"], ns["x"], ns["options"], ns["known"]
@@ -484,6 +487,19 @@ def check_curvature_losses(case):
                 model, x, y, loss, sample_weight=weights, **options) @ v,
             hv, np.abs(hv)),
     }  # fmt: skip
+    P = np.einsum("nkp,nk->np", J, reference(case, ns, lambda: fisher_rows(
+        model, x, loss, y, weights)))  # each sample's weighted gradient  # fmt: skip
+    F = P.T @ P
+    entries["empirical_fisher_operator(loss)"] = (
+        lambda: fisher.empirical_fisher_operator(model, x, y, loss,
+                                                 sample_weight=weights,
+                                                 **options) @ v,
+        F @ v, np.abs(P.T) @ np.abs(P @ v))  # fmt: skip
+    entries["empirical_fisher_diagonal(loss)"] = (
+        lambda: fisher.empirical_fisher_diagonal(model, x, y, loss,
+                                                 sample_weight=weights,
+                                                 **options),
+        np.diag(F), np.diag(F))  # fmt: skip
     if weights is None:  # Laplace: the likelihood is summed over the data
         H_sum = reference(case, ns, lambda: output_hessians(
             model, x, loss, y, None, summed=True))  # fmt: skip
