@@ -1329,7 +1329,8 @@ def fisher_rows(model, x, loss, y, sample_weight):
     outputs, flat, sizes, shapes = _flat_outputs(model, x)
     with tf.GradientTape() as tape:
         tape.watch(flat)
-        terms = _head_terms(loss, y, _packed(outputs, flat, sizes, shapes), sample_weight)
+        packed = _packed(outputs, flat, sizes, shapes)
+        terms = _head_terms(loss, y, packed, sample_weight)
         score = tf.add_n([
             tf.reduce_sum(tf.constant(np.sqrt(c), tf.float64) * values)
             for values, c in terms

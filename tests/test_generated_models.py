@@ -73,9 +73,9 @@ from jacutil.core.internals import layers_within
 from tests.generated import (
     chain_cases,
     clear_refusal,
+    fisher_rows,
     graph_cases,
     head_cases,
-    fisher_rows,
     loss_cases,
     loss_hessian_product,
     output_hessians,
