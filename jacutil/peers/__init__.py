@@ -65,9 +65,3 @@ def jax_gradient_norms(model):
 def torch_gradient_norms(model):
     """The norms of ``torch_gradients``, or None without torch."""
     return _peer("torch", "gradient_norms", model)
-
-
-PEERS = {
-    "JAX jit(vmap(jacrev))": jax_jacobian,
-    "torch.func vmap(jacrev)": torch_jacobian,
-}

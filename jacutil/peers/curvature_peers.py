@@ -296,6 +296,25 @@ def _quiet_hooks():
         yield
 
 
+def _backpack_pass(model, loss, extension):
+    """``(rebuilt, backward)``: the chain extended for BackPACK, and ``backward(x)``,
+    which leaves ``extension``'s results on its parameters (loss summed over x)."""
+    from backpack import backpack, extend
+
+    _check_loss(loss)
+    rebuilt = torch_module(model)
+    extend(rebuilt.module)
+    criterion = extend(_torch_loss(loss))
+
+    def backward(x):
+        rebuilt.module.zero_grad()
+        f = rebuilt.module(rebuilt.inputs(x))
+        with backpack(extension()), _quiet_hooks():
+            criterion(f, _targets(loss, f)).backward()
+
+    return rebuilt, backward
+
+
 def backpack_ggn_diagonal(model, loss="squared_error"):
     """BackPACK's ``DiagGGNExact``: ``diag(x)``, the diagonal of G, shape (m,).
 
@@ -312,23 +331,14 @@ def backpack_ggn_diagonal(model, loss="squared_error"):
     Raises:
         ValueError: an unknown loss or a model :func:`torch_module` rejects.
     """
-    from backpack import backpack, extend
     from backpack.extensions import DiagGGNExact
 
-    _check_loss(loss)
-    rebuilt = torch_module(model)
-    module = extend(rebuilt.module)
-    criterion = extend(_torch_loss(loss))
-    scale = SCALE[loss]
+    rebuilt, backward = _backpack_pass(model, loss, DiagGGNExact)
 
     def diag(x):
-        inputs = rebuilt.inputs(x)
-        module.zero_grad()
-        f = module(inputs)
-        with backpack(DiagGGNExact()), _quiet_hooks():
-            criterion(f, _targets(loss, f)).backward()
-        blocks = [p.diag_ggn_exact for p in module.parameters()]
-        return scale * rebuilt.to_ours(blocks)
+        backward(x)
+        blocks = [p.diag_ggn_exact for p in rebuilt.module.parameters()]
+        return SCALE[loss] * rebuilt.to_ours(blocks)
 
     return diag
 
@@ -360,28 +370,18 @@ def backpack_kflr(model, loss="squared_error"):
     Raises:
         ValueError: an unknown loss or a model :func:`torch_module` rejects.
     """
-    from backpack import backpack, extend
     from backpack.extensions import KFLR
 
     torch = load_torch()
-
-    _check_loss(loss)
-    rebuilt = torch_module(model)
-    module = extend(rebuilt.module)
-    criterion = extend(_torch_loss(loss))
-    scale = SCALE[loss]
+    rebuilt, backward = _backpack_pass(model, loss, KFLR)
 
     def factors(x):
-        inputs = rebuilt.inputs(x)
-        module.zero_grad()
-        f = module(inputs)
-        with backpack(KFLR()), _quiet_hooks():
-            criterion(f, _targets(loss, f)).backward()
+        backward(x)
         out = []
-        for layer in module:
+        for layer in rebuilt.module:
             if isinstance(layer, (torch.nn.Linear, torch.nn.Conv2d)):
                 B, A = layer.weight.kflr
-                out.append((A.detach().numpy(), scale * B.detach().numpy()))
+                out.append((A.detach().numpy(), SCALE[loss] * B.detach().numpy()))
         return out
 
     return factors

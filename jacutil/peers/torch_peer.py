@@ -17,19 +17,13 @@ order of magnitude slower than with a short spin. So, unless the user chose
 spin is shortened before torch is imported.
 """
 
-import os
-import sys
-
 import numpy as np
 
+from .curvature_peers import load_torch
 from .layers import Ops, bind, forward, squared_error
 from .network import describe
 
-SPIN = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # the user's choice, if set
-if "torch" not in sys.modules and not any(name in os.environ for name in SPIN):
-    os.environ["GOMP_SPINCOUNT"] = "10000"  # read once, when libgomp loads
-
-import torch  # noqa: E402  (after GOMP_SPINCOUNT is set)
+torch = load_torch()  # the spin shortened first
 
 
 def conv2d(a, kernel, layer):
@@ -89,37 +83,41 @@ def torch_jacobian(model):
     return jac
 
 
-def _per_sample_grad(layers):
-    """``vmap(grad(loss))`` of the squared error: a tuple of (n, *shape) blocks."""
+def _per_sample_grad(model):
+    """``blocks(x, y)``: ``vmap(grad(loss))`` of the squared error on NumPy
+    arrays, a tuple of (n, *shape) torch blocks, one per parameter."""
+    layers, theta = _rebuilt(model)
 
     def loss(theta, x, y):
         return squared_error(layers, theta, x, y, OPS)
 
-    return torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))
+    per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))
+
+    @torch.no_grad()
+    def blocks(x, y):
+        return per_sample(theta, _tensor(x), _tensor(y))
+
+    return blocks
 
 
 def torch_gradients(model):
     """``grads(x, y)``: (n_samples, n_params) per-sample squared-error gradients."""
-    layers, theta = _rebuilt(model)
-    per_sample = _per_sample_grad(layers)
+    per_sample = _per_sample_grad(model)
 
     def grads(x, y):
-        with torch.no_grad():
-            blocks = per_sample(theta, _tensor(x), _tensor(y))
-            return _joined(blocks, blocks[0].shape[:1]).numpy()
+        blocks = per_sample(x, y)
+        return _joined(blocks, blocks[0].shape[:1]).numpy()
 
     return grads
 
 
 def torch_gradient_norms(model):
     """``norms(x, y)``: (n_samples,) norms of those gradients, gradients first."""
-    layers, theta = _rebuilt(model)
-    per_sample = _per_sample_grad(layers)
+    per_sample = _per_sample_grad(model)
 
     def norms(x, y):
-        with torch.no_grad():
-            blocks = per_sample(theta, _tensor(x), _tensor(y))
-            squares = sum(b.reshape(b.shape[0], -1).square().sum(1) for b in blocks)
-            return squares.sqrt().numpy()
+        blocks = per_sample(x, y)
+        squares = sum(b.reshape(b.shape[0], -1).square().sum(1) for b in blocks)
+        return squares.sqrt().numpy()
 
     return norms

@@ -22,7 +22,6 @@ norms of Opacus's ``GradSampleModuleFastGradientClipping``).
 
 from ..core._shared import size_of
 from ..core._tf import keras, tf
-from .activations import Activation
 from .blocks import (
     gram_is_cheaper,
     gram_norms,
@@ -30,36 +29,27 @@ from .blocks import (
     positions_of,
     sum_norms,
 )
-from .registry import (
-    Blocks,
-    LogitsSignal,
-    NoRule,
-    Rule,
-    per_output,
-    register,
-    rows,
-)
+from .dense import KernelRule
+from .registry import Blocks, LogitsSignal, NoRule, per_output, register, rows
 
 
 @register(keras.layers.Conv1D, keras.layers.Conv2D)
-class ConvRule(Rule):
+class ConvRule(KernelRule):
     """``y = act(conv(a, W) + b)``, channels last, any strides, padding, dilation.
 
     Args:
         layer: the Keras layer.
 
     Raises:
-        NoRule: a channels_first or LoRA convolution.
+        NoRule: a channels_first, LoRA or quantized convolution.
     """
 
     name = "conv"
 
     def __init__(self, layer):
-        super().__init__(layer)
+        super().__init__(layer, "convolution")
         if layer.data_format != "channels_last":
             raise NoRule("a channels_first convolution")
-        if getattr(layer, "lora_enabled", False):
-            raise NoRule("a LoRA convolution")
         self.groups = layer.groups
         self.flat = layer.rank == 1  # Conv1D: height 1
         self.causal = layer.padding == "causal"
@@ -67,11 +57,6 @@ class ConvRule(Rule):
         self.padding = "VALID" if self.causal else layer.padding.upper()
         self.strides = [1, *([1] if self.flat else []), *layer.strides, 1]
         self.rates = [1, *([1] if self.flat else []), *layer.dilation_rate, 1]
-        self.activation = Activation(layer.activation)
-        self.runs_user_code = self.activation.runs_user_code
-        self.takes_logits_signal = self.activation.makes_logits
-        self.bias = layer.bias if layer.use_bias else None
-        self.variables = [layer.kernel] + ([self.bias] if self.bias is not None else [])
 
     def describe(self):
         """``"conv2d"`` and the activation, e.g. ``"conv2d+relu"``.

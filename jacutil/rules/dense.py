@@ -18,8 +18,37 @@ from .blocks import (
 from .registry import Blocks, LogitsSignal, NoRule, Rule, register
 
 
+def refuse_adapted(layer, kind):
+    """Raise :class:`NoRule` for a LoRA or quantized layer: its weights are not
+    the plain variables whose blocks the rule writes."""
+    if getattr(layer, "lora_enabled", False) or layer.quantization_mode:
+        raise NoRule(f"a LoRA or quantized {kind}")
+
+
+class KernelRule(Rule):
+    """``y = act(a W + b)``: the kernel, bias and activation that a Dense shares
+    with a convolution (a Dense at every position).
+
+    Args:
+        layer: the Keras layer.
+        kind: what the layer is, in :class:`NoRule`'s words.
+
+    Raises:
+        NoRule: a LoRA or quantized layer.
+    """
+
+    def __init__(self, layer, kind):
+        super().__init__(layer)
+        refuse_adapted(layer, kind)
+        self.activation = Activation(layer.activation)
+        self.runs_user_code = self.activation.runs_user_code
+        self.takes_logits_signal = self.activation.makes_logits
+        self.bias = layer.bias if layer.use_bias else None
+        self.variables = [layer.kernel] + ([self.bias] if self.bias is not None else [])
+
+
 @register(keras.layers.Dense)
-class DenseRule(Rule):
+class DenseRule(KernelRule):
     """``y = act(a @ W + b)``, on the last axis of an input of any rank.
 
     Args:
@@ -33,17 +62,10 @@ class DenseRule(Rule):
     fast_under_xla = True  # its norms: |a|^2 |delta|^2, fused by XLA
 
     def __init__(self, layer):
-        super().__init__(layer)
-        if getattr(layer, "lora_enabled", False) or layer.quantization_mode:
-            raise NoRule("a LoRA or quantized Dense")
-        self.activation = Activation(layer.activation)
+        super().__init__(layer, "Dense")
         # an element-wise slope or a softmax broadcasts a shared signal;
         # autodiff of an unknown function needs one row per sample
-        self.runs_user_code = self.activation.runs_user_code
         self.shared_signal = not self.runs_user_code
-        self.takes_logits_signal = self.activation.makes_logits
-        self.bias = layer.bias if layer.use_bias else None
-        self.variables = [layer.kernel] + ([self.bias] if self.bias is not None else [])
 
     def describe(self):
         """``"dense"`` and the activation, e.g. ``"dense+relu"``.

@@ -15,7 +15,8 @@ Opacus's ghost clipping (``opacus/grad_sample/embedding_norm_sample.py``,
 
 from ..core._tf import keras, tf
 from .blocks import ghost_is_cheaper, outer_blocks, positions_of
-from .registry import Blocks, NoRule, Rule, register
+from .dense import refuse_adapted
+from .registry import Blocks, Rule, register
 
 
 @register(keras.layers.Embedding)
@@ -33,8 +34,7 @@ class EmbeddingRule(Rule):
 
     def __init__(self, layer):
         super().__init__(layer)
-        if getattr(layer, "lora_enabled", False) or layer.quantization_mode:
-            raise NoRule("a LoRA or quantized Embedding")
+        refuse_adapted(layer, "Embedding")
         self.variables = [layer.embeddings]
 
     def _forward(self, a):

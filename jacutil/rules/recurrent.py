@@ -126,7 +126,7 @@ class _Recurrent(Rule):
         """
         raise NotImplementedError
 
-    def blocks(self, a, states, by_input, by_state, wanted):
+    def blocks(self, a, states, by_input, by_state, wanted, bias_after_r=True):
         """Blocks of K, R and the bias after R (LSTM, SimpleRNN).
 
         Args:
@@ -135,16 +135,15 @@ class _Recurrent(Rule):
             by_input: the signal at the gates from the input, (n, T, l, g * u).
             by_state: the signal at the gates from the state, (n, T, l, g * u).
             wanted: the variables to write blocks for.
+            bias_after_r: write the bias with R (False: the caller writes it).
 
         Returns:
             :class:`jacutil.rules.registry.Blocks`, (n, l, size) each.
         """
-        cell = self.cell
+        cell, bias = self.cell, self.bias if bias_after_r else None
         blocks = kernel_and_bias(a, by_input, cell.kernel, None, wanted, True)
         blocks.update(
-            kernel_and_bias(
-                states, by_state, cell.recurrent_kernel, self.bias, wanted, True
-            )
+            kernel_and_bias(states, by_state, cell.recurrent_kernel, bias, wanted, True)
         )
         return blocks
 
@@ -259,23 +258,9 @@ class GRURule(_Recurrent):
         return by_input, by_state, (dh,)
 
     def blocks(self, a, states, by_input, by_state, wanted):
-        """K and R apart; the bias (2, 3u) is its input row, then its recurrent row.
-
-        Args:
-            a: the layer's input, shape (n, T, features).
-            states: the state before each step, shape (n, T, u).
-            by_input: the signal at the gates from the input, (n, T, l, 3u).
-            by_state: the signal at the gates from the state, (n, T, l, 3u).
-            wanted: the variables to write blocks for.
-
-        Returns:
-            :class:`jacutil.rules.registry.Blocks`, (n, l, size) each.
-        """
-        cell = self.cell
-        blocks = kernel_and_bias(a, by_input, cell.kernel, None, wanted, True)
-        blocks.update(
-            kernel_and_bias(states, by_state, cell.recurrent_kernel, None, wanted, True)
-        )
+        """K and R apart; the bias (2, 3u) is its input row, then its recurrent
+        row (arguments and result as :meth:`_Recurrent.blocks`, g = 3)."""
+        blocks = super().blocks(a, states, by_input, by_state, wanted, False)
         if self.bias is not None and self.bias in wanted:
             sums = [tf.reduce_sum(by_input, 1), tf.reduce_sum(by_state, 1)]
             blocks[self.bias] = tf.concat(sums, -1)

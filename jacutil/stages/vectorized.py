@@ -60,11 +60,7 @@ def per_sample_tape_jacobian(target, x):
 
     def one_sample(xi):
         xi = tf.nest.map_structure(lambda t: t[None], xi)  # a batch of one
-        with tf.GradientTape() as tape:
-            target.watch(tape)
-            y = target.forward(xi)  # (1, l)
-        jacobians = tape.jacobian(y, target.variables)
-        return stack_columns(jacobians, target.variables, 1)[0]
+        return batch_tape_jacobian(target, xi)[0]  # (l, m)
 
     return tf.vectorized_map(one_sample, x)
 

@@ -117,9 +117,9 @@ def plain_per_sample_jacobian(model, x):
 
 
 # %% [markdown]
-# `jacutil`'s version differs only where the batch tape's did: `target`
-# and `stack_columns`, and a sample that is a list or dict of arrays
-# (`tf.nest.map_structure`):
+# `jacutil`'s version is the batch tape above, run on a batch of one sample
+# (`tf.nest.map_structure` makes one from a sample that is a list or dict of
+# arrays) and mapped over the samples:
 
 # %%
 ju.teaching.notebook.show_source(ju.stages.vectorized.per_sample_tape_jacobian)

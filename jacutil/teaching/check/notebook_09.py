@@ -97,23 +97,13 @@ def jvp_by_double_backward(answer, model, x, v):
         )
     array = as_array(answer, what, (n, rows), words)
     if np.allclose(array, expected, rtol=1e-5, atol=1e-8):
-        close_array(
-            array,
-            expected,
-            what,
-            rtol=1e-10,
-            atol=1e-12,
-            wrong="it agrees to about float32's precision only: the model "
-            "and v are float64, so keep them float64 (jvp casts v to the "
-            "model's dtype).",
+        wrong = (
+            "it agrees to about float32's precision only: the model and v are "
+            "float64, so keep them float64 (jvp casts v to the model's dtype)."
         )
-        return
-    close_array(
-        array,
-        expected,
-        what,
-        rtol=1e-10,
-        atol=1e-12,
-        wrong="it differs from J @ v with J formed by the loop of 01. Was "
-        "it computed on `small` and `x_small` with the notebook's `v`?",
-    )
+    else:
+        wrong = (
+            "it differs from J @ v with J formed by the loop of 01. Was it "
+            "computed on `small` and `x_small` with the notebook's `v`?"
+        )
+    close_array(array, expected, what, rtol=1e-10, atol=1e-12, wrong=wrong)
