@@ -30,19 +30,19 @@ Introduced in ``11-curvature-and-uncertainty``.
 
 import argparse
 import importlib.util
-import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..teaching.models import image_data, question_mlp, regression_data, small_cnn
+from ..teaching.timing import Timing, first_call, repeat_times
+from . import paths
 from .machine import machine_summary
+from .runner import max_abs_diff
 from .skipping import format_seconds
 
 RTOL = 1e-4  # float32 models: sums over 1,000 samples in another order
 LAPLACE_ATOL = 1e-4  # the predictive covariance, absolute (the issue's bound)
 PRIOR_PRECISION, SIGMA_NOISE = 1.0, 0.5
-PEER_LIBRARIES = ("torch", "backpack", "curvlinops", "laplace", "jax")
 
 
 @dataclass
@@ -87,14 +87,11 @@ MODELS = {
 LOSS_LABELS = {"squared_error": "squared error", "softmax_cross_entropy": "softmax CE"}
 
 
-def _model(name, seed):
-    return question_mlp(seed=seed) if name == "mlp" else small_cnn(seed=seed)
-
-
 def _inputs(name, n, seed):
-    if name == "mlp":
-        return regression_data(n, seed=seed)
-    return image_data(n, seed=seed), None
+    """(x, y): the bench model's n inputs, and its targets (None for the CNN)."""
+    bench_model = paths.MODELS[name]
+    y = bench_model.targets(n, seed) if bench_model.targets else None
+    return bench_model.inputs(n, seed), y
 
 
 class NotAvailable(Exception):
@@ -169,20 +166,6 @@ def _test_inputs(row, seed):
     return _inputs(row.model, row.n, seed + 1)[0]
 
 
-def _timed(function, repeats):
-    """(value, first, times): the warm-up call's value and seconds, then
-    the seconds of ``repeats`` more calls."""
-    start = time.perf_counter()
-    value = np.asarray(function())
-    first = time.perf_counter() - start
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return value, first, times
-
-
 def _check(row, theirs, ours):
     """The largest absolute difference; AssertionError beyond the tolerance."""
     if theirs.shape != ours.shape:
@@ -190,7 +173,7 @@ def _check(row, theirs, ours):
             f"{row.peer} returned shape {theirs.shape}, jacutil {ours.shape} "
             f"({row.kind}, {row.model})"
         )
-    difference = float(np.max(np.abs(theirs.astype(np.float64) - ours)))
+    difference = max_abs_diff(theirs.astype(np.float64), ours)
     bound = (
         LAPLACE_ATOL
         if row.kind == "laplace"
@@ -223,40 +206,31 @@ def run_row(row, *, repeats=5, seed=0, log=print):
     Raises:
         AssertionError: the peer's result differs from jacutil's.
     """
-    model = _model(row.model, seed)
+    model = paths.MODELS[row.model].build(seed)
     x, y = _inputs(row.model, row.n, seed)
     result = {"row": row, "jacutil": None, "peer": None, "max_abs_diff": None}
     result["note"] = ""
+    side = "jacutil"
     try:
-        value, first, times = _timed(_ours(row, model, x, y, seed), repeats)
-    except NotAvailable as error:
-        result["note"] = f"jacutil: {error}"
-        log(f"{row.kind}-{row.model}: {result['note']}")
-        return result
-    expected = value.astype(np.float64)
-    result["jacutil"] = _timing(first, times)
-    try:
+        ours = _ours(row, model, x, y, seed)
+        value, first = first_call(ours)
+        expected = np.asarray(value).astype(np.float64)
+        result["jacutil"] = Timing(first, repeat_times(ours, repeats=repeats)).as_dict()
+        side = row.peer
         peer = _theirs(row, model, x, y, seed)
     except NotAvailable as error:
-        result["note"] = f"{row.peer}: {error}"
+        result["note"] = f"{side}: {error}"
         log(f"{row.kind}-{row.model}: {result['note']}")
         return result
-    start = time.perf_counter()
-    value = np.asarray(peer())  # checked, then timed
-    first = time.perf_counter() - start
-    result["max_abs_diff"] = _check(row, value, expected)
-    _, _, times = _timed(peer, repeats)
-    result["peer"] = _timing(first, times)
+    value, first = first_call(peer)  # checked, then timed
+    result["max_abs_diff"] = _check(row, np.asarray(value), expected)
+    result["peer"] = Timing(first, repeat_times(peer, repeats=repeats)).as_dict()
     log(
         f"{row.kind}-{row.model} n = {row.n:,}: jacutil "
         f"{format_seconds(result['jacutil']['median'])}, {row.peer} "
         f"{format_seconds(result['peer']['median'])}"
     )
     return result
-
-
-def _timing(first, times):
-    return {"first": first, "times": times, "median": float(np.median(times))}
 
 
 def ratio(result):

@@ -7,11 +7,8 @@ per path, its sizes in increasing order, each first call's peak above the
 level before the first. Introduced in ``07-benchmark``.
 """
 
-import json
-import subprocess
-import sys
-
 from ..core import memory
+from ..teaching.memory_sweeps import fresh_python
 from .paths import MODELS, PATHS
 
 
@@ -51,20 +48,6 @@ def measure_in_fresh_process(name, sizes, seed=0, model="mlp"):
     """
     if not sizes:
         return []
-    command = [
-        sys.executable,
-        "-m",
-        "jacutil.bench",
-        "--measure-memory",
-        name,
-        "--seed",
-        str(seed),
-        "--model",
-        model,
-        "--sizes",
-        *map(str, sizes),
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"measuring {name} failed:\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    arguments = ["-m", "jacutil.bench", "--measure-memory", name, "--seed", str(seed)]
+    arguments += ["--model", model, "--sizes", *map(str, sizes)]
+    return fresh_python(arguments, f"measuring {name} failed")

@@ -8,10 +8,9 @@ in :data:`MODELS`. Introduced in ``07-benchmark``.
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from .. import peers
 from ..auto import jacobian
+from ..core._shared import count_params, size_of
 from ..core._tf import tf
 from ..core.target import resolve_target
 from ..rules.dense_jacobian import compiled_dense_jacobian, dense_plan
@@ -31,7 +30,24 @@ from .models import flat_data, residual_mlp, two_head
 
 SIZES = (100, 1000, 10_000)  # the question's network; other models name theirs
 REFERENCE = "compiled"  # every path is checked against this one, at every n
-PEERS = ("jax", "torch")  # the other libraries: "x peer" is to the faster one
+PEER_NAMES = {"jax": "JAX", "torch": "PyTorch"}  # the other libraries, in words
+PEERS = tuple(PEER_NAMES)  # "x peer" is to the faster one
+
+
+def not_installed(what, library):
+    """The note that ``what`` is skipped: ``library`` is not installed.
+
+    Args:
+        what: the path or peer, in words.
+        library: the missing library's name.
+
+    Returns:
+        A ``str``.
+    """
+    return (
+        f"note: {what} skipped: {library} is not installed "
+        "(make bench-peers installs it)."
+    )
 
 
 @dataclass
@@ -197,7 +213,7 @@ def count_outputs(model, x):
         An ``int``.
     """
     leaves = tf.nest.flatten(model(x[:1]))
-    return sum(int(np.prod(leaf.shape[1:])) for leaf in leaves)
+    return sum(size_of(leaf.shape[1:]) for leaf in leaves)
 
 
 def jacobian_shape(model, x, n):
@@ -211,6 +227,4 @@ def jacobian_shape(model, x, n):
     Returns:
         A tuple ``(n, l, m)``.
     """
-    n_outputs = count_outputs(model, x)
-    n_params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
-    return (n, n_outputs, n_params)
+    return (n, count_outputs(model, x), count_params(model.trainable_variables))

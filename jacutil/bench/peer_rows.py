@@ -23,22 +23,18 @@ come from :data:`~.paths.MODELS`, so notebook ``07-benchmark`` can time
 the same rows. Introduced in ``07-benchmark``.
 """
 
-import time
 from dataclasses import dataclass
-
-import numpy as np
 
 from .. import peers
 from ..auto import jacobian
 from ..core._tf import keras
 from ..fitting.loss_gradients import per_sample_gradient_norms, per_sample_gradients
+from ..teaching.timing import Timing, first_call, repeat_times
 from .machine import machine_summary
 from .models import targets
-from .paths import MODELS, PEERS
-from .runner import ATOL, RTOL, max_abs_diff, tolerances
+from .paths import MODELS, PEER_NAMES, PEERS, not_installed
+from .runner import agree, tolerances
 from .skipping import format_seconds
-
-PEER_NAMES = {"jax": "JAX", "torch": "PyTorch"}
 
 
 def _squared_error():
@@ -140,27 +136,6 @@ TASKS = {
 }
 
 
-def _first_call(function, x, y):
-    """(value, seconds) of the warm-up call ``function(x, y)``."""
-    start = time.perf_counter()
-    value = function(x, y)
-    return np.asarray(value), time.perf_counter() - start
-
-
-def _repeat(function, x, y, repeats):
-    """Seconds of ``repeats`` more calls ``function(x, y)``, in call order."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function(x, y)
-        times.append(time.perf_counter() - start)
-    return times
-
-
-def _timing(first, times):
-    return {"first": first, "times": times, "median": float(np.median(times))}
-
-
 def _inputs(task, network, n, seed):
     """(x, y) of n samples: the model's inputs and targets for its loss."""
     bench_model = MODELS[task.model]
@@ -198,35 +173,30 @@ def run_task(name, sizes=None, *, repeats=5, seed=0, log=print):
     for peer, (label, build) in kind.peers.items():
         function = build(network)
         if function is None:
-            log(f"note: {PEER_NAMES[peer]} {label} skipped: {peer} is not installed "
-                "(make bench-peers installs it).")  # fmt: skip
+            log(not_installed(f"{PEER_NAMES[peer]} {label}", peer))
             continue
         theirs[peer] = function
     rows = []
     for n in sorted(sizes or task.sizes):
         x, y = _inputs(task, network, n, seed)
-        expected, first = _first_call(ours, x, y)
-        times = _repeat(ours, x, y, repeats)
+        expected, first = first_call(ours, x, y)
+        times = repeat_times(ours, x, y, repeats=repeats)
         row = {
             "task": name,
             "kind": task.kind,
             "model": task.model,
             "n": n,
-            "jacutil": _timing(first, times),
+            "jacutil": Timing(first, times).as_dict(),
             "peers": {},
         }
         for peer, function in theirs.items():
-            value, first = _first_call(function, x, y)  # checked, then timed
-            np.testing.assert_allclose(
-                value,
-                expected,
-                rtol=RTOL,
-                atol=ATOL,
-                err_msg=f"{peer} disagrees with jacutil on {name} at n = {n}",
+            value, first = first_call(function, x, y)  # checked, then timed
+            difference = agree(
+                value, expected, f"{peer} disagrees with jacutil on {name} at n = {n}"
             )
-            difference = max_abs_diff(value, expected)
-            times = _repeat(function, x, y, repeats)
-            row["peers"][peer] = _timing(first, times) | {"max_abs_diff": difference}
+            times = repeat_times(function, x, y, repeats=repeats)
+            timing = Timing(first, times).as_dict()
+            row["peers"][peer] = timing | {"max_abs_diff": difference}
         rows.append(row)
         log(_progress(row))
     return rows

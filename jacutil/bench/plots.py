@@ -6,12 +6,12 @@ Introduced in ``07-benchmark``.
 import json
 from pathlib import Path
 
+from ..teaching.plots import SLOPES_FROM, loglog_scaling
 from .report import markdown, series
 
 # Lines that overlap stay apart by their marker and dash, not colour alone.
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "h", "*", "p", "d", "8")
 DASHES = ("-", "--", "-.", (0, (1, 1)), (0, (5, 1, 1, 1, 1, 1)))
-SLOPES_FROM = 3  # a slope fitted to two points says nothing about the shape
 FIGSIZE = (11, 5)
 
 
@@ -34,20 +34,17 @@ def plot(results, ax=None, *, slopes_from=SLOPES_FROM, legend_size=9):
     """
     import matplotlib.pyplot as plt
 
-    from ..teaching.plots import fitted_slope, loglog_scaling
-
     if ax is None:
         _, ax = plt.subplots(figsize=FIGSIZE)
     colors = plt.cm.tab20.colors
     ax.set_prop_cycle(color=colors[::2] + colors[1::2])  # 20 distinct colours
-    ax = loglog_scaling(results["sizes"], series(results), ax=ax, slopes=False)
-    sloped = False
-    for i, line in enumerate(ax.get_lines()):
+    ax = loglog_scaling(
+        results["sizes"], series(results), ax=ax, slopes_from=slopes_from
+    )
+    lines = ax.get_lines()
+    sloped = any(len(line.get_xdata()) >= slopes_from for line in lines)
+    for i, line in enumerate(lines):
         label = line.get_label()
-        xs, ys = line.get_data()
-        if len(xs) >= slopes_from:
-            line.set_label(f"{label} (slope {fitted_slope(xs, ys):.2f})")
-            sloped = True
         line.set(
             marker=MARKERS[i % len(MARKERS)],
             linestyle=DASHES[i % len(DASHES)],

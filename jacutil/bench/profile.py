@@ -1,18 +1,11 @@
 """Where the hand-derived path's time goes, piece by piece (``07-benchmark``)."""
 
-import numpy as np
-
 from ..core._tf import tf
 from ..core.target import resolve_target
 from ..rules import plan_for
 from ..rules.dense_jacobian import compiled_dense_jacobian
+from ..teaching.timing import time_call
 from .floor import fill_floor, preallocated, write_floor
-from .runner import repeat_times
-
-
-def _median_seconds(piece, repeats):
-    piece()  # warm-up: trace and compile
-    return float(np.median(repeat_times(lambda _: piece(), None, repeats)))
 
 
 def _layer_blocks(model, x):
@@ -73,4 +66,5 @@ def profile_dense(model, x, repeats=5):
         "floor: fill a preallocated array": lambda: fill_floor(out),
         "floor, new array: np.full": lambda: write_floor(shape),
     }
-    return {name: _median_seconds(piece, repeats) for name, piece in pieces.items()}
+    # each piece's first call (trace, compile) is a warm-up, timed apart
+    return {name: time_call(f, repeats=repeats).median for name, f in pieces.items()}

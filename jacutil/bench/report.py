@@ -10,8 +10,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..teaching.plots import SLOPES_FROM, fitted_slope
 from .floor import FLOOR, FLOOR_NEW
-from .paths import PEERS
+from .paths import PEER_NAMES, PEERS
 from .runner import tolerances
 from .skipping import format_seconds
 
@@ -171,9 +172,8 @@ def peer_proof(results, n):
         A ``str`` (empty where no peer ran at n, or none kept a difference).
     """
     at = results_at(results, n)
-    names = {"jax": "JAX", "torch": "PyTorch"}
     said = [
-        f"{names.get(p, p)} max |J_peer - J| = {at[p]['max_abs_diff']:.1e}"
+        f"{PEER_NAMES[p]} max |J_peer - J| = {at[p]['max_abs_diff']:.1e}"
         for p in PEERS
         if at.get(p, {}).get("max_abs_diff") is not None
     ]
@@ -329,11 +329,9 @@ def slopes(results):
     Returns:
         A dict from label to ``float``.
     """
-    from ..teaching.plots import fitted_slope
-
     out = {}
     for label, values in series(results).items():
         ran = [(n, v) for n, v in zip(results["sizes"], values, strict=True) if v]
-        if len(ran) >= 3:
+        if len(ran) >= SLOPES_FROM:
             out[label] = fitted_slope([n for n, _ in ran], [v for _, v in ran])
     return out

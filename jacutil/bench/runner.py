@@ -7,17 +7,24 @@ both write floors are timed at each n (see ``floor.py``). Introduced in
 ``07-benchmark``.
 """
 
-import time
 from dataclasses import asdict, dataclass, field
 from functools import partial
 
 import numpy as np
 
 from ..core import memory
+from ..teaching.timing import first_call, repeat_times
 from .floor import FLOOR, FLOOR_NEW, LABELS, fill_floor, preallocated, write_floor
 from .fresh import measure_in_fresh_process
 from .machine import machine_summary
-from .paths import MODELS, PATHS, REFERENCE, default_paths, jacobian_shape
+from .paths import (
+    MODELS,
+    PATHS,
+    REFERENCE,
+    default_paths,
+    jacobian_shape,
+    not_installed,
+)
 from .skipping import format_seconds, memory_guard, quadratic_bytes, skip_reason
 
 
@@ -55,42 +62,17 @@ class Result:
     free: int | None = None  # free bytes when predicted_peak was checked
 
 
-def _first_call(jac, x, watch_memory):
-    """(result, seconds, peak bytes or None) of the first call at this n."""
-    if watch_memory:
-        use = memory.peak_memory(jac, x)
-        return use.result, use.seconds, use.peak
-    start = time.perf_counter()
-    J = jac(x)
-    return J, time.perf_counter() - start, None
-
-
-def repeat_times(jac, x, repeats):
-    """Wall-clock seconds of ``repeats`` calls ``jac(x)``, one after another.
-
-    Args:
-        jac: a callable (a Jacobian path, or any piece to time).
-        x: its argument.
-        repeats: how many timed calls.
-
-    Returns:
-        A list of ``repeats`` floats, in call order.
-    """
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jac(x)
-        times.append(time.perf_counter() - start)
-    return times
-
-
 def _timed(name, n, function, argument, repeats, watch_memory, check=None):
-    """The :class:`Result` of ``function(argument)``; ``check(first value)``
-    runs between the first call and the timed ones and returns the largest
-    absolute difference from the reference."""
-    value, first, peak = _first_call(function, argument, watch_memory)
+    """The :class:`Result` of ``function(argument)``: the first call (its peak
+    bytes too when ``watch_memory``), then ``check(its value)``, which returns
+    the largest absolute difference from the reference, then the timed calls."""
+    if watch_memory:
+        use = memory.peak_memory(function, argument)
+        value, first, peak = use.result, use.seconds, use.peak
+    else:
+        (value, first), peak = first_call(function, argument), None
     difference = None if check is None else check(value)
-    times = repeat_times(function, argument, repeats)
+    times = repeat_times(function, argument, repeats=repeats)
     return Result(
         name, n, first, times, float(np.median(times)), peak, max_abs_diff=difference
     )
@@ -145,19 +127,31 @@ def max_abs_diff(a, b):
     return float(np.max(np.abs(a - b), initial=0.0))
 
 
+def agree(value, expected, message):
+    """Assert ``value`` equals ``expected`` at :data:`RTOL`, :data:`ATOL`
+    (``message`` says what disagrees); the largest absolute difference.
+
+    Args:
+        value: the array checked.
+        expected: the reference array.
+        message: the AssertionError's message.
+
+    Returns:
+        A ``float``.
+
+    Raises:
+        AssertionError: they differ beyond the tolerances.
+    """
+    np.testing.assert_allclose(value, expected, rtol=RTOL, atol=ATOL, err_msg=message)
+    return max_abs_diff(value, expected)
+
+
 def _check(J, reference, name, n):
     """Every path's J equals the reference's (the first path run at this n);
     the largest absolute difference."""
     if not reference:
         reference.append(np.array(J))
-    np.testing.assert_allclose(
-        J,
-        reference[0],
-        rtol=RTOL,
-        atol=ATOL,
-        err_msg=f"{name} disagrees with {REFERENCE} at n = {n}",
-    )
-    return max_abs_diff(J, reference[0])
+    return agree(J, reference[0], f"{name} disagrees with {REFERENCE} at n = {n}")
 
 
 def build_paths(model, names, log=print):
@@ -175,10 +169,7 @@ def build_paths(model, names, log=print):
     for name in names:
         jac = PATHS[name].build(model)
         if jac is None:
-            log(
-                f"note: {PATHS[name].label} skipped: {name} is not installed "
-                "(make bench-peers installs it)."
-            )
+            log(not_installed(PATHS[name].label, name))
             continue
         built[name] = jac
     return built
@@ -239,29 +230,19 @@ def run_bench(
             )
             label = PATHS[name].label
             if reason:
-                peak, free = guard
-                done.append(
-                    Result(
-                        name,
-                        n,
-                        skipped=reason,
-                        predicted=predicted,
-                        predicted_peak=peak,
-                        free=free,
-                    )
-                )
+                result = Result(name, n, skipped=reason, predicted=predicted)
                 log(f"n = {n:>6,}  {label:<45} skipped: {reason}")
-                continue
-            # the quadratic paths watch memory even here: it guards larger n
-            watch = inline or PATHS[name].exponent == 2
-            check = partial(_check, reference=reference, name=name, n=n)
-            result = _timed(name, n, jac, x, repeats, watch, check)
+            else:
+                # the quadratic paths watch memory even here: it guards larger n
+                watch = inline or PATHS[name].exponent == 2
+                check = partial(_check, reference=reference, name=name, n=n)
+                result = _timed(name, n, jac, x, repeats, watch, check)
+                log(
+                    f"n = {n:>6,}  {label:<45} {format_seconds(result.median):>9}"
+                    f"  (first {format_seconds(result.first)})"
+                )
             result.predicted_peak, result.free = guard
             done.append(result)
-            log(
-                f"n = {n:>6,}  {label:<45} {format_seconds(result.median):>9}"
-                f"  (first {format_seconds(result.first)})"
-            )
     if memory_mode == "fresh":
         for name in built:
             ran = [r for r in done if r.path == name and r.median is not None]

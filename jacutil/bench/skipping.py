@@ -98,16 +98,6 @@ def quadratic_bytes(network, x):
     return n_outputs * elements * x.dtype.itemsize
 
 
-def available():
-    """Half of the memory that is free now, in bytes: the most a quadratic
-    path may be predicted to need (see :func:`memory_guard`).
-
-    Returns:
-        An ``int``.
-    """
-    return free_memory() // 2
-
-
 def free_memory():
     """The machine's available memory now, in bytes (``psutil``).
 

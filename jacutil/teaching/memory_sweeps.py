@@ -66,11 +66,30 @@ def measure_in_fresh_process(method, sizes, *, n_samples=None, model="question_m
     grow to. Introduced in ``02-vectorized``.
     """
     sizes = sorted(int(n) for n in sizes)
-    command = [sys.executable, "-m", "jacutil.teaching.memory_sweeps", method]
-    command += [json.dumps(sizes), str(int(n_samples or 0)), model]
+    arguments = ["-m", "jacutil.teaching.memory_sweeps", method, json.dumps(sizes)]
+    arguments += [str(int(n_samples or 0)), model]
+    return fresh_python(arguments, "the measuring process failed")
+
+
+def fresh_python(arguments, failure):
+    """Run ``python ARGUMENTS`` in a new process; the JSON it printed last.
+
+    A new process starts with an empty memory pool: what it grows is its own.
+
+    Args:
+        arguments: the command line after ``python``, a list of ``str``.
+        failure: the error's first words, e.g. "the measuring process failed".
+
+    Returns:
+        The value of the last line the process printed, read as JSON.
+
+    Raises:
+        RuntimeError: the process failed (its stderr's end is in the message).
+    """
+    command = [sys.executable, *arguments]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise RuntimeError(f"the measuring process failed:\n{done.stderr[-2000:]}")
+        raise RuntimeError(f"{failure}:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -2,6 +2,8 @@
 
 import numpy as np
 
+SLOPES_FROM = 3  # a slope fitted to two points says nothing about the shape
+
 
 def fitted_slope(sizes, values):
     """Slope of log(values) against log(sizes): 1 is linear, 2 is quadratic.
@@ -20,14 +22,21 @@ def fitted_slope(sizes, values):
 
 
 def loglog_scaling(
-    sizes, series, *, ylabel="seconds", xlabel="n_samples", ax=None, slopes=True
+    sizes,
+    series,
+    *,
+    ylabel="seconds",
+    xlabel="n_samples",
+    ax=None,
+    slopes=True,
+    slopes_from=SLOPES_FROM,
 ):
     """Plot each ``series[name]`` against ``sizes`` on log-log axes, with slopes.
 
-    A slope is fitted only to a curve measured at three sizes or more (two
-    points always fit a line exactly). ``slopes=False`` for curves that are
-    not power laws (a V-shaped time against chunk size): a slope fitted to
-    them would mislead.
+    A slope is fitted only to a curve measured at ``slopes_from`` (three)
+    sizes or more (two points always fit a line exactly). ``slopes=False``
+    for curves that are not power laws (a V-shaped time against chunk size):
+    a slope fitted to them would mislead.
 
     ``series`` maps a label to values at the matching ``sizes`` (``None`` or
     NaN where a size was not run). Returns the matplotlib axes.
@@ -39,6 +48,7 @@ def loglog_scaling(
         xlabel: the x axis's label.
         ax: the matplotlib axes to draw on (default: a new figure's).
         slopes: add each fitted slope to its label.
+        slopes_from: the fewest sizes for a fitted slope.
 
     Returns:
         The matplotlib ``Axes``.
@@ -52,7 +62,7 @@ def loglog_scaling(
         pairs = [(s, v) for s, v, ok in zip(sizes, values, ran, strict=True) if ok]
         xs, ys = zip(*pairs, strict=True)
         label = name
-        if slopes and len(xs) >= 3:
+        if slopes and len(xs) >= slopes_from:
             label = f"{name} (slope {fitted_slope(xs, ys):.2f})"
         ax.loglog(xs, ys, "o-", label=label)
     ax.set_xlabel(xlabel)

@@ -1,4 +1,4 @@
-"""Wall-clock timing with the first call reported apart (every notebook)."""
+"""Wall-clock timing with the first call reported apart (every notebook, the bench)."""
 
 import time
 from dataclasses import dataclass
@@ -23,6 +23,46 @@ class Timing:
         """The median of ``times``, in seconds (a ``float``)."""
         return float(np.median(self.times))
 
+    def as_dict(self):
+        """``{first, times, median}``: a timing as the bench's results store it."""
+        return {"first": self.first, "times": self.times, "median": self.median}
+
+
+def first_call(fn, *args, **kwargs):
+    """``(value, seconds)`` of one call ``fn(*args, **kwargs)``.
+
+    Args:
+        fn: the function to call.
+        *args: its positional arguments.
+        **kwargs: its keyword arguments.
+
+    Returns:
+        A tuple: what ``fn`` returned, and the call's wall-clock seconds.
+    """
+    start = time.perf_counter()
+    value = fn(*args, **kwargs)
+    return value, time.perf_counter() - start
+
+
+def repeat_times(fn, *args, repeats=5, **kwargs):
+    """Wall-clock seconds of ``repeats`` calls ``fn(*args, **kwargs)``, in order.
+
+    Args:
+        fn: the function to time.
+        *args: its positional arguments.
+        repeats: how many timed calls.
+        **kwargs: its keyword arguments.
+
+    Returns:
+        A list of ``repeats`` floats, in call order.
+    """
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(*args, **kwargs)
+        times.append(time.perf_counter() - start)
+    return times
+
 
 def time_call(fn, *args, repeats=5, **kwargs):
     """Time ``fn(*args, **kwargs)``: the first call apart, then ``repeats`` more.
@@ -40,12 +80,5 @@ def time_call(fn, *args, repeats=5, **kwargs):
     >>> len(timing.times), timing.median >= 0
     (3, True)
     """
-    start = time.perf_counter()
-    fn(*args, **kwargs)
-    first = time.perf_counter() - start
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn(*args, **kwargs)
-        times.append(time.perf_counter() - start)
-    return Timing(first, times)
+    first = first_call(fn, *args, **kwargs)[1]
+    return Timing(first, repeat_times(fn, *args, repeats=repeats, **kwargs))

@@ -14,7 +14,6 @@ Introduced in ``09-matrix-free``.
 
 import json
 import resource
-import subprocess
 import sys
 import time
 
@@ -23,17 +22,9 @@ import numpy as np
 from ..core import memory
 from ..core._tf import keras, tf
 from ..fitting.scipy_bridge import least_squares_problem
+from .memory_sweeps import fresh_python
 from .models import question_mlp, regression_data
-
-
-def _median_seconds(fn, repeats=3):
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+from .timing import time_call
 
 
 def fit_lsmr(problem, max_nfev, lsmr_iterations):
@@ -126,8 +117,9 @@ def run(n_samples=2000, width=512, depth=3, max_nfev=8, lsmr_iterations=10, seed
     n_params, n_rows = problem.n_params, n_samples * problem.n_outputs
     operator = problem.jac(problem.theta0)
     v, u = np.ones(n_params), np.ones(n_rows)
-    forward = _median_seconds(lambda: model(x))
-    pair = _median_seconds(lambda: (operator.matvec(v), operator.rmatvec(u)))
+    forward = time_call(model, x, repeats=3).median
+    pair = time_call(lambda: (operator.matvec(v), operator.rmatvec(u)), repeats=3)
+    pair = pair.median
     use = memory.peak_memory(fit_lsmr, problem, max_nfev, lsmr_iterations)
     lsmr = use.result
     model.set_weights(start_weights)
@@ -158,12 +150,8 @@ def run_in_fresh_process(**parameters):
     Raises:
         RuntimeError: the process failed (the message holds its stderr's tail).
     """
-    module = "jacutil.teaching.wide_fit"
-    command = [sys.executable, "-m", module, json.dumps(parameters)]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"the fit's process failed:\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    arguments = ["-m", "jacutil.teaching.wide_fit", json.dumps(parameters)]
+    return fresh_python(arguments, "the fit's process failed")
 
 
 if __name__ == "__main__":

@@ -171,19 +171,20 @@ def answered(answer, what):
     return answer
 
 
-def as_number(answer, what):
+def as_number(answer, what, finite=True):
     """``answer`` as a float, or a Hint that says a number was expected.
 
     Args:
         answer: the learner's answer.
         what: what the answer should be, in words.
+        finite: whether NaN and inf are refused too.
 
     Returns:
-        A finite ``float``.
+        A ``float``, finite when ``finite``.
 
     Raises:
         NoAnswer: ``answer`` is None.
-        Hint: it is not one finite number.
+        Hint: it is not one number (one finite number, when ``finite``).
     """
     answered(answer, what)
     try:
@@ -191,7 +192,7 @@ def as_number(answer, what):
     except (TypeError, ValueError):
         kind = type(answer).__name__
         raise Hint(f"expected {what}: one number, got {kind}.") from None
-    if not np.isfinite(value):
+    if finite and not np.isfinite(value):
         raise Hint(f"expected {what}: a finite number, got {value}.")
     return value
 
@@ -267,6 +268,50 @@ def as_array(answer, what, shape, shape_words):
     if not np.all(np.isfinite(array)):
         raise Hint(f"{what} holds NaN or inf.")
     return array
+
+
+FLOAT32 = {"rtol": 1e-5, "atol": 1e-6}  # a float32 J against the loop's, say
+
+
+def same(array, candidate, tolerance=FLOAT32):
+    """Whether ``array`` equals ``candidate``, by default within float32's error.
+
+    Args:
+        array: the learner's array.
+        candidate: a right answer, or a known wrong one.
+        tolerance: ``{"rtol": ..., "atol": ...}`` for ``np.allclose``.
+
+    Returns:
+        A ``bool``.
+    """
+    return np.allclose(array, candidate, **tolerance)
+
+
+def flat(arrays):
+    """The arrays (gradients, say) flattened and joined, in float64.
+
+    Args:
+        arrays: a list of arrays or tensors.
+
+    Returns:
+        A 1-D float64 array.
+    """
+    return np.concatenate([np.asarray(a, "float64").ravel() for a in arrays])
+
+
+def shape_of(answer):
+    """The answer's shape, or None for a ragged list (``as_array`` says why).
+
+    Args:
+        answer: the learner's answer.
+
+    Returns:
+        A tuple, or None.
+    """
+    try:
+        return np.shape(answer)
+    except ValueError:
+        return None
 
 
 def close_array(array, expected, what, rtol, atol, wrong):

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from . import Hint, answered, as_array, as_number, checks, close_array
+from . import FLOAT32, Hint, answered, as_array, as_number, checks, close_array, same
 
 COLLEAGUE_SAMPLES, COLLEAGUE_OUTPUTS = 10_000, 10
 
@@ -61,28 +61,24 @@ def one_forward_pass_per_sample(answer, model, x):
         (n, n_out, m),
         "(n samples, l outputs, m parameters)",
     )
-
-    def same(candidate):
-        return np.allclose(J, candidate, rtol=1e-5, atol=1e-6)
-
-    if same(expected):
+    if same(J, expected):
         return
     summed = expected.sum(axis=1, keepdims=True)
-    if n_out > 1 and same(np.repeat(summed, n_out, axis=1)):
+    if n_out > 1 and same(J, np.repeat(summed, n_out, axis=1)):
         raise Hint(
             "every row of a sample holds the SUM of its outputs' gradients: "
             "`tape.gradient` of a vector differentiates its sum. Take the "
             "gradient of each output y[k] (sliced inside the tape) on its own."
         )
-    if n_out > 1 and same(expected[:, ::-1]):
+    if n_out > 1 and same(J, expected[:, ::-1]):
         raise Hint(
             "the rows of each sample are in the wrong order: "
             "J[i, k] is the gradient of output k."
         )
-    if n > 1 and same(expected[::-1]):
+    if n > 1 and same(J, expected[::-1]):
         raise Hint("the samples are in the wrong order: J[i] is sample i.")
     if n_out > 1 and any(
-        same(np.repeat(expected[:, k : k + 1], n_out, axis=1)) for k in range(n_out)
+        same(J, np.repeat(expected[:, k : k + 1], n_out, axis=1)) for k in range(n_out)
     ):
         raise Hint(
             "every row of a sample is the gradient of the same output: "
@@ -92,9 +88,8 @@ def one_forward_pass_per_sample(answer, model, x):
         J,
         expected,
         "your Jacobian",
-        rtol=1e-5,
-        atol=1e-6,
         wrong="it differs from `loop_jacobian(model, x)`. Row J[i, k, :] is "
         "the gradient of output k of sample i with respect to every variable, "
         "flattened and joined in `model.trainable_variables` order.",
+        **FLOAT32,
     )

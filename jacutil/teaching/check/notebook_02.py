@@ -3,7 +3,7 @@
 import numpy as np
 
 from ...core._shared import sizes_of
-from . import Hint, answered, as_array, as_number, checks, close_array
+from . import FLOAT32, Hint, answered, as_array, as_number, checks, close_array, same
 
 BUDGET_GIB = 8
 
@@ -88,21 +88,17 @@ def columns_of_the_last_layer(answer, model, x):
         (n, n_out, count),
         "(n samples, l outputs, the last layer's parameters)",
     )
-
-    def same(candidate):
-        return np.allclose(J, candidate, rtol=1e-5, atol=1e-6)
-
     expected = full[:, :, m - count :]
-    if same(expected):
+    if same(J, expected):
         return
-    if same(full[:, :, :count]):
+    if same(J, full[:, :, :count]):
         raise Hint(
             "those are the FIRST columns of J: the columns follow "
             "`flat_params` order, `model.trainable_variables` from the first "
             "layer to the last."
         )
     if len(sizes) == 2 and same(
-        np.concatenate(np.split(expected, [sizes[0]], axis=2)[::-1], axis=2)
+        J, np.concatenate(np.split(expected, [sizes[0]], axis=2)[::-1], axis=2)
     ):
         raise Hint(
             "the bias comes before the kernel in your columns: within a "
@@ -112,9 +108,8 @@ def columns_of_the_last_layer(answer, model, x):
         J,
         expected,
         "your Jacobian",
-        rtol=1e-5,
-        atol=1e-6,
         wrong="it is not the last columns of the loop's Jacobian on the same "
         "samples. Did you use `model` and `x_check`, and the last layer's "
         "kernel and bias (in that order)?",
+        **FLOAT32,
     )

@@ -3,11 +3,7 @@
 import numpy as np
 
 from ...core._shared import count_params
-from . import Hint, answered, as_array, checks
-
-
-def _flat(grads):
-    return np.concatenate([np.asarray(g, "float64").ravel() for g in grads])
+from . import Hint, answered, as_array, checks, flat, same
 
 
 @checks("06-1")
@@ -23,7 +19,7 @@ def per_sample_loss_gradients(answer, model, x, y):
             loss = tf.reduce_sum(
                 (model(x[i : i + 1], training=False) - y[i : i + 1]) ** 2
             )
-        rows.append(_flat(tape.gradient(loss, variables)))
+        rows.append(flat(tape.gradient(loss, variables)))
     expected = np.stack(rows)
     n, m = expected.shape
     shape = np.shape(answer)
@@ -115,7 +111,7 @@ def frozen_batch_norm(answer, model, x):
         (n, n_out, m),
         "(n samples, l outputs, columns of the trainable variables)",
     )
-    if np.allclose(J, expected, rtol=1e-5, atol=1e-6):
+    if same(J, expected):
         return
     raise Hint(
         "J differs from the Jacobian in inference mode. A frozen "

@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from ...core._shared import count_params
 from . import Hint, answered, as_array, as_number, checks, close_array, close_number
 
 
@@ -82,7 +83,7 @@ def bytes_a_copy_moves(answer, model, n):
     numbers of the model's dtype.
     """
     outputs = int(model.outputs[0].shape[-1])
-    params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    params = count_params(model.trainable_variables)
     dtype = np.dtype(str(model.trainable_variables[0].dtype))
     numbers = n * outputs * params
     expected = 2 * numbers * dtype.itemsize

@@ -2,15 +2,7 @@
 
 import numpy as np
 
-from . import Hint, answered, as_array, checks, close_array
-
-
-def _shape(answer):
-    """The answer's shape, or None for a ragged list (as_array says why)."""
-    try:
-        return np.shape(answer)
-    except ValueError:
-        return None
+from . import Hint, answered, as_array, checks, close_array, shape_of
 
 
 @checks("08-1")
@@ -25,7 +17,7 @@ def rows_split_per_step(answer, model, x):
     n, rows, m = J.shape
     steps, outputs = (int(d) for d in model(x[:1]).shape[1:])
     shape = (n, steps, outputs, m)
-    got = _shape(answer)
+    got = shape_of(answer)
     if got == (n, rows, m):
         raise Hint(
             f"that is J itself, {rows} rows per sample unsplit: split each "
@@ -115,7 +107,7 @@ def derivative_by_a_moving_mean(answer, model, x, variable):
     answered(answer, f"{what}, an array of shape {words}")
     expected = finite_difference_jacobian(model, x, variables=[variable])
     n, rows, m = expected.shape
-    if _shape(answer) == (n, rows, flat_params(model).size):
+    if shape_of(answer) == (n, rows, flat_params(model).size):
         raise Hint(
             "those are the columns of the trainable variables: the moving "
             "mean is not among them. Pass variables=[...] with the moving "

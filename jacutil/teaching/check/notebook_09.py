@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from . import Hint, answered, as_array, checks, close_array, close_number
+from . import Hint, answered, as_array, as_number, checks, close_array, close_number
 
 
 def _first_time_at_or_below(history, level):
@@ -15,12 +15,7 @@ def seconds_for_adam_to_catch_up(answer, fit):
     """When Adam's MSE first reached the best MSE of least squares (lsmr)."""
     what = "the seconds Adam took to reach least squares' lowest MSE"
     answered(answer, f"{what} (np.inf if it never did)")
-    try:
-        seconds = float(np.asarray(answer).item())
-    except (TypeError, ValueError):
-        raise Hint(
-            f"expected {what}: one number, got {type(answer).__name__}."
-        ) from None
+    seconds = as_number(answer, what, finite=False)
     lsmr, adam = fit["lsmr"], fit["adam"]
     best = min(mse for _, mse in lsmr)
     expected = _first_time_at_or_below(adam, best)

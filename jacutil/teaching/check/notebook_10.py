@@ -9,7 +9,7 @@ from os import PathLike
 
 import numpy as np
 
-from . import Hint, answered, checks
+from . import Hint, answered, checks, shape_of
 
 _BLOCK = 1000  # samples compared at a time
 
@@ -26,10 +26,7 @@ def _compare_rows(answer, model, x, what, unfinished, wrong):
             "returns in `answer` (or np.load(path, mmap_mode='r'))."
         )
     expected = chunked_jacobian(model, x, method="per_sample", progress=False)
-    try:
-        shape = np.shape(answer)
-    except ValueError:
-        shape = None
+    shape = shape_of(answer)
     if shape != expected.shape:
         raise Hint(
             f"expected {what} of shape {words} = {expected.shape}; got "
