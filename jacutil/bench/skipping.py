@@ -98,17 +98,6 @@ def quadratic_bytes(network, x):
     return n_outputs * elements * x.dtype.itemsize
 
 
-def free_memory():
-    """The machine's available memory now, in bytes (``psutil``).
-
-    Returns:
-        An ``int``.
-    """
-    import psutil
-
-    return int(psutil.virtual_memory().available)
-
-
 def memory_guard(done, path, n, model="mlp", per_n2=None):
     """``(predicted peak bytes, free bytes)`` of a quadratic path at n.
 
@@ -128,7 +117,8 @@ def memory_guard(done, path, n, model="mlp", per_n2=None):
     if PATHS[path].exponent != 2:
         return None, None
     peak = predicted_peak(done, path, n, model, per_n2)
-    return (None if peak is None else int(peak)), free_memory()
+    free = memory.available_bytes(safety=1.0)  # all that is free now
+    return (None if peak is None else int(peak)), free
 
 
 def skip_reason(
