@@ -36,9 +36,7 @@ from .paths import MODELS, PEER_NAMES, PEERS, not_installed
 from .runner import agree, tolerances
 from .skipping import format_seconds
 
-
-def _squared_error():
-    return keras.losses.mean_squared_error  # one loss per sample: the mean over l
+SQUARED_ERROR = keras.losses.mean_squared_error  # one loss a sample: the mean over l
 
 
 @dataclass
@@ -58,13 +56,11 @@ class Kind:
 
 
 def _gradients(model):
-    loss = _squared_error()
-    return lambda x, y: per_sample_gradients(model, loss, x, y)
+    return lambda x, y: per_sample_gradients(model, SQUARED_ERROR, x, y)
 
 
 def _norms(model):
-    loss = _squared_error()
-    return lambda x, y: per_sample_gradient_norms(model, loss, x, y)
+    return lambda x, y: per_sample_gradient_norms(model, SQUARED_ERROR, x, y)
 
 
 def _jacobian(model):
