@@ -166,7 +166,7 @@ def test_cross_entropy_after_its_activation(activation, loss, y, body):
 @pytest.mark.parametrize("between", ["square", "tanh then mean"])
 def test_keras_ops_between_layers(between):
     """Crashed on 715c8dc: AttributeError: 'Square' object has no attribute
-    'weights' (jacutil.rules.engine.plan_for took a keras.ops call for a
+    'weights' (jacutil.rules.plan.plan_for took a keras.ops call for a
     layer) in per_sample_gradients and its norms."""
     keras.utils.set_random_seed(0)
     inputs = keras.Input((4,), dtype=F64)

@@ -422,7 +422,7 @@ def test_a_plan_is_used_only_where_it_was_checked():
     x, _ = ju.regression_data(5, seed=1)
     target = ju.core.target.resolve_target(model)
     plan, _ = rules.plan_for(model, target.variables)
-    with pytest.raises(rules.engine.UncheckedPlan):
+    with pytest.raises(rules.plan.UncheckedPlan):
         plan.tensor(ju.core.batch.as_batch(x, target))
     assert plan.check(target, ju.core.batch.as_batch(x, target)) is None
     np.testing.assert_allclose(

@@ -306,7 +306,7 @@ def test_only_the_wanted_branch_is_walked():
         visited.append(step.layer.name)
         return step.backward(saved, delta, wanted, need_signal)[1]
 
-    rules.engine._walk_backward(jac.plan, tf.constant(x), None, visit)
+    rules.walk._walk_backward(jac.plan, tf.constant(x), None, visit)
     assert visited == [head.name]
 
 

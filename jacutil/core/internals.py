@@ -54,13 +54,6 @@ def calls_of(operation):
     return nodes
 
 
-def output_structure(model):
-    """A functional model's outputs, as it was built (a tensor, list or dict)."""
-    if not hasattr(model, "_outputs_struct"):
-        _moved(f"the output structure (_outputs_struct) of {type(model).__name__}")
-    return model._outputs_struct
-
-
 def takes_training(operation):
     """Whether a layer's ``call`` takes ``training`` (False for plain ops)."""
     if not isinstance(operation, keras.layers.Layer):

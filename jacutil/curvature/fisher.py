@@ -37,7 +37,7 @@ from ..core.batch import as_batch, signature, signature_key, take
 from ..core.data import read_data
 from ..core.formulation import quiet_function
 from ..core.target import variable_list
-from ..rules.engine import OutputRows
+from ..rules.walk import OutputRows
 from ..stages.chunked import bytes_per_sample
 from ..stages.compiled import compiled_for
 from .compiled import curvature_for, curvature_inputs

@@ -45,8 +45,8 @@ from ..core.formulation import (
 from ..core.guards import JacobianError
 from ..core.internals import cached_logits
 from ..core.target import watched
-from ..rules.engine import LogitsNotOnRules
 from ..rules.registry import LogitsSignal
+from ..rules.walk import LogitsNotOnRules
 from ..stages.chunked import bytes_per_sample
 from ..stages.compiled import bucket_size, compiled_for
 

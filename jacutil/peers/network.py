@@ -8,9 +8,10 @@ exactly the Jacobian's columns. Introduced in ``07-benchmark``.
 
 A chain of layers (``Sequential``, or a functional model without branches)
 is a list of records, each applied to the one before. Any other functional
-model with one input - skips joined by ``Add``, several outputs - is read
-as a graph in topological order: each record names in ``inputs`` the values
-it reads (0: the model's input, k: record k - 1's output), and a last
+model with one input - skips joined by ``Add``, several outputs, nested
+models - is read as a graph in topological order by the rules' reader
+(``jacutil.rules.graph.graph_nodes``): each record names in ``inputs`` the
+values it reads (0: the model's input, k: record k - 1's output), and a last
 ``"outputs"`` record joins the model's outputs, each flattened per sample,
 in ``tf.nest.flatten`` order: the order of a Jacobian's rows (see
 ``jacutil/core/outputs.py``).
@@ -29,9 +30,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ..core._tf import keras, tf
-from ..core.internals import made_by, output_structure
-from ..rules import chain_layers
+from ..core._tf import keras
+from ..rules.graph import NotAGraph, chain_layers, graph_nodes, is_exact_keras
 
 ACTIVATIONS = ("linear", "relu", "tanh", "sigmoid")
 MERGES = ("add", "outputs")  # the kinds that read a list of values
@@ -82,13 +82,9 @@ def describe(model):
         return index.get(id(variable), np.asarray(variable))
 
     layers = chain_layers(model)
-    if layers:
-        records = [
-            read_layer(layer, weight)
-            for layer in layers
-            if not isinstance(layer, keras.layers.InputLayer)
-        ]
-    else:
+    if layers and not any(is_exact_keras(layer) for layer in layers):
+        records = [read_layer(layer, weight) for layer in layers]
+    else:  # branches, several outputs, nested models: the rules' graph
         records = _graph(model, weight)
     used = {w for r in records for w in r.weights.values() if isinstance(w, int)}
     if used != set(range(len(variables))):
@@ -119,34 +115,29 @@ def read_layer(layer, weight):
 
 
 def _graph(model, weight):
-    """A functional model's records in topological order, then ``"outputs"``."""
-    inputs = getattr(model, "inputs", None) if isinstance(model, keras.Model) else None
-    if not inputs or len(inputs) != 1 or not getattr(model, "outputs", None):
-        raise ValueError("the peers rebuild a functional model with one input only")
+    """A functional model's records in topological order, then ``"outputs"``,
+    read from the rules' graph (``jacutil.rules.graph.graph_nodes``)."""
+    one_input = "the peers rebuild a functional model with one input only"
+    if not is_exact_keras(model):
+        raise ValueError(one_input)
+    try:
+        nodes, wiring = graph_nodes(model)
+    except NotAGraph as reason:
+        raise ValueError(f"the peers cannot rebuild this graph: {reason}") from None
+    if len(wiring.model_inputs) != 1:
+        raise ValueError(one_input)
+    values = {wiring.model_inputs[0]: 0}  # a tensor's key -> its value's index
     records = []
-    values = {}  # id of a Keras tensor -> its value's index
-
-    def visit(tensor):
-        if id(tensor) in values:
-            return values[id(tensor)]
-        operation, node, tensor_index = made_by(tensor)
-        if isinstance(operation, keras.layers.InputLayer):
-            return 0  # the one input
-        if tensor_index != 0 or len(node.outputs) != 1:
-            raise ValueError(f"layer {operation.name!r}: one output only")
-        if node.arguments.kwargs:
-            raise ValueError(f"layer {operation.name!r}: called with keywords")
-        inputs = tuple(visit(t) for t in node.input_tensors)
-        record = read_layer(operation, weight)
-        if record.kind not in MERGES and len(inputs) != 1:
-            raise ValueError(f"layer {operation.name!r}: one input only")
-        records.append(replace(record, inputs=inputs))
-        values[id(tensor)] = len(records)
-        return len(records)
-
-    outputs = tuple(visit(t) for t in tf.nest.flatten(output_structure(model)))
-    records.append(Layer("outputs", inputs=outputs))
-    return records
+    for node, keys, key in zip(nodes, wiring.inputs, wiring.outputs, strict=True):
+        record, extra = read_layer(node.operation, weight), node.extra_arguments()
+        if extra:
+            raise ValueError(f"layer {node.name!r}: called with {extra}")
+        if record.kind not in MERGES and len(keys) != 1:
+            raise ValueError(f"layer {node.name!r}: one input only")
+        records.append(replace(record, inputs=tuple(values[k] for k in keys)))
+        values[key] = len(records)
+    outputs = tuple(values[key] for key in wiring.model_outputs)
+    return [*records, Layer("outputs", inputs=outputs)]
 
 
 def activation_name(function, layer):

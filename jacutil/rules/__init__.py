@@ -24,23 +24,9 @@ compiled, cached form is ``compiled_jacobian(model, method="rules")``, and
 
 from . import conv, dense, embedding, merge, normalization, recurrent, shape  # noqa: F401
 from .autodiff import AutodiffRule, tiled_vjp, tiled_vjps
-from .engine import (
-    Node,
-    OutputRows,
-    Plan,
-    SignalOnSeveralOutputs,
-    Wiring,
-    chain_layers,
-    chain_nodes,
-    disagreement,
-    graph_nodes,
-    is_exact_keras,
-    place_blocks,
-    plan_for,
-    rules_squared_norms,
-    rules_tensor,
-)
+from .graph import Node, Wiring, chain_layers, chain_nodes, graph_nodes, is_exact_keras
 from .merge import MERGE_RULES, MergeRule
+from .plan import Plan, plan_for
 from .registry import (
     RULES,
     AlreadyRegistered,
@@ -53,6 +39,14 @@ from .registry import (
     register,
     registered,
     rule_for,
+)
+from .verify import disagreement
+from .walk import (
+    OutputRows,
+    SignalOnSeveralOutputs,
+    place_blocks,
+    rules_squared_norms,
+    rules_tensor,
 )
 
 __all__ = [

@@ -88,10 +88,10 @@ class AutodiffRule(Rule):
     ``call`` replays the layer's call in the model - a layer called with
     arguments of its own (``Clip()(h, limit=0.3)``), or an operation between
     layers (``keras.ops.tanh(h)``, ``h * 2``, ``a + b``) - as a
-    ``jacutil.rules.engine.Node`` does; by default, the layer on its input alone.
+    ``jacutil.rules.graph.Node`` does; by default, the layer on its input alone.
 
     Args:
-        call: a Keras layer, or a ``jacutil.rules.engine.Node``.
+        call: a Keras layer, or a ``jacutil.rules.graph.Node``.
         why: why autodiff writes this layer, for :meth:`describe`.
         several_inputs: the call takes several tensors (``call(*inputs)``);
             then the rule takes the list of them (see :class:`Rule`).

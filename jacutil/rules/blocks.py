@@ -10,7 +10,7 @@ its patches), a per-sample signal ``delta[i, k, t, q]`` at z gives
 the per-example-gradient trick (Goodfellow 2015; BackPACK). A kernel
 and its bias are one product: ``a`` with a column of ones appended gives the
 kernel's rows and then the bias's, one joint block that the engine places
-(``jacutil.rules.engine.place_blocks``).
+(``jacutil.rules.walk.place_blocks``).
 
 Their squared norms need no block ("ghost norms", Goodfellow 2015; Li et
 al. 2021, arXiv:2110.05679): with the Gram matrices of the positions,

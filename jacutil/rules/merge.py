@@ -10,7 +10,7 @@ engine runs them by autodiff.
 The rules are kept in their own table, :data:`MERGE_RULES`, by exact layer
 type: ``jacutil.testing.check_rule`` proves rules of one input, and these are
 proved with the plan they sit in (``tests/test_rules_graphs.py``), as every
-plan is before use (``jacutil.rules.engine.Plan.check``).
+plan is before use (``jacutil.rules.plan.Plan.check``).
 """
 
 from ..core._tf import keras, tf

@@ -12,7 +12,7 @@ The contract is a template method (as BackPACK's derivatives): the public
 :meth:`Rule.forward` and :meth:`Rule.backward` are final; a rule writes
 ``_forward`` and ``_backward``, and ``backward`` checks the shape of every
 block and of the signal below against the layer's input before the engine
-(``jacutil.rules.engine``) places the blocks in the Jacobian's columns. What
+(``jacutil.rules.walk``) places the blocks in the Jacobian's columns. What
 a rule can take is declared in class attributes (``shared_signal``,
 ``runs_user_code``, ``takes_logits_signal``), never guessed from its type.
 """

@@ -33,8 +33,8 @@ from ..core._shared import size_of
 from ..core._tf import keras, tf
 from ..core.target import watched
 from ..rules.blocks import norms_route
-from ..rules.engine import place_blocks, signal_for
 from ..rules.registry import RULES, NoRule, Rule, RuleContractError, Wanted
+from ..rules.walk import place_blocks, signal_for
 
 
 @dataclass

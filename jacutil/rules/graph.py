@@ -1,0 +1,364 @@
+"""The Keras graph, read once: a model's calls as nodes and their wiring.
+
+A chain of layers is a graph of one path (:func:`chain_nodes`,
+:func:`chain_layers`). A functional model with branches (residual blocks,
+several inputs or outputs, nested models opened inline) is walked into nodes
+in topological order (:func:`graph_nodes`); its :class:`Wiring` says which
+tensors each step reads and writes. The rules' plan
+(``jacutil.rules.plan``) and the peers (``jacutil.peers.network``) both
+read models here.
+"""
+
+from dataclasses import dataclass
+
+from ..core._grouped import convolutions_by_group
+from ..core._tf import keras, tf
+from ..core.internals import made_by, takes_training
+
+
+def is_exact_keras(model):
+    """A plain ``keras.Sequential`` or functional model, not a subclass.
+
+    Args:
+        model: anything.
+
+    Returns:
+        A ``bool``.
+    """
+    kind = type(model)
+    if kind is keras.Sequential:
+        return True
+    return kind.__name__ == "Functional" and kind.__module__.startswith("keras.")
+
+
+_INPUT = keras.layers.InputLayer
+
+
+class Node:
+    """One call in a model: an operation (a Keras layer, or a ``keras.ops``
+    call such as ``h * 2`` or ``a + b``) and the arguments it was called with.
+
+    Calling the node replays that call on tensors, in inference mode: each
+    symbolic input is replaced by its value, every other argument is kept.
+
+    Args:
+        operation: a Keras layer or operation.
+        args: the positional arguments it was called with (None: the input
+            tensor alone).
+        kwargs: its keyword arguments (``training`` is dropped).
+        inputs: its symbolic inputs (Keras tensors), in the order the values
+            are given to :meth:`__call__` (None: one input, wherever it is).
+    """
+
+    def __init__(self, operation, args=None, kwargs=None, inputs=None):
+        self.operation = operation
+        self.args = args  # None: called with the tensor alone
+        self.kwargs = dict(kwargs or {})
+        self.kwargs.pop("training", None)  # the model's call sets it (below)
+        self.inputs = None if inputs is None else list(inputs)
+
+    @property
+    def name(self):
+        """The operation's name (a ``str``)."""
+        return self.operation.name
+
+    @property
+    def n_inputs(self):
+        """How many tensors the call takes (an ``int``)."""
+        return 1 if self.inputs is None else len(self.inputs)
+
+    def extra_arguments(self):
+        """The arguments besides the input tensors, in words ("" if none).
+
+        Returns:
+            A ``str``.
+        """
+        others = [repr(a) for a in self.args or () if not _all_symbolic(a)]
+        others += [f"{key}={value!r}" for key, value in self.kwargs.items()]
+        return ", ".join(others)
+
+    def __call__(self, *values):
+        """Replay the call on ``values``, in inference mode.
+
+        Args:
+            *values: the input tensors, one per symbolic input (in the order
+                of ``inputs``), each of shape ``(n, *input_shape)``.
+
+        Returns:
+            The operation's output tensor.
+        """
+        if self.args is None:
+            args, kwargs = values, dict(self.kwargs)
+        else:
+            if self.inputs is None:
+                value_of = lambda _: values[0]  # noqa: E731
+            else:
+                by_id = {id(t): v for t, v in zip(self.inputs, values, strict=True)}
+                value_of = lambda t: by_id[id(t)]  # noqa: E731
+            args = _filled(self.args, value_of)
+            kwargs = _filled(self.kwargs, value_of)
+        if takes_training(self.operation):
+            kwargs["training"] = False
+        with convolutions_by_group():  # see jacutil.core._grouped
+            return self.operation(*args, **kwargs)
+
+
+def _symbolic(value):
+    return isinstance(value, keras.KerasTensor)
+
+
+def _all_symbolic(value):
+    """Whether ``value`` is a Keras tensor, or a list of them (a merge's input)."""
+    leaves = tf.nest.flatten(value)
+    return bool(leaves) and all(_symbolic(leaf) for leaf in leaves)
+
+
+def _filled(arguments, value_of):
+    """``arguments`` with every symbolic tensor ``t`` replaced by ``value_of(t)``."""
+    if _symbolic(arguments):
+        return value_of(arguments)
+    if isinstance(arguments, dict):
+        return {key: _filled(value, value_of) for key, value in arguments.items()}
+    if isinstance(arguments, (list, tuple)):
+        return type(arguments)(_filled(value, value_of) for value in arguments)
+    return arguments
+
+
+def chain_nodes(model):
+    """The model's calls from input to output as :class:`Node` objects, or None if
+    it is not a chain.
+
+    An exact ``Sequential`` (nested ones are opened), or a functional model
+    whose graph (:func:`graph_nodes`, nested models opened) is one path: one
+    input, each call taking the tensor before it, the last one's the output.
+
+    Args:
+        model: a Keras model.
+
+    Returns:
+        A list of :class:`Node`, input to output, or None.
+    """
+    if type(model) is keras.Sequential:
+        nodes = []
+        for layer in model.layers:
+            inner = chain_nodes(layer) if is_exact_keras(layer) else [Node(layer)]
+            if inner is None:
+                return None
+            nodes += [n for n in inner if not isinstance(n.operation, _INPUT)]
+        return nodes
+    if not is_exact_keras(model):
+        return None
+    try:
+        nodes, wiring = graph_nodes(model)
+    except NotAGraph:
+        return None
+    return nodes if wiring.is_path() else None
+
+
+def chain_layers(model):
+    """The model's layers from input to output, or None unless it is a chain
+    of layers each called with its input alone (see :func:`chain_nodes`).
+
+    Args:
+        model: a Keras model.
+
+    Returns:
+        A list of Keras layers, input to output, or None.
+    """
+    nodes = chain_nodes(model)
+    if nodes is None or any(
+        not isinstance(n.operation, keras.Layer) or n.extra_arguments() for n in nodes
+    ):
+        return None
+    return [n.operation for n in nodes]
+
+
+class NotAGraph(Exception):
+    """The model's graph is beyond the plan (the message says why)."""
+
+
+@dataclass(frozen=True)
+class Wiring:
+    """Which tensors each step reads and writes, as keys of a map tensor -> value.
+
+    Args:
+        inputs: per step, the keys of its inputs, in the order its rule takes them.
+        outputs: per step, the key of its output.
+        model_inputs: the keys of the batch's inputs, in ``tf.nest.flatten``
+            order (a dict's keys sorted), as ``jacutil.core.batch`` arranges x.
+        model_outputs: the keys of the model's outputs, in ``tf.nest.flatten``
+            order: the rows of the Jacobian (``jacutil.core.outputs``).
+    """
+
+    inputs: tuple
+    outputs: tuple
+    model_inputs: tuple
+    model_outputs: tuple
+
+    @classmethod
+    def chain(cls, n_steps):
+        """Step j reads tensor j and writes tensor j + 1.
+
+        Args:
+            n_steps: the number of steps.
+
+        Returns:
+            A :class:`Wiring`.
+        """
+        inputs = tuple((j,) for j in range(n_steps))
+        return cls(inputs, tuple(range(1, n_steps + 1)), (0,), (n_steps,))
+
+    def is_path(self):
+        """Whether the steps are one path: one input, each step reading the
+        tensor before it, the last step's the only output.
+
+        Returns:
+            A ``bool``.
+        """
+        tensors = self.model_inputs + self.outputs
+        return (
+            len(self.model_inputs) == 1
+            and self.model_outputs == tensors[-1:]
+            and self.inputs == tuple((key,) for key in tensors[:-1])
+        )
+
+    def producers(self):
+        """``{key: step}``: the step that writes each tensor (inputs have none).
+
+        Returns:
+            A ``dict``.
+        """
+        return {key: j for j, key in enumerate(self.outputs)}
+
+    def readers(self):
+        """``{key: count}``: how many step inputs and model outputs read each tensor.
+
+        Returns:
+            A ``dict``.
+        """
+        count = {}
+        for key in [k for keys in self.inputs for k in keys] + list(self.model_outputs):
+            count[key] = count.get(key, 0) + 1
+        return count
+
+
+def graph_nodes(model):
+    """The calls of a functional model as a graph, nested models opened inline.
+
+    Args:
+        model: an exact Keras model (:func:`is_exact_keras`).
+
+    Returns:
+        ``(nodes, wiring)``: the :class:`Node` of each call in topological
+        order (inputs first) and the :class:`Wiring` between them, the keys
+        the ids of the Keras tensors.
+
+    Raises:
+        NotAGraph: a layer is used twice or gives several outputs, or the
+            model's inputs and outputs cannot be read.
+    """
+    return _GraphWalk(model).run()
+
+
+def _declared(model, nest, flat):
+    """A model's inputs (or outputs) in ``tf.nest.flatten`` order: from the
+    nest it declares, or (a Sequential never called) its flat list."""
+    for attribute in (nest, flat):
+        try:
+            return tf.nest.flatten(getattr(model, attribute))
+        except (AttributeError, ValueError) as error:
+            reason = error
+    raise NotAGraph(f"its {flat} are not known ({reason})")
+
+
+class _GraphWalk:
+    """Walks a model's graph from its outputs to its inputs (:func:`graph_nodes`)."""
+
+    def __init__(self, model):
+        self.inputs = _declared(model, "input", "inputs")
+        self.outputs = _declared(model, "output", "outputs")
+        self.alias = {}  # id of a Keras tensor -> the tensor it stands for
+        self.opened = set()  # ids of the nested models opened
+        self.model_input_ids = {id(t) for t in self.inputs}
+
+    def run(self):
+        outputs = [self.resolve(t) for t in self.outputs]
+        nodes, inputs, written = [], [], []
+        done, used = set(), {}  # ids of the Keras nodes emitted; op id -> node id
+        stack = [(t, False) for t in reversed(outputs)]
+        while stack:
+            tensor, ready = stack.pop()
+            operation, keras_node, _ = made_by(tensor)
+            if isinstance(operation, _INPUT):
+                if id(tensor) not in self.model_input_ids:
+                    raise NotAGraph(f"input {tensor.name!r} is not the model's")
+                continue
+            if id(keras_node) in done:
+                continue
+            sources = [self.resolve(t) for t in keras_node.input_tensors]
+            if not ready:
+                stack.append((tensor, True))
+                stack += [(t, False) for t in reversed(sources)]
+                continue
+            if used.setdefault(id(operation), id(keras_node)) != id(keras_node):
+                raise NotAGraph("a layer is used more than once")
+            if len(keras_node.outputs) != 1:
+                raise NotAGraph(f"layer {operation.name!r} gives several outputs")
+            done.add(id(keras_node))
+            arguments = keras_node.arguments
+            nodes.append(
+                Node(
+                    operation, arguments.args, arguments.kwargs,
+                    keras_node.input_tensors,
+                )
+            )  # fmt: skip
+            inputs.append(tuple(id(t) for t in sources))
+            written.append(id(tensor))
+        wiring = Wiring(
+            tuple(inputs),
+            tuple(written),
+            tuple(id(t) for t in self.inputs),
+            tuple(id(t) for t in outputs),
+        )
+        return nodes, wiring
+
+    def canonical(self, tensor):
+        while id(tensor) in self.alias:
+            tensor = self.alias[id(tensor)]
+        return tensor
+
+    def resolve(self, tensor):
+        """The tensor ``tensor`` stands for, past the bounds of nested models."""
+        while True:
+            tensor = self.canonical(tensor)
+            operation, keras_node, _ = made_by(tensor)
+            if not (isinstance(operation, keras.Model) and is_exact_keras(operation)):
+                return tensor
+            self.open(operation, keras_node)
+
+    def open(self, model, keras_node):
+        """Wire a nested model's inputs and outputs to the tensors of its call."""
+        if id(model) in self.opened:
+            raise NotAGraph("a layer is used more than once")
+        self.opened.add(id(model))
+        arguments = keras_node.arguments
+        extra = [repr(a) for a in arguments.args if not _all_symbolic(a)]
+        extra += [
+            f"{key}={value!r}" for key, value in arguments.kwargs.items()
+            if value is not None and key != "training"
+        ]  # fmt: skip
+        if extra:
+            raise NotAGraph(f"model {model.name!r} is called with {', '.join(extra)}")
+        try:
+            inner_inputs, inner_outputs = list(model.inputs), list(model.outputs)
+        except (AttributeError, ValueError) as error:
+            raise NotAGraph(f"model {model.name!r} has no graph ({error})") from None
+        outer_inputs, outer_outputs = keras_node.input_tensors, keras_node.outputs
+        if len(inner_inputs) != len(outer_inputs) or len(inner_outputs) != len(
+            outer_outputs
+        ):
+            raise NotAGraph(f"model {model.name!r} is called with other inputs")
+        for inner, outer in zip(inner_inputs, outer_inputs, strict=True):
+            self.alias[id(inner)] = outer
+        for inner, outer in zip(inner_outputs, outer_outputs, strict=True):
+            self.alias[id(outer)] = inner

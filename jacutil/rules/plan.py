@@ -1,0 +1,250 @@
+"""The plan: which rule runs each step of a model's graph, checked before use.
+
+:func:`plan_for` reads the model's graph (``jacutil.rules.graph``), gives
+each node its rule and marks the wanted variables; :meth:`Plan.check` proves
+the plan against autodiff (``jacutil.rules.verify``) before its walks
+(``jacutil.rules.walk``) give any number.
+"""
+
+from dataclasses import dataclass, field
+
+from ..core._tf import keras
+from ..core.batch import signature_key
+from ..core.formulation import pfor_log
+from .autodiff import AutodiffRule
+from .graph import NotAGraph, Wiring, chain_nodes, graph_nodes, is_exact_keras
+from .merge import MERGE_RULES
+from .registry import Wanted, rule_for
+from .verify import disagreement
+from .walk import rules_squared_columns, rules_squared_norms, rules_tensor
+
+# Left to the compiled per-sample stage: pfor unrolls their time loop
+# (jacutil.core.formulation), and attention's products need XLA in TF 2.21.
+NOT_IN_A_CHAIN = (
+    keras.layers.RNN, keras.layers.LSTM, keras.layers.GRU,
+    keras.layers.SimpleRNN, keras.layers.Bidirectional,
+    keras.layers.MultiHeadAttention, keras.layers.EinsumDense,
+)  # fmt: skip
+
+
+class UncheckedPlan(RuntimeError):
+    """A plan was used for inputs it was not checked on (a bug in jacutil)."""
+
+
+def _on_checked_inputs(walk, shape):
+    """The :class:`Plan` method named after ``walk`` (``rules_tensor``:
+    ``tensor``): ``walk(plan, x, signal)`` of a batch like one the plan was
+    checked on, refusing any other. The one owner of that refusal."""
+
+    def method(self, x, signal=None):
+        if signature_key(x) not in self.checked:
+            raise UncheckedPlan(
+                "the layer rules were not checked on inputs of this shape: "
+                "call plan.check(target, x) first"
+            )
+        return walk(self, x, signal)
+
+    name = walk.__name__.removeprefix("rules_")
+    method.__name__, method.__qualname__ = name, f"Plan.{name}"
+    method.__doc__ = f"""
+    :func:`{walk.__name__}` of a batch like one the plan was checked on.
+
+    Args:
+        x: a batch of n samples, of a shape the plan was checked on.
+        signal: as for :func:`rules_tensor`.
+
+    Returns:
+        A tensor of shape {shape}.
+
+    Raises:
+        UncheckedPlan: the plan was not checked on inputs of this shape.
+    """
+    return method
+
+
+@dataclass
+class Plan:
+    """The rule of each layer, and which of its variables are columns.
+
+    A plan is used only on inputs it has been checked on: :meth:`check`
+    compares its Jacobian with autodiff, sample by sample, once per input
+    shape, and :meth:`tensor` refuses any other. No consumer can take the
+    rules' numbers without that proof.
+
+    Args:
+        steps: a rule (:class:`jacutil.rules.registry.Rule`) per node, in
+            topological order (input to output).
+        wanted: per step, the :class:`jacutil.rules.registry.Wanted` variables
+            it writes blocks for.
+        variables: the Jacobian's m columns' variables, in order.
+        lowest: the lowest step holding a wanted variable.
+        checked: the input signatures the plan was proved on.
+        wiring: which tensors each step reads and writes (a :class:`Wiring`);
+            None for a chain, each step reading the one before.
+    """
+
+    steps: list  # a Rule per node, in topological order
+    wanted: list  # per step: the Wanted variables it writes blocks for
+    variables: list  # the Jacobian's columns, in order (the walk places blocks)
+    lowest: int  # the lowest step holding a wanted variable
+    checked: set = field(default_factory=set)  # input signatures proved
+    wiring: Wiring = None  # None: a chain
+
+    def __post_init__(self):
+        if self.wiring is None:
+            self.wiring = Wiring.chain(len(self.steps))
+
+    @property
+    def top(self):
+        """The step that writes the model's only output (None for several)."""
+        outputs = self.wiring.model_outputs
+        return self.wiring.producers().get(outputs[0]) if len(outputs) == 1 else None
+
+    def needs_signal(self):
+        """``{key: bool}``: whether a tensor depends on a wanted variable (then
+        its signal is needed below it).
+
+        Returns:
+            A ``dict`` over every tensor's key.
+        """
+        depends = dict.fromkeys(self.wiring.model_inputs, False)
+        for j, keys in enumerate(self.wiring.inputs):
+            below = any(depends.get(key, False) for key in keys)
+            depends[self.wiring.outputs[j]] = below or bool(self.wanted[j])
+        return depends
+
+    @property
+    def user_code(self):
+        """Whether code that is not ours runs (then autograph may matter)."""
+        return any(step.runs_user_code for step in self.steps)
+
+    def layers(self):
+        """``[(layer name, rule)]``, e.g. ``("conv2d", "conv2d+relu")``.
+
+        Returns:
+            A list of ``(str, str)`` pairs, one per step.
+        """
+        return [(step.layer.name, step.describe()) for step in self.steps]
+
+    def describe(self):
+        """The rules in words: ``"layer rules: dense+relu, dense"``.
+
+        Returns:
+            A ``str``.
+        """
+        return "layer rules: " + ", ".join(rule for _, rule in self.layers())
+
+    def check(self, target, x):
+        """None when the rules agree with autodiff on ``x``'s samples, else
+        why not. Agreement is recorded for ``x``'s input shape.
+
+        Args:
+            target: the :class:`jacutil.core.target.Target` (autodiff's side).
+            x: a checked batch.
+
+        Returns:
+            None, or why the rules disagree (a ``str``).
+        """
+        with pfor_log():  # pfor's notes on our own autodiff rules: not the user's
+            reason = disagreement(self, target, x)
+        if reason is None:
+            self.checked.add(signature_key(x))
+        return reason
+
+    tensor = _on_checked_inputs(rules_tensor, "(n, l, m), or (n, r, m) with ``signal``")
+    squared_norms = _on_checked_inputs(rules_squared_norms, "(n, r)")
+    squared_columns = _on_checked_inputs(rules_squared_columns, "(m,)")
+
+
+def plan_for(model, variables, training=False):
+    """``(Plan, None)`` when the rules apply to ``model``, else ``(None, reason)``.
+
+    The plan is not yet checked: :meth:`Plan.check` it on the inputs first.
+
+    Args:
+        model: a Keras model (anything else gets a reason).
+        variables: the variables to differentiate (the columns).
+        training: whether the model runs in training mode (the rules do not).
+
+    Returns:
+        ``(Plan, None)`` or ``(None, reason)``, the reason a ``str``.
+    """
+    if not isinstance(model, keras.Model):
+        return None, "not a Keras model"
+    if training:
+        return None, "training=True (the rules run layers in inference mode)"
+    if not is_exact_keras(model):
+        return (
+            None,
+            f"{type(model).__name__} is a subclass: its call() may differ from "
+            "its layers",
+        )
+    nodes, wiring = chain_nodes(model), None
+    if not nodes:
+        try:  # branches, several inputs or outputs: a graph
+            nodes, wiring = graph_nodes(model)
+        except NotAGraph as reason:
+            return None, str(reason)
+    if len({id(node.operation) for node in nodes}) != len(nodes):
+        return None, "a layer is used more than once"
+    dtype = variables[0].dtype if variables else None
+    steps = []
+    for node in nodes:
+        step, why = _step_for(node, dtype)
+        if step is None:
+            return None, why
+        steps.append(step)
+    columns = {id(v) for v in variables}
+    wanted, owner = [], {}
+    for j, step in enumerate(steps):
+        wanted.append(Wanted(v for v in step.variables if id(v) in columns))
+        for v in wanted[-1]:
+            if id(v) in owner:
+                return None, "a variable is shared by two layers"
+            owner[id(v)] = j
+    missing = [v for v in variables if id(v) not in owner]
+    if missing:
+        return None, f"variable {missing[0].name!r} is not in a layer the rules can see"
+    lowest = min(owner.values())
+    return Plan(steps, wanted, list(variables), lowest, wiring=wiring), None
+
+
+def _step_for(node, dtype):
+    """The rule of one node, or ``(None, reason)`` when the plan cannot take it."""
+    layer = node.operation
+    several = node.n_inputs > 1
+    if not isinstance(layer, keras.Layer):  # keras.ops between layers
+        kind = type(layer).__name__
+        why = f"{kind}, an operation between layers"
+        return AutodiffRule(node, why, several_inputs=several), None
+    if layer.weights and layer.compute_dtype != dtype:
+        return None, f"layer {layer.name!r} computes in {layer.compute_dtype}"
+    if getattr(layer, "mask_zero", False) or isinstance(layer, keras.layers.Masking):
+        return None, f"layer {layer.name!r} makes a mask (the rules ignore masks)"
+    if type(layer) in MERGE_RULES:
+        rule, why = rule_for(layer, MERGE_RULES)
+        if rule is not None and not _takes_its_inputs_as_a_list(node):
+            rule, why = None, "called with more than the list of its inputs"
+    else:
+        rule, why = rule_for(layer)
+        if rule is not None and several:
+            rule, why = None, f"called with {node.n_inputs} tensors"
+    extra = node.extra_arguments()
+    if rule is not None and extra:
+        rule, why = None, f"called with {extra}, which its rule does not read"
+    if rule is None and isinstance(layer, NOT_IN_A_CHAIN):
+        return None, f"layer {layer.name!r} is a {type(layer).__name__} ({why})"
+    if rule is None:
+        rule = AutodiffRule(node, why, several_inputs=several)
+    return rule, None
+
+
+def _takes_its_inputs_as_a_list(node):
+    """Whether a merge layer's node is ``layer([t_1, ..., t_k])``, the list in the
+    order of the node's inputs (what a merge rule takes)."""
+    args = node.args or ()
+    if len(args) != 1 or node.kwargs or not isinstance(args[0], (list, tuple)):
+        return False
+    return node.inputs is not None and [id(t) for t in args[0]] == [
+        id(t) for t in node.inputs
+    ]

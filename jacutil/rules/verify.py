@@ -1,0 +1,68 @@
+"""The proof a plan needs before use: its rules agree with autodiff."""
+
+import numpy as np
+
+from ..core._shared import joined_gradients, sizes_of
+from ..core._tf import tf
+from ..core.batch import n_samples, take
+from ..core.target import watched
+from .walk import OutputRows, rules_squared_norms, rules_tensor
+
+SAMPLES_CHECKED = 8  # samples on which the rules are proved, spread over the batch
+
+
+def disagreement(plan, target, x, seed=0):
+    """None if the rules agree with autodiff on several samples, else the reason.
+
+    Up to ``SAMPLES_CHECKED`` samples, spread evenly over the batch, each
+    compared alone: one vector-Jacobian product ``J_i.T @ w_i`` for random
+    weights ``w_i`` of its outputs, by the rules and by a tape of its own.
+    Any difference between the two Jacobians shows (almost surely) in it.
+    The rules' norms of that product (:func:`rules_squared_norms`, which
+    may not form it) are checked against its norm too.
+
+    Args:
+        plan: a :class:`Plan`.
+        target: the :class:`jacutil.core.target.Target` (autodiff's side).
+        x: a checked batch.
+        seed: the seed of the random weights.
+
+    Returns:
+        None, or why the rules disagree (a ``str``).
+    """
+    rows = int(n_samples(x))
+    picked = np.unique(np.linspace(0, rows - 1, min(rows, SAMPLES_CHECKED)).round())
+    picked = [int(i) for i in picked]
+    chosen = tf.nest.map_structure(lambda t: tf.gather(t, picked), x)
+    J = rules_tensor(plan, chosen)  # (k, l, m)
+    w = tf.random.stateless_normal(J.shape[:2], [seed, 1], dtype=J.dtype)
+    hand = tf.einsum("ikm,ik->im", J, w).numpy()
+    tolerance = (1e-4 if J.dtype == tf.float32 else 1e-9) * np.sqrt(J.shape[1])
+    squared = rules_squared_norms(plan, chosen, OutputRows(w[:, None]))[:, 0].numpy()
+    sources = [watched(v) for v in target.variables]
+    for row, i in enumerate(picked):
+        with tf.GradientTape() as tape:
+            target.watch(tape)
+            y = target.forward(take(x, i, i + 1))[0]
+            score = tf.reduce_sum(tf.cast(w[row], y.dtype) * y)
+        grads = tape.gradient(score, sources)
+        auto = joined_gradients(grads, sizes_of(target.variables), J.dtype).numpy()
+        scale = max(1.0, float(np.abs(auto).max(initial=0)))
+        error = (
+            float(np.abs(hand[row] - auto).max())
+            if hand[row].shape == auto.shape
+            else np.inf
+        )
+        if not error <= tolerance * scale:
+            return (
+                f"the layer rules differ from autodiff by {error:.3g} on sample "
+                f"{i}: the model computes something its layers do not say"
+            )
+        expected = float(auto @ auto)  # the norms without the gradients, squared
+        error = abs(float(squared[row]) - expected)
+        if not error <= tolerance * max(1.0, expected):
+            return (
+                f"the layer rules' gradient norms differ from autodiff's by "
+                f"{error:.3g} (squared) on sample {i}: a rule's norms are wrong"
+            )
+    return None
