@@ -54,6 +54,7 @@ from .core.layout import (
     split_outputs,
     to_lm_by_n,
 )
+from .core.planner import chunk_size_for
 from .fitting.dp_sgd import DPSGD
 from .fitting.gauss_newton import levenberg_marquardt
 from .fitting.loss_gradients import per_sample_gradient_norms, per_sample_gradients
@@ -71,7 +72,7 @@ from .scale.distributed import (
     LocalWorkers,
     distributed_jacobian,
 )
-from .stages.chunked import chunk_size_for, chunked_jacobian
+from .stages.chunked import chunked_jacobian
 from .stages.compiled import CompiledJacobian, compiled_jacobian
 from .stages.loop import loop_jacobian
 from .stages.vectorized import per_sample_jacobian, vectorized_jacobian

@@ -27,10 +27,11 @@ from .core.batch import as_batch, n_samples
 from .core.data import read_data
 from .core.formulation import ForwardModeBlindSpot
 from .core.outputs import output_layout
+from .core.planner import bytes_per_sample, chunk_size_for
+from .core.resume import recorded_chunk_size
 from .core.target import variable_list
 from .matrix_free.forward import forward_for
-from .scale.resume import recorded_chunk_size
-from .stages.chunked import bytes_per_sample, chunk_size_for, chunked_jacobian
+from .stages.chunked import chunked_jacobian
 from .stages.compiled import compiled_for
 
 

@@ -57,8 +57,8 @@ def test_one_chunk_into_a_given_out_fills_it():
 
 
 def test_chunk_size_fits_the_measured_working_memory():
-    per_sample = ju.stages.chunked.bytes_per_sample(2, 2850, 4)
-    assert per_sample == ju.stages.chunked.WORKING_MEMORY_FACTOR * 2 * 2850 * 4
+    per_sample = ju.core.planner.bytes_per_sample(2, 2850, 4)
+    assert per_sample == ju.core.planner.WORKING_MEMORY_FACTOR * 2 * 2850 * 4
     chunk = ju.chunk_size_for(2**26, 2, 2850, 4)
     assert chunk * per_sample <= 2**26 < (chunk + 1) * per_sample
 
@@ -152,7 +152,7 @@ def test_the_default_budget_of_the_batch_method_fits_its_own_model():
     jac = ju.stages.compiled.compiled_for(model, None, False, False, "batch")
     x = ju.core.batch.as_batch(ju.regression_data(3)[0], jac.target)
     chunk = ju.chunk_size_for(
-        ju.stages.chunked.DEFAULT_MEMORY_BUDGET,
+        ju.core.planner.DEFAULT_MEMORY_BUDGET,
         2,
         2850,
         4,
@@ -160,4 +160,4 @@ def test_the_default_budget_of_the_batch_method_fits_its_own_model():
         method="batch",
     )
     predicted = ju.core.memory.predicted_bytes(chunk, "batch")
-    assert 100 < chunk and predicted < ju.stages.chunked.DEFAULT_MEMORY_BUDGET
+    assert 100 < chunk and predicted < ju.core.planner.DEFAULT_MEMORY_BUDGET

@@ -61,7 +61,7 @@ def test_chunked_xla_pads_the_last_chunk():
 
 def test_chunk_size_from_memory_budget():
     n_outputs, n_params = 2, 2850
-    per_sample = ju.stages.chunked.bytes_per_sample(n_outputs, n_params, 4)
+    per_sample = ju.core.planner.bytes_per_sample(n_outputs, n_params, 4)
     assert ju.chunk_size_for(10 * per_sample, n_outputs, n_params, 4) == 10
     assert ju.chunk_size_for(10 * per_sample - 1, n_outputs, n_params, 4) == 9
 
@@ -73,7 +73,7 @@ def test_chunked_into_memmap(tmp_path):
     out = np.lib.format.open_memmap(
         path, mode="w+", dtype="float32", shape=(50, 2, 2850)
     )
-    per_sample = ju.stages.chunked.bytes_per_sample(2, 2850, 4)
+    per_sample = ju.core.planner.bytes_per_sample(2, 2850, 4)
     result = ju.chunked_jacobian(
         model, x, memory_budget=16 * per_sample, out=out, progress=False
     )

@@ -11,13 +11,13 @@ import psutil
 import pytest
 
 import jacutil as ju
+from jacutil.core.resume import LEDGER_SUFFIX, RunFileError
 from jacutil.scale.distributed import (
     DistributedLeastSquares,
     LocalWorkers,
     WorkerStartError,
     distributed_jacobian,
 )
-from jacutil.scale.resume import LEDGER_SUFFIX, RunFileError
 from jacutil.scale.workers import leftovers
 from tests.architectures import ARCHITECTURES, build
 
@@ -236,7 +236,7 @@ def test_killed_workers_lose_nothing(tmp_path, at_once):
         def kill():
             for _ in range(at_once):
                 address, pid, held = running.kill_busy_worker(timeout=30)
-                killed.append((pid, held, ju.scale.resume.finished_chunks(path)))
+                killed.append((pid, held, ju.core.resume.finished_chunks(path)))
 
         killer = threading.Thread(target=kill)
         killer.start()

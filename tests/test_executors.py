@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import jacutil as ju
+from jacutil.core.resume import LEDGER_SUFFIX, ResumeMismatch, RunFileError
 from jacutil.scale import executors
 from jacutil.scale.chunk_files import chunk_name, read_chunks, write_chunk
 from jacutil.scale.dask_arrays import lazy_jacobian
@@ -29,7 +30,6 @@ from jacutil.scale.executors import (
     WorkersLostError,
     as_arrived,
 )
-from jacutil.scale.resume import LEDGER_SUFFIX, ResumeMismatch, RunFileError
 from jacutil.scale.workers import free_port
 
 pytestmark = pytest.mark.xdist_group("workers")
@@ -418,7 +418,7 @@ def test_a_killed_pool_process_is_workers_lost_with_arrivals_kept(tmp_path):
         pool.shutdown(wait=False, cancel_futures=True)
     assert killed
     assert not _pool_folders(), "the pool's results folder was left behind"
-    done, of = ju.scale.resume.finished_chunks(tmp_path / "J.npy")
+    done, of = ju.core.resume.finished_chunks(tmp_path / "J.npy")
     assert 2 <= done < of == 30
 
 

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 import jacutil as ju
-from jacutil.curvature import ntk
-from jacutil.scale.resume import (
+from jacutil.core.resume import (
     FileBusy,
     ResumeMismatch,
     finished_chunks,
     writer_lock,
 )
+from jacutil.curvature import ntk
 
 sys.path.insert(0, str(Path(__file__).parent))
 import architectures  # noqa: E402

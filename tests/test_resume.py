@@ -11,8 +11,8 @@ import pytest
 import jacutil as ju
 import jacutil.stages.chunked
 from jacutil import tf
-from jacutil.scale import resume
-from jacutil.scale.resume import (
+from jacutil.core import resume
+from jacutil.core.resume import (
     LEDGER_SUFFIX,
     LOCK_SUFFIX,
     FileBusy,
@@ -126,7 +126,7 @@ def test_killed_normal_equations_resume_to_the_same_sums(tmp_path):
 
 HOLD_LOCK = """
 import sys, time
-from jacutil.scale.resume import writer_lock
+from jacutil.core.resume import writer_lock
 with writer_lock({path!r}):
     print("locked", flush=True)
     time.sleep(600)

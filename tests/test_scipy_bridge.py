@@ -93,7 +93,7 @@ def test_chunk_size_from_memory_budget():
     model, x, _, _ = small_problem()
     activations = ju.core.memory.activation_elements(model, x[:1])
     assert activations > 0
-    budget = 5 * ju.stages.chunked.bytes_per_sample(3, 83, 8, activations)
+    budget = 5 * ju.core.planner.bytes_per_sample(3, 83, 8, activations)
     _, _, _, problem = small_problem(n_samples=20, memory_budget=budget)
     assert problem.n_params == 83
     assert problem.chunk_size == 5

@@ -15,7 +15,7 @@ import pytest
 
 import jacutil as ju
 from jacutil import keras, tf
-from jacutil.scale.resume import ResumeMismatch
+from jacutil.core.resume import ResumeMismatch
 
 layers = keras.layers
 
@@ -209,7 +209,7 @@ def test_item05_a_corrupted_ledger_says_what_to_do(tmp_path):
 def test_item05_a_second_writer_is_refused(tmp_path):
     model, x = _mlp_run(40)
     path = tmp_path / "J.npy"
-    from jacutil.scale.resume import writer_lock
+    from jacutil.core.resume import writer_lock
 
     with writer_lock(path):
         errors = []
@@ -231,8 +231,8 @@ def test_item05_a_second_writer_is_refused(tmp_path):
 
 def test_item06_a_worker_that_sees_another_folder_fails(tmp_path):
     """A worker's own copy of ``out`` (node-local scratch) is not the run's."""
+    from jacutil.core.resume import RunFileError
     from jacutil.scale.distributed import model_spec, rows_task
-    from jacutil.scale.resume import RunFileError
 
     model, x = _mlp_run(40)
     run = tmp_path / "J"

@@ -5,6 +5,8 @@
 - ``outputs``      the layout of the outputs (several, nested)
 - ``layout``       flat parameters, (n, l, m) <-> (l * m, n)
 - ``memory``       peak-memory measurement and the memory model
+- ``planner``      budget -> chunk size -> chunks -> output, checked once
+- ``resume``       the file and ledger that let a killed run resume
 - ``cache``        one compiled Jacobian per model, owned weakly
 - ``guards``       the checks that turn the classic mistakes into errors
 - ``formulation``  which formulation traces: pfor, map_fn, XLA, and their logs
@@ -25,6 +27,8 @@ __getattr__ = lazy_modules(
         "layout",
         "memory",
         "outputs",
+        "planner",
+        "resume",
         "target",
     },
 )

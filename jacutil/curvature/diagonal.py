@@ -19,15 +19,14 @@ chunks sized by the memory budget.
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..auto import memory_budget_for
 from ..core._tf import tf
 from ..core.arguments import check_memory_budget
 from ..core.batch import signature, take
 from ..core.data import read_data
 from ..core.formulation import quiet_function
+from ..core.planner import bytes_per_sample, memory_budget_for
 from ..core.target import variable_list
 from ..rules.walk import OutputRows
-from ..stages.chunked import bytes_per_sample
 from ..stages.compiled import compiled_for
 from .compiled import curvature_for, curvature_inputs
 

@@ -30,15 +30,14 @@ import math
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..auto import memory_budget_for
 from ..core._tf import tf
 from ..core.arguments import check_chunk_size, check_memory_budget
 from ..core.batch import as_batch, signature, signature_key, take
 from ..core.data import read_data
 from ..core.formulation import quiet_function
+from ..core.planner import bytes_per_sample, memory_budget_for
 from ..core.target import variable_list
 from ..rules.walk import OutputRows
-from ..stages.chunked import bytes_per_sample
 from ..stages.compiled import compiled_for
 from .compiled import curvature_for, curvature_inputs
 from .hessian import hessian_operator

@@ -11,7 +11,7 @@ rows of every chunk of ``x'``. Chunks are sized so that the working memory -
 one chunk of J(x), one chunk of J(x') being computed, the output of the
 block-row, and the chunks of J(x') kept for reuse - stays within
 ``memory_budget``. A block-row is also the unit of a resumable run into a
-``.npy`` file (``jacutil.scale.resume``): its rows are on disk before the
+``.npy`` file (``jacutil.core.resume``): its rows are on disk before the
 ledger records it.
 
 With ``x2=None`` (Theta(x, x)) only the blocks on and above the diagonal
@@ -24,14 +24,14 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..auto import jacobian, memory_budget_for
+from ..auto import jacobian
 from ..core._shared import ceil_div, is_path
 from ..core._tf import keras, tf
 from ..core.arguments import check_chunk_size
 from ..core.batch import as_batch, n_samples, take
 from ..core.outputs import output_layout
-from ..core.target import variable_list
-from ..scale.resume import (
+from ..core.planner import bytes_per_sample, memory_budget_for
+from ..core.resume import (
     ResumeMismatch,
     check_out,
     fingerprint,
@@ -39,7 +39,7 @@ from ..scale.resume import (
     write_rows,
     writer_lock,
 )
-from ..stages.chunked import bytes_per_sample
+from ..core.target import variable_list
 from ..stages.compiled import compiled_for
 
 
@@ -220,7 +220,7 @@ def empirical_ntk(
             (n l, n2 l) in the model's dtype, or the path of a ``.npy`` file:
             a resumable run that skips the block-rows an earlier run of the
             same model, weights, ``x`` and ``x2`` finished, and refuses a file
-            of anything else (``jacutil.scale.resume``).
+            of anything else (``jacutil.core.resume``).
         memory_budget: bytes of working memory (default: as
             ``jacutil.jacobian``, half the memory free now when the work is
             large). The output itself is not counted, except one block-row
@@ -240,9 +240,9 @@ def empirical_ntk(
         ValueError: ``x2``'s samples are shaped differently from ``x``'s;
             ``out`` has the wrong shape or dtype; ``memory_budget`` is too
             small for one sample (the message names the smallest that works).
-        jacutil.scale.resume.ResumeMismatch: the ``.npy`` at ``out`` was
+        jacutil.core.resume.ResumeMismatch: the ``.npy`` at ``out`` was
             started by another computation.
-        jacutil.scale.resume.FileBusy: another run is writing that file.
+        jacutil.core.resume.FileBusy: another run is writing that file.
     """
     setup = _Setup(model, x, variables)
     chunk_size = check_chunk_size(chunk_size)

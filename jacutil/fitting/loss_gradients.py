@@ -23,7 +23,7 @@ import weakref
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..auto import Choice, memory_budget_for
+from ..auto import Choice
 from ..core import cache
 from ..core._shared import ceil_div, joined_gradients, sizes_of
 from ..core._tf import tf
@@ -44,10 +44,10 @@ from ..core.formulation import (
 )
 from ..core.guards import JacobianError
 from ..core.internals import cached_logits
+from ..core.planner import bytes_per_sample, memory_budget_for
 from ..core.target import watched
 from ..rules.registry import LogitsSignal
 from ..rules.walk import LogitsNotOnRules
-from ..stages.chunked import bytes_per_sample
 from ..stages.compiled import bucket_size, compiled_for
 
 

@@ -13,10 +13,11 @@ from ..core._tf import tf
 from ..core.batch import as_batch, n_samples, take
 from ..core.layout import flat_params, set_flat_params
 from ..core.outputs import output_layout
+from ..core.planner import DEFAULT_MEMORY_BUDGET, chunk_size_for
+from ..core.resume import SumCheckpoint, fingerprint
 from ..core.target import resolve_target
 from ..matrix_free.products import jacobian_operator, products
-from ..scale.resume import SumCheckpoint, fingerprint
-from ..stages.chunked import DEFAULT_MEMORY_BUDGET, chunk_size_for, chunked_jacobian
+from ..stages.chunked import chunked_jacobian
 from ..stages.compiled import compiled_for
 
 

@@ -1,6 +1,5 @@
 """Beyond one process (10-beyond-one-machine).
 
-- ``resume``       the file and ledger that let a killed run resume
 - ``executors``    where chunks run: Dask (default) or a process pool
 - ``chunk_files``  a Jacobian as a folder of files, one per chunk
 - ``dask_blocks``  a dask.array x read where it lies (its blocks, one sample)
@@ -21,7 +20,6 @@ __getattr__ = lazy_modules(
         "dask_blocks",
         "distributed",
         "executors",
-        "resume",
         "workers",
     },
 )

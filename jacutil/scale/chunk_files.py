@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from ..core._shared import ceil_div
-from .resume import (
+from ..core.resume import (
     ResumeMismatch,
     RunFileError,
     file_problem,
@@ -120,7 +120,7 @@ class ChunkFolder:
 def open_chunk_folder(path, shape, dtype, record, chunk_size, default_chunk_size):
     """The folder at ``path`` for this run: resumed if its ``run.json`` is the
     same computation's, made if it does not exist; a new token either way.
-    Call it holding :func:`jacutil.scale.resume.writer_lock` on ``path``.
+    Call it holding :func:`jacutil.core.resume.writer_lock` on ``path``.
 
     Args:
         path: the folder.

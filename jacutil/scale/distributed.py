@@ -35,6 +35,14 @@ from ..core._tf import keras, tf
 from ..core.arguments import check_chunk_size
 from ..core.batch import as_batch, n_samples, take
 from ..core.outputs import output_layout
+from ..core.resume import (
+    check_out,
+    fingerprint,
+    open_rows,
+    run_record,
+    write_rows,
+    writer_lock,
+)
 from ..fitting.scipy_bridge import LeastSquaresProblem
 from ..stages.chunked import chunked_jacobian
 from ..stages.compiled import compiled_for
@@ -45,14 +53,6 @@ from .executors import (
     WorkersLostError,
     as_arrived,
     executor_for,
-)
-from .resume import (
-    check_out,
-    fingerprint,
-    open_rows,
-    run_record,
-    write_rows,
-    writer_lock,
 )
 from .workers import LocalWorkers, WorkerStartError
 

@@ -70,17 +70,17 @@ print(f"J of {n_samples:,} samples: {n_samples * row_bytes / 2**20:,.0f} MiB;"
 # per-variable blocks before they are joined, and what TensorFlow keeps in
 # its pool: a multiple of `c · l · m · itemsize`. The multiple was
 # **measured** (not guessed) on nine models, rounded up by a margin, and is
-# stored in `jacutil.stages.chunked` as `WORKING_MEMORY_FACTOR` (the comment
+# stored in `jacutil.core.planner` as `WORKING_MEMORY_FACTOR` (the comment
 # above it there says how). A chunk size is then one division:
 
 # %% tags=["plain-version"]
 def plain_chunk_size(budget, n_outputs, n_params, itemsize):
     """The most samples whose working memory fits in budget bytes."""
-    factor = ju.stages.chunked.WORKING_MEMORY_FACTOR
+    factor = ju.core.planner.WORKING_MEMORY_FACTOR
     return int(budget // (factor * n_outputs * n_params * itemsize))
 
 
-print("WORKING_MEMORY_FACTOR =", ju.stages.chunked.WORKING_MEMORY_FACTOR)
+print("WORKING_MEMORY_FACTOR =", ju.core.planner.WORKING_MEMORY_FACTOR)
 for mib in (1, 16, 64, 1024):
     assert plain_chunk_size(mib * 2**20, n_outputs, n_params, itemsize) == (
         ju.chunk_size_for(mib * 2**20, n_outputs, n_params, itemsize))
@@ -96,7 +96,7 @@ print("plain_chunk_size == chunk_size_for at 1, 16, 64 and 1024 MiB: True")
 # and an error that says what to do when not even one sample fits:
 
 # %%
-ju.teaching.notebook.show_source(ju.stages.chunked.bytes_per_sample)
+ju.teaching.notebook.show_source(ju.core.planner.bytes_per_sample)
 ju.teaching.notebook.show_source(ju.chunk_size_for)
 
 # %% [markdown]
@@ -116,7 +116,7 @@ for c, peak in zip(chunk_sizes, peaks, strict=True):
 factor = fitted.linear / row_bytes
 print(f"Finding: working memory per sample = {factor:.1f} x its rows "
       f"({fitted.linear / 1e3:.0f} kB); stored factor "
-      f"{ju.stages.chunked.WORKING_MEMORY_FACTOR}")
+      f"{ju.core.planner.WORKING_MEMORY_FACTOR}")
 
 # %% [markdown]
 # ## A chunk size from a budget

@@ -413,8 +413,8 @@ print(f"Finding: the figure, log scale: per call at n = {n_time:,} (blue), "
 # %% tags=["plain-version"]
 def plain_bytes_per_sample(n_outputs, n_params, itemsize, activations):
     """One sample's working memory: its rows and its back-propagated signals."""
-    rows = ju.stages.chunked.WORKING_MEMORY_FACTOR * n_params
-    signals = ju.stages.chunked.ACTIVATION_FACTOR * activations
+    rows = ju.core.planner.WORKING_MEMORY_FACTOR * n_params
+    signals = ju.core.planner.ACTIVATION_FACTOR * activations
     return int(itemsize * n_outputs * (rows + signals))
 
 
@@ -422,17 +422,17 @@ def plain_bytes_per_sample(n_outputs, n_params, itemsize, activations):
 # `jacutil`'s, the same two terms (both factors were measured, as 04 says):
 
 # %%
-ju.teaching.notebook.show_source(ju.stages.chunked.bytes_per_sample)
+ju.teaching.notebook.show_source(ju.core.planner.bytes_per_sample)
 
 # %%
 x_cnn = inputs["cnn"]
 n_outputs, n_params = 4, cnn.count_params()
 activations = ju.core.memory.activation_elements(cnn, x_cnn[:1])
 budget = budget_mib * 2**20
-chunked = ju.stages.chunked  # the module shown above: its two factors
-per_sample = chunked.bytes_per_sample(n_outputs, n_params, 4, activations)
+planner = ju.core.planner  # the module shown above: its two factors
+per_sample = planner.bytes_per_sample(n_outputs, n_params, 4, activations)
 assert plain_bytes_per_sample(n_outputs, n_params, 4, activations) == per_sample
-rows_alone = chunked.bytes_per_sample(n_outputs, n_params, 4)
+rows_alone = planner.bytes_per_sample(n_outputs, n_params, 4)
 rows_only = ju.chunk_size_for(budget, n_outputs, n_params, 4)
 with_activations = ju.chunk_size_for(budget, n_outputs, n_params, 4,
                                      activations=activations)
@@ -440,11 +440,11 @@ assert (budget // per_sample, budget // rows_alone) == (with_activations,
                                                         rows_only)
 print(f"one sample: {n_outputs} x {n_params:,} Jacobian entries, "
       f"{activations:,} activations")
-print(f"WORKING_MEMORY_FACTOR = {chunked.WORKING_MEMORY_FACTOR}, "
-      f"ACTIVATION_FACTOR = {chunked.ACTIVATION_FACTOR}")
+print(f"WORKING_MEMORY_FACTOR = {planner.WORKING_MEMORY_FACTOR}, "
+      f"ACTIVATION_FACTOR = {planner.ACTIVATION_FACTOR}")
 print(f"bytes per sample = 4 x {n_outputs} x "
-      f"({chunked.WORKING_MEMORY_FACTOR} x {n_params:,} + "
-      f"{chunked.ACTIVATION_FACTOR} x {activations:,}) = {per_sample:,}; "
+      f"({planner.WORKING_MEMORY_FACTOR} x {n_params:,} + "
+      f"{planner.ACTIVATION_FACTOR} x {activations:,}) = {per_sample:,}; "
       f"rows only: {rows_alone:,}")
 print(f"chunk for {budget_mib} MiB: {budget:,} // {per_sample:,} = "
       f"{with_activations} counting the activations too; "

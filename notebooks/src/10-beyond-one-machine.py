@@ -124,7 +124,7 @@ print("plain_resumable == chunked_jacobian, bit for bit: True")
 # and the finished chunks kept as runs `[first, last + 1)`:
 
 # %%
-ju.teaching.notebook.show_source(ju.stages.chunked.resumable_chunks)
+ju.teaching.notebook.show_source(ju.core.planner.resumable_chunks)
 
 # %% [markdown]
 # Now the drill. A fresh Python process starts the run, and is killed with
@@ -142,7 +142,7 @@ ju.chunked_jacobian(ju.question_mlp(seed={seed}), x,
                     method="per_sample", progress=False)
 """
     finished = ju.teaching.drills.kill_part_way(
-        script, lambda: ju.scale.resume.finished_chunks(path)[0], at_least=at_least)
+        script, lambda: ju.core.resume.finished_chunks(path)[0], at_least=at_least)
     assert finished < n_chunks, (
         "the run finished before it was killed: raise resume_samples")
     return finished
@@ -151,7 +151,7 @@ ju.chunked_jacobian(ju.question_mlp(seed={seed}), x,
 n_chunks = -(-resume_samples // resume_chunk)
 path = folder / "J.npy"
 finished = start_and_kill(path, at_least=3)
-ledger = json.loads(Path(str(path) + ju.scale.resume.LEDGER_SUFFIX).read_text())
+ledger = json.loads(Path(str(path) + ju.core.resume.LEDGER_SUFFIX).read_text())
 print(f"killed with {finished} of {n_chunks} chunks finished; "
       "the ledger says:")
 print({key: ledger[key] for key in ("chunk_size", "n_chunks", "done")})
@@ -184,7 +184,7 @@ model.layers[0].kernel.assign(model.layers[0].kernel * 1.001)
 try:
     ju.chunked_jacobian(model, x_resume, chunk_size=resume_chunk, out=path,
                         method="per_sample")
-except ju.scale.resume.ResumeMismatch as error:
+except ju.core.resume.ResumeMismatch as error:
     print("ResumeMismatch:", error)
 model.set_weights(weights)
 del resumed, whole
@@ -205,7 +205,7 @@ ju.chunked_jacobian(model, x[:2_000], chunk_size=resume_chunk, out=cut,
 os.truncate(cut, os.path.getsize(cut) // 4)
 try:
     ju.chunked_jacobian(model, x[:2_000], out=cut, method="per_sample")
-except ju.scale.resume.ResumeMismatch as error:
+except ju.core.resume.ResumeMismatch as error:
     print("ResumeMismatch:", error)
 
 # %% [markdown]
@@ -389,7 +389,7 @@ try:
     print(f"finished within deadline={deadline:g} s")
 except ju.scale.executors.ChunkTimeoutError as error:
     print("ChunkTimeoutError:", error)
-done, of = ju.scale.resume.finished_chunks(deadline_path)
+done, of = ju.core.resume.finished_chunks(deadline_path)
 print(f"on disk: {done} of {of} chunks")
 
 # %% [markdown]
@@ -612,7 +612,7 @@ print(f"{path_ex.name}: killed part-way; its ledger lists the chunks done")
 try:
     ju.chunked_jacobian(model, x_resume, chunk_size=resume_chunk // 2,
                         out=path_ex, method="per_sample", progress=False)
-except ju.scale.resume.ResumeMismatch as error:
+except ju.core.resume.ResumeMismatch as error:
     print(error)
 answer = ju.chunked_jacobian(model, x_resume, out=path_ex,
                              method="per_sample", progress=False)

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..core._shared import ceil_div, size_of
-from ..core._tf import keras, tf
+from ._shared import ceil_div, size_of
+from ._tf import keras, tf
 
 LEDGER_SUFFIX = ".progress.json"
 LOCK_SUFFIX = ".lock"
