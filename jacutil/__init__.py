@@ -33,87 +33,63 @@ The package, by job:
 - ``bench``, ``peers``  the benchmark (``make bench``) and its PyTorch/JAX peers
 """
 
-from . import (
-    core,
-    curvature,
-    fitting,
-    matrix_free,
-    privacy,
-    rules,
-    scale,
-    stages,
-    teaching,
-    testing,
-)
-from .auto import Choice, jacobian
-from .core._tf import keras, tf  # noqa: F401 (jacutil.tf, jacutil.keras for the notebooks)
-from .core.layout import (
-    flat_params,
-    from_lm_by_n,
-    set_flat_params,
-    split_outputs,
-    to_lm_by_n,
-)
-from .core.planner import chunk_size_for
-from .fitting.dp_sgd import DPSGD
-from .fitting.gauss_newton import levenberg_marquardt
-from .fitting.loss_gradients import per_sample_gradient_norms, per_sample_gradients
-from .fitting.scipy_bridge import (
-    LeastSquaresProblem,
-    fit_least_squares,
-    least_squares_problem,
-)
-from .matrix_free.forward import forward_jacobian
-from .matrix_free.products import jacobian_operator, jvp, products, vjp
-from .privacy import make_private
-from .rules.dense_jacobian import compiled_dense_jacobian, dense_jacobian
-from .scale.distributed import (
-    DistributedLeastSquares,
-    LocalWorkers,
-    distributed_jacobian,
-)
-from .stages.chunked import chunked_jacobian
-from .stages.compiled import CompiledJacobian, compiled_jacobian
-from .stages.loop import loop_jacobian
-from .stages.vectorized import per_sample_jacobian, vectorized_jacobian
-from .teaching.models import (
-    image_data,
-    question_mlp,
-    regression_data,
-    sequence_data,
-    sequence_lstm,
-    small_cnn,
-)
-from .teaching.timing import Timing, time_call
-from .testing import finite_difference_jacobian
+from .core.lazy import lazy_modules
 
 __version__ = "0.1.0"
 
-__all__ = [
+# Each name the package shows -> the module (under jacutil) that defines it,
+# imported on first use: ``import jacutil`` loads no TensorFlow.
+_FACE = {
     # the one call: picks the fastest correct path
-    "jacobian", "Choice",
+    "jacobian": "auto", "Choice": "auto",
     # the stages, one notebook each (01-04)
-    "loop_jacobian", "vectorized_jacobian", "per_sample_jacobian",
-    "compiled_jacobian", "CompiledJacobian", "chunked_jacobian", "chunk_size_for",
+    "loop_jacobian": "stages.loop", "vectorized_jacobian": "stages.vectorized",
+    "per_sample_jacobian": "stages.vectorized",
+    "compiled_jacobian": "stages.compiled", "CompiledJacobian": "stages.compiled",
+    "chunked_jacobian": "stages.chunked", "chunk_size_for": "core.planner",
     # the hand-derived Dense path, a view of the layer rules (07)
-    "dense_jacobian", "compiled_dense_jacobian",
+    "dense_jacobian": "rules.dense_jacobian",
+    "compiled_dense_jacobian": "rules.dense_jacobian",
     # products without J, and forward mode (09)
-    "jvp", "vjp", "products", "jacobian_operator", "forward_jacobian",
+    "jvp": "matrix_free.products", "vjp": "matrix_free.products",
+    "products": "matrix_free.products", "jacobian_operator": "matrix_free.products",
+    "forward_jacobian": "matrix_free.forward",
     # fitting with the Jacobian (05), per-sample gradients
-    "least_squares_problem", "LeastSquaresProblem", "fit_least_squares",
-    "levenberg_marquardt", "per_sample_gradients", "per_sample_gradient_norms",
+    "least_squares_problem": "fitting.scipy_bridge",
+    "LeastSquaresProblem": "fitting.scipy_bridge",
+    "fit_least_squares": "fitting.scipy_bridge",
+    "levenberg_marquardt": "fitting.gauss_newton",
+    "per_sample_gradients": "fitting.loss_gradients",
+    "per_sample_gradient_norms": "fitting.loss_gradients",
     # DP-SGD by ghost clipping (09)
-    "DPSGD", "make_private",
+    "DPSGD": "fitting.dp_sgd", "make_private": "privacy",
     # beyond one machine (10)
-    "distributed_jacobian", "DistributedLeastSquares", "LocalWorkers",
+    "distributed_jacobian": "scale.distributed",
+    "DistributedLeastSquares": "scale.distributed", "LocalWorkers": "scale.distributed",
     # parameters and layouts
-    "flat_params", "set_flat_params", "split_outputs", "to_lm_by_n", "from_lm_by_n",
+    "flat_params": "core.layout", "set_flat_params": "core.layout",
+    "split_outputs": "core.layout", "to_lm_by_n": "core.layout",
+    "from_lm_by_n": "core.layout",
     # the notebooks' models, data and timing
-    "question_mlp", "small_cnn", "sequence_lstm", "regression_data",
-    "image_data", "sequence_data", "time_call", "Timing",
+    "question_mlp": "teaching.models", "small_cnn": "teaching.models",
+    "sequence_lstm": "teaching.models", "regression_data": "teaching.models",
+    "image_data": "teaching.models", "sequence_data": "teaching.models",
+    "time_call": "teaching.timing", "Timing": "teaching.timing",
     # an independent reference
-    "finite_difference_jacobian",
+    "finite_difference_jacobian": "testing",
     # the package by job (see above)
-    "stages", "rules", "matrix_free", "fitting", "privacy", "scale", "curvature",
-    "core", "teaching", "testing",
-]  # fmt: skip
+    "stages": "stages", "rules": "rules", "matrix_free": "matrix_free",
+    "fitting": "fitting", "privacy": "privacy", "scale": "scale",
+    "curvature": "curvature", "core": "core", "teaching": "teaching",
+    "testing": "testing",
+    # TensorFlow and Keras, imported quietly (jacutil.tf, jacutil.keras)
+    "tf": "core._tf", "keras": "core._tf",
+    # the benchmark and its peers (make bench)
+    "bench": "bench", "peers": "peers",
+}  # fmt: skip
+__all__ = [name for name in _FACE if name not in ("tf", "keras", "bench", "peers")]
+__getattr__ = lazy_modules(__name__, _FACE)
+
+
+def __dir__():
+    return sorted({*globals(), *_FACE})

@@ -14,6 +14,7 @@ import pytest
 
 import jacutil as ju
 from jacutil import keras, tf
+from jacutil.core._gradients import ensure_second_order
 from jacutil.core.formulation import quiet_function
 from jacutil.core.guards import JacobianError
 
@@ -152,7 +153,8 @@ def test_dilated_convolution_rule_with_a_layer_below():
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_softsign_in_forward_mode(dtype):
     """TF 2.21 has no gradient for SoftsignGrad, which forward mode and the
-    double-backward JVP differentiate (jacutil.core._gradients registers it)."""
+    double-backward JVP differentiate (jacutil.core._gradients registers it
+    on first use)."""
     keras.utils.set_random_seed(12)
     model = keras.Sequential(
         [keras.Input((3,), dtype=dtype),
@@ -193,6 +195,7 @@ def test_resizing_in_forward_mode(interpolation):
 def test_softsign_second_derivative():
     """The registered gradient of SoftsignGrad, against the closed form of
     softsign'' = -2 sign(x) / (1 + |x|)**3."""
+    ensure_second_order()
     x = tf.constant([-2.0, -0.5, 0.3, 1.7], tf.float64)
     with tf.GradientTape() as outer:
         outer.watch(x)

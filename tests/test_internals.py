@@ -2,6 +2,8 @@
 each touch finds what it expects on the tested versions, and says so
 clearly, naming the versions, when an internal has moved (issue 35)."""
 
+import subprocess
+import sys
 import types
 
 import pytest
@@ -9,6 +11,7 @@ import pytest
 import jacutil as ju
 from jacutil import keras, tf
 from jacutil.core import internals
+from jacutil.core._gradients import ensure_second_order
 from jacutil.core.internals import InternalsMoved
 
 
@@ -39,6 +42,7 @@ def test_each_touch_reads_the_tested_versions():
     assert internals.cached_logits(probabilities) is not None
     assert internals.cached_logits(tf.ones(2)) is None
     assert callable(internals.keras_backend_nn().conv)
+    ensure_second_order()
     assert "SoftsignGrad" in internals.gradient_registry()
 
 
@@ -71,6 +75,36 @@ def test_a_moved_gradient_registry_is_an_error(monkeypatch):
     monkeypatch.setattr(ops, "_gradient_registry", None)
     with pytest.raises(InternalsMoved, match="gradient registry"):
         internals.gradient_registry()
+
+
+FIRST_USE = """
+import sys
+import jacutil as ju
+assert "tensorflow" not in sys.modules, "import jacutil loaded TensorFlow"
+ju.stages.vectorized, ju.rules, ju.curvature.hessian, ju.keras
+from tensorflow.python.framework import ops
+from jacutil.core._gradients import ensure_second_order
+from jacutil.core.internals import InternalsMoved
+assert "SoftsignGrad" not in ops._gradient_registry._registry, "patched on import"
+moved, ops._gradient_registry = ops._gradient_registry, None
+try:
+    ensure_second_order()
+    raise AssertionError("a moved registry was skipped")
+except InternalsMoved as error:
+    assert "gradient registry" in str(error), error
+ops._gradient_registry = moved
+ensure_second_order(); ensure_second_order()
+assert "SoftsignGrad" in ops._gradient_registry._registry
+"""
+
+
+def test_second_order_gradients_are_registered_on_first_use_not_on_import():
+    """Nothing is patched process-wide on import (not even by importing the
+    modules that need the gradients); ensure_second_order registers them,
+    once, and a moved registry is an error, not a skip. In a fresh process."""
+    done = subprocess.run([sys.executable, "-c", FIRST_USE], capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_a_moved_keras_conv_is_an_error_when_a_model_runs(monkeypatch):

@@ -12,10 +12,11 @@
 - ``formulation``  which formulation traces: pfor, map_fn, XLA, and their logs
 
 Internal: ``_tf`` (the TensorFlow import), ``_grouped`` and ``_gradients``
-(fixes for TensorFlow gaps), ``_shared`` (small helpers used everywhere).
+(fixes for TensorFlow gaps), ``_shared`` (small helpers used everywhere),
+``lazy`` (what a package imports on first use).
 """
 
-from ._shared import lazy_modules
+from .lazy import lazy_modules
 
 __getattr__ = lazy_modules(
     __name__,

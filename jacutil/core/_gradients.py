@@ -1,4 +1,4 @@
-"""Second-order gradients that TensorFlow 2.21 lacks, registered on import.
+"""Second-order gradients that TensorFlow 2.21 lacks, registered on first use.
 
 Forward mode (``tf.autodiff.ForwardAccumulator`` in a graph) differentiates
 an op's gradient op, and so does a JVP as the gradient of a VJP
@@ -19,12 +19,40 @@ the gradient of the gradient op is the resize itself. Each registration is
 skipped where TensorFlow has a gradient of its own; ``ResizeBilinear``'s
 gradient is replaced (the same op, made differentiable) only while
 TensorFlow marks ``ResizeBilinearGrad`` not differentiable.
+
+Nothing is registered on import: the entries that differentiate a gradient
+op (forward mode, the double-backward JVP, curvature's JVP of a VJP) call
+:func:`ensure_second_order` first, and it registers them all once per process.
 """
+
+import threading
 
 from ._tf import tf
 from .internals import gradient_registry
 
-_ENTRIES = gradient_registry()
+_LOCK = threading.Lock()
+_DONE = []  # [True] once registered
+
+
+def ensure_second_order():
+    """Register the second-order gradients above in TensorFlow's registry,
+    once per process (idempotent, thread-safe).
+
+    Raises:
+        InternalsMoved: TensorFlow's gradient registry is not where jacutil
+            expects it (names the versions installed).
+    """
+    with _LOCK:
+        if _DONE:
+            return
+        entries = gradient_registry()
+        _register("SoftsignGrad", _softsign_grad_grad)
+        if _not_differentiable(entries, "ResizeBilinearGrad"):  # replaced
+            del entries["ResizeBilinear"]
+            _register("ResizeBilinear", _resize_bilinear_grad)
+        for op_type, resize in _RESIZES.items():
+            _register(op_type, _transposed(resize))
+        _DONE.append(True)
 
 
 def _register(op_type, gradient):
@@ -35,8 +63,8 @@ def _register(op_type, gradient):
         pass
 
 
-def _not_differentiable(op_type):
-    entry = _ENTRIES.get(op_type)
+def _not_differentiable(entries, op_type):
+    entry = entries.get(op_type)
     return entry is not None and entry.get("type") is None
 
 
@@ -66,9 +94,6 @@ def _corners(op):
     }
 
 
-_register("SoftsignGrad", _softsign_grad_grad)
-
-
 def _resize_bilinear_grad(op, grad):
     """TensorFlow's gradient of ``ResizeBilinear`` (``ResizeBilinearGrad``),
     with a gradient of its own: the tape keeps no input of an op marked not
@@ -90,22 +115,13 @@ def _resize_bilinear_grad(op, grad):
     return [transposed(grad), None]
 
 
-if _not_differentiable("ResizeBilinearGrad"):  # TensorFlow's own, replaced
-    del _ENTRIES["ResizeBilinear"]
-    _register("ResizeBilinear", _resize_bilinear_grad)
-_register(
-    "ResizeNearestNeighborGrad",
-    _transposed(lambda op, g, size: tf.raw_ops.ResizeNearestNeighbor(
-        images=g, size=size, **_corners(op))),
-)  # fmt: skip
-_register(
-    "ResizeBicubicGrad",
-    _transposed(lambda op, g, size: tf.raw_ops.ResizeBicubic(
-        images=g, size=size, **_corners(op))),
-)  # fmt: skip
-_register(
-    "ScaleAndTranslateGrad",
-    _transposed(lambda op, g, size: tf.raw_ops.ScaleAndTranslate(
+# The gradient op of each resize -> the resize, in the op's own settings.
+_RESIZES = {
+    "ResizeNearestNeighborGrad": lambda op, g, size: tf.raw_ops.ResizeNearestNeighbor(
+        images=g, size=size, **_corners(op)),
+    "ResizeBicubicGrad": lambda op, g, size: tf.raw_ops.ResizeBicubic(
+        images=g, size=size, **_corners(op)),
+    "ScaleAndTranslateGrad": lambda op, g, size: tf.raw_ops.ScaleAndTranslate(
         images=g, size=size, scale=op.inputs[2], translation=op.inputs[3],
-        kernel_type=op.get_attr("kernel_type"), antialias=op.get_attr("antialias"))),
-)  # fmt: skip
+        kernel_type=op.get_attr("kernel_type"), antialias=op.get_attr("antialias")),
+}  # fmt: skip

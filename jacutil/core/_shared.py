@@ -1,39 +1,16 @@
 """Small helpers that several modules need (internal).
 
 One copy of each small idea: element counts of shapes and variables, ceiling
-division, gradients that are None (not connected) as zeros, lazy subpackage
-modules, and "is ``out`` a path". Shapes follow the package's n (samples),
-l (outputs), m (parameters) convention.
+division, gradients that are None (not connected) as zeros, and "is ``out``
+a path". Shapes follow the package's n (samples), l (outputs), m
+(parameters) convention.
 """
 
-import importlib
 import os
 
 import numpy as np
 
 from ._tf import tf
-
-
-def lazy_modules(package, names):
-    """A module ``__getattr__`` that imports ``package.<name>`` on first use.
-
-    For each name in ``names`` (PEP 562): ``jacutil.stages.chunked`` works
-    without the package importing every module at once (no import cycles).
-
-    Args:
-        package: the package's ``__name__``.
-        names: the module names to import on first use.
-
-    Returns:
-        A function ``__getattr__(name)`` for the package's namespace.
-    """
-
-    def __getattr__(name):
-        if name in names:
-            return importlib.import_module(f"{package}.{name}")
-        raise AttributeError(f"module {package!r} has no attribute {name!r}")
-
-    return __getattr__
 
 
 def size_of(value):

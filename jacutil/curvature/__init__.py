@@ -13,7 +13,7 @@ pieces (11-curvature-and-uncertainty).
 - ``laplace``    ``Laplace``: posteriors, predictive variance, marginal likelihood
 """
 
-from ..core._shared import lazy_modules
+from ..core.lazy import lazy_modules
 
 __getattr__ = lazy_modules(
     __name__,

@@ -6,7 +6,7 @@
 - ``dp_sgd``          ``DPSGD``: differentially private SGD by ghost clipping (09)
 """
 
-from ..core._shared import lazy_modules
+from ..core.lazy import lazy_modules
 
 __getattr__ = lazy_modules(
     __name__,

@@ -4,6 +4,6 @@
 - ``forward``      ``forward_jacobian``: J column block by column block
 """
 
-from ..core._shared import lazy_modules
+from ..core.lazy import lazy_modules
 
 __getattr__ = lazy_modules(__name__, {"forward", "products"})

@@ -12,6 +12,7 @@ physical model fitted to long signals.
 import numpy as np
 
 from ..core import cache
+from ..core._gradients import ensure_second_order
 from ..core._shared import or_zeros, sizes_of
 from ..core._tf import tf
 from ..core.batch import as_batch, n_samples, signature, signature_key
@@ -54,6 +55,7 @@ class ForwardJacobian:
             )
         self.trace_count = 0
         self._functions = {}
+        ensure_second_order()  # forward mode differentiates gradient ops
 
     def jvp_columns(self, x, tangents):
         """(n, l, c): the JVPs of batch x along the c rows of ``tangents``.

@@ -21,6 +21,7 @@ import contextlib
 import numpy as np
 
 from ..core import cache
+from ..core._gradients import ensure_second_order
 from ..core._shared import joined_gradients, or_zeros, sizes_of
 from ..core._tf import tf
 from ..core.arguments import check_chunk_size
@@ -56,6 +57,7 @@ class Products:
             raise ValueError(
                 f'mode must be "forward" or "double_backward"; got {mode!r}.'
             )
+        ensure_second_order()  # both JVPs differentiate gradient ops
         self.mode = mode
         self.target = target
         self._owner = owner  # holds the model, as a compiled stage does (or None)

@@ -9,7 +9,7 @@
 - ``distributed``  ``distributed_jacobian`` and ``DistributedLeastSquares``
 """
 
-from ..core._shared import lazy_modules
+from ..core.lazy import lazy_modules
 
 __getattr__ = lazy_modules(
     __name__,

@@ -6,7 +6,7 @@
 - ``chunked``     ``chunked_jacobian``: memory-bounded chunks (04-chunked)
 """
 
-from ..core._shared import lazy_modules
+from ..core.lazy import lazy_modules
 
 __getattr__ = lazy_modules(
     __name__,

@@ -10,13 +10,8 @@
 - ``drills``    fault drills: a run killed part way (notebook 10)
 """
 
-from . import (  # noqa: F401
-    check,
-    drills,
-    memory_sweeps,
-    models,
-    notebook,
-    plots,
-    timing,
-    wide_fit,  # noqa: F401
+from ..core.lazy import lazy_modules
+
+__getattr__ = lazy_modules(
+    __name__, "check drills memory_sweeps models notebook plots timing wide_fit".split()
 )

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..core._gradients import ensure_second_order
 from ..core._shared import size_of
 from ..core._tf import keras, tf
 from ..core.target import watched
@@ -136,6 +137,7 @@ def check_rule(
     rule = rule or RULES.get(type(layer))
     if rule is None:
         raise LookupError(f"no rule registered for {type(layer).__name__}")
+    ensure_second_order()  # its JVP check is forward mode
     rng = np.random.default_rng(seed)
     layer = _float64_layer(layer, input_shape, input_dtype, rng)
     label = f"{type(layer).__name__} on {tuple(input_shape)}"
