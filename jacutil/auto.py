@@ -19,15 +19,18 @@ the same model traces nothing. ``explain=True`` returns the choice and why.
 """
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from .core._shared import ceil_div
-from .core.arguments import check_memory_budget
 from .core.batch import as_batch, n_samples
 from .core.data import read_data
 from .core.formulation import ForwardModeBlindSpot
 from .core.outputs import output_layout
-from .core.planner import bytes_per_sample, chunk_size_for
+from .core.planner import (
+    bytes_per_sample,
+    chunk_size_for,
+    memory_budget_for,
+    plan_chunks,
+)
 from .core.resume import recorded_chunk_size
 from .core.target import variable_list
 from .matrix_free.forward import forward_for
@@ -84,45 +87,41 @@ class Choice:
         return "\n".join(lines)
 
 
-SMALL_BYTES = 64 * 2**20  # working memory that never needs chunks
 # Forward mode (one JVP per parameter) beat every reverse-mode path only where
 # the outputs outnumber the parameters many times over (notebook 09).
 FORWARD_WHEN_OUTPUTS_PER_PARAMETER = 100
 
 
-def _free_bytes():
-    import psutil
-
-    return int(0.5 * psutil.virtual_memory().available)
+RULES_WHY = "every layer has a rule or passes its signal by autodiff"
 
 
-def memory_budget_for(memory_budget, working, look=False):
-    """The memory budget of a call: ``memory_budget``, or by default half the
-    memory free now - looked up only when the work may not fit in
-    ``SMALL_BYTES`` (or when ``look``: to explain the choice).
+def choice_for(jac, plan, on_rules, formulation, traced, fallback=None):
+    """The :class:`Choice` of a call on ``jac``'s layer rules or its fallback
+    (``jacobian`` and the per-sample loss gradients say it the same way).
 
     Args:
-        memory_budget: bytes, or None for the default.
-        working: the call's predicted working memory, in bytes.
-        look: look up the free memory even when the work is small.
+        jac: the compiled Jacobian (``compiled_for``) that ran.
+        plan: the call's :class:`jacutil.core.planner.Plan`.
+        on_rules: whether it ran on the layer rules.
+        formulation: how it computed, in words.
+        traced: whether this call traced a new function.
+        fallback: why not the layer rules (default ``jac.fallback``).
 
     Returns:
-        Bytes (int).
-
-    Raises:
-        ValueError: the budget is not positive.
+        A :class:`Choice`.
     """
-    if memory_budget is not None:
-        budget = check_memory_budget(memory_budget)
-    elif working <= SMALL_BYTES and not look:
-        budget = SMALL_BYTES  # fits, whatever is free: no need to look
-    else:
-        budget = _free_bytes()
-    if budget <= 0:
-        raise ValueError(
-            f"memory_budget must be a positive number of bytes; got {memory_budget}."
-        )
-    return budget
+    why = RULES_WHY if on_rules else f"no layer rules: {fallback or jac.fallback}"
+    return Choice(
+        path="layer rules" if on_rules else "per-sample autodiff",
+        why=why,
+        formulation=formulation,
+        layers=jac.plan.layers() if on_rules else [],
+        chunks=plan.n_chunks,
+        chunk_size=plan.chunk_size,
+        working_bytes=plan.working,
+        budget_bytes=plan.budget,
+        traced=traced,
+    )
 
 
 def jacobian(
@@ -200,12 +199,22 @@ def jacobian(
     per_sample = bytes_per_sample(
         n_outputs, target.n_params, target.dtype.itemsize, activations
     )
-    working = per_sample * rows
-    budget = memory_budget_for(memory_budget, working, explain)
-    chunk_size = rows
+    budget = memory_budget_for(memory_budget, per_sample * rows, explain)
+    plan = plan_chunks(
+        rows,
+        memory_budget=budget,
+        per_sample=per_sample,
+        chunk_for=lambda budget: chunk_size_for(
+            budget,
+            n_outputs,
+            target.n_params,
+            target.dtype.itemsize,
+            activations=activations,
+        ),
+    )
     forward = (
         out is None
-        and working <= budget
+        and plan.n_chunks == 1
         and n_outputs >= FORWARD_WHEN_OUTPUTS_PER_PARAMETER * target.n_params
     )
     ran, J = jac, None
@@ -223,20 +232,10 @@ def jacobian(
             model, x, memory_budget=budget, out=out, progress=progress,
             variables=variables, training=training, method="rules", key=key,
         )  # fmt: skip
-        chunk_size = recorded_chunk_size(out)
-    elif out is not None or working > budget:
-        chunk_size = min(
-            rows,
-            chunk_size_for(
-                budget,
-                n_outputs,
-                target.n_params,
-                target.dtype.itemsize,
-                activations=activations,
-            ),
-        )
+        plan = replace(plan, chunk_size=recorded_chunk_size(out))
+    elif out is not None or plan.n_chunks > 1:
         J = chunked_jacobian(
-            model, x, chunk_size=chunk_size, out=out, progress=progress,
+            model, x, chunk_size=plan.chunk_size, out=out, progress=progress,
             variables=variables, training=training, method="rules", key=key,
         )  # fmt: skip
     else:
@@ -244,29 +243,15 @@ def jacobian(
     if not explain:
         return J
     on_rules = jac.plan is not None and not forward
-    if forward:
-        path = "forward mode"
-        why = (
-            f"{n_outputs} outputs, {target.n_params} parameters: one JVP per parameter"
-        )
-    elif on_rules:
-        path, why = (
-            "layer rules",
-            "every layer has a rule or passes its signal by autodiff",
-        )
-    else:
-        path, why = "per-sample autodiff", f"no layer rules: {jac.fallback}"
-    choice = Choice(
-        path=path,
-        why=why,
-        formulation="forward mode, vectorized over parameter columns"
-        if forward
-        else jac.formulation or "",
-        layers=jac.plan.layers() if on_rules else [],
-        chunks=ceil_div(rows, chunk_size),
-        chunk_size=chunk_size,
-        working_bytes=working,
-        budget_bytes=budget,
-        traced=ran.trace_count > traces,
+    choice = choice_for(
+        jac, plan, on_rules, jac.formulation or "", ran.trace_count > traces
     )
+    if forward:
+        choice = replace(
+            choice,
+            path="forward mode",
+            why=f"{n_outputs} outputs, {target.n_params} parameters: "
+            "one JVP per parameter",
+            formulation="forward mode, vectorized over parameter columns",
+        )
     return J, choice

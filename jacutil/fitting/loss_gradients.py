@@ -21,11 +21,10 @@ chunks.
 import weakref
 
 import numpy as np
-from tqdm.auto import tqdm
 
-from ..auto import Choice
+from ..auto import choice_for
 from ..core import cache
-from ..core._shared import ceil_div, joined_gradients, sizes_of
+from ..core._shared import joined_gradients, sizes_of
 from ..core._tf import tf
 from ..core.arguments import refuse_non_finite
 from ..core.batch import as_batch, n_samples, pad_with_last, signature, take
@@ -44,7 +43,12 @@ from ..core.formulation import (
 )
 from ..core.guards import JacobianError
 from ..core.internals import cached_logits
-from ..core.planner import bytes_per_sample, memory_budget_for
+from ..core.planner import (
+    bytes_per_sample,
+    memory_budget_for,
+    plan_chunks,
+    run_chunks,
+)
 from ..core.target import watched
 from ..rules.registry import LogitsSignal
 from ..rules.walk import LogitsNotOnRules
@@ -471,36 +475,29 @@ def _run(model, loss_fn, x, y, what, options):
     per_sample = bytes_per_sample(
         1, target.n_params, target.dtype.itemsize, activations
     )
-    working = per_sample * rows
-    budget = memory_budget_for(options["memory_budget"], working, options["explain"])
-    chunk_size = rows if working <= budget else max(1, budget // per_sample)
-    if chunk_size >= rows:
-        out = job(batch, y, what)
-        out = np.array(out) if options["copy"] else out
-    else:
-        width = () if what == "norms" else (target.n_params,)
-        out = np.empty((rows, *width), np.dtype(target.dtype))
-        starts = range(0, rows, chunk_size)
-        for start in tqdm(starts, disable=not options["progress"], unit="chunk"):
-            stop = min(start + chunk_size, rows)
-            out[start:stop] = job(take(batch, start, stop), take(y, start, stop), what)
+    budget = memory_budget_for(
+        options["memory_budget"], per_sample * rows, options["explain"]
+    )
+    plan = plan_chunks(rows, memory_budget=budget, per_sample=per_sample)
+
+    def compute(start, stop):  # the whole batch as it is: no slicing op
+        if stop - start == rows:
+            return job(batch, y, what)
+        return job(take(batch, start, stop), take(y, start, stop), what)
+
+    width = () if what == "norms" else (target.n_params,)
+    out = run_chunks(
+        plan, compute, shape=(rows, *width), dtype=np.dtype(target.dtype),
+        progress=options["progress"],
+    )  # fmt: skip
+    if options["copy"] and plan.n_chunks == 1:
+        out = np.array(out)
     if not options["explain"]:
         return out
     on_rules = job.formulation.startswith("layer rules")
-    choice = Choice(
-        path="layer rules" if on_rules else "per-sample autodiff",
-        why="every layer has a rule or passes its signal by autodiff"
-        if on_rules
-        else f"no layer rules: {job.jac.fallback or 'the loss reads logits'}",
-        formulation=job.formulation,
-        layers=job.jac.plan.layers() if on_rules else [],
-        chunks=ceil_div(rows, chunk_size),
-        chunk_size=chunk_size,
-        working_bytes=working,
-        budget_bytes=budget,
-        traced=job.trace_count > traces,
-    )
-    return out, choice
+    fallback = job.jac.fallback or "the loss reads logits"
+    traced = job.trace_count > traces
+    return out, choice_for(job.jac, plan, on_rules, job.formulation, traced, fallback)
 
 
 def per_sample_gradients(
