@@ -257,7 +257,7 @@ def test_a_bench_row_is_checked_then_timed():
     assert result["max_abs_diff"] <= rows.RTOL
     assert "x |" in rows.table([result])  # a ratio is printed
     with pytest.raises(AssertionError, match="disagrees"):
-        rows._check(row, np.ones(3), np.ones(3) + 1e-2)
+        rows.check_row(row, np.ones(3), np.ones(3) + 1e-2)
 
 
 def test_a_row_without_its_peer_says_not_available(monkeypatch):

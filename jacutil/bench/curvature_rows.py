@@ -166,8 +166,10 @@ def _test_inputs(row, seed):
     return _inputs(row.model, row.n, seed + 1)[0]
 
 
-def _check(row, theirs, ours):
-    """The largest absolute difference; AssertionError beyond the tolerance."""
+def check_row(row, theirs, ours):
+    """The largest absolute difference of the peer's answer from jacutil's
+    on ``row``; AssertionError beyond the row's tolerance (:data:`RTOL` of
+    the largest value, :data:`LAPLACE_ATOL` for Laplace)."""
     if theirs.shape != ours.shape:
         raise AssertionError(
             f"{row.peer} returned shape {theirs.shape}, jacutil {ours.shape} "
@@ -223,7 +225,7 @@ def run_row(row, *, repeats=5, seed=0, log=print):
         log(f"{row.kind}-{row.model}: {result['note']}")
         return result
     value, first = first_call(peer)  # checked, then timed
-    result["max_abs_diff"] = _check(row, np.asarray(value), expected)
+    result["max_abs_diff"] = check_row(row, np.asarray(value), expected)
     result["peer"] = Timing(first, repeat_times(peer, repeats=repeats)).as_dict()
     log(
         f"{row.kind}-{row.model} n = {row.n:,}: jacutil "
