@@ -7,14 +7,15 @@ calibrated to the target epsilon by dp-accounting, a validator that refuses
 what would break the guarantee.
 """
 
-from .accounting import noise_multiplier_for
-from .keras_fit import PrivateTraining, make_private, per_sample_loss
-from .validator import validate_private
+from ..core.lazy import lazy_modules
 
-__all__ = [
-    "PrivateTraining",
-    "make_private",
-    "noise_multiplier_for",
-    "per_sample_loss",
-    "validate_private",
-]
+_NAMES = {
+    "PrivateTraining": "keras_fit",
+    "make_private": "keras_fit",
+    "noise_multiplier_for": "accounting",
+    "per_sample_loss": "keras_fit",
+    "validate_private": "validator",
+}
+_MODULES = {name: name for name in ("accounting", "keras_fit", "validator")}
+__all__ = list(_NAMES)
+__getattr__ = lazy_modules(__name__, _NAMES | _MODULES)

@@ -8,14 +8,15 @@
   ``python -m jacutil.testing`` checks them all and exits 1 on a failure.
 """
 
-from .finite_differences import finite_difference_jacobian
-from .rule_check import RuleReport, check_rule
-from .settings import SETTINGS, Setting
+from ..core.lazy import lazy_modules
 
-__all__ = [
-    "SETTINGS",
-    "RuleReport",
-    "Setting",
-    "check_rule",
-    "finite_difference_jacobian",
-]
+_NAMES = {
+    "SETTINGS": "settings",
+    "RuleReport": "rule_check",
+    "Setting": "settings",
+    "check_rule": "rule_check",
+    "finite_difference_jacobian": "finite_differences",
+}
+_MODULES = {name: name for name in ("finite_differences", "rule_check", "settings")}
+__all__ = list(_NAMES)
+__getattr__ = lazy_modules(__name__, _NAMES | _MODULES)
