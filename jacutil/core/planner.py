@@ -168,6 +168,16 @@ class Plan:
     def __iter__(self):
         return (self.chunk(k) for k in range(self.n_chunks))
 
+    def __len__(self):
+        return self.n_chunks
+
+    def bounds(self, progress=False):
+        """Each chunk's ``(start, stop)``, with a progress bar over chunks."""
+        return tqdm(self, total=self.n_chunks, disable=not progress, unit="chunk")
+
+    def __str__(self):
+        return f"{self.n_chunks} chunk(s) of {self.chunk_size} samples"
+
 
 def plan_chunks(
     n_rows, *, chunk_size=None, memory_budget=None, per_sample=0, chunk_for=None
@@ -211,6 +221,28 @@ def plan_chunks(
         size = budget // per_sample if per_sample else n_rows
     size = max(1, min(int(size), n_rows))
     return Plan(n_rows, size, asked, budget, per_sample * n_rows)
+
+
+def plan_within(n_rows, per_sample, memory_budget=None, look=False):
+    """The chunks that fit in a call's budget (:func:`memory_budget_for`:
+    ``memory_budget``, or half the memory free now): what an entry that
+    accumulates over samples (a curvature, per-sample gradients) plans with.
+
+    Args:
+        n_rows: the samples.
+        per_sample: bytes one sample costs (:func:`bytes_per_sample`).
+        memory_budget: bytes, or None.
+        look: look up the free memory even when the work is small.
+
+    Returns:
+        A :class:`Plan`.
+
+    Examples:
+        >>> str(plan_within(10, per_sample=1000, memory_budget=3000))
+        '4 chunk(s) of 3 samples'
+    """
+    budget = memory_budget_for(memory_budget, per_sample * n_rows, look)
+    return plan_chunks(n_rows, memory_budget=budget, per_sample=per_sample)
 
 
 def run_chunks(plan, compute, out=None, *, shape, dtype, record=None, progress=False):

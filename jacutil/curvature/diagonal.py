@@ -17,14 +17,13 @@ chunks sized by the memory budget.
 """
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from ..core._tf import tf
 from ..core.arguments import check_memory_budget
 from ..core.batch import signature, take
 from ..core.data import read_data
 from ..core.formulation import quiet_function
-from ..core.planner import bytes_per_sample, memory_budget_for
+from ..core.planner import bytes_per_sample, plan_within
 from ..core.target import variable_list
 from ..rules.walk import OutputRows
 from ..stages.compiled import compiled_for
@@ -163,17 +162,14 @@ def ggn_diagonal(
         target.dtype.itemsize,
         jac.activation_elements(batch),
     )
-    budget = memory_budget_for(memory_budget, per_sample * rows)
-    chunk = max(1, min(rows, budget // max(per_sample, 1)))
+    plan = plan_within(rows, per_sample, memory_budget)
     total = np.zeros(target.n_params)
-    starts = range(0, rows, chunk)
-    for start in tqdm(starts, disable=not progress, unit="chunk"):
-        stop = min(start + chunk, rows)
+    for start, stop in plan.bounds(progress):
         total += job(
             take(batch, start, stop),
             None if w is None else w[start:stop],
             None if t is None else [a[start:stop] for a in t],
         )
     if explain:
-        return total, f"{job.formulation}; {len(starts)} chunk(s) of {chunk} samples"
+        return total, f"{job.formulation}; {plan}"
     return total

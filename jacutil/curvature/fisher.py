@@ -28,14 +28,13 @@ its standard error.
 import math
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from ..core._tf import tf
 from ..core.arguments import check_chunk_size, check_memory_budget
 from ..core.batch import as_batch, signature, signature_key, take
 from ..core.data import read_data
 from ..core.formulation import quiet_function
-from ..core.planner import bytes_per_sample, memory_budget_for
+from ..core.planner import bytes_per_sample, plan_within
 from ..core.target import variable_list
 from ..rules.walk import OutputRows
 from ..stages.compiled import compiled_for
@@ -118,19 +117,15 @@ class _Fisher:
         self.n, self.m = self.given.n, self.target.n_params
         self.itemsize = self.target.dtype.itemsize
         self.activations = jac.activation_elements(self.given.batch)
-        self._memory = memory_budget_for, bytes_per_sample
 
-    def chunks(self, r):
-        """``(chunk, budget)``: samples per chunk and the budget in bytes, for
-        r rows per sample (as ``ggn_diagonal`` sizes its chunks)."""
-        memory_budget_for, bytes_per_sample = self._memory
+    def plan(self, r):
+        """The chunks for r rows per sample (sized as ``ggn_diagonal`` sizes
+        its chunks: :func:`jacutil.core.planner.plan_within`)."""
         l = self.given.n_outputs  # noqa: E741 (l, as in the design)
         per_sample = bytes_per_sample(
             max(r, l), self.m, self.itemsize, self.activations
         )
-        budget = memory_budget_for(self.memory_budget, per_sample * self.n)
-        chunk = max(1, min(self.n, budget // max(per_sample, 1)))
-        return chunk, budget
+        return plan_within(self.n, per_sample, self.memory_budget)
 
     def outputs(self, start, stop):
         """The model's outputs on a chunk, (n_c, l) NumPy."""
@@ -142,13 +137,12 @@ class _Fisher:
 
     def squares(self, rows, r, progress):
         """``sum_i (J_i.T r_ic)^2`` per row c, (r, m), over every chunk."""
-        chunk, _ = self.chunks(r)
+        plan = self.plan(r)
         total = np.zeros((r, self.m))
-        starts = range(0, self.n, chunk)
-        for start in tqdm(starts, disable=not progress, unit="chunk"):
-            piece = self.pieces(rows, start, min(start + chunk, self.n))
+        for start, stop in plan.bounds(progress):
+            piece = self.pieces(rows, start, stop)
             total += np.einsum("irm,irm->rm", piece, piece)
-        self.how = f"{self.job.formulation}; {len(starts)} chunk(s) of {chunk} samples"
+        self.how = f"{self.job.formulation}; {plan}"
         return total
 
     def operator(self, rows, r):
@@ -157,10 +151,10 @@ class _Fisher:
         recomputed chunk by chunk in every product."""
         from scipy.sparse.linalg import LinearOperator
 
-        chunk, budget = self.chunks(r)
-        starts = [(a, min(a + chunk, self.n)) for a in range(0, self.n, chunk)]
+        plan = self.plan(r)
+        starts = list(plan)
         held = None
-        if self.n * r * self.m * self.itemsize <= budget:
+        if self.n * r * self.m * self.itemsize <= plan.budget:
             held = [self.pieces(rows, a, b).reshape(-1, self.m) for a, b in starts]
 
         def matmat(V):
@@ -318,10 +312,7 @@ def _monte_carlo(
         model, x, loss, y, sample_weight, variables, memory_budget, _has_likelihood
     )
     given = fisher.given
-    chunk, _ = fisher.chunks(draws)
-    f = np.concatenate(
-        [fisher.outputs(a, min(a + chunk, fisher.n)) for a in range(0, fisher.n, chunk)]
-    )
+    f = np.concatenate([fisher.outputs(a, b) for a, b in fisher.plan(draws)])
     rng = np.random.default_rng(seed)
     signals = given.loss.sample_signals(f, draws, rng)  # (n, draws, l)
     weighted = np.sqrt(given.weights)[:, None, :] * signals / math.sqrt(draws)

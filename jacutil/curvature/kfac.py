@@ -29,9 +29,9 @@ import numpy as np
 
 from ..core._shared import sizes_of
 from ..core._tf import keras, tf
-from ..core.arguments import check_chunk_size
 from ..core.data import read_data
 from ..core.formulation import quiet_function
+from ..core.planner import plan_chunks
 from ..core.target import resolve_target, variable_list
 from .compiled import curvature_for, curvature_inputs
 from .diagonal import ggn_diagonal
@@ -303,7 +303,6 @@ def kfac(
         ValueError: not a Sequential, an unknown loss, a cross-entropy on
             probabilities, a bad chunk_size, an empty x, NaN in x or y.
     """
-    chunk_size = check_chunk_size(chunk_size) or 256
     x, y, sample_weight = read_data(x, y, sample_weight)  # y, weights used below
     variables = None if variables is None else variable_list(variables)  # once
     target = resolve_target(model, variables, False)
@@ -331,8 +330,8 @@ def kfac(
     )  # fmt: skip
     n = int(x.shape[0])
     AA, count, BB = [0.0] * len(layers), [0] * len(layers), [0.0] * len(layers)
-    for start in range(0, n, chunk_size):
-        stop = start + chunk_size
+    plan = plan_chunks(n, chunk_size=256 if chunk_size is None else chunk_size)
+    for start, stop in plan:
         chunk = x[start:stop]
         parts, B, f = replay(
             chunk, w[start:stop], None if t is None else [a[start:stop] for a in t]

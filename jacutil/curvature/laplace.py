@@ -54,6 +54,7 @@ from ..core.batch import n_samples, take
 from ..core.data import read_data
 from ..core.layout import flat_params
 from ..core.outputs import as_rows
+from ..core.planner import DEFAULT_MEMORY_BUDGET, plan_chunks
 from ..core.target import resolve_target, variable_list
 from .diagonal import ggn_diagonal
 from .kfac import kfac
@@ -61,7 +62,6 @@ from .losses import output_loss
 
 STRUCTURES = ("last_layer", "diagonal", "kfac")
 PRIOR_STRUCTURES = ("scalar", "layerwise")
-DEFAULT_MEMORY_BUDGET = 2**28  # bytes for one chunk of J (256 MiB)
 
 
 def laplace(
@@ -548,10 +548,10 @@ class Laplace:
 
     def _chunks(self, x):
         """(start, stop) pieces of x whose J fits in the memory budget."""
-        n = int(n_samples(x))
         row_bytes = 8 * max(1, self.n_outputs) * self.n_params
-        size = max(1, self.memory_budget // row_bytes)
-        return [(s, min(s + size, n)) for s in range(0, n, size)]
+        return plan_chunks(
+            int(n_samples(x)), memory_budget=self.memory_budget, per_sample=row_bytes
+        )
 
     def _jacobian(self, x):
         """J of the structure's variables, (n, l, m) float64."""
