@@ -179,6 +179,26 @@ def what_differs(earlier, now, keys):
     return None
 
 
+def resumed_chunk_size(name, earlier, now, keys, asked, afresh):
+    """The chunk size of an earlier run (record ``earlier``) that this run
+    (``now``, compared on ``keys``, asking for ``asked`` or None) may resume;
+    else ResumeMismatch naming ``name`` and how to start ``afresh``."""
+    what = what_differs(earlier, now, keys)
+    if what is not None:
+        raise ResumeMismatch(
+            f"{name} was started with {what}, so its finished chunks cannot be "
+            "mixed with this run's. Resume it with the same model weights, x "
+            f"and options; to start afresh, {afresh}, or write to another path."
+        )
+    if asked is not None and asked != earlier["chunk_size"]:
+        raise ResumeMismatch(
+            f"{name} was started with chunk_size={earlier['chunk_size']}; "
+            f"this run asks for {asked}. Pass chunk_size={earlier['chunk_size']} "
+            f"(or leave it out) to resume it, or {afresh} to start afresh."
+        )
+    return earlier["chunk_size"]
+
+
 def _temporary(path):
     """A temporary name beside ``path`` that no other process or call uses."""
     return path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
@@ -422,21 +442,8 @@ class Ledger:
             return None
         earlier = _read_ledger(self.path)
         name = self.data_path.name
-        what = what_differs(earlier, self.record, self.record)
-        if what is not None:
-            raise ResumeMismatch(
-                f"{name} was started with {what}, so its finished chunks "
-                "cannot be mixed with this run's. Resume it with the same "
-                f"model weights, x and options; to start afresh, delete "
-                f"{name} and {self.path.name}, or write to another path."
-            )
-        if chunk_size is not None and chunk_size != earlier["chunk_size"]:
-            raise ResumeMismatch(
-                f"{name} was started with chunk_size={earlier['chunk_size']}; "
-                f"this run asks for {chunk_size}. Pass chunk_size="
-                f"{earlier['chunk_size']} (or leave it out) to resume it, "
-                "or delete both files to start afresh."
-            )
+        afresh = f"delete {name} and {self.path.name}"
+        resumed_chunk_size(name, earlier, self.record, self.record, chunk_size, afresh)
         self.done = set(earlier["done"])
         self.token = earlier["token"]
         return earlier["chunk_size"]

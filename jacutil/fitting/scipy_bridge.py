@@ -8,12 +8,12 @@ Jacobian that every stage returns, so no transpose is needed.
 
 import numpy as np
 
-from ..core._shared import ceil_div, size_of
+from ..core._shared import size_of
 from ..core._tf import tf
 from ..core.batch import as_batch, n_samples, take
 from ..core.layout import flat_params, set_flat_params
 from ..core.outputs import output_layout
-from ..core.planner import DEFAULT_MEMORY_BUDGET, chunk_size_for
+from ..core.planner import chunk_size_for, plan_chunks
 from ..core.resume import SumCheckpoint, fingerprint
 from ..core.target import resolve_target
 from ..matrix_free.products import jacobian_operator, products
@@ -56,20 +56,20 @@ class LeastSquaresProblem:
         }
         self.compiled = compiled_for(model, self._variables, training, False, "rules")
         activations = self.compiled.activation_elements(self.x)
-        if chunk_size is None and jacobian == "operator":
-            # a chunk holds its forward pass and its backward signals, not J
-            per_sample = self._target.dtype.itemsize * (4 * activations + 2 * n_outputs)
-            budget = memory_budget or DEFAULT_MEMORY_BUDGET
-            chunk_size = max(1, min(n_rows, int(budget // per_sample)))
-        elif chunk_size is None:
-            chunk_size = chunk_size_for(
-                memory_budget or DEFAULT_MEMORY_BUDGET,
-                n_outputs,
-                self.n_params,
-                self._target.dtype.itemsize,
-                activations=activations,
-            )
-        self.chunk_size = int(chunk_size)
+        itemsize = self._target.dtype.itemsize
+        # the operator's chunk holds its forward pass and backward signals, not J
+        self.plan = plan_chunks(
+            n_rows,
+            chunk_size=chunk_size,
+            memory_budget=memory_budget,
+            per_sample=itemsize * (4 * activations + 2 * n_outputs),
+            chunk_for=None
+            if jacobian == "operator"
+            else lambda budget: chunk_size_for(
+                budget, n_outputs, self.n_params, itemsize, activations=activations
+            ),
+        )
+        self.chunk_size = self.plan.chunk_size
         self.products = None
         if jacobian == "operator":
             self.products = products(
@@ -192,12 +192,11 @@ class LeastSquaresProblem:
 
     @property
     def n_chunks(self):
-        return ceil_div(self.n_samples, self.chunk_size)
+        return self.plan.n_chunks
 
     def chunk_normal_equations(self, k):
         """``J_k.T @ J_k`` and ``J_k.T @ r_k`` of chunk ``k`` at the model's weights."""
-        start = k * self.chunk_size
-        stop = min(start + self.chunk_size, self.n_samples)
+        start, stop = self.plan.chunk(k)
         J = self._jacobian(start, stop)
         return J.T @ J, J.T @ self._residuals(start, stop)
 

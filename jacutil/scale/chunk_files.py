@@ -29,12 +29,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ..core._shared import ceil_div
+from ..core.planner import Plan
 from ..core.resume import (
     ResumeMismatch,
     RunFileError,
     file_problem,
-    what_differs,
+    resumed_chunk_size,
     write_atomically,
 )
 
@@ -74,21 +74,17 @@ class ChunkFolder:
         self.shape = tuple(state["shape"])
         self.dtype = np.dtype(state["dtype"])
         self.chunk_size = int(state["chunk_size"])
-        self.n_chunks = ceil_div(self.shape[0], self.chunk_size)
+        self.plan = Plan(self.shape[0], self.chunk_size)  # its chunks' rows
+        self.n_chunks = self.plan.n_chunks
         self.token = state["token"]
-
-    def bounds(self, k):
-        """Rows ``(start, stop)`` of chunk ``k``."""
-        start = k * self.chunk_size
-        return start, min(start + self.chunk_size, self.shape[0])
 
     def chunk_path(self, k):
         """The file of chunk ``k``."""
-        return self.path / chunk_name(*self.bounds(k))
+        return self.path / chunk_name(*self.plan.chunk(k))
 
     def problem(self, k):
         """What is wrong with chunk ``k``'s file (a sentence), or None."""
-        start, stop = self.bounds(k)
+        start, stop = self.plan.chunk(k)
         return file_problem(
             self.chunk_path(k), (stop - start, *self.shape[1:]), self.dtype
         )
@@ -113,7 +109,7 @@ class ChunkFolder:
     def rows_done(self):
         """The rows (samples) in complete chunk files."""
         todo = set(self.todo())
-        done = [self.bounds(k) for k in range(self.n_chunks) if k not in todo]
+        done = [b for k, b in enumerate(self.plan) if k not in todo]
         return sum(stop - start for start, stop in done)
 
 
@@ -150,21 +146,10 @@ def open_chunk_folder(path, shape, dtype, record, chunk_size, default_chunk_size
                 "written by a run. Empty it or choose another path."
             ) from None
     if earlier is not None:
-        what = what_differs(earlier, state, RECORD_KEYS)
-        if what is not None:
-            raise ResumeMismatch(
-                f"{path} was started with {what}, so its chunks cannot be "
-                "mixed with this run's. Resume it with the same model "
-                "weights, x and options; to start afresh, delete the "
-                "folder, or write to another path."
-            )
-        if chunk_size is not None and chunk_size != earlier["chunk_size"]:
-            raise ResumeMismatch(
-                f"{path} was started with chunk_size={earlier['chunk_size']}; "
-                f"this run asks for {chunk_size}. Pass chunk_size="
-                f"{earlier['chunk_size']} (or leave it out) to resume it."
-            )
-        chunk_size = earlier["chunk_size"]
+        afresh = "delete the folder"
+        chunk_size = resumed_chunk_size(
+            path, earlier, state, RECORD_KEYS, chunk_size, afresh
+        )
     state["chunk_size"] = int(chunk_size or default_chunk_size)
     state["token"] = secrets.token_hex(8)
     path.mkdir(parents=True, exist_ok=True)
@@ -276,8 +261,7 @@ def read_chunks(folder, *, lazy=False):
     paths = [chunks.chunk_path(k) for k in range(chunks.n_chunks)]
     if not lazy:
         out = np.empty(chunks.shape, chunks.dtype)
-        for k, path in enumerate(paths):
-            start, stop = chunks.bounds(k)
+        for path, (start, stop) in zip(paths, chunks.plan, strict=True):
             out[start:stop] = np.load(path, mmap_mode="r")
         return out
     import dask
@@ -289,8 +273,6 @@ def read_chunks(folder, *, lazy=False):
             shape=(stop - start, *chunks.shape[1:]),
             dtype=chunks.dtype,
         )
-        for path, (start, stop) in zip(
-            paths, map(chunks.bounds, range(chunks.n_chunks)), strict=True
-        )
+        for path, (start, stop) in zip(paths, chunks.plan, strict=True)
     ]
     return da.concatenate(blocks)

@@ -35,6 +35,7 @@ from ..core._tf import keras, tf
 from ..core.arguments import check_chunk_size
 from ..core.batch import as_batch, n_samples, take
 from ..core.outputs import output_layout
+from ..core.planner import plan_chunks
 from ..core.resume import (
     check_out,
     fingerprint,
@@ -398,31 +399,36 @@ def _distributed(executor, model, x, chunk_size, out, progress, options):
     run = prepare(model, x, client, *compile_options)
     _warn_threads(executor)
     workers_now = max(1, executor.n_workers())
-    default = ceil_div(run.n_rows, CHUNKS_PER_WORKER * workers_now)
+    plan = plan_chunks(  # by default, CHUNKS_PER_WORKER chunks a worker
+        run.n_rows,
+        chunk_size=chunk_size,
+        chunk_for=lambda _: ceil_div(run.n_rows, CHUNKS_PER_WORKER * workers_now),
+    )
     job = Job(executor, run, model, progress, options)
     if not is_path(out):
         shape, dtype = run.shape, run.dtype
         out = np.empty(shape, dtype) if out is None else check_out(out, shape, dtype)
-        size = chunk_size or default
-        futures = job.submit(range(ceil_div(run.n_rows, size)), size)
+        futures = job.submit(range(plan.n_chunks), plan.chunk_size)
 
         def write(k, rows):
-            out[k * size : k * size + len(rows)] = rows
+            out[slice(*plan.chunk(k))] = rows
 
-        job.collect(futures, write, 0, size, out)
+        job.collect(futures, write, 0, plan.chunk_size, out)
         return out
     with writer_lock(out):  # one writer at a time, for the whole run
         if Path(out).suffix == ".npy":
-            return _into_file(job, out, chunk_size, default)
-        return _into_folder(job, out, chunk_size, default)
+            return _into_file(job, out, plan)
+        return _into_folder(job, out, plan)
 
 
-def _into_file(job, path, asked, default):
+def _into_file(job, path, plan):
     """Rows come back and this process writes them (one writer: no page of
     the file is shared between machines)."""
     run = job.run
     record = run.record(job.model)
-    ledger, size = open_rows(path, run.shape, run.dtype, record, asked, default)
+    ledger, size = open_rows(
+        path, run.shape, run.dtype, record, plan.asked, plan.chunk_size
+    )
     futures = job.submit(ledger.todo(), size)
 
     def write(k, rows):
@@ -436,11 +442,13 @@ def _into_file(job, path, asked, default):
     return np.load(path, mmap_mode="r")
 
 
-def _into_folder(job, path, asked, default):
+def _into_folder(job, path, plan):
     """Each worker writes its chunk's own file; nothing comes back."""
     run = job.run
     record = run.record(job.model)
-    folder = open_chunk_folder(path, run.shape, run.dtype, record, asked, default)
+    folder = open_chunk_folder(
+        path, run.shape, run.dtype, record, plan.asked, plan.chunk_size
+    )
     where = {"folder": str(Path(path).resolve()), "token": folder.token}
     futures = job.submit(folder.todo(), folder.chunk_size, where)
     kept = f"in {Path(path).name}/: {AGAIN}"
@@ -604,8 +612,7 @@ class DistributedLeastSquares(LeastSquaresProblem):
             )
         )
         futures = []
-        for k in range(self.n_chunks):
-            start, stop = k * self.chunk_size, (k + 1) * self.chunk_size
+        for start, stop in self.plan:
             x_chunk = run.share(as_numpy(take(self.x, start, stop)))
             y_chunk = run.share(self._rows_y[start:stop])
             futures.append(run.submit(task, spec, x_chunk, y_chunk))
