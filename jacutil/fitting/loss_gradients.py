@@ -43,12 +43,7 @@ from ..core.formulation import (
 )
 from ..core.guards import JacobianError
 from ..core.internals import cached_logits
-from ..core.planner import (
-    bytes_per_sample,
-    memory_budget_for,
-    plan_chunks,
-    run_chunks,
-)
+from ..core.planner import bytes_per_sample, plan_within, run_chunks
 from ..core.target import watched
 from ..rules.registry import LogitsSignal
 from ..rules.walk import LogitsNotOnRules
@@ -475,10 +470,7 @@ def _run(model, loss_fn, x, y, what, options):
     per_sample = bytes_per_sample(
         1, target.n_params, target.dtype.itemsize, activations
     )
-    budget = memory_budget_for(
-        options["memory_budget"], per_sample * rows, options["explain"]
-    )
-    plan = plan_chunks(rows, memory_budget=budget, per_sample=per_sample)
+    plan = plan_within(rows, per_sample, options["memory_budget"], options["explain"])
 
     def compute(start, stop):  # the whole batch as it is: no slicing op
         if stop - start == rows:
