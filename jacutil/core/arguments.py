@@ -69,7 +69,8 @@ def check_memory_budget(memory_budget, name="memory_budget"):
     if not math.isfinite(memory_budget) or memory_budget < 1:
         raise ValueError(
             f"{name} must be a positive number of bytes (e.g. 2**30 for 1 GiB); "
-            f"got {memory_budget}. Leave it as None for half the memory free now."
+            f"got {memory_budget}. Leave it as None for the entry's default "
+            "(its docstring says which)."
         )
     return int(memory_budget)
 
