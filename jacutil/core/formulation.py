@@ -35,8 +35,6 @@ import functools
 import logging
 import warnings
 
-import jacutil.core._gradients  # noqa: F401 (registers gradients TF lacks)
-
 from ._tf import keras, tf
 from .guards import JacobianError
 from .target import stack_columns
@@ -426,3 +424,100 @@ def warn_sample_by_sample(reason, stacklevel=4):
         SlowPathWarning,
         stacklevel=stacklevel,
     )
+
+
+XLA_ERRORS = (
+    tf.errors.InvalidArgumentError,
+    tf.errors.UnimplementedError,
+    tf.errors.InternalError,
+)
+
+
+class PforFailed(Exception):
+    """pfor could not vectorize the trace: trace again, sample by sample."""
+
+
+class NeedsXla(Exception):
+    """The trace holds a batch matmul oneDNN mishandles: trace it under XLA."""
+
+
+class Ladder:
+    """Per input signature (``key``), the first of ``MODES`` that traces and
+    runs, and its ``tf.function``: the layer rules where proved; pfor; pfor
+    under XLA on :class:`NeedsXla`; ``tf.map_fn`` (warned once, and later keys
+    start there) where pfor fails (:class:`PforFailed`, or when run) or its
+    loop fails under that XLA. What XLA cannot compile runs without XLA.
+
+    Args:
+        build: ``build(key, mode, xla, *args)``: a ``tf.function`` computing
+            arguments like ``args`` in ``mode``, compiled by XLA if ``xla``.
+        checked_plan: ``checked_plan(x)``: the rules' plan proved on x, or None.
+        pfor: False where pfor cannot run at all (a loop that is kept).
+        not_on_rules: the errors with which the rules refuse a trace.
+    """
+
+    MODES = ("rules", "vectorized", "vectorized under XLA", "tf.map_fn over samples")
+    RULES, VECTORIZED, UNDER_XLA, MAP_FN = MODES
+
+    def __init__(self, build, checked_plan, pfor=True, not_on_rules=()):
+        self.build, self.checked_plan = build, checked_plan
+        self.pfor, self.not_on_rules = pfor, not_on_rules
+        self.modes = {}  # key -> the mode that works
+        self.functions = {}  # (key, mode, xla) -> tf.function
+        self.without_xla = set()  # the keys that XLA cannot compile
+        self.pfor_failed = None  # why pfor failed, once it has
+
+    def mode(self, key, x):
+        """The mode for ``key``: the one that worked, or the first to try."""
+        if key not in self.modes:
+            rules = self.checked_plan(x) is not None
+            self.modes[key] = self.RULES if rules else self._below_rules()
+        return self.modes[key]
+
+    def _below_rules(self):
+        return self.VECTORIZED if self.pfor and not self.pfor_failed else self.MAP_FN
+
+    def function(self, key, mode, xla, args):
+        """The ``tf.function`` for ``key`` in ``mode``, built once."""
+        if (key, mode, xla) not in self.functions:
+            self.functions[key, mode, xla] = self.build(key, mode, xla, *args)
+        return self.functions[key, mode, xla]
+
+    def restart(self):
+        """Forget every mode and function (the rules' plan was dropped)."""
+        self.modes.clear()
+        self.functions.clear()
+
+    def __call__(self, key, args, xla=()):
+        """``(result, mode, under_xla)``: ``args`` (x first) run in the first
+        mode that works for ``key``; ``xla``: the modes the caller compiles
+        with XLA."""
+        while True:
+            mode = self.mode(key, args[0])
+            under_xla = mode == self.UNDER_XLA or (
+                mode in xla and key not in self.without_xla
+            )
+            try:
+                return self.function(key, mode, under_xla, args)(*args), mode, under_xla
+            except Exception as error:  # _below raises the others
+                self.modes[key] = self._below(key, mode, under_xla, error)
+
+    def _below(self, key, mode, under_xla, error):
+        """The mode to try after ``error`` in ``mode``, or ``error`` raised."""
+        if mode == self.RULES and isinstance(error, self.not_on_rules):
+            return self._below_rules()
+        if isinstance(error, NeedsXla):
+            return self.UNDER_XLA
+        pfor = mode != self.MAP_FN and pfor_failed_when_run(error)
+        # or the loop pfor keeps fails under the XLA for oneDNN (or vectorize's)
+        xla = isinstance(error, XLA_ERRORS) and "XLA" in str(error)
+        moved = mode == self.UNDER_XLA or (mode == self.VECTORIZED and not under_xla)
+        if isinstance(error, PforFailed) or pfor or (xla and moved):
+            if self.pfor_failed is None:  # said once
+                warn_sample_by_sample(first_line(error), stacklevel=7)
+            self.pfor_failed = first_line(error)
+            return self.MAP_FN
+        if under_xla and isinstance(error, XLA_ERRORS):  # XLA cannot compile it
+            self.without_xla.add(key)
+            return mode
+        raise error

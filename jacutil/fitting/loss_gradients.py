@@ -27,19 +27,27 @@ from ..core import cache
 from ..core._shared import joined_gradients, sizes_of
 from ..core._tf import tf
 from ..core.arguments import refuse_non_finite
-from ..core.batch import as_batch, n_samples, pad_with_last, signature, take
+from ..core.batch import (
+    as_batch,
+    n_samples,
+    pad_with_last,
+    signature,
+    signature_key,
+    take,
+)
 from ..core.data import read_data
 from ..core.formulation import (
     PFOR_ERRORS,
+    Ladder,
+    NeedsXla,
+    PforFailed,
     first_line,
     kept_loops,
     new_ops,
     onednn_hazards,
-    pfor_failed_when_run,
     quiet_function,
     recurrent_layers,
     unrolled,
-    warn_sample_by_sample,
 )
 from ..core.guards import JacobianError
 from ..core.internals import cached_logits
@@ -152,22 +160,12 @@ def _autodiff_gradients(target, x, y, loss_fn, vectorize=True, xla=False):
         except PFOR_ERRORS as error:
             if isinstance(error, JacobianError):
                 raise
-            raise _PforFailed(first_line(error)) from None
+            raise PforFailed(first_line(error)) from None
     if onednn_hazards(created) and not xla:
-        raise _NeedsXla()
+        raise NeedsXla()
     return G
 
 
-class _PforFailed(Exception):
-    """pfor could not vectorize the trace: trace again, sample by sample."""
-
-
-class _NeedsXla(Exception):
-    """The trace holds a batch matmul that oneDNN mishandles
-    (``jacutil.core.formulation.onednn_hazards``): trace again under XLA."""
-
-
-WHAT = ("gradients", "norms")
 # The norms on Dense layers (``Rule.fast_under_xla``) are a few small products
 # per layer: up to this many rows, XLA fuses them, and a call costs about a
 # third of the same graph without XLA (the question's MLP at n = 1,000).
@@ -175,14 +173,6 @@ WHAT = ("gradients", "norms")
 # size would compile again. Convolutions and recurrences are about 2x slower
 # under XLA at any size (the bench's CNN and LSTM): they never use it.
 XLA_NORMS_ROWS = 1024
-XLA_ERRORS = (
-    tf.errors.InvalidArgumentError,
-    tf.errors.UnimplementedError,
-    tf.errors.InternalError,
-)
-# How the compiled function computes, tried in this order (the first that
-# traces and runs is kept for that input shape).
-MODES = ("rules", "vectorized", "vectorized under XLA", "tf.map_fn over samples")
 
 
 class LossGradients:
@@ -195,8 +185,9 @@ class LossGradients:
     layer rules run when the plan is proved on the batch's shape
     (``CompiledJacobian.checked_plan``); otherwise one gradient per sample,
     vectorized by pfor, under XLA where oneDNN would mishandle the trace, or
-    one sample at a time where pfor fails. The loss function is held weakly:
-    the cache never keeps a closure (or what it captures) alive.
+    one sample at a time where pfor fails (``ladder``, a
+    :class:`jacutil.core.formulation.Ladder`). The loss function is held
+    weakly: the cache never keeps a closure (or what it captures) alive.
 
     Args:
         jac: the model's :class:`jacutil.stages.compiled.CompiledJacobian`
@@ -213,9 +204,12 @@ class LossGradients:
             self._loss = lambda: loss_fn
         self.trace_count = 0
         self.formulation = None  # how the last call computed, in words
-        self._functions = {}  # (what, mode, x and y signatures) -> tf.function
-        self._mode = {}  # (what, x and y signatures) -> the mode that works
-        self._without_xla = set()  # keys whose norms XLA could not compile
+        self.ladder = Ladder(  # keyed by (what, x and y signatures)
+            lambda key, mode, xla, x, y: self._build(key[0], mode, xla, x, y),
+            jac.checked_plan,
+            pfor=not kept_loops(self.target),  # pfor cannot vectorize a loop
+            not_on_rules=LogitsNotOnRules,
+        )
 
     @property
     def loss_fn(self):
@@ -236,32 +230,14 @@ class LossGradients:
         rows = int(n_samples(x))
         if rows == 1:  # pfor fails on some graphs with one sample (TF 2.21)
             x, y = pad_with_last(x, 2), pad_with_last(y, 2)
-        key = (what, _signature_key(x), _signature_key(y))
-        if key not in self._mode:
-            self._mode[key] = self._first_mode(x)
-        if self._norms_under_xla(key, rows):
-            try:
-                result = self._under_xla(key, x, y, rows)
-                self.formulation = self.jac.plan.describe() + ", under XLA"
-                return result
-            except XLA_ERRORS:  # XLA cannot compile it: the graph without XLA
-                self._without_xla.add(key)
-            except LogitsNotOnRules as error:  # not on the rules, with or without XLA
-                self._mode[key] = self._next_mode(self._mode[key], error)
-        while True:
-            mode = self._mode[key]
-            try:
-                result = self._function(what, mode, x, y)(x, y)
-                break
-            except (LogitsNotOnRules, _NeedsXla, _PforFailed) as error:
-                self._mode[key] = self._next_mode(mode, error)
-            except tf.errors.InvalidArgumentError as error:
-                if mode == MODES[-1] or not pfor_failed_when_run(error):
-                    raise
-                self._mode[key] = self._next_mode(mode, _PforFailed(first_line(error)))
-        self.formulation = (
-            self.jac.plan.describe() if self._mode[key] == "rules" else self._mode[key]
-        )
+        key = (what, signature_key(x), signature_key(y))
+        xla = (Ladder.RULES,) if self._norms_under_xla(key, x, rows) else ()
+        if xla:  # padded to a power of two: at most log2(XLA_NORMS_ROWS) compiles
+            padded = bucket_size(rows, XLA_NORMS_ROWS)
+            x, y = pad_with_last(x, padded), pad_with_last(y, padded)
+        result, mode, under_xla = self.ladder(key, (x, y), xla)
+        under, rules = ", under XLA" if under_xla else "", mode == Ladder.RULES
+        self.formulation = self.jac.plan.describe() + under if rules else mode
         return np.asarray(result)[:rows]  # a view: no eager slicing op
 
     def norms_graph(self, x, y):
@@ -280,17 +256,17 @@ class LossGradients:
         Returns:
             ``f(x, y)`` giving the norms, shape (rows,), or None.
         """
-        key = ("norms", _signature_key(x), _signature_key(y))
-        if self._mode.get(key) != "rules" or int(n_samples(x)) < 2:
+        key = ("norms", signature_key(x), signature_key(y))
+        if self.ladder.modes.get(key) != Ladder.RULES or int(n_samples(x)) < 2:
             return None
-        return self._function("norms", "rules", x, y)
+        return self.ladder.function(key, Ladder.RULES, False, (x, y))
 
-    def _norms_under_xla(self, key, rows):
+    def _norms_under_xla(self, key, x, rows):
         return (
             key[0] == "norms"
-            and self._mode[key] == "rules"
+            and self.ladder.mode(key, x) == Ladder.RULES
             and rows <= XLA_NORMS_ROWS
-            and key not in self._without_xla
+            and key not in self.ladder.without_xla
             and all(
                 step.fast_under_xla
                 for step in self.jac.plan.steps
@@ -298,51 +274,23 @@ class LossGradients:
             )
         )
 
-    def _under_xla(self, key, x, y, rows):
-        """The rules' norms compiled by XLA, the batch padded to a power of
-        two (one compile per size, at most ``log2(XLA_NORMS_ROWS)``)."""
-        padded = bucket_size(rows, XLA_NORMS_ROWS)
-        x, y = pad_with_last(x, padded), pad_with_last(y, padded)
-        return np.asarray(self._function("norms", "rules under XLA", x, y)(x, y))[:rows]
-
-    def _first_mode(self, x):
-        if self.jac.checked_plan(x) is not None:
-            return "rules"
-        if kept_loops(self.target):  # pfor cannot vectorize a while_loop
-            return MODES[-1]
-        return "vectorized"
-
-    def _next_mode(self, mode, error):
-        if isinstance(error, _NeedsXla):
-            return "vectorized under XLA"
-        if isinstance(error, _PforFailed):
-            warn_sample_by_sample(str(error), stacklevel=6)
-            return MODES[-1]
-        return MODES[-1] if kept_loops(self.target) else "vectorized"  # logits
-
-    def _function(self, what, mode, x, y):
-        key = (what, mode, _signature_key(x), _signature_key(y))
-        if key not in self._functions:
-            self._functions[key] = self._build(what, mode, x, y)
-        return self._functions[key]
-
-    def _build(self, what, mode, x, y):
+    def _build(self, what, mode, xla, x, y):
         plan = self.jac.plan
 
         def traced(x, y):
             self.trace_count += 1  # Python side effect: runs once per trace
             signal = _signal(self.loss_fn, y)
-            if mode.startswith("rules") and what == "norms":
+            if mode == Ladder.RULES and what == "norms":
                 return tf.sqrt(plan.squared_norms(x, signal)[:, 0])
-            if mode.startswith("rules"):
+            if mode == Ladder.RULES:
                 return plan.tensor(x, signal)[:, 0]
             G = _autodiff_gradients(
                 self.target,
                 x,
                 y,
                 self.loss_fn,
-                vectorize=mode != MODES[-1],
-                xla=mode == "vectorized under XLA",
+                vectorize=mode != Ladder.MAP_FN,
+                xla=mode == Ladder.UNDER_XLA,
             )
             return tf.norm(G, axis=1) if what == "norms" else G
 
@@ -350,13 +298,9 @@ class LossGradients:
         return quiet_function(
             traced,
             input_signature=specs,
-            jit_compile=mode.endswith("under XLA"),
-            autograph=not mode.startswith("rules") or plan.user_code,
+            jit_compile=xla,
+            autograph=mode != Ladder.RULES or plan.user_code,
         )
-
-
-def _signature_key(x):
-    return tuple((tuple(t.shape[1:]), t.dtype.name) for t in tf.nest.flatten(x))
 
 
 def _targets(y, target, rows):

@@ -3,7 +3,6 @@
 import numpy as np
 
 from ..core import cache
-from ..core._tf import tf
 from ..core.batch import (
     as_batch,
     n_samples,
@@ -12,13 +11,7 @@ from ..core.batch import (
     signature_key,
     take,
 )
-from ..core.formulation import (
-    first_line,
-    map_fn_jacobian,
-    pfor_failed_when_run,
-    quiet_function,
-    warn_sample_by_sample,
-)
+from ..core.formulation import Ladder, map_fn_jacobian, quiet_function
 from ..core.guards import note_trace
 from ..core.memory import count_activations
 from ..core.outputs import output_layout
@@ -88,9 +81,10 @@ class CompiledJacobian:
         self.formulation = None
         self.activations = {}  # input signature -> activation elements (chunked)
         self._owner = owner  # keeps the model alive as long as jac
-        self._functions = {}  # input signature -> tf.function
+        self.ladder = Ladder(
+            lambda key, mode, xla, x: self.build(x, mode, xla), self.checked_plan
+        )
         self.plan, self.fallback = None, None
-        self.pfor_failed = None  # why pfor failed when run, if it did
         if method == "rules":
             model = owner if model is None else model
             self.plan, self.fallback = plan_for(
@@ -114,17 +108,20 @@ class CompiledJacobian:
             )
         return self.activations[key]
 
-    def build(self, x):
+    def build(self, x, mode, jit_compile):
         """A ``tf.function`` for batches like ``x``: any n, the same features.
 
         Its input signature (``jacutil.core.batch.signature``) keeps the
         shapes and dtypes of ``x`` but makes the batch dimension ``None``, so
         one trace serves every number of samples; ``trace_count`` counts the
-        traces. :meth:`tensor` builds one per input signature and keeps it.
-        Introduced in notebook ``03-compiled``.
+        traces. :meth:`tensor` has ``ladder`` build one per input signature
+        and keep it. Introduced in notebook ``03-compiled``.
 
         Args:
             x: a checked batch (its per-sample shapes and dtypes count).
+            mode: how it computes: ``"rules"``, ``"vectorized"`` or
+                ``"tf.map_fn over samples"`` (:class:`jacutil.core.formulation.Ladder`).
+            jit_compile: compile with XLA.
 
         Returns:
             A ``tf.function`` ``x -> J``, J of shape (n, l, m).
@@ -133,40 +130,41 @@ class CompiledJacobian:
         def traced(x):
             self.trace_count += 1  # Python side effect: runs once per trace
             note_trace(self.target.variables, (self.method, self.jit_compile))
-            return self._jacobian(x)
+            return self._jacobian(x, mode, jit_compile)
 
         return quiet_function(
             traced,
             input_signature=[signature(x)],
-            jit_compile=self.jit_compile,
+            jit_compile=jit_compile,
             # the rules' own code has no tensor-dependent Python control flow:
             # converting it with autograph costs most of the first call
-            autograph=self.plan is None or self.plan.user_code,
+            autograph=mode != Ladder.RULES or self.plan.user_code,
         )
 
-    def _jacobian(self, x):
-        if self.pfor_failed:
-            self.formulation = (
-                f"tf.map_fn over samples: pfor failed ({self.pfor_failed})"
-            )
-            return map_fn_jacobian(self.target, x)
-        if self.plan is not None:
+    def _jacobian(self, x, mode, jit_compile):
+        if mode == Ladder.MAP_FN:
+            reason = self.ladder.pfor_failed
+            self.formulation = f"tf.map_fn over samples: pfor failed ({reason})"
+            J = map_fn_jacobian(self.target, x)
+        elif mode == Ladder.RULES:
             self.formulation = self.plan.describe()
-            return self.plan.tensor(x)
-        method = batch_tensor if self.method == "batch" else per_sample_tensor
-        J, self.formulation = method(self.target, x, self.jit_compile)
+            J = self.plan.tensor(x)
+        else:
+            method = batch_tensor if self.method == "batch" else per_sample_tensor
+            J, self.formulation = method(self.target, x, jit_compile)
+        if self.jit_compile and not jit_compile:
+            self.formulation += ", without XLA (XLA cannot compile it)"
         return J
 
     def tensor(self, x, pad_to=None):
         """The Jacobian of a checked batch as a tensor, padded to ``pad_to`` rows.
 
         Padding gives XLA the same shape every time. The padded rows are
-        copies of the last sample, and they are cut off again.
+        copies of the last sample, and they are cut off again. ``ladder``
+        runs the first way that works (:class:`jacutil.core.formulation.Ladder`).
         """
         key = signature_key(x)
-        if key not in self._functions:
-            self.checked_plan(x)
-            self._functions[key] = self.build(x)
+        self.checked_plan(x)  # proves the layer rules on it, once per signature
         n_rows = n_samples(x)
         if n_rows == 1:  # pfor fails on some graphs with one sample (TF 2.21)
             pad_to = 2
@@ -175,7 +173,7 @@ class CompiledJacobian:
             x = pad_with_last(x, pad_to)
         if self.jit_compile:
             self.compiled_shapes.add(int(n_samples(x)))
-        J = self._run(key, x)
+        J = self.ladder(key, (x,), Ladder.MODES if self.jit_compile else ())[0]
         return J[:n_rows] if padded else J
 
     def checked_plan(self, x):
@@ -196,41 +194,8 @@ class CompiledJacobian:
         reason = self.plan.check(self.target, x)
         if reason is not None:
             self.plan, self.fallback = None, reason
-            self._functions.clear()
+            self.ladder.restart()
         return self.plan
-
-    def _run(self, key, x):
-        try:
-            return self._functions[key](x)
-        except tf.errors.InvalidArgumentError as error:
-            retry = self.plan is None and not self.pfor_failed
-            # pfor's graph fails when run; or the part of it moved under XLA
-            # (core.formulation.vectorize: oneDNN's hazard) holds a loop XLA
-            # cannot compile: tf.map_fn has neither
-            moved = not self.jit_compile and "XLA" in str(error)
-            if retry and (pfor_failed_when_run(error) or moved):
-                return self._sample_by_sample(key, x, error)
-            if not (self.jit_compile and "XLA" in str(error)):
-                raise
-        # XLA cannot compile this formulation (tf.map_fn's TensorList): use
-        # the same graph without XLA for these shapes.
-        function = self._functions[key]
-        self._functions[key] = quiet_function(
-            function.python_function, input_signature=function.input_signature
-        )
-        result = self._functions[key](x)
-        self.formulation += ", without XLA (XLA cannot compile it)"
-        return result
-
-    def _sample_by_sample(self, key, x, error):
-        """pfor converted the graph but its result fails when run (TF 2.21,
-        e.g. a recurrent loop kept under a mask): run the samples one at a
-        time in ``tf.map_fn`` from now on - correct, and much slower."""
-        self.pfor_failed = first_line(error)
-        if not (self.formulation or "").startswith("tf.map_fn"):  # said once
-            warn_sample_by_sample(self.pfor_failed, stacklevel=5)
-        self._functions = {key: self.build(x)}
-        return self._functions[key](x)
 
     def __call__(self, x, *, copy=True):
         """Return the (n_samples, n_outputs, n_params) Jacobian of ``x``.
