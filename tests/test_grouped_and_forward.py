@@ -14,9 +14,9 @@ import pytest
 
 import jacutil as ju
 from jacutil import keras, tf
-from jacutil.core._gradients import ensure_second_order
 from jacutil.core.formulation import quiet_function
 from jacutil.core.guards import JacobianError
+from jacutil.core.second_order import ensure_second_order
 
 layers = keras.layers
 F64 = {"dtype": "float64"}
@@ -153,7 +153,7 @@ def test_dilated_convolution_rule_with_a_layer_below():
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_softsign_in_forward_mode(dtype):
     """TF 2.21 has no gradient for SoftsignGrad, which forward mode and the
-    double-backward JVP differentiate (jacutil.core._gradients registers it
+    double-backward JVP differentiate (jacutil.core.second_order registers it
     on first use)."""
     keras.utils.set_random_seed(12)
     model = keras.Sequential(

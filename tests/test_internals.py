@@ -11,8 +11,8 @@ import pytest
 import jacutil as ju
 from jacutil import keras, tf
 from jacutil.core import internals
-from jacutil.core._gradients import ensure_second_order
 from jacutil.core.internals import InternalsMoved
+from jacutil.core.second_order import ensure_second_order
 
 
 class Plain(keras.layers.Layer):
@@ -83,7 +83,7 @@ import jacutil as ju
 assert "tensorflow" not in sys.modules, "import jacutil loaded TensorFlow"
 ju.stages.vectorized, ju.rules, ju.curvature.hessian, ju.keras
 from tensorflow.python.framework import ops
-from jacutil.core._gradients import ensure_second_order
+from jacutil.core.second_order import ensure_second_order
 from jacutil.core.internals import InternalsMoved
 assert "SoftsignGrad" not in ops._gradient_registry._registry, "patched on import"
 moved, ops._gradient_registry = ops._gradient_registry, None

@@ -10,9 +10,10 @@
 - ``cache``        one compiled Jacobian per model, owned weakly
 - ``guards``       the checks that turn the classic mistakes into errors
 - ``formulation``  which formulation traces: pfor, map_fn, XLA, and their logs
+- ``second_order`` ``ensure_second_order``: gradients of gradient ops TF lacks
 
-Internal: ``_tf`` (the TensorFlow import), ``_grouped`` and ``_gradients``
-(fixes for TensorFlow gaps), ``_shared`` (small helpers used everywhere),
+Internal: ``_tf`` (the TensorFlow import), ``_grouped`` (a fix for a
+TensorFlow gap), ``_shared`` (small helpers used everywhere),
 ``lazy`` (what a package imports on first use).
 """
 
@@ -30,6 +31,7 @@ __getattr__ = lazy_modules(
         "outputs",
         "planner",
         "resume",
+        "second_order",
         "target",
     },
 )

@@ -12,7 +12,6 @@ physical model fitted to long signals.
 import numpy as np
 
 from ..core import cache
-from ..core._gradients import ensure_second_order
 from ..core._shared import or_zeros, sizes_of
 from ..core._tf import tf
 from ..core.batch import as_batch, n_samples, signature, signature_key
@@ -26,6 +25,7 @@ from ..core.formulation import (
     unrolled,
 )
 from ..core.outputs import output_layout
+from ..core.second_order import ensure_second_order
 from ..core.target import resolve_target, variable_list, watched
 
 COLUMNS_PER_PASS = 64  # parameter columns vectorized together

@@ -21,7 +21,6 @@ import contextlib
 import numpy as np
 
 from ..core import cache
-from ..core._gradients import ensure_second_order
 from ..core._shared import joined_gradients, or_zeros, sizes_of
 from ..core._tf import tf
 from ..core.arguments import check_chunk_size
@@ -36,6 +35,8 @@ from ..core.formulation import (
     unrolled,
 )
 from ..core.outputs import output_layout
+from ..core.planner import plan_chunks
+from ..core.second_order import ensure_second_order
 from ..core.target import resolve_target, variable_list, watched
 
 
@@ -164,9 +165,7 @@ class Products:
         return self._functions[key]
 
     def _chunks(self, x):
-        rows = int(n_samples(x))
-        size = rows if self.chunk_size is None else int(self.chunk_size)
-        return [(start, min(start + size, rows)) for start in range(0, rows, size)]
+        return plan_chunks(int(n_samples(x)), chunk_size=self.chunk_size)
 
     def jvp(self, x, v):
         """``J @ v`` as (n, l): v is a flat parameter direction of length m.

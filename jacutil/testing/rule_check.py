@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..core._gradients import ensure_second_order
 from ..core._shared import size_of
 from ..core._tf import keras, tf
+from ..core.second_order import ensure_second_order
 from ..core.target import watched
 from ..rules.blocks import norms_route
 from ..rules.registry import RULES, NoRule, Rule, RuleContractError, Wanted

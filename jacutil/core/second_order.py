@@ -23,6 +23,7 @@ TensorFlow marks ``ResizeBilinearGrad`` not differentiable.
 Nothing is registered on import: the entries that differentiate a gradient
 op (forward mode, the double-backward JVP, curvature's JVP of a VJP) call
 :func:`ensure_second_order` first, and it registers them all once per process.
+Call it yourself before nesting tapes through these ops.
 """
 
 import threading
