@@ -33,7 +33,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from ..core._tf import keras, tf
-from .loss_gradients import per_sample_gradient_norms
+from .loss_gradients import gradients_for, per_sample_gradient_norms, prepared
 
 INSTALL_COMMAND = "pip install --no-deps dp-accounting==0.6.0"
 INSTALL_HINT = (
@@ -542,8 +542,6 @@ class DPSGD:
             return self._fused[2:]
         source = (x, y)  # held, so that the ids above stay theirs
         x, y = self.as_inputs(x, y)
-        from .loss_gradients import gradients_for, prepared
-
         job = gradients_for(self.model, self.loss_fn, None, False, x)
         rows = tf.range(min(2, _rows(x)))
         few = prepared(job, _take(x, rows), tf.gather(y, rows))
