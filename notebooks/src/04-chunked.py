@@ -26,7 +26,7 @@
 # against the chunk size, for both vectorizations inside a chunk; a
 # Jacobian written in two runs, as after a restart.
 #
-# *Teaching: 19 min · Exercises: 10 min · Going further: 27 min*
+# *Teaching: 20 min · Exercises: 10 min · Going further: 27 min*
 
 # %% [markdown]
 # ## Setup
@@ -156,14 +156,17 @@ np.testing.assert_array_equal(J_plain, ju.chunked_jacobian(
 print("plain_chunked_jacobian == chunked_jacobian, bit for bit: True")
 
 # %% [markdown]
-# `chunked_jacobian` is that loop. What it adds: the chunk size from
-# `memory_budget` (above) when none is given, and the checks of its
-# arguments; `out` as an array, a memory-mapped file, or a path (then the
-# run is resumable: `resumable_chunks`, notebook 10); a progress bar; and,
-# with XLA, each chunk padded to a power of two (notebook 03).
+# `chunked_jacobian` is that loop, split in two: `plan_chunks` checks the
+# arguments and picks the chunk size from `memory_budget` (above) when none
+# is given; `run_chunks` (below it) is the loop itself. What they add: `out`
+# as an array, a memory-mapped file, or a path (then the run is resumable:
+# `resumable_chunks`, notebook 10); a progress bar; and, with XLA, each chunk
+# padded to a power of two (notebook 03). Every entry of `jacutil` that goes
+# over samples in chunks plans with the same two functions.
 
 # %%
 ju.teaching.notebook.show_source(ju.chunked_jacobian)
+ju.teaching.notebook.show_source(ju.core.planner.run_chunks)
 
 # %% tags=["nbval-ignore-output"]
 ju.chunked_jacobian(model, x[:2], progress=False)  # trace once, before

@@ -28,7 +28,7 @@
 # - Write a rule for your own layer, prove it alone with `check_rule`, and
 #   use it with `registered`.
 #
-# *Teaching: 43 min · Exercises: 33 min*
+# *Teaching: 42 min · Exercises: 33 min*
 
 # %% [markdown]
 # ## Setup

@@ -28,7 +28,7 @@
 # - Write down the cost model for N workers and put the 2-worker measurement
 #   beside it.
 #
-# *Teaching: 39 min · Exercises: 24 min*
+# *Teaching: 40 min · Exercises: 24 min*
 
 # %% [markdown]
 # ## Setup
