@@ -3,6 +3,7 @@
 import numpy as np
 
 from ...core._shared import sizes_of
+from ...teaching.models import small_cnn
 from . import Hint, as_array, as_number, checks, close_array, close_number
 
 
@@ -50,8 +51,6 @@ def derivative_by_a_bias(answer, J):
 @checks("00-3")
 def columns_of_a_frozen_layer(answer):
     """Freezing small_cnn's first Conv2D drops its kernel and its biases."""
-    from ... import small_cnn
-
     fewer = as_number(answer, "how many columns J loses")
     first = small_cnn().layers[0]
     kernel, bias = sizes_of(first.trainable_variables)

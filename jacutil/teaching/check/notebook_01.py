@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from ...stages.loop import loop_jacobian
 from . import FLOAT32, Hint, answered, as_array, as_number, checks, close_array, same
 
 COLLEAGUE_SAMPLES, COLLEAGUE_OUTPUTS = 10_000, 10
@@ -44,8 +45,6 @@ def minutes_for_a_colleague(answer, per_row):
 @checks("01-2")
 def one_forward_pass_per_sample(answer, model, x):
     """The loop with one persistent tape per sample: the same Jacobian."""
-    from ... import loop_jacobian
-
     expected = loop_jacobian(model, x).astype("float64")
     n, n_out, m = expected.shape
     answered(answer, "the per-sample Jacobian")

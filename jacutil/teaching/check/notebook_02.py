@@ -3,6 +3,7 @@
 import numpy as np
 
 from ...core._shared import sizes_of
+from ...stages.loop import loop_jacobian
 from . import FLOAT32, Hint, answered, as_array, as_number, checks, close_array, same
 
 BUDGET_GIB = 8
@@ -69,8 +70,6 @@ def doubling_the_batch(answer, batch_model):
 @checks("02-2")
 def columns_of_the_last_layer(answer, model, x):
     """J with respect to the last layer: the last columns of the full J."""
-    from ... import loop_jacobian
-
     full = loop_jacobian(model, x).astype("float64")
     last = model.layers[-1].trainable_variables
     sizes = sizes_of(last)

@@ -2,6 +2,8 @@
 
 import numpy as np
 
+from ...core._tf import tf
+from ...stages.compiled import bucket_size
 from . import Hint, answered, as_number, checks, close_number
 
 
@@ -15,8 +17,6 @@ def xla_shapes(sizes, block_size):
     Returns:
         A set of ``int``: the padded batch shapes.
     """
-    from ...stages.compiled import bucket_size
-
     shapes = set()
     for n in sizes:
         for start in range(0, n, block_size):  # blocks; one when n <= block_size
@@ -67,8 +67,6 @@ def shapes_xla_compiles(answer, sizes, block_size):
 def traces_with_reduce_retracing(answer, sizes):
     """(the traces of a tiny reduce_retracing tf.function over ``sizes``, the
     batch dimension its last trace recorded: None for "any")."""
-    from ... import tf
-
     traces = []
 
     def tiny(x):

@@ -2,6 +2,10 @@
 
 import numpy as np
 
+from ...core._tf import keras
+from ...core.layout import flat_params
+from ...core.planner import chunk_size_for
+from ...stages.vectorized import per_sample_jacobian
 from . import Hint, answered, as_array, as_number, checks, close_number
 
 BUDGET = 16 * 2**20  # exercise 1's budget: 16 MiB
@@ -10,7 +14,6 @@ AXES = "(n samples, l outputs, m parameters)"
 
 def _float64_copy(model):
     """The same network in float64: every layer cloned in float64, same weights."""
-    from ...core._tf import keras
 
     def in_float64(layer):
         config = layer.get_config()
@@ -24,16 +27,12 @@ def _float64_copy(model):
 
 def _sizes(model, x):
     """(n, l, m) of the Jacobian of ``model`` on ``x``."""
-    from ... import flat_params
-
     return len(x), int(model(x[:1]).shape[-1]), flat_params(model).size
 
 
 @checks("04-1")
 def float64_chunks(answer, model, x):
     """(chunk size for 16 MiB in float64, the float64 Jacobian of x)."""
-    from ... import chunk_size_for, per_sample_jacobian
-
     answered(answer, "(chunk, J): the chunk size and the float64 Jacobian")
     if not isinstance(answer, (tuple, list)) or len(answer) != 2:
         raise Hint(
@@ -85,8 +84,6 @@ def float64_chunks(answer, model, x):
 @checks("04-2")
 def two_halves(answer, model, x):
     """The memory-mapped file after two calls, one per half of x."""
-    from ... import per_sample_jacobian
-
     answered(answer, "the file's contents (np.load(file))")
     n, n_out, m = _sizes(model, x)
     half = n // 2

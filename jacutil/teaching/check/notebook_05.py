@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from ...core._tf import tf
 from . import Hint, answered, as_array, checks, flat
 
 DAMPINGS = (1e-4, 1e-2, 100.0)  # exercise 3's lambdas, in this order
@@ -40,8 +41,6 @@ def method_for_few_residuals(answer):
 
 def _mse_gradient(model, x, y):
     """tape.gradient of mean((model(x) - y)**2), flattened in variable order."""
-    from ...core._tf import tf
-
     x = tf.constant(np.asarray(x, "float64"))  # Keras casts to its dtype
     with tf.GradientTape() as tape:
         f = model(x, training=False)

@@ -3,14 +3,15 @@
 import numpy as np
 
 from ...core._shared import count_params
+from ...core._tf import keras, tf
+from ...core.layout import flat_params, set_flat_params
+from ...stages.loop import loop_jacobian
 from . import Hint, answered, as_array, checks, flat, same
 
 
 @checks("06-1")
 def per_sample_loss_gradients(answer, model, x, y):
     """Row i: the gradient of sum_k (f(x_i)_k - y_ik)**2, by a loop over i."""
-    from ...core._tf import tf
-
     answered(answer, "the per-sample gradients, shape (n, m)")
     variables = model.trainable_variables
     rows = []
@@ -75,9 +76,6 @@ def _layers(model):
 @checks("06-2")
 def frozen_batch_norm(answer, model, x):
     """Training mode, BatchNormalization frozen: the inference-mode Jacobian."""
-    from ... import loop_jacobian
-    from ...core._tf import keras
-
     answered(answer, "the Jacobian with training=True, shape (n, l, columns)")
     norms = [
         la for la in _layers(model) if isinstance(la, keras.layers.BatchNormalization)
@@ -123,8 +121,6 @@ def frozen_batch_norm(answer, model, x):
 
 def _constants(model, x, direction):
     """|f| (largest output) and |f'''| along ``direction``, in float64."""
-    from ... import flat_params, set_flat_params
-
     x = np.asarray(x, "float64")
     direction = np.asarray(direction, "float64")
     theta = flat_params(model).astype("float64")

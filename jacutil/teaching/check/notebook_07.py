@@ -3,6 +3,7 @@
 import numpy as np
 
 from ...core._shared import count_params
+from ...stages.loop import loop_jacobian
 from . import Hint, answered, as_array, as_number, checks, close_array, close_number
 
 
@@ -31,8 +32,6 @@ def last_layer_columns(answer, model, x):
     """The last Dense layer's (h + 1) * l columns of J: its input, a one
     appended, on the diagonal; checked against ``loop_jacobian``.
     """
-    from ...stages.loop import loop_jacobian
-
     width, outputs = (int(s) for s in model.layers[-1].kernel.shape)
     x = np.asarray(x)
     n, size = len(x), (width + 1) * outputs

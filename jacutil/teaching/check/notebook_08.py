@@ -2,14 +2,15 @@
 
 import numpy as np
 
+from ...core.layout import flat_params
+from ...stages.loop import loop_jacobian
+from ...testing.finite_differences import finite_difference_jacobian
 from . import Hint, answered, as_array, checks, close_array, shape_of
 
 
 @checks("08-1")
 def rows_split_per_step(answer, model, x):
     """A GRU's (steps, outputs) per sample: J's rows split back, step-major."""
-    from ... import loop_jacobian
-
     words = "(n samples, steps, outputs, m parameters)"
     what = "the rows of J split per step"
     answered(answer, f"{what}, an array of shape {words}")
@@ -100,8 +101,6 @@ def rows_of_a_dict_output(answer):
 @checks("08-3")
 def derivative_by_a_moving_mean(answer, model, x, variable):
     """d outputs / d moving_mean against central differences in float64."""
-    from ... import finite_difference_jacobian, flat_params
-
     words = "(n samples, l outputs, moving-mean entries)"
     what = "d outputs / d moving_mean"
     answered(answer, f"{what}, an array of shape {words}")

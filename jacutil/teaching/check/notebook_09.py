@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from ...stages.loop import loop_jacobian
 from . import Hint, answered, as_array, as_number, checks, close_array, close_number
 
 
@@ -67,8 +68,6 @@ def seconds_for_adam_to_catch_up(answer, fit):
 @checks("09-2")
 def jvp_by_double_backward(answer, model, x, v):
     """J @ v, shape (n, l), against J formed by the loop of 01 (float64)."""
-    from ... import loop_jacobian
-
     words = "(n samples, l outputs)"
     what = "J @ v"
     answered(answer, f"{what}, an array of shape {words}")

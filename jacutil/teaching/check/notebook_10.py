@@ -9,6 +9,7 @@ from os import PathLike
 
 import numpy as np
 
+from ...stages.chunked import chunked_jacobian
 from . import Hint, answered, checks, shape_of
 
 _BLOCK = 1000  # samples compared at a time
@@ -16,8 +17,6 @@ _BLOCK = 1000  # samples compared at a time
 
 def _compare_rows(answer, model, x, what, unfinished, wrong):
     """``answer`` against the in-memory Jacobian, block by block."""
-    from ... import chunked_jacobian
-
     words = "(n samples, l outputs, m parameters)"
     answered(answer, f"{what}, an array of shape {words}")
     if isinstance(answer, (str, PathLike)):

@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from ...stages.loop import loop_jacobian
 from . import Hint, answered, as_array, checks, close_array, close_number
 
 
@@ -16,8 +17,6 @@ def _softmax_hessians(logits):
 @checks("11-1")
 def trace_of_ggn(answer, model, x):
     """tr(G) for softmax cross-entropy, from J formed by the loop of 01."""
-    from ... import loop_jacobian
-
     what = "the trace of G (softmax cross-entropy)"
     answered(answer, f"{what}: one number")
     if np.size(answer) > 1:
@@ -54,8 +53,6 @@ def trace_of_ggn(answer, model, x):
 @checks("11-2")
 def ntk_block(answer, model, x):
     """Theta(x_0, x_1) = J(x_0) J(x_1).T (l x l) from the loop of 01."""
-    from ... import loop_jacobian
-
     what = "the NTK block of samples 0 and 1"
     answered(answer, f"{what}: an (l, l) array")
     J = loop_jacobian(model, x[:2])
