@@ -31,7 +31,7 @@ from .core.planner import (
     memory_budget_for,
     plan_chunks,
 )
-from .core.resume import recorded_chunk_size
+from .core.resume import check_key, recorded_chunk_size
 from .core.target import variable_list
 from .matrix_free.forward import forward_for
 from .stages.chunked import chunked_jacobian
@@ -182,11 +182,7 @@ def jacobian(
         >>> choice.path
         'layer rules'
     """
-    if key is not None and not isinstance(out, (str, os.PathLike)):
-        raise ValueError(
-            "key= names a resumable run: it goes with out= a .npy path. "
-            "Leave it out, or pass out='J.npy'."
-        )
+    check_key(key, model, out)
     variables = None if variables is None else variable_list(variables)
     x = read_data(x, repeatable=isinstance(out, (str, os.PathLike)))[0]
     jac = compiled_for(model, variables, training, False, "rules", x)

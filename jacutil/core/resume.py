@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._shared import ceil_div, size_of
+from ._shared import ceil_div, is_path, size_of
 from ._tf import keras, tf
 
 LEDGER_SUFFIX = ".progress.json"
@@ -116,6 +116,45 @@ def fingerprint(model, variables, x, **options):
     return digest.hexdigest()
 
 
+def check_key(key, model, out, example="J.npy"):
+    """The ``key=`` of a resumable run, checked once for every entry that
+    writes one: it goes with ``out=`` a ``.npy`` path, a plain function
+    (not a Keras model) must give one, and it is a string.
+
+    Args:
+        key: the key given, or None.
+        model: what the run differentiates.
+        out: the entry's ``out=``: a path makes the run resumable (True
+            stands for one).
+        example: the file name the message suggests.
+
+    Raises:
+        ValueError: a key without a path.
+        TypeError: a plain function's run without a key, or a key that is
+            not a string.
+    """
+    if out is not True and not is_path(out):
+        if key is not None:
+            raise ValueError(
+                "key= names a resumable run, so it goes with out= a .npy path; "
+                f"out is {type(out).__name__}. Leave key out, or pass "
+                f"out={example!r}."
+            )
+        return
+    if key is None and not isinstance(model, keras.Layer):
+        raise TypeError(
+            "a resumable run (out=path) of a plain function needs key=: a name "
+            "you choose for what the function computes, such as key='tanh-v1'. "
+            "jacutil fingerprints a Keras model's layers and weights, but "
+            "cannot see inside a function, so without key= a file started by "
+            "another function of the same variables would be resumed as this "
+            "one's. Give each function its own key (a new one when you change "
+            "it), or pass a Keras model."
+        )
+    if key is not None and not isinstance(key, str):
+        raise TypeError(f"key= must be a string; got {type(key).__name__}.")
+
+
 def run_record(jac, model, x, key=None):
     """What identifies a resumable run: the fingerprint of the model, the
     variables differentiated, ``x`` and the options
@@ -131,18 +170,7 @@ def run_record(jac, model, x, key=None):
     Returns:
         A dict ``{"fingerprint": ..., "key": key}`` for the ledger.
     """
-    if key is None and not isinstance(model, keras.Layer):
-        raise TypeError(
-            "a resumable run (out=path) of a plain function needs key=: a name "
-            "you choose for what the function computes, such as key='tanh-v1'. "
-            "jacutil fingerprints a Keras model's layers and weights, but "
-            "cannot see inside a function, so without key= a file started by "
-            "another function of the same variables would be resumed as this "
-            "one's. Give each function its own key (a new one when you change "
-            "it), or pass a Keras model."
-        )
-    if key is not None and not isinstance(key, str):
-        raise TypeError(f"key= must be a string; got {type(key).__name__}.")
+    check_key(key, model, True)
     options = {"method": jac.method, "jit_compile": jac.jit_compile}
     options["training"] = jac.target.training
     digest = fingerprint(model, jac.target.variables, x, **options)

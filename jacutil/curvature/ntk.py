@@ -26,13 +26,14 @@ from tqdm.auto import tqdm
 
 from ..auto import jacobian
 from ..core._shared import ceil_div, is_path
-from ..core._tf import keras, tf
+from ..core._tf import tf
 from ..core.arguments import check_chunk_size
 from ..core.batch import as_batch, n_samples, take
 from ..core.outputs import output_layout
 from ..core.planner import bytes_per_sample, memory_budget_for
 from ..core.resume import (
     ResumeMismatch,
+    check_key,
     check_out,
     fingerprint,
     open_rows,
@@ -256,11 +257,7 @@ def empirical_ntk(
     n2 = int(n_samples(batch2))
     shape = (setup.n * setup.l, n2 * setup.l)
     to_file = is_path(out)
-    if key is not None and not to_file:
-        raise ValueError(
-            "key= names a resumable run: it goes with out= a .npy path. Leave "
-            "it out, or pass out='theta.npy'."
-        )
+    check_key(key, setup.model, out, "theta.npy")
     working = (setup.row_bytes + setup.per_sample) * (setup.n + n2)
     working += shape[0] * shape[1] * setup.itemsize  # Theta in one block
     budget = memory_budget_for(memory_budget, working)
@@ -327,16 +324,6 @@ def _product(A, B, dest):
 
 def _record(setup, batch2, symmetric, key):
     """What identifies a resumable Theta: model, weights, variables, x, x2."""
-    if key is None and not isinstance(setup.model, keras.Layer):
-        raise TypeError(
-            "a resumable run (out=path) of a plain function needs key=: a name "
-            "you choose for what the function computes, such as key='tanh-v1'. "
-            "jacutil fingerprints a Keras model's layers and weights, but cannot "
-            "see inside a function. Give each function its own key, or pass a "
-            "Keras model."
-        )
-    if key is not None and not isinstance(key, str):
-        raise TypeError(f"key= must be a string; got {type(key).__name__}.")
     inputs = [setup.batch] if symmetric else [setup.batch, batch2]
     digest = fingerprint(
         setup.model, setup.target.variables, inputs, what="empirical_ntk",

@@ -5,7 +5,7 @@ from ..core.batch import as_batch, n_samples, take
 from ..core.data import read_data
 from ..core.outputs import output_layout
 from ..core.planner import XLA_FACTOR, chunk_size_for, plan_chunks, run_chunks
-from ..core.resume import run_record
+from ..core.resume import check_key, run_record
 from .compiled import bucket_size, compiled_for
 
 
@@ -94,15 +94,8 @@ def chunked_jacobian(
     plan = plan_chunks(
         n_rows, chunk_size=chunk_size, memory_budget=memory_budget, chunk_for=chunk_for
     )
-    record = None
-    if is_path(out):
-        record = run_record(jac, model, x, key)
-    elif key is not None:
-        raise ValueError(
-            "key= names a resumable run, so it goes with out=path (a .npy "
-            f"file); out is {type(out).__name__}. Leave key out, or pass "
-            "out='J.npy'."
-        )
+    check_key(key, model, out)
+    record = run_record(jac, model, x, key) if is_path(out) else None
 
     def compute(start, stop):  # XLA pads a short last chunk to a whole one at most
         whole = stop - start if stop < n_rows else max(stop - start, plan.chunk_size)
