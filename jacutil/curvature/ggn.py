@@ -77,9 +77,4 @@ def ggn_operator(
             given.loss, given.batch, np.ravel(v), given.weights, given.targets
         ).astype(np.float64)
 
-    def matmat(V):
-        return np.stack([matvec(V[:, j]) for j in range(V.shape[1])], axis=1)
-
-    return LinearOperator(
-        (m, m), matvec=matvec, rmatvec=matvec, matmat=matmat, dtype=np.float64
-    )
+    return LinearOperator((m, m), matvec=matvec, rmatvec=matvec, dtype=np.float64)

@@ -63,9 +63,4 @@ def hessian_operator(
             given.loss, given.batch, given.targets, np.ravel(v), given.weights
         ).astype(np.float64)
 
-    def matmat(V):
-        return np.stack([matvec(V[:, j]) for j in range(V.shape[1])], axis=1)
-
-    return LinearOperator(
-        (m, m), matvec=matvec, rmatvec=matvec, matmat=matmat, dtype=np.float64
-    )
+    return LinearOperator((m, m), matvec=matvec, rmatvec=matvec, dtype=np.float64)

@@ -383,6 +383,16 @@ def _budget_chunk(setup, memory_budget, held_per_sample, what):
     return min(c, setup.n), budget
 
 
+def _row_chunks(model, setup, memory_budget, held_per_sample, progress):
+    """Yield ``(start, stop, J)`` for each chunk of x, J of shape (c, l, m)."""
+    what = f"J with {setup.l} outputs x {setup.m:,} parameters"
+    c, budget = _budget_chunk(setup, memory_budget, held_per_sample, what)
+    for start in tqdm(range(0, setup.n, c), disable=not progress, unit="chunk"):
+        stop = min(start + c, setup.n)
+        chunk = take(setup.batch, start, stop)
+        yield start, stop, _jacobian_rows(model, chunk, setup.variables, budget)
+
+
 def ntk_trace(model, x, *, variables=None, memory_budget=None, progress=False):
     """The trace of Theta(x, x): the sum of the squared entries of J(x).
 
@@ -407,12 +417,9 @@ def ntk_trace(model, x, *, variables=None, memory_budget=None, progress=False):
         ValueError: ``memory_budget`` is too small for one sample.
     """
     setup = _Setup(model, x, variables)
-    what = f"J with {setup.l} outputs x {setup.m:,} parameters"
-    c, budget = _budget_chunk(setup, memory_budget, 0, what)
     total = 0.0
-    for start in tqdm(range(0, setup.n, c), disable=not progress, unit="chunk"):
-        chunk = take(setup.batch, start, min(start + c, setup.n))
-        J = _jacobian_rows(model, chunk, setup.variables, budget).reshape(-1)
+    for _, _, J in _row_chunks(model, setup, memory_budget, 0, progress):
+        J = J.reshape(-1)
         total += float(np.dot(J, J))
     return total
 
@@ -442,15 +449,8 @@ def ntk_diagonal(model, x, *, variables=None, memory_budget=None, progress=False
     """
     setup = _Setup(model, x, variables)
     n_out = setup.l
-    what = f"J with {n_out} outputs x {setup.m:,} parameters"
-    c, budget = _budget_chunk(
-        setup, memory_budget, n_out * n_out * setup.itemsize, what
-    )
     blocks = np.empty((setup.n, n_out, n_out), setup.dtype)
-    for start in tqdm(range(0, setup.n, c), disable=not progress, unit="chunk"):
-        stop = min(start + c, setup.n)
-        J = _jacobian_rows(
-            model, take(setup.batch, start, stop), setup.variables, budget
-        )
+    held = n_out * n_out * setup.itemsize
+    for start, stop, J in _row_chunks(model, setup, memory_budget, held, progress):
         blocks[start:stop] = np.matmul(J, J.transpose(0, 2, 1))
     return blocks
