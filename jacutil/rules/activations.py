@@ -143,12 +143,8 @@ class Activation:
         return tiled_vjp(self.function, z, delta)
 
     def describe(self):
-        """The activation as a rule's name shows it (``"+relu"``; ``""`` for
-        linear).
-
-        Returns:
-            A ``str``.
-        """
+        """The activation as a rule's name shows it, a ``str`` (``"+relu"``; ``""``
+        for linear)."""
         name = getattr(self.function, "__name__", type(self.function).__name__)
         if self.kind == "linear":
             return ""

@@ -113,11 +113,7 @@ class AutodiffRule(Rule):
             return self.layer(a, training=False)
 
     def describe(self):
-        """``"autodiff"``, with the reason when there is one.
-
-        Returns:
-            A ``str``.
-        """
+        """``"autodiff"``, with the reason when there is one (a ``str``)."""
         return f"autodiff ({self.why})" if self.why else "autodiff"
 
     def _forward(self, a):

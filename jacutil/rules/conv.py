@@ -59,11 +59,7 @@ class ConvRule(KernelRule):
         self.rates = [1, *([1] if self.flat else []), *layer.dilation_rate, 1]
 
     def describe(self):
-        """``"conv2d"`` and the activation, e.g. ``"conv2d+relu"``.
-
-        Returns:
-            A ``str``.
-        """
+        """``"conv2d"`` and the activation, e.g. ``"conv2d+relu"`` (a ``str``)."""
         return f"conv{self.layer.rank}d" + self.activation.describe()
 
     def _kernel(self):

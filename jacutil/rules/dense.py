@@ -49,14 +49,8 @@ class KernelRule(Rule):
 
 @register(keras.layers.Dense)
 class DenseRule(KernelRule):
-    """``y = act(a @ W + b)``, on the last axis of an input of any rank.
-
-    Args:
-        layer: the Keras layer.
-
-    Raises:
-        NoRule: a LoRA or quantized Dense.
-    """
+    """``y = act(a @ W + b)``, on the last axis of an input of any rank; a LoRA
+    or quantized Dense raises :class:`NoRule`."""
 
     name = "dense"
     fast_under_xla = True  # its norms: |a|^2 |delta|^2, fused by XLA
@@ -68,11 +62,7 @@ class DenseRule(KernelRule):
         self.shared_signal = not self.runs_user_code
 
     def describe(self):
-        """``"dense"`` and the activation, e.g. ``"dense+relu"``.
-
-        Returns:
-            A ``str``.
-        """
+        """``"dense"`` and the activation, e.g. ``"dense+relu"`` (a ``str``)."""
         return self.name + self.activation.describe()
 
     def _forward(self, a):

@@ -21,14 +21,8 @@ from .registry import Blocks, Rule, register
 
 @register(keras.layers.Embedding)
 class EmbeddingRule(Rule):
-    """``y = table[ids]``: each id's row of the table; ids get no signal.
-
-    Args:
-        layer: the Keras layer.
-
-    Raises:
-        NoRule: a LoRA or quantized Embedding.
-    """
+    """``y = table[ids]``: each id's row of the table; ids get no signal. A LoRA
+    or quantized Embedding raises :class:`NoRule`."""
 
     name = "embedding"
 

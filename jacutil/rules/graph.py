@@ -68,11 +68,7 @@ class Node:
         return 1 if self.inputs is None else len(self.inputs)
 
     def extra_arguments(self):
-        """The arguments besides the input tensors, in words ("" if none).
-
-        Returns:
-            A ``str``.
-        """
+        """The arguments besides the input tensors, in words ("" if none)."""
         others = [repr(a) for a in self.args or () if not _all_symbolic(a)]
         others += [f"{key}={value!r}" for key, value in self.kwargs.items()]
         return ", ".join(others)
@@ -210,11 +206,7 @@ class Wiring:
 
     def is_path(self):
         """Whether the steps are one path: one input, each step reading the
-        tensor before it, the last step's the only output.
-
-        Returns:
-            A ``bool``.
-        """
+        tensor before it, the last step's the only output (a ``bool``)."""
         tensors = self.model_inputs + self.outputs
         return (
             len(self.model_inputs) == 1

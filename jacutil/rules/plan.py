@@ -127,11 +127,7 @@ class Plan:
         return [(step.layer.name, step.describe()) for step in self.steps]
 
     def describe(self):
-        """The rules in words: ``"layer rules: dense+relu, dense"``.
-
-        Returns:
-            A ``str``.
-        """
+        """The rules in words: ``"layer rules: dense+relu, dense"`` (a ``str``)."""
         return "layer rules: " + ", ".join(rule for _, rule in self.layers())
 
     def check(self, target, x):

@@ -200,27 +200,15 @@ class Blocks:
         return len(self._items)
 
     def keys(self):
-        """Each block's key: a tuple of its variables (one, or kernel and bias).
-
-        Returns:
-            A list of tuples of variables.
-        """
+        """Each block's key: a tuple of its variables (one, or kernel and bias)."""
         return [variables for variables, _ in self._items.values()]
 
     def items(self):
-        """``[(variables, block)]``: a tuple of variables, an (n, l, size) block.
-
-        Returns:
-            A list of ``(tuple of variables, tensor)`` pairs.
-        """
+        """``[(variables, block)]``: a tuple of variables, an (n, l, size) block."""
         return list(self._items.values())
 
     def update(self, other):
-        """Add (or replace) the blocks of ``other``.
-
-        Args:
-            other: anything :meth:`of` takes.
-        """
+        """Add (or replace) the blocks of ``other`` (anything :meth:`of` takes)."""
         for variables, block in Blocks.of(other).items():
             self[variables] = block
 
@@ -284,9 +272,6 @@ class Rule(abc.ABC):
     several_inputs: bool = False
 
     def __init__(self, layer):
-        """``layer``: the Keras layer; raise :class:`NoRule` for a configuration
-        the rule does not cover. Set ``self.variables``: the layer's variables
-        the rule writes blocks for."""
         self.layer = layer
         self.variables: list = []
         self.input_shape = None  # (n, *input_shape) of the last forward
@@ -437,11 +422,7 @@ class Rule(abc.ABC):
         ``need_signal``."""
 
     def describe(self):
-        """The rule's name as the plan shows it, e.g. ``"dense+relu"``.
-
-        Returns:
-            A ``str``.
-        """
+        """The rule's name as the plan shows it (a ``str``), e.g. ``"dense+relu"``."""
         return self.name
 
     def _broken(self, what):

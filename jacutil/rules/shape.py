@@ -64,11 +64,7 @@ class ActivationRule(Rule):
         self.takes_logits_signal = self.activation.makes_logits
 
     def describe(self):
-        """The activation's name (``"relu"``, ``"linear"``).
-
-        Returns:
-            A ``str``.
-        """
+        """The activation's name, a ``str`` (``"relu"``, ``"linear"``)."""
         return self.activation.describe().lstrip("+") or "linear"
 
     def _forward(self, a):
@@ -95,9 +91,5 @@ class ElementwiseLayerRule(ActivationRule):
         self.runs_user_code = self.takes_logits_signal = False
 
     def describe(self):
-        """The layer's class, e.g. ``"ReLU (slope by autodiff)"``.
-
-        Returns:
-            A ``str``.
-        """
+        """The layer's class, e.g. ``"ReLU (slope by autodiff)"`` (a ``str``)."""
         return f"{type(self.layer).__name__} (slope by autodiff)"

@@ -46,14 +46,7 @@ def rules_tensor(plan, x, signal=None):
             start from it; or (:class:`SignalOnSeveralOutputs`) a signal
             function on a model of several outputs.
     """
-    blocks = Blocks()
-
-    def write(step, saved, delta, wanted, need_signal):
-        found, below = step.backward(saved, delta, wanted, need_signal)
-        blocks.update(found)
-        return below
-
-    n_samples, n_outputs, dtype = _walk_backward(plan, x, signal, write)
+    blocks, n_samples, n_outputs, dtype = _gather_blocks(plan, x, signal, "backward")
     return place_blocks(blocks, plan.variables, n_samples, n_outputs, dtype)
 
 
@@ -102,16 +95,22 @@ def rules_squared_columns(plan, x, signal):
     Returns:
         A tensor of shape (m,).
     """
-    squares = Blocks()
-
-    def add(step, saved, delta, wanted, need_signal):
-        found, below = step.backward_squares(saved, delta, wanted, need_signal)
-        squares.update(found)
-        return below
-
-    _, _, dtype = _walk_backward(plan, x, signal, add)
+    squares, _, _, dtype = _gather_blocks(plan, x, signal, "backward_squares")
     shaped = Blocks((key, column[None, None]) for key, column in squares.items())
     return tf.reshape(place_blocks(shaped, plan.variables, 1, 1, dtype), [-1])
+
+
+def _gather_blocks(plan, x, signal, method):
+    """The blocks each step's ``method`` (``"backward"`` or
+    ``"backward_squares"``) writes, and ``(n, l or r, dtype)``."""
+    blocks = Blocks()
+
+    def write(step, saved, delta, wanted, need_signal):
+        found, below = getattr(step, method)(saved, delta, wanted, need_signal)
+        blocks.update(found)
+        return below
+
+    return blocks, *_walk_backward(plan, x, signal, write)
 
 
 def _walk_backward(plan, x, signal, visit):

@@ -83,11 +83,7 @@ class RuleReport:
         return f"{'ok  ' if self.passed else 'FAIL'} {self.layer}: {self.rule}  {found}"
 
     def why(self):
-        """The failure in words, or "" when it passed.
-
-        Returns:
-            A ``str``.
-        """
+        """The failure in words, or "" when it passed (a ``str``)."""
         if self.problem is not None:
             return f"rule {self.rule} on {self.layer}: {self.problem}"
         return "; ".join(
