@@ -1160,16 +1160,3 @@ def output_loss(loss, model=None, x=None):
     else:
         described = losses_for(loss, model, spec=spec)
     return described.heads[0] if len(described.heads) == 1 else described
-
-
-def check_logits(model, x=None):
-    """Refuse a model with an output made by a softmax or sigmoid.
-
-    Args:
-        model: a Keras model or callable.
-        x: a batch to trace it on (optional for a built Keras model).
-
-    Raises:
-        ValueError: an output is made by a softmax or a sigmoid.
-    """
-    output_loss("sigmoid_cross_entropy", model, x)
