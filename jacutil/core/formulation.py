@@ -79,14 +79,8 @@ def recurrent_layers(target):
 
 
 def kept_loops(target):
-    """The recurrent layers that keep their loop (see :func:`recurrent_layers`).
-
-    Args:
-        target: a :class:`jacutil.core.target.Target`.
-
-    Returns:
-        A list of ``keras.layers.RNN`` layers (empty for most models).
-    """
+    """The target's RNN layers that keep their loop (see
+    :func:`recurrent_layers`): a list, empty for most models."""
     unrolled_ids = {id(layer) for layer in recurrent_layers(target)}
     return [
         layer
@@ -96,16 +90,9 @@ def kept_loops(target):
 
 
 def refuse_kept_loops(target):
-    """Raise :class:`ForwardModeBlindSpot` when a recurrent layer keeps its
-    loop: forward mode carries no tangent through a ``while_loop``'s variable
-    reads (TF 2.21).
-
-    Args:
-        target: a :class:`jacutil.core.target.Target`.
-
-    Raises:
-        ForwardModeBlindSpot: a recurrent layer keeps its loop.
-    """
+    """Raise :class:`ForwardModeBlindSpot` when a recurrent layer of
+    ``target`` keeps its loop: forward mode carries no tangent through a
+    ``while_loop``'s variable reads (TF 2.21)."""
     kept = kept_loops(target)
     if kept:
         raise ForwardModeBlindSpot(
@@ -132,14 +119,8 @@ def unrolled(layers):
 
 
 class _PforLog(logging.Filter):
-    """Keep pfor's messages out of the user's log while we trace; note them.
-
-    pfor logs every op it fails to convert at ERROR level (we catch the
-    failure and fall back), and warns when it runs an op in a ``while_loop``
-    (``Conv2DBackpropFilter uses a while_loop``) or densifies an Embedding's
-    gradient: those go into the formulation, where ``jac.formulation`` shows
-    them, instead of a red box under the cell.
-    """
+    """Keep pfor's messages out of the user's log while we trace: its errors
+    (we fall back) are dropped, its warnings noted for ``jac.formulation``."""
 
     SOURCES = ("parallel_for/pfor.py", "parallel_for/control_flow_ops.py")
 
@@ -162,10 +143,8 @@ class _PforLog(logging.Filter):
 
 @contextlib.contextmanager
 def pfor_log():
-    """Capture pfor's own log lines inside the block (see :class:`_PforLog`).
-
-    Yields the list of notes (warnings) it collects; errors are dropped. In
-    nested blocks the innermost takes the notes. Introduced in
+    """Capture pfor's own log lines inside the block (see :class:`_PforLog`);
+    in nested blocks the innermost takes the notes. Introduced in
     ``08-your-own-model``.
 
     Yields:
@@ -198,17 +177,13 @@ def _broadcasts(op):
 def quiet_function(python_function, **options):
     """``tf.function`` for jacutil's own traces, which TensorFlow does not count.
 
-    An eager stage traces a new function on every call, and one compiled
-    Jacobian is built per model: by design, not the retracing that
-    TensorFlow's "N out of the last N calls triggered tf.function retracing"
-    warns about (jacutil's own RetracingWarning watches for the real trap).
-    Each trace runs inside :func:`pfor_log`: what pfor says while vectorizing
-    our own code (``Conv2DBackpropFilter uses a while_loop``) is ours to hear.
+    jacutil traces by design (jacutil's RetracingWarning watches for the real
+    trap), so TensorFlow's retracing warning is off; each trace runs inside
+    :func:`pfor_log`.
 
     Args:
         python_function: the function to trace.
-        **options: keyword arguments for ``tf.function`` (``jit_compile``,
-            ``input_signature``, ...).
+        **options: keyword arguments for ``tf.function``.
 
     Returns:
         The ``tf.function``.
@@ -239,9 +214,6 @@ def refuse_shape_preserving_max_pools(ops):
 
     Args:
         ops: graph operations (``tf.Operation``), as from :func:`new_ops`.
-
-    Raises:
-        ForwardModeBlindSpot: one of ``ops`` is such a max pool.
     """
     for op in ops:
         if op.type in MAX_POOLS:
@@ -261,18 +233,8 @@ def refuse_shape_preserving_max_pools(ops):
 def refuse_hidden_reads(ops, variables):
     """Raise :class:`ForwardModeBlindSpot` when one of ``ops`` (traced in
     forward mode) calls a nested ``tf.function`` that reads one of
-    ``variables``; and for the max pools above.
-
-    ``tf.autodiff.ForwardAccumulator`` in a graph carries no tangent into
-    such a read (TF 2.21): the columns of that variable would be zeros.
-
-    Args:
-        ops: the graph operations traced in forward mode (``tf.Operation``).
-        variables: the differentiated variables.
-
-    Raises:
-        ForwardModeBlindSpot: a nested function reads one of ``variables``,
-            or a max pool keeps its input's shape.
+    ``variables`` (TF 2.21's ForwardAccumulator carries no tangent into it),
+    and for the max pools of :func:`refuse_shape_preserving_max_pools`.
     """
     graph = tf.compat.v1.get_default_graph()
     handles = {id(v.handle) for v in variables}
@@ -296,26 +258,14 @@ def refuse_hidden_reads(ops, variables):
 
 
 def onednn_hazards(ops):
-    """The batch matmuls among ``ops`` that broadcast (see above).
-
-    Args:
-        ops: graph operations (``tf.Operation``).
-
-    Returns:
-        A list of the ``BatchMatMul`` operations whose batch dimensions
-        broadcast.
-    """
+    """The batch matmuls among ``ops`` whose batch dimensions broadcast."""
     return [op for op in ops if op.type in BATCH_MATMULS and _broadcasts(op)]
 
 
 @contextlib.contextmanager
 def new_ops():
-    """The operations added to the graph being traced inside the block.
-
-    Yields:
-        A list, filled with the new ``tf.Operation`` objects when the block
-        ends.
-    """
+    """The operations added to the graph being traced inside the block: a
+    list, filled when the block ends."""
     graph = tf.compat.v1.get_default_graph()
     start = len(graph.get_operations())
     created = []
@@ -326,8 +276,7 @@ def new_ops():
 def vectorize(jacobian, target, x, xla=False):
     """``jacobian(target, x)`` traced, and moved under XLA if it needs to be.
 
-    Call it inside a ``tf.function`` trace. Returns ``(tensor, notes)``:
-    what pfor said about the graph, and whether it runs under XLA.
+    Call it inside a ``tf.function`` trace.
 
     Args:
         jacobian: a function ``jacobian(target, x)`` returning a tensor.
@@ -336,8 +285,8 @@ def vectorize(jacobian, target, x, xla=False):
         xla: the caller compiles with XLA already (no need to move).
 
     Returns:
-        ``(J, notes)``: J as ``jacobian`` returns it (shape (n, l, m) for the
-        per-sample stages), and a list of ``str`` notes.
+        ``(J, notes)``: J as ``jacobian`` returns it, and what pfor said and
+        whether it runs under XLA (a list of ``str``).
     """
     with pfor_log() as notes, new_ops() as created:
         J = jacobian(target, x)
@@ -354,18 +303,8 @@ def vectorize(jacobian, target, x, xla=False):
 
 
 def map_fn_jacobian(target, x):
-    """(n, l, m) tensor: the one-sample Jacobian in a ``tf.map_fn`` loop.
-
-    The l output rows are not vectorized either (``experimental_use_pfor=
-    False``), so nothing here meets pfor's limits: the slow, safe path.
-
-    Args:
-        target: a :class:`jacutil.core.target.Target`.
-        x: the batch of n samples: a tensor, or a list or dict of them.
-
-    Returns:
-        J, a tensor of shape (n, l, m) in the target's dtype.
-    """
+    """J (n, l, m): the one-sample Jacobian in a ``tf.map_fn`` loop, its rows
+    not vectorized either: the slow, safe path without pfor."""
 
     def one_sample(xi):
         xi = tf.nest.map_structure(lambda t: t[None], xi)
@@ -383,14 +322,8 @@ NOT_THE_MESSAGE = ("File ", "[[", "Detected at node", "Graph execution error")
 
 
 def first_line(error):
-    """The line of ``error`` that says what went wrong (not where).
-
-    Args:
-        error: an exception.
-
-    Returns:
-        A ``str`` of at most 200 characters.
-    """
+    """The line of ``error`` that says what went wrong (not where), at most
+    200 characters."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     lines = [line for line in lines if not line.startswith(NOT_THE_MESSAGE)]
     last = lines[-1] if lines else type(error).__name__
@@ -399,24 +332,13 @@ def first_line(error):
 
 
 def pfor_failed_when_run(error):
-    """Whether ``error`` is pfor's converted graph failing when it runs.
-
-    Args:
-        error: an exception.
-
-    Returns:
-        A ``bool``.
-    """
+    """Whether ``error`` is pfor's converted graph failing when it runs."""
     return isinstance(error, tf.errors.InvalidArgumentError) and "/pfor/" in str(error)
 
 
 def warn_sample_by_sample(reason, stacklevel=4):
-    """Warn (:class:`SlowPathWarning`) that the samples run one at a time.
-
-    Args:
-        reason: why pfor could not vectorize the model, in words.
-        stacklevel: as for ``warnings.warn``: the caller the warning names.
-    """
+    """Warn (:class:`SlowPathWarning`) that the samples run one at a time,
+    because of ``reason``; ``stacklevel`` as for ``warnings.warn``."""
     warnings.warn(
         f"tf.vectorized_map could not vectorize this model ({reason}), so its "
         "samples run one at a time in tf.map_fn: correct, and much slower. "

@@ -74,14 +74,11 @@ def _architecture(layer):
 def fingerprint(model, variables, x, **options):
     """A digest of what a chunked run computes: any change gives another one.
 
-    It covers the model's layer types and settings, every weight (trainable
-    or not: BatchNorm statistics change the outputs too), the variables
-    differentiated, every input array, and ``options`` (chunk size, method...).
-    A variable differentiated is named by its position in ``model.weights``
-    (Keras numbers variable names per session, positions stay), one that is
-    not the model's by its shape and value. A plain function has no layers
-    to describe: what it computes is not covered (``key=`` of
-    ``chunked_jacobian`` names it).
+    It covers the model's layer types and settings, every weight (BatchNorm
+    statistics too), the variables differentiated (by position in
+    ``model.weights``, or by value when not the model's), every input array
+    and ``options``. What a plain function computes is not covered: ``key=``
+    names it.
 
     Args:
         model: a Keras model, or a plain function.
@@ -117,15 +114,13 @@ def fingerprint(model, variables, x, **options):
 
 
 def check_key(key, model, out, example="J.npy"):
-    """The ``key=`` of a resumable run, checked once for every entry that
-    writes one: it goes with ``out=`` a ``.npy`` path, a plain function
-    (not a Keras model) must give one, and it is a string.
+    """The ``key=`` of a resumable run: it goes with ``out=`` a ``.npy`` path,
+    a plain function (not a Keras model) must give one, and it is a string.
 
     Args:
         key: the key given, or None.
         model: what the run differentiates.
-        out: the entry's ``out=``: a path makes the run resumable (True
-            stands for one).
+        out: the entry's ``out=`` (True stands for a path).
         example: the file name the message suggests.
 
     Raises:
@@ -156,10 +151,8 @@ def check_key(key, model, out, example="J.npy"):
 
 
 def run_record(jac, model, x, key=None):
-    """What identifies a resumable run: the fingerprint of the model, the
-    variables differentiated, ``x`` and the options
-    (:func:`fingerprint`), and ``key``, which a plain function
-    must give: a name for what it computes, which no fingerprint can see.
+    """What identifies a resumable run: its :func:`fingerprint` and ``key``
+    (as in :func:`check_key`).
 
     Args:
         jac: the compiled Jacobian that writes the rows (``compiled_for``).
@@ -179,20 +172,9 @@ def run_record(jac, model, x, key=None):
 
 def what_differs(earlier, now, keys):
     """In words, what a file's record ``earlier`` holds that this run's
-    ``now`` does not, among ``keys``; None when they match. The options are
-    named one by one (the fingerprint covers them too, but "other options"
-    would not say which: ``distributed_jacobian``'s default method is not
-    ``chunked_jacobian``'s).
-
-    Args:
-        earlier: the record read from the file.
-        now: this run's record.
-        keys: the keys compared.
-
-    Returns:
-        A phrase, or None.
-    """
-    was = earlier.get("options")  # None in files of jacutil before it
+    ``now`` does not, among ``keys`` (each option by name); None when they
+    match."""
+    was = earlier.get("options")
     if was is not None and was != now.get("options"):
         return ", ".join(
             f"{name}={was.get(name)!r} (this run: {name}={value!r})"
@@ -234,7 +216,7 @@ def _temporary(path):
 
 def write_atomically(path, write, before_replace=None):
     """``write(file)`` into a temporary file, fsynced, then swapped in: all or
-    nothing (used for the run file here and by ``jacutil.scale.chunk_files``).
+    nothing.
 
     Args:
         path: the file to write.
@@ -260,11 +242,8 @@ def write_atomically(path, write, before_replace=None):
 @contextlib.contextmanager
 def writer_lock(path):
     """Hold ``<path>.lock`` while this run writes the ``.npy`` at ``path``: a
-    second writer - another process, or another thread of this one - is
-    refused, never mixed in. The lock is the operating system's (``flock``),
-    so it dies with its process: a killed run can be resumed at once.
-    ``chunked_jacobian`` and ``distributed_jacobian`` hold it for a whole run
-    into a path (notebook ``10-beyond-one-machine``).
+    second writer (process or thread) is refused. The lock is ``flock``'s, so
+    it dies with its process: a killed run can be resumed at once.
 
     Args:
         path: the ``.npy`` written.
@@ -319,8 +298,7 @@ def check_out(out, shape, dtype, what="Jacobian", layout=""):
         layout: words on the shape after it, e.g. ``" (sample-major)"``.
 
     Returns:
-        ``out`` itself; a TypeError or ValueError that says how to make one
-        otherwise.
+        ``out`` itself; TypeError or ValueError otherwise.
     """
     if not isinstance(out, np.ndarray):
         raise TypeError(
@@ -352,17 +330,8 @@ def _npy_header(path):
 
 
 def file_problem(path, shape, dtype):
-    """What is wrong with the ``.npy`` at ``path`` as rows of ``shape`` and
-    ``dtype`` (its header, and its exact size in bytes), or None.
-
-    Args:
-        path: the ``.npy`` file.
-        shape: the shape it should have, (n, l, m).
-        dtype: the dtype it should have.
-
-    Returns:
-        A sentence (str), or None when the file matches.
-    """
+    """What is wrong with the ``.npy`` at ``path`` (its header, its size in
+    bytes) as rows of ``shape`` and ``dtype``: a sentence, or None."""
     shape, dtype = tuple(shape), np.dtype(dtype)
     try:
         found_shape, fortran_order, found_dtype, offset = _npy_header(path)
@@ -419,9 +388,9 @@ class Ledger:
     """
 
     def __init__(self, path, record):
-        self.data_path = Path(path)  # the .npy whose chunks it records
+        self.data_path = Path(path)
         self.path = Path(str(path) + LEDGER_SUFFIX)
-        self.record = record  # what the file holds: fingerprint, shape, ...
+        self.record = record
         self.n_chunks = None
         self.done = set()
         self.token = None  # this run's, kept by a resumed run
@@ -432,29 +401,17 @@ class Ledger:
         return len(self.done) == self.n_chunks
 
     def todo(self):
-        """The chunks still to compute.
-
-        Returns:
-            A list of chunk indices (``int``), increasing.
-        """
+        """The indices of the chunks still to compute, increasing."""
         return [k for k in range(self.n_chunks) if k not in self.done]
 
     def rows_done(self, chunk_size):
-        """How many rows (samples) the finished chunks hold.
-
-        Args:
-            chunk_size: samples per chunk.
-
-        Returns:
-            An ``int``.
-        """
+        """How many rows (samples) the finished chunks of ``chunk_size`` hold."""
         n_rows = self.record["shape"][0]
         return sum(min(chunk_size, n_rows - k * chunk_size) for k in self.done)
 
     def load(self, chunk_size):
         """The finished chunks and token of an earlier run of the same
-        computation. ``chunk_size``: the one asked for, or None to take the
-        earlier one. Returns the earlier chunk size (None: no earlier run).
+        computation.
 
         Args:
             chunk_size: the chunk size asked for, or None.
@@ -477,11 +434,8 @@ class Ledger:
         return earlier["chunk_size"]
 
     def save(self, chunk_size):
-        """Record the finished chunks: call after their rows are flushed.
-
-        Args:
-            chunk_size: samples per chunk.
-        """
+        """Record the finished chunks (of ``chunk_size``) once their rows are
+        flushed."""
         state = {**self.record, "chunk_size": chunk_size, "n_chunks": self.n_chunks}
         state["token"] = self.token
         state["done"] = _chunks_to_runs(self.done)
@@ -505,14 +459,7 @@ class Ledger:
 
 def finished_chunks(path):
     """``(finished, of)`` chunks of the resumable ``.npy`` at ``path``, from its
-    ledger; ``(0, None)`` before the ledger exists.
-
-    Args:
-        path: the resumable ``.npy``.
-
-    Returns:
-        ``(finished, of)``: two ints, or ``(0, None)``.
-    """
+    ledger; ``(0, None)`` before the ledger exists."""
     ledger = Path(str(path) + LEDGER_SUFFIX)
     try:
         state = json.loads(ledger.read_text())
@@ -522,14 +469,8 @@ def finished_chunks(path):
 
 
 def recorded_chunk_size(path):
-    """The chunk size in the ledger of the resumable ``.npy`` at ``path``.
-
-    Args:
-        path: the resumable ``.npy``.
-
-    Returns:
-        The chunk size (int); ResumeMismatch when the ledger is unreadable.
-    """
+    """The chunk size in the ledger of the resumable ``.npy`` at ``path``;
+    ResumeMismatch when the ledger is unreadable."""
     return _read_ledger(Path(str(path) + LEDGER_SUFFIX))["chunk_size"]
 
 
@@ -553,15 +494,12 @@ def open_rows(path, shape, dtype, record, chunk_size, default_chunk_size):
     matches it; otherwise a new file of ``shape`` and ``dtype`` (its rows not
     yet written) with a new token. Call it holding :func:`writer_lock`.
 
-    ``chunk_size``: the one asked for, or None: the earlier run's, or
-    ``default_chunk_size`` for a new file. Returns ``(ledger, chunk_size)``.
-
     Args:
         path: the ``.npy``.
         shape: the Jacobian's shape, (n, l, m).
         dtype: its dtype.
         record: what identifies the run (:func:`run_record`).
-        chunk_size: the chunk size asked for, or None.
+        chunk_size: the chunk size asked for, or None (the earlier run's).
         default_chunk_size: the chunk size of a new file.
 
     Returns:
@@ -590,18 +528,8 @@ def open_rows(path, shape, dtype, record, chunk_size, default_chunk_size):
 
 
 def write_rows(path, start, rows):
-    """Write ``rows`` as rows ``start..`` of the ``.npy`` at ``path`` and flush
-    them to disk, through a mapping of those rows only (by the process that
-    computed them: this one, or a worker that sees the same file).
-
-    Args:
-        path: the ``.npy``, shape (n, l, m).
-        start: the first row (sample) written.
-        rows: an array of shape (c, l, m) in the file's dtype.
-
-    Returns:
-        None.
-    """
+    """Write ``rows`` (c, l, m) as rows ``start..`` of the ``.npy`` at ``path``
+    and flush them, through a mapping of those rows only."""
     shape, _, dtype, offset = _npy_header(path)
     if rows.shape[1:] != shape[1:] or rows.dtype != dtype:
         raise ValueError(
@@ -630,18 +558,8 @@ class SumCheckpoint:
         self.record = json.dumps(record, sort_keys=True, default=str)
 
     def load(self, zeros):
-        """``(next_chunk, sums)``: where an earlier run stopped, or (0, zeros).
-
-        Args:
-            zeros: a tuple of arrays: the sums before any chunk.
-
-        Returns:
-            ``(next_chunk, sums)``: an ``int`` and a tuple of arrays shaped
-            like ``zeros``.
-
-        Raises:
-            ResumeMismatch: the checkpoint holds sums of another computation.
-        """
+        """``(next_chunk, sums)`` where an earlier run stopped, or
+        ``(0, zeros)``; ResumeMismatch for sums of another computation."""
         if not self.path.exists():
             return 0, zeros
         with np.load(self.path) as saved:
@@ -656,12 +574,7 @@ class SumCheckpoint:
             )
 
     def save(self, next_chunk, sums):
-        """Save the sums so far, atomically.
-
-        Args:
-            next_chunk: the first chunk not yet in the sums.
-            sums: a tuple of arrays.
-        """
+        """Save ``sums`` (a tuple of arrays) before chunk ``next_chunk``."""
         arrays = {f"sum{i}": s for i, s in enumerate(sums)}
 
         def write(file):

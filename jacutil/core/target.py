@@ -63,35 +63,18 @@ class Target:
         return counted[1]
 
     def forward(self, x):
-        """The outputs of batch ``x`` as rows: (n_samples, n_outputs).
-
-        Args:
-            x: a batch of n samples (tensors).
-
-        Returns:
-            A tensor of shape (n, l).
-        """
+        """The outputs of batch ``x`` as rows: a tensor (n_samples, n_outputs)."""
         return as_rows(self.call(x), n_samples(x))
 
     def watch(self, tape):
-        """Make ``tape`` record every variable, trainable or not.
-
-        Args:
-            tape: a ``tf.GradientTape``.
-        """
+        """Make ``tape`` record every variable, trainable or not."""
         for v in self.variables:
             tape.watch(watched(v))
 
 
 def watched(variable):
-    """What a tape or an accumulator watches: a ``keras.Variable``'s ``tf.Variable``.
-
-    Args:
-        variable: a ``keras.Variable`` or a ``tf.Variable``.
-
-    Returns:
-        The ``tf.Variable`` (``variable`` itself if it is one).
-    """
+    """What a tape or an accumulator watches: a ``keras.Variable``'s
+    ``tf.Variable`` (``variable`` itself if it is one)."""
     return variable.value if isinstance(variable, keras.Variable) else variable
 
 
@@ -140,12 +123,8 @@ def variable_list(variables):
         variables: an iterable of ``tf.Variable`` or ``keras.Variable``.
 
     Returns:
-        A list of the variables, in the order given.
-
-    Raises:
-        TypeError: one variable instead of a list, or an item that is not a
-            variable.
-        ValueError: the list is empty, or holds a variable twice.
+        A list of the variables, in the order given; TypeError or ValueError
+        otherwise.
     """
     if _is_variable(variables):
         raise TypeError(
@@ -263,7 +242,7 @@ def resolve_target(model, variables=None, training=False, x=None):
     (optional) builds a Keras model that has not run yet.
 
     The target refers to the model weakly: whoever calls it holds the model.
-    The stages build their target with it. Introduced in notebook
+    Introduced in notebook
     ``02-vectorized`` (a hand-written ``tf.map_fn`` Jacobian uses the
     target's ``forward`` and ``variables``); ``03-compiled`` uses it again.
 
@@ -274,13 +253,7 @@ def resolve_target(model, variables=None, training=False, x=None):
         x: a batch, to build a Keras model that has not run yet (optional).
 
     Returns:
-        A :class:`Target`.
-
-    Raises:
-        TypeError: ``model`` is not callable, a callable comes without
-            ``variables``, or the variables are not one float dtype.
-        ValueError: the model has no trainable variables, or BatchNormalization
-            runs in training mode.
+        A :class:`Target`; TypeError or ValueError when a check fails.
     """
     is_keras = isinstance(model, keras.Layer)
     if not callable(model):
@@ -307,7 +280,7 @@ def resolve_target(model, variables=None, training=False, x=None):
     if not is_keras:
         return Target(_plain_call(model), variables, dtype, training=training)
     check_training_mode(model, training)
-    layers = tuple(_all_layers(model))
+    layers = tuple(layers_within(model, include_self=False))  # the model not held
     _check_precision(layers, dtype)
     return Target(
         _keras_call(model, training),
@@ -319,18 +292,13 @@ def resolve_target(model, variables=None, training=False, x=None):
     )
 
 
-def _all_layers(model):
-    """Every layer inside the model (not the model: the target must not hold it)."""
-    return layers_within(model, include_self=False)
-
-
 def stack_columns(jacobians, variables, n_rows):
     """Join per-variable Jacobians into (n_rows, n_outputs, n_params).
 
     ``jacobians[j]`` has shape (n_rows, n_outputs, *variables[j].shape), or is
     ``None`` when the outputs do not use that variable: its true derivative is
-    zero. When *every* one is ``None`` nothing is connected, and that is an
-    error, not a Jacobian of zeros. The stages join their blocks with it.
+    zero. When *every* one is ``None`` nothing is connected: an error
+    (:func:`jacutil.core.guards.require_connected`), not a Jacobian of zeros.
     Introduced in notebook ``02-vectorized`` (it joins the blocks of a
     hand-written ``tf.map_fn`` Jacobian).
 
@@ -342,9 +310,6 @@ def stack_columns(jacobians, variables, n_rows):
 
     Returns:
         A tensor of shape (n_rows, l, m).
-
-    Raises:
-        JacobianError: every one of ``jacobians`` is None.
     """
     require_connected(jacobians, variables)
     template = next(j for j in jacobians if j is not None)
