@@ -30,7 +30,7 @@ import math
 import numpy as np
 
 from ..core._tf import tf
-from ..core.arguments import check_chunk_size, check_memory_budget
+from ..core.arguments import check_memory_budget
 from ..core.batch import as_batch, signature, signature_key, take
 from ..core.data import read_data
 from ..core.formulation import quiet_function
@@ -332,13 +332,10 @@ def mc_fisher_operator(
     Introduced in ``11-curvature-and-uncertainty``. The Monte Carlo Fisher
     (curvlinops' ``FisherMCLinearOperator``): for each sample, ``mc_samples``
     targets drawn from the model's own predictive distribution and the
-    loss's gradient at the outputs for each, ``s_is``
-    (``OutputLoss.sample_signals``): squared error ``y ~ N(f, I / scale)``
-    (Keras' MSE over k values: scale = 2/k), softmax cross-entropy ``y ~
-    Categorical(softmax(f))`` (``s = p - onehot(y)``), sigmoid ``y ~
-    Bernoulli(sigmoid(f))`` (``s = s(f) - y``); ``E[s s.T] = H_i``, so the
-    expectation of F is G (``ggn_operator``). The draws are made once, when
-    the operator is made, so its products are of one fixed matrix of rank at
+    loss's gradient at the outputs for each, ``s_is``, as
+    :meth:`jacutil.curvature.losses.OutputLoss.sample_signals` draws them;
+    ``E[s s.T] = H_i``, so the expectation of F is G (``ggn_operator``). The
+    draws are made once, with the operator: one fixed matrix of rank at
     most n * mc_samples; the same ``seed`` gives the same operator.
 
     **Memory.** The draws (n, mc_samples, l) are held; ``F v = P.T (P v)``
@@ -468,7 +465,7 @@ def hessian_diagonal(
         n_probes = _count(n_probes, "n_probes", 2)
     H = hessian_operator(
         model, x, y, loss, sample_weight=sample_weight, variables=variables,
-        chunk_size=check_chunk_size(chunk_size),
+        chunk_size=chunk_size,
     )  # fmt: skip
     m = H.shape[0]
     if method == "exact" or (method == "auto" and m <= exact_up_to):
