@@ -110,11 +110,14 @@ class Estimate:
     n_probes: int
 
 
-def _probes(m, n_probes, seed):
+def _probed(operator, n_probes, seed):
+    """``z * (A z)`` for ``n_probes`` random sign vectors z, (m, n_probes)."""
+    operator = as_operator(operator)
     if n_probes < 2:
         raise ValueError(f"n_probes={n_probes}: a standard error needs at least 2.")
     rng = np.random.default_rng(seed)
-    return rng.choice([-1.0, 1.0], size=(m, n_probes))
+    Z = rng.choice([-1.0, 1.0], size=(operator.shape[0], n_probes))
+    return Z * (operator @ Z)
 
 
 def hutchinson_trace(operator, n_probes=100, seed=0):
@@ -130,9 +133,7 @@ def hutchinson_trace(operator, n_probes=100, seed=0):
     Returns:
         An :class:`Estimate` of the trace.
     """
-    operator = as_operator(operator)
-    Z = _probes(operator.shape[0], n_probes, seed)
-    samples = np.einsum("pk,pk->k", Z, operator @ Z)
+    samples = _probed(operator, n_probes, seed).sum(axis=0)
     error = samples.std(ddof=1) / np.sqrt(n_probes)
     return Estimate(float(samples.mean()), float(error), n_probes)
 
@@ -152,8 +153,6 @@ def hutchinson_diagonal(operator, n_probes=100, seed=0):
     Returns:
         An :class:`Estimate` whose value is an array (m,).
     """
-    operator = as_operator(operator)
-    Z = _probes(operator.shape[0], n_probes, seed)
-    samples = Z * (operator @ Z)
+    samples = _probed(operator, n_probes, seed)
     error = samples.std(axis=1, ddof=1) / np.sqrt(n_probes)
     return Estimate(samples.mean(axis=1), error, n_probes)
