@@ -18,19 +18,7 @@ SHOWN = 5  # sample indices named in a message
 
 
 def check_chunk_size(chunk_size, name="chunk_size"):
-    """A chunk size: None, or a whole number >= 1.
-
-    Args:
-        chunk_size: the value given.
-        name: the argument's name in the message.
-
-    Returns:
-        None or an ``int``.
-
-    Raises:
-        TypeError: not a whole number (a float, a string, a bool).
-        ValueError: below 1.
-    """
+    """A chunk size: None, or a whole number >= 1 (``name`` in the message)."""
     if chunk_size is None:
         return None
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)):
@@ -44,19 +32,8 @@ def check_chunk_size(chunk_size, name="chunk_size"):
 
 
 def check_memory_budget(memory_budget, name="memory_budget"):
-    """A memory budget: None, or a positive, finite number of bytes.
-
-    Args:
-        memory_budget: the value given.
-        name: the argument's name in the message.
-
-    Returns:
-        None or an ``int`` of bytes.
-
-    Raises:
-        TypeError: not a number.
-        ValueError: not positive or not finite.
-    """
+    """A memory budget: None, or a positive, finite number of bytes, as an
+    ``int`` (``name`` in the message)."""
     if memory_budget is None:
         return None
     if isinstance(memory_budget, bool) or not isinstance(
@@ -86,10 +63,6 @@ def refuse_non_finite(values, name):
         values: an array or tensor (or a structure of them) with the samples
             first; integer leaves are skipped.
         name: how the argument is named in the message (``"x"``, ``"y"``).
-
-    Raises:
-        ValueError: some entry is NaN or infinite; the message lists the
-            first sample indices that hold one.
     """
     for leaf in tf.nest.flatten(values):
         if isinstance(leaf, tf.Tensor) and not hasattr(leaf, "numpy"):

@@ -13,30 +13,14 @@ from .arguments import refuse_non_finite
 
 
 def n_samples(x):
-    """Samples in a batch: the first dimension of its (first) input.
-
-    Args:
-        x: a batch: an array or tensor, or a list or dict of them.
-
-    Returns:
-        n: an ``int``, or a scalar int32 tensor when the dimension is unknown
-        while tracing.
-    """
+    """Samples in a batch: the first dimension of its (first) input, an
+    ``int`` (a scalar tensor when unknown while tracing)."""
     first = tf.nest.flatten(x)[0]
     return tf.shape(first)[0] if first.shape[0] is None else int(first.shape[0])
 
 
 def take(x, start, stop):
-    """Samples ``start:stop`` of every input of a batch.
-
-    Args:
-        x: a batch: an array or tensor, or a list or dict of them.
-        start: the first sample taken.
-        stop: one past the last sample taken.
-
-    Returns:
-        The batch's structure, each input cut to ``stop - start`` samples.
-    """
+    """Samples ``start:stop`` of every input of a batch."""
     return tf.nest.map_structure(lambda t: t[start:stop], x)
 
 
@@ -46,13 +30,6 @@ def pad_with_last(x, n_rows):
     A copy of a real sample keeps every padded row finite wherever the real
     rows are (a row of zeros may not be: ``log(0)``), so it cannot put NaN
     into a method that mixes rows, such as ``tape.jacobian`` over the batch.
-
-    Args:
-        x: a batch of tensors: one, or a list or dict of them, n samples each.
-        n_rows: the number of samples wanted (at least n).
-
-    Returns:
-        The batch's structure, each input with ``n_rows`` samples.
     """
 
     def pad(t):
@@ -72,30 +49,14 @@ def pad_with_last(x, n_rows):
 
 
 def signature(x):
-    """The ``tf.function`` input signature of a batch: any n, these features.
-
-    Args:
-        x: a batch of tensors: one, or a list or dict of them.
-
-    Returns:
-        The batch's structure of ``tf.TensorSpec``, each of shape
-        ``(None, *features)`` and the input's dtype.
-    """
+    """The ``tf.function`` input signature of a batch: any n, these features."""
     return tf.nest.map_structure(
         lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype), x
     )
 
 
 def signature_key(x):
-    """A hashable key of :func:`signature`: equal keys share one trace.
-
-    Args:
-        x: a batch of tensors: one, or a list or dict of them.
-
-    Returns:
-        A tuple: the batch's structure (as text) and each input's per-sample
-        shape and dtype name.
-    """
+    """A hashable key of :func:`signature`: equal keys share one trace."""
     leaves = tuple((tuple(t.shape[1:]), t.dtype.name) for t in tf.nest.flatten(x))
     return tf.nest.map_structure(lambda _: 0, x).__repr__(), leaves
 
@@ -247,14 +208,8 @@ def as_batch(x, target):
             and dtype the batch must match.
 
     Returns:
-        The batch as tensors, arranged like the model's inputs: floats in the
-        variables' dtype, integers as given.
-
-    Raises:
-        ValueError: the structure, a shape or the sample counts do not match
-            the model, an input holds no samples, or NaN or infinity (the
-            message names the samples).
-        TypeError: an input does not hold numbers.
+        The batch as tensors, arranged like the model's inputs; ValueError or
+        TypeError, naming the input, when a check fails.
     """
     x = _structured(x, target.declared)
     leaves = tf.nest.flatten(x)

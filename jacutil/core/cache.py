@@ -31,16 +31,8 @@ _caches = {}  # kind -> WeakKeyDictionary(owner -> {key: entry})
 
 
 def owner_of(model):
-    """What an entry is keyed on: the model, or a bound method's object (and
-    the method's function, as part of the key).
-
-    Args:
-        model: a Keras model, a callable or a bound method.
-
-    Returns:
-        ``(owner, extra)``: the object to key on weakly, and a tuple (empty,
-        or the bound method's function) to add to the entry's key.
-    """
+    """``(owner, extra)``: what an entry is keyed on weakly (the model, or a
+    bound method's object), and what the key adds (the method's function)."""
     if hasattr(model, "__self__") and hasattr(model, "__func__"):
         return model.__self__, (model.__func__,)
     return model, ()
@@ -57,16 +49,8 @@ def _entries(kind, owner):
 
 
 def find(kind, model, key):
-    """The entry of ``kind`` kept for ``model`` under ``key``, or None.
-
-    Args:
-        kind: the name of the cache (``"compiled"``, ``"products"``, ...).
-        model: a Keras model, a callable or a bound method (its owner).
-        key: a hashable tuple.
-
-    Returns:
-        The entry, or None when none is kept.
-    """
+    """The entry of ``kind`` kept for ``model`` under ``key`` (a tuple), or
+    None."""
     owner, extra = owner_of(model)
     try:
         return _caches.get(kind, {}).get(owner, {}).get((*key, *extra))
@@ -75,15 +59,7 @@ def find(kind, model, key):
 
 
 def entries(kind, model):
-    """What is kept of ``kind`` for ``model`` now (a new dict: key -> entry).
-
-    Args:
-        kind: the name of the cache (``"compiled"``, ``"products"``, ...).
-        model: a Keras model, a callable or a bound method (its owner).
-
-    Returns:
-        A dict, empty when nothing is kept.
-    """
+    """What is kept of ``kind`` for ``model`` now (a new dict: key -> entry)."""
     owner, _ = owner_of(model)
     try:
         return dict(_caches.get(kind, {}).get(owner, {}))

@@ -23,14 +23,7 @@ from ._tf import keras, tf
 
 def is_data_source(x):
     """Whether ``x`` is a dataset (``tf.data`` or a Keras ``PyDataset``) or a
-    Python iterator, rather than arrays.
-
-    Args:
-        x: what an entry was given as its samples.
-
-    Returns:
-        A ``bool``.
-    """
+    Python iterator, rather than arrays."""
     if isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)):
         return True
     return hasattr(x, "__next__") and not isinstance(x, (np.ndarray, tf.Tensor))
@@ -114,12 +107,8 @@ def read_data(x, y=None, sample_weight=None, *, repeatable=False):
 
     Returns:
         ``(x, y, sample_weight)``; arrays come back as they were given.
-
-    Raises:
-        ValueError: ``y`` or ``sample_weight`` given beside a dataset, a
-            dataset that never ends or is empty, or one whose order changes
-            where ``repeatable`` asks.
-        TypeError: a plain generator or iterator (no length).
+        ValueError or TypeError for a source that cannot be read so (module
+        docstring).
     """
     if not is_data_source(x):
         return x, y, sample_weight

@@ -66,17 +66,11 @@ _RANDOM_LAYERS = {
 }
 
 
-def _all_layers(model):
-    """The model and every layer inside it, however deeply nested."""
-    return layers_within(model, include_self=True) or [model]
-
-
-def _random_layers(layers):
-    """Dropout-like layers with a non-zero rate: random in training mode.
-
-    Recurrent layers and cells count when their ``dropout`` or
-    ``recurrent_dropout`` is non-zero.
-    """
+def random_layers(layers):
+    """Names, ``"name (ClassName)"``, of the ``layers`` that draw random numbers
+    in training mode: Dropout-like layers with a non-zero rate, recurrent
+    layers and cells with a non-zero ``dropout`` or ``recurrent_dropout``."""
+    names = []
     for layer in layers:
         random = any(
             isinstance(layer, kind) and getattr(layer, switch, 0) > 0
@@ -86,29 +80,8 @@ def _random_layers(layers):
             rates = (getattr(layer, a, 0) for a in ("dropout", "recurrent_dropout"))
             random = any(isinstance(r, (int, float)) and r > 0 for r in rates)
         if random:
-            yield f"{layer.name} ({type(layer).__name__})"
-
-
-def random_layers(layers):
-    """Names of the ``layers`` that draw random numbers in training mode.
-
-    Args:
-        layers: Keras layers (nested ones listed too, as the caller wants).
-
-    Returns:
-        A list of ``str``, ``"name (ClassName)"`` per random layer.
-    """
-    return list(_random_layers(layers))
-
-
-def _coupling_layers(layers):
-    """Trainable BatchNormalization layers: batch statistics in training mode.
-
-    A frozen one (``trainable=False``) runs in inference mode even then.
-    """
-    for layer in layers:
-        if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
-            yield layer.name
+            names.append(f"{layer.name} ({type(layer).__name__})")
+    return names
 
 
 class TrainingModeWarning(UserWarning):
@@ -144,8 +117,12 @@ def check_training_mode(model, training):
     """
     if not training or not isinstance(model, keras.Layer):
         return
-    layers = _all_layers(model)
-    coupling = list(_coupling_layers(layers))
+    layers = layers_within(model, include_self=True) or [model]
+    coupling = [  # a frozen one runs in inference mode even then
+        layer.name
+        for layer in layers
+        if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
+    ]
     if coupling:
         raise ValueError(
             f"training=True with BatchNormalization ({', '.join(coupling)}): in "
@@ -157,7 +134,7 @@ def check_training_mode(model, training):
             "layer, layer.trainable = False, keeps its moving statistics even "
             "in training mode, and is accepted.)"
         )
-    random = list(_random_layers(layers))
+    random = random_layers(layers)
     if random:
         warnings.warn(
             f"training=True with {', '.join(random)}: in training mode every "
@@ -196,8 +173,7 @@ def note_trace(variables, options):
     Traces are counted per model (its variables) and ``options`` (the method
     and ``jit_compile``), across every compiled function built for them, so
     ``ju.compiled_jacobian(model)`` called inside a loop is caught although
-    each new function traces only once. Returns the count so far.
-    Introduced in ``06-pitfalls``.
+    each new function traces only once. Introduced in ``06-pitfalls``.
 
     Args:
         variables: the compiled Jacobian's variables (the first one keys the

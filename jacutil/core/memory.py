@@ -45,23 +45,13 @@ class MemoryUse:
 
 
 def rss():
-    """The process's resident set size now, in bytes (mapped files included).
-
-    Returns:
-        An ``int``: bytes.
-    """
+    """The process's resident set size now, in bytes (mapped files included)."""
     return psutil.Process().memory_info().rss
 
 
 def anonymous_rss(process=None):
-    """Resident memory that only swap could free: RSS less file-backed pages.
-
-    Args:
-        process: a ``psutil.Process`` (default: this process).
-
-    Returns:
-        An ``int``: bytes.
-    """
+    """Resident memory that only swap could free: RSS less file-backed pages,
+    in bytes, of ``process`` (default: this one)."""
     info = (process or psutil.Process()).memory_info()
     return info.rss - info.shared
 
@@ -69,10 +59,8 @@ def anonymous_rss(process=None):
 def peak_memory(fn, *args, interval=0.002, baseline=None, **kwargs):
     """Run ``fn(*args, **kwargs)`` and measure its peak resident memory.
 
-    Returns a :class:`MemoryUse`. ``peak`` is above ``baseline`` (bytes of
-    :func:`anonymous_rss`), by default the level just before the call. Memory
-    that TensorFlow keeps pooled from an earlier call is not counted again, so
-    for a sweep of sizes pass the level from before the first size.
+    Memory that TensorFlow keeps pooled from an earlier call is not counted
+    again, so for a sweep of sizes pass the level from before the first size.
 
     Args:
         fn: the function to call.
@@ -82,8 +70,7 @@ def peak_memory(fn, *args, interval=0.002, baseline=None, **kwargs):
         **kwargs: its keyword arguments.
 
     Returns:
-        A :class:`MemoryUse`: the result, the baseline, the peak and the
-        seconds.
+        A :class:`MemoryUse`.
     """
     process = psutil.Process()
     if baseline is None:
@@ -130,26 +117,14 @@ class MemoryModel:
     constant: float = 0.0
 
     def predict(self, n_samples):
-        """Predicted peak bytes for ``n_samples`` (a float, or an array of them).
-
-        Args:
-            n_samples: n, a number or an array of them.
-
-        Returns:
-            A float array of ``n_samples``'s shape (0-d for a number): bytes.
-        """
+        """Predicted peak bytes for ``n_samples`` (a number or an array): a
+        float array of its shape."""
         n = np.asarray(n_samples, dtype=float)
         return self.quadratic * n**2 + self.linear * n + self.constant
 
     def largest_n(self, n_bytes):
-        """The largest number of samples whose predicted peak fits ``n_bytes``.
-
-        Args:
-            n_bytes: the memory available, in bytes.
-
-        Returns:
-            An ``int`` (0 when not even the constant fits).
-        """
+        """The largest number of samples whose predicted peak fits ``n_bytes``
+        (0 when not even the constant fits)."""
         a, b, c = self.quadratic, self.linear, self.constant - n_bytes
         if c > 0:
             return 0
@@ -170,10 +145,8 @@ class MemoryModel:
             quadratic: fit the ``a*n**2`` term too.
 
         Returns:
-            A :class:`MemoryModel`.
-
-        Raises:
-            ValueError: fewer than two sizes, or not one peak per size.
+            A :class:`MemoryModel`; ValueError for fewer than two sizes, or not
+            one peak per size.
         """
         from scipy.optimize import nnls
 
@@ -237,16 +210,7 @@ def activation_elements(model, x, *, variables=None, training=False, unroll=True
 
 
 def count_activations(target, x, *, unroll=True):
-    """:func:`activation_elements` of a resolved target and a checked batch.
-
-    Args:
-        target: a :class:`jacutil.core.target.Target`.
-        x: a batch checked by :func:`jacutil.core.batch.as_batch`.
-        unroll: as for :func:`activation_elements`.
-
-    Returns:
-        An ``int``: A, floating-point elements per sample.
-    """
+    """:func:`activation_elements` of a resolved target and a checked batch."""
     spec = tf.nest.map_structure(lambda t: tf.TensorSpec([1, *t.shape[1:]], t.dtype), x)
     rnns = recurrent_layers(target) if unroll else []
     with unrolled(rnns):
@@ -282,12 +246,5 @@ def predicted_bytes(n_samples, method="batch"):
 
 
 def available_bytes(safety=0.5):
-    """Bytes this process may still use: a fraction ``safety`` of what is free.
-
-    Args:
-        safety: the fraction of the machine's available memory to use.
-
-    Returns:
-        An ``int``: bytes.
-    """
+    """Bytes this process may still use: a fraction ``safety`` of what is free."""
     return int(safety * psutil.virtual_memory().available)
