@@ -27,16 +27,12 @@ class OutputLayout:
         n_outputs: l, the elements of all leaves of one sample.
     """
 
-    structure: object  # the model's output nest, each leaf its index in flatten order
-    shapes: tuple  # per-sample shape of each leaf, in tf.nest.flatten order
+    structure: object
+    shapes: tuple
     n_outputs: int
 
     def slices(self):
-        """One ``slice`` of a sample's row per output leaf, in flatten order.
-
-        Returns:
-            A list of ``slice`` into the l outputs, one per leaf.
-        """
+        """One ``slice`` of a sample's row per output leaf, in flatten order."""
         sizes = sizes_of(self.shapes)
         ends = np.cumsum(sizes)
         return [slice(int(e - s), int(e)) for s, e in zip(sizes, ends, strict=True)]
@@ -100,11 +96,7 @@ def output_layout(target, x):
         x: a checked batch of n samples.
 
     Returns:
-        An :class:`OutputLayout`.
-
-    Raises:
-        JacobianError: an output leaf is a scalar, not per sample, or not
-            floating point.
+        An :class:`OutputLayout`; JacobianError as in :func:`as_rows`.
     """
     key = signature_key(x)
     if key not in target.layouts:
