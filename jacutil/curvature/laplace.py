@@ -428,13 +428,7 @@ class Laplace:
         # for training, not for the posterior (as laplace-torch sums)
         self.loss = output_loss(loss, model, x).summed()
         self.regression = self.loss.name == "squared_error"
-        self.sigma_noise = _positive(sigma_noise, "sigma_noise")
-        if not self.regression and self.sigma_noise != 1.0:
-            raise ValueError(
-                f"sigma_noise={sigma_noise!r} is for a regression; a "
-                f"classification ({self.loss.name}) has no observation noise. "
-                "Leave sigma_noise at 1."
-            )
+        self.sigma_noise = self._sigma(sigma_noise)
         self.memory_budget = memory_budget or DEFAULT_MEMORY_BUDGET
         if last_layer is not None:
             variables = _named_layers(model, last_layer)
@@ -587,17 +581,22 @@ class Laplace:
 
     # -- the posterior --------------------------------------------------------
 
+    def _sigma(self, sigma_noise):
+        """sigma as a float: positive, and 1 for a classification."""
+        sigma = _positive(sigma_noise, "sigma_noise")
+        if not self.regression and sigma != 1.0:
+            raise ValueError(
+                f"sigma_noise={sigma_noise!r} is for a regression; a "
+                f"classification ({self.loss.name}) has no observation noise. "
+                "Leave sigma_noise at 1."
+            )
+        return sigma
+
     def _values(self, prior_precision, sigma_noise):
         """(delta: a float or one per parameter, sigma^2)."""
         delta = self.prior_precision if prior_precision is None else prior_precision
         sigma = self.sigma_noise if sigma_noise is None else sigma_noise
-        delta = self._prior(delta)
-        sigma = _positive(sigma, "sigma_noise")
-        if not self.regression and sigma != 1.0:
-            raise ValueError(
-                "sigma_noise is for a regression; a classification has none."
-            )
-        return self._per_parameter(delta), sigma**2
+        return self._per_parameter(self._prior(delta)), self._sigma(sigma) ** 2
 
     def _kfac_blocks(self, delta):
         """KFAC's blocks with their one delta each: ``[(factor, d)]``.
@@ -634,9 +633,7 @@ class Laplace:
         """
         delta, s2 = self._values(None, None)
         if self.structure == "last_layer":
-            if np.ndim(delta) == 0:
-                return self.ggn / s2 + delta * np.eye(self.n_params)
-            return self.ggn / s2 + np.diag(delta)
+            return self.ggn / s2 + np.diag(np.broadcast_to(delta, self.n_params))
         if self.structure == "diagonal":
             return self.ggn / s2 + delta
         raise ValueError(
