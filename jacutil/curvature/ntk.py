@@ -433,13 +433,7 @@ def ntk_diagonal(model, x, *, variables=None, memory_budget=None, progress=False
     Introduced in ``11-curvature-and-uncertainty``.
 
     Args:
-        model: a Keras model, or a callable ``f(x)`` with ``variables=``.
-        x: the n samples (an array, or a list or dict of arrays).
-        variables: the variables to differentiate (default: the model's
-            trainable variables).
-        memory_budget: bytes of working memory (default: as
-            ``jacutil.jacobian``).
-        progress: show a progress bar over chunks.
+        model, x, variables, memory_budget, progress: as for :func:`ntk_trace`.
 
     Returns:
         The blocks, shape (n, l, l), in the model's dtype.
