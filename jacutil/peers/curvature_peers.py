@@ -46,7 +46,7 @@ import warnings
 
 import numpy as np
 
-from .layers import bind, forward
+from .layers import forward, joined
 from .network import describe
 
 LOSSES = ("squared_error", "softmax_cross_entropy")
@@ -503,11 +503,9 @@ def jax_ntk(model):
     import jax
     import jax.numpy as jnp
 
-    from .jax_peer import OPS
+    from .jax_peer import OPS, rebuilt
 
-    layers, theta = describe(model)
-    layers = bind(layers, jnp.asarray)
-    theta = [jnp.asarray(p) for p in theta]
+    layers, theta = rebuilt(model)
 
     def f(theta, x):
         return forward(layers, theta, x, OPS)
@@ -516,7 +514,7 @@ def jax_ntk(model):
     def kernel(theta, x):
         blocks = jax.vmap(jax.jacrev(f), in_axes=(None, 0))(theta, x)
         rows = blocks[0].shape[0] * blocks[0].shape[1]  # n l, sample-major
-        J = jnp.concatenate([b.reshape(rows, -1) for b in blocks], axis=1)
+        J = joined(blocks, (rows,), OPS)
         return jnp.einsum("ap,bp->ab", J, J)
 
     def ntk(x):
@@ -546,11 +544,9 @@ def neural_tangents_ntk(model):
     import jax
     import jax.numpy as jnp
 
-    from .jax_peer import OPS
+    from .jax_peer import OPS, rebuilt
 
-    layers, theta = describe(model)
-    layers = bind(layers, jnp.asarray)
-    theta = [jnp.asarray(p) for p in theta]
+    layers, theta = rebuilt(model)
 
     def f(theta, x):
         return jax.vmap(lambda s: forward(layers, theta, s, OPS))(x)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .layers import Ops, bind, forward, squared_error
+from .layers import Ops, bind, forward, joined, squared_error
 from .network import describe
 
 
@@ -42,20 +42,15 @@ OPS = Ops(
 )
 
 
-def _rebuilt(model):
+def rebuilt(model):
     """``(layers, theta)`` of the model, as JAX arrays."""
     layers, theta = describe(model)
     return bind(layers, jnp.asarray), [jnp.asarray(p) for p in theta]
 
 
-def _joined(blocks, leading):
-    """Per-parameter blocks (leading..., *shape) -> (leading..., m), in order."""
-    return jnp.concatenate([b.reshape(*leading, -1) for b in blocks], axis=-1)
-
-
 def jax_jacobian(model):
     """``jac(x)``: the (n_samples, n_outputs, n_params) Jacobian, from JAX."""
-    layers, theta = _rebuilt(model)
+    layers, theta = rebuilt(model)
 
     def f(theta, x):
         return forward(layers, theta, x, OPS)
@@ -63,7 +58,7 @@ def jax_jacobian(model):
     @jax.jit
     def jacobian(theta, x):
         blocks = jax.vmap(jax.jacrev(f), in_axes=(None, 0))(theta, x)
-        return _joined(blocks, blocks[0].shape[:2])  # columns in flat_params order
+        return joined(blocks, blocks[0].shape[:2], OPS)  # columns in flat_params order
 
     def jac(x):
         return np.asarray(jacobian(theta, jnp.asarray(x)))
@@ -78,12 +73,12 @@ def _gradients(layers, theta, x, y):
         return squared_error(layers, theta, x, y, OPS)
 
     blocks = jax.vmap(jax.grad(loss), in_axes=(None, 0, 0))(theta, x, y)
-    return _joined(blocks, blocks[0].shape[:1])
+    return joined(blocks, blocks[0].shape[:1], OPS)
 
 
 def jax_gradients(model):
     """``grads(x, y)``: (n_samples, n_params) per-sample squared-error gradients."""
-    layers, theta = _rebuilt(model)
+    layers, theta = rebuilt(model)
     compiled = jax.jit(lambda theta, x, y: _gradients(layers, theta, x, y))
 
     def grads(x, y):
@@ -94,7 +89,7 @@ def jax_gradients(model):
 
 def jax_gradient_norms(model):
     """``norms(x, y)``: (n_samples,) norms of those gradients, gradients first."""
-    layers, theta = _rebuilt(model)
+    layers, theta = rebuilt(model)
 
     @jax.jit
     def compiled(theta, x, y):

@@ -140,6 +140,11 @@ def outputs(values, w, layer, ops):
     return ops.concat([value.reshape(-1) for value in values])
 
 
+def joined(blocks, leading, ops):
+    """Per-parameter blocks (leading..., *shape) -> (leading..., m), in order."""
+    return ops.concat([b.reshape(*leading, -1) for b in blocks], -1)
+
+
 KINDS = {
     "dense": dense,
     "conv2d": conv2d,

@@ -20,7 +20,7 @@ spin is shortened before torch is imported.
 import numpy as np
 
 from .curvature_peers import load_torch
-from .layers import Ops, bind, forward, squared_error
+from .layers import Ops, bind, forward, joined, squared_error
 from .network import describe
 
 torch = load_torch()  # the spin shortened first
@@ -60,11 +60,6 @@ def _rebuilt(model):
     return bind(layers, _tensor), tuple(_tensor(p) for p in theta)
 
 
-def _joined(blocks, leading):
-    """Per-parameter blocks (leading..., *shape) -> (leading..., m), in order."""
-    return torch.cat([b.reshape(*leading, -1) for b in blocks], dim=-1)
-
-
 def torch_jacobian(model):
     """``jac(x)``: the (n_samples, n_outputs, n_params) Jacobian, from torch."""
     layers, theta = _rebuilt(model)
@@ -78,7 +73,7 @@ def torch_jacobian(model):
         with torch.no_grad():
             blocks = per_sample(theta, _tensor(x))
             # columns in flat_params order
-            return _joined(blocks, blocks[0].shape[:2]).numpy()
+            return joined(blocks, blocks[0].shape[:2], OPS).numpy()
 
     return jac
 
@@ -106,7 +101,7 @@ def torch_gradients(model):
 
     def grads(x, y):
         blocks = per_sample(x, y)
-        return _joined(blocks, blocks[0].shape[:1]).numpy()
+        return joined(blocks, blocks[0].shape[:1], OPS).numpy()
 
     return grads
 
