@@ -258,9 +258,6 @@ def table(results):
 
     Args:
         results: dicts from :func:`run_row`.
-
-    Returns:
-        A ``str``.
     """
     lines = [
         "| what | model | loss | n | jacutil | first call | peer | peer's | "

@@ -34,11 +34,7 @@ def measure_memory(name, sizes, seed, model="mlp"):
 def measure_in_fresh_process(name, sizes, seed=0, model="mlp"):
     """Peak bytes of path ``name`` at each size, in a new Python process.
 
-    Args:
-        name: a path in ``PATHS``.
-        sizes: the numbers of samples.
-        seed: the model's and the inputs' seed.
-        model: a name in ``MODELS``.
+    Args as in :func:`measure_memory`.
 
     Returns:
         A list of ints, one per size in increasing order (empty without sizes).

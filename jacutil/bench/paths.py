@@ -40,9 +40,6 @@ def not_installed(what, library):
     Args:
         what: the path or peer, in words.
         library: the missing library's name.
-
-    Returns:
-        A ``str``.
     """
     return (
         f"note: {what} skipped: {library} is not installed "
@@ -208,9 +205,6 @@ def count_outputs(model, x):
     Args:
         model: the Keras model.
         x: its inputs (one sample is run).
-
-    Returns:
-        An ``int``.
     """
     leaves = tf.nest.flatten(model(x[:1]))
     return sum(size_of(leaf.shape[1:]) for leaf in leaves)

@@ -263,9 +263,6 @@ def peer_rows_table(results):
 
     Args:
         results: the dict :func:`run_peer_rows` returns.
-
-    Returns:
-        A ``str``.
     """
     lines = [
         "| what | model | n | jacutil | first call | JAX | PyTorch | x fastest peer |",
@@ -294,9 +291,6 @@ def proof_line(row, kinds=None):
     Args:
         row: a row dict (see :func:`run_task`).
         kinds: the results' ``kinds`` (the peers' labels), or None.
-
-    Returns:
-        A ``str``.
     """
     where = f"{row['kind']}, {SHORT_MODELS.get(row['model'], row['model'])}, "
     where += f"n = {row['n']:,}"
@@ -316,9 +310,6 @@ def peer_rows_markdown(results):
 
     Args:
         results: the dict :func:`run_peer_rows` returns.
-
-    Returns:
-        A ``str`` of Markdown.
     """
     m = results["machine"]
     versions = ", ".join(f"{k} {v}" for k, v in m["versions"].items())

@@ -119,9 +119,6 @@ def table_at(results, n):
     Args:
         results: the benchmark's results dict (``results.json``).
         n: the number of samples.
-
-    Returns:
-        A ``str``.
     """
     at = results_at(results, n)
     labels = results["labels"]
@@ -226,9 +223,6 @@ def summary_table(results):
 
     Args:
         results: the benchmark's results dict (``results.json``).
-
-    Returns:
-        A ``str``.
     """
     lines = [
         "| n | best jacutil path | median | JAX | PyTorch | x fastest peer | x floor |",
@@ -246,13 +240,10 @@ def summary_table(results):
 
 
 def markdown(results):
-    """All the tables, and where they were measured.
+    """All the tables in Markdown, and where they were measured.
 
     Args:
         results: the benchmark's results dict (``results.json``).
-
-    Returns:
-        A ``str`` of Markdown.
     """
     m = results["machine"]
     versions = ", ".join(f"{k} {v}" for k, v in m["versions"].items())
@@ -283,9 +274,6 @@ def profile_table(profile):
 
     Args:
         profile: the dict ``profile_dense`` returns.
-
-    Returns:
-        A ``str``.
     """
     lines = [
         f"**Where the hand-derived path's time goes, n = {profile['n']:,}** "

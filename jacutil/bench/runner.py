@@ -99,11 +99,7 @@ RTOL, ATOL = 1e-5, 1e-6  # every check: the paths, the peers, the peer rows
 
 
 def tolerances():
-    """The checks' tolerances in words: 'rtol 1e-5, atol 1e-6'.
-
-    Returns:
-        A ``str``.
-    """
+    """The checks' tolerances in words: 'rtol 1e-5, atol 1e-6'."""
 
     def short(value):
         return f"{value:.0e}".replace("e-0", "e-")
@@ -135,9 +131,6 @@ def agree(value, expected, message):
         value: the array checked.
         expected: the reference array.
         message: the AssertionError's message.
-
-    Returns:
-        A ``float``.
 
     Raises:
         AssertionError: they differ beyond the tolerances.

@@ -16,9 +16,6 @@ def format_seconds(s):
 
     Args:
         s: seconds, or None.
-
-    Returns:
-        A ``str``.
     """
     if s is None:
         return "-"

@@ -19,11 +19,7 @@ def show_source(obj):
 
 
 def device_summary():
-    """One line: TensorFlow's version and the devices that will run the code.
-
-    Returns:
-        A ``str``.
-    """
+    """One line: TensorFlow's version and the devices that will run the code."""
     gpus = tf.config.list_logical_devices("GPU")
     where = f"{len(gpus)} GPU(s): " + ", ".join(g.name for g in gpus) if gpus else "CPU"
     return f"TensorFlow {tf.__version__}, running on {where}"

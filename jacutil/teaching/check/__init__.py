@@ -280,9 +280,6 @@ def same(array, candidate, tolerance=FLOAT32):
         array: the learner's array.
         candidate: a right answer, or a known wrong one.
         tolerance: ``{"rtol": ..., "atol": ...}`` for ``np.allclose``.
-
-    Returns:
-        A ``bool``.
     """
     return np.allclose(array, candidate, **tolerance)
 
