@@ -45,8 +45,7 @@ def regression_data(
 ):
     """Seeded synthetic regression data ``(x, y)`` for the question's network.
 
-    ``x`` is standard normal, shape (n_samples, n_inputs); ``y`` is a smooth
-    nonlinear function of ``x`` plus Gaussian noise, shape (n_samples, n_outputs).
+    ``x`` is standard normal; ``y`` a smooth function of ``x`` plus Gaussian noise.
 
     Args:
         n_samples: n.

@@ -38,9 +38,6 @@ def loglog_scaling(
     for curves that are not power laws (a V-shaped time against chunk size):
     a slope fitted to them would mislead.
 
-    ``series`` maps a label to values at the matching ``sizes`` (``None`` or
-    NaN where a size was not run). Returns the matplotlib axes.
-
     Args:
         sizes: the x values (positive), shape (k,).
         series: a dict from label to k values (``None`` or NaN where missing).
