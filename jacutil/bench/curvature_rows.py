@@ -292,10 +292,7 @@ def run_all(kinds=None, *, repeats=5, seed=0, log=print):
 
     Args:
         kinds: names among ``"diag"``, ``"ggn"``, ``"ntk"``, ``"laplace"``
-            (default: all).
-        repeats: the timed calls after the warm-up call of each.
-        seed: the models' and data's seed.
-        log: where progress goes.
+            (default: all); ``repeats``, ``seed`` and ``log`` as in :func:`run_row`.
 
     Returns:
         A list of dicts from :func:`run_row`.
