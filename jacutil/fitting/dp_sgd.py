@@ -33,7 +33,13 @@ from contextlib import contextmanager
 import numpy as np
 
 from ..core._tf import keras, tf
-from .loss_gradients import gradients_for, per_sample_gradient_norms, prepared
+from ..core.batch import n_samples, take
+from .loss_gradients import (
+    gradients_for,
+    losses_per_sample,
+    per_sample_gradient_norms,
+    prepared,
+)
 
 INSTALL_COMMAND = "pip install --no-deps dp-accounting==0.6.0"
 INSTALL_HINT = (
@@ -83,29 +89,6 @@ def clip_weights(norms, l2_norm_clip):
     weights = np.where(finite, 1.0, 0.0)
     weights[over] = l2_norm_clip / norms[over]
     return weights
-
-
-def _per_sample(losses, n):
-    """One loss per sample (extra axes averaged, as Keras averages), or a
-    ValueError that says which loss to use."""
-    shape = tuple(losses.shape)
-    if len(shape) == 0 or shape[0] != n:
-        raise ValueError(
-            f"loss_fn returned shape {shape} for a batch of {n} samples; DP-SGD "
-            "clips each sample's gradient, so it needs one loss per sample, shape "
-            f"({n},). Use a loss that does not reduce over the batch: the "
-            "function keras.losses.sparse_categorical_crossentropy, or "
-            "keras.losses.SparseCategoricalCrossentropy(reduction=None), not "
-            "keras.losses.SparseCategoricalCrossentropy() (which averages)."
-        )
-    if len(shape) > 1:
-        losses = tf.reduce_mean(losses, axis=list(range(1, len(shape))))
-    return losses
-
-
-def _rows(data):
-    """The number of samples in ``data`` (an array or a structure of arrays)."""
-    return int(tf.nest.flatten(data)[0].shape[0])
 
 
 def _take(data, index):
@@ -277,7 +260,7 @@ class DPSGD:
         self.trace_count += 1
         with tf.GradientTape() as tape:
             prediction = self.model(x, training=False)
-            losses = _per_sample(self.loss_fn(y, prediction), _rows(x))
+            losses = losses_per_sample(self.loss_fn, y, prediction, n_samples(x))
             weighted = tf.reduce_sum(tf.cast(weights, losses.dtype) * losses)
         sums = tape.gradient(weighted, self.variables)
         penalties = self.penalty_gradients()  # no sample in it: not clipped
@@ -322,9 +305,9 @@ class DPSGD:
         two samples), before the norms would fail less clearly."""
         if self._checked_losses:
             return
-        rows = min(2, _rows(x))
-        few_x, few_y = _take(x, tf.range(rows)), y[:rows]
-        _per_sample(self.loss_fn(few_y, self.model(few_x, training=False)), rows)
+        rows = min(2, n_samples(x))
+        prediction = self.model(take(x, 0, rows), training=False)
+        losses_per_sample(self.loss_fn, y[:rows], prediction, rows)
         self._checked_losses = True
 
     def clip_weights(self, x, y):
@@ -407,14 +390,12 @@ class DPSGD:
         )
 
     def largest_clipped_norm(self, x, y):
-        """The largest norm of one sample's contribution ``w_i g_i`` to the
-        clipped sum, over C: at most 1 (to rounding) is what DP-SGD's
-        guarantee rests on.
+        """The largest ``|w_i g_i| / C`` over the batch: at most 1 (to
+        rounding) is what DP-SGD's guarantee rests on.
 
-        The weights come from the step's own norms; the gradients ``g_i``
-        from a tape per sample, independent of them. A check for a new model
-        or loss (the tests run it on every generated one), not for each
-        step: it takes n backward passes. Introduced in ``09-matrix-free``.
+        ``g_i`` from a tape per sample, independent of the step's norms: a
+        check for a new model or loss (n backward passes), not for each step.
+        Introduced in ``09-matrix-free``.
 
         Args:
             x: a batch's samples.
@@ -426,9 +407,9 @@ class DPSGD:
         weights = self.clip_weights(x, y)
         x, y = self.as_inputs(x, y)
         largest = 0.0
-        for i in range(_rows(x)):
+        for i in range(n_samples(x)):
             with tf.GradientTape() as tape:
-                prediction = self.model(_take(x, [i]), training=False)
+                prediction = self.model(take(x, i, i + 1), training=False)
                 loss = tf.reduce_sum(self.loss_fn(y[i : i + 1], prediction))
             grads = tape.gradient(loss, self.variables)
             squares = [tf.reduce_sum(tf.square(g)) for g in grads if g is not None]
@@ -459,7 +440,7 @@ class DPSGD:
         if not 0 < sampling_rate <= 1:
             raise ValueError(f"sampling_rate is {sampling_rate!r}; it is in (0, 1].")
         x, y = self.as_inputs(x, y)
-        n = _rows(x)
+        n = n_samples(x)
         self.last_index = np.arange(n)
         losses, _ = self.padded_step(
             x,
@@ -500,7 +481,7 @@ class DPSGD:
             padding's rows are some sample's, and mean nothing).
         """
         fused, x, y = self._fused_step(x, y)
-        n = _rows(x)
+        n = n_samples(x)
         check_batch_size(batch_size, n)
         rate = batch_size / n
         physical = physical_batch_size or batch_size + math.ceil(
@@ -529,22 +510,18 @@ class DPSGD:
         return losses, batch_y, prediction, tf.constant(valid, losses.dtype)
 
     def _fused_step(self, x, y):
-        """One compiled function for a sampled step on the data ``(x, y)``:
-        the rows gathered, their norms, the clip weights and
-        :meth:`clipped_noisy_update`, with no trip through NumPy between them.
-
-        Returns ``(step, x, y)``: the step, or None where the norms do not
-        run on the layer rules in a plain graph (then :meth:`padded_step`
-        takes the step, as it always could), and ``x``, ``y`` as tensors.
-        Kept for the same arrays: each step of a fit reuses it."""
+        """``(step, x, y)``: one compiled sampled step on ``(x, y)`` (rows,
+        norms, weights, :meth:`clipped_noisy_update`, no NumPy between), or
+        None where the norms are off the layer rules (then :meth:`padded_step`);
+        ``x``, ``y`` as tensors. Kept for the same arrays."""
         leaves = [id(a) for a in tf.nest.flatten((x, y))]
         if self._fused is not None and self._fused[0] == leaves:
             return self._fused[2:]
         source = (x, y)  # held, so that the ids above stay theirs
         x, y = self.as_inputs(x, y)
         job = gradients_for(self.model, self.loss_fn, None, False, x)
-        rows = tf.range(min(2, _rows(x)))
-        few = prepared(job, _take(x, rows), tf.gather(y, rows))
+        rows = min(2, n_samples(x))
+        few = prepared(job, take(x, 0, rows), y[:rows])
         job(*few, "norms")  # an eager call chooses the mode for this signature
         graph = job.norms_graph(*few)
         step = None
@@ -592,7 +569,7 @@ class DPSGD:
 
         def nothing():  # every sampled row skipped: the caller raises
             prediction = self.model(x, training=False)
-            losses = _per_sample(self.loss_fn(y, prediction), _rows(x))
+            losses = losses_per_sample(self.loss_fn, y, prediction, n_samples(x))
             return tf.fill(tf.shape(losses), tf.constant(np.nan, losses.dtype)), (
                 prediction
             )
@@ -644,7 +621,7 @@ class DPSGD:
             "epsilon" to one value per epoch.
         """
         x, y = self.as_inputs(x, y)
-        steps = steps_per_epoch(_rows(x), batch_size)
+        steps = steps_per_epoch(n_samples(x), batch_size)
         if delta is not None:
             dp_accounting_module()  # say how to install it before training, not after
         history = keras.callbacks.History()

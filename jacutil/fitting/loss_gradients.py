@@ -58,19 +58,20 @@ from ..rules.walk import LogitsNotOnRules
 from ..stages.compiled import bucket_size, compiled_for
 
 
-def _losses(loss_fn, y, prediction, n):
+def losses_per_sample(loss_fn, y, prediction, n):
     """One loss per sample; a loss with more axes (per time step, say) is
     averaged over them per sample, as Keras averages when it reduces."""
     losses = loss_fn(y, prediction)
     if losses.shape.rank is not None and losses.shape.rank > 1:
         losses = tf.reduce_mean(losses, axis=list(range(1, losses.shape.rank)))
-    wrong_length = n is not None and losses.shape[0] not in (None, n)
-    if losses.shape.rank != 1 or wrong_length:
+    wrong_rank = losses.shape.rank != 1
+    if wrong_rank or (n is not None and losses.shape[0] not in (None, n)):
         raise JacobianError(
-            f"loss_fn returned shape {tuple(losses.shape)}; per-sample gradients need "
-            "one loss per sample, shape (n_samples,). Use a loss function that does "
-            "not reduce over the batch, e.g. keras.losses.mean_squared_error (the "
-            "function), not keras.losses.MeanSquaredError() (which averages)."
+            f"loss_fn returned shape {tuple(losses.shape)}; per-sample gradients "
+            "(and DP-SGD's clipping) need one loss per sample, shape (n_samples,). "
+            "Use a loss that does not reduce over the batch, e.g. the function "
+            "keras.losses.mean_squared_error or keras.losses.MeanSquaredError("
+            "reduction=None), not keras.losses.MeanSquaredError() (which averages)."
         )
     return losses
 
@@ -109,7 +110,7 @@ def _signal(loss_fn, y):
         watched = [prediction] if logits is None else [prediction, logits]
         with tf.GradientTape() as tape:
             tape.watch(watched)
-            losses = _losses(loss_fn, y, prediction, None)
+            losses = losses_per_sample(loss_fn, y, prediction, None)
         at_output, *at_logits = tape.gradient(losses, watched)
         at_logits = at_logits[0] if at_logits else None
         if at_logits is None:
@@ -147,7 +148,7 @@ def _autodiff_gradients(target, x, y, loss_fn, vectorize=True, xla=False):
         x_i, y_i = tf.nest.map_structure(lambda t: t[None], row)
         with tf.GradientTape() as tape:
             tape.watch(tracked)
-            loss = tf.reduce_sum(_losses(loss_fn, y_i, target.call(x_i), 1))
+            loss = tf.reduce_sum(losses_per_sample(loss_fn, y_i, target.call(x_i), 1))
         grads = tape.gradient(loss, tracked)
         return joined_gradients(grads, sizes, loss.dtype)
 
