@@ -19,21 +19,10 @@ FILES = ("ca.pem", "cert.pem", "key.pem")
 
 
 def write_credentials(folder):
-    """Write a new certificate authority, certificate and key into ``folder``.
-
-    The folder is made (mode 0700) if it does not exist; each file is
-    written with mode 0600. An existing file is never overwritten.
-
-    Args:
-        folder: where to write ``ca.pem``, ``cert.pem`` and ``key.pem``.
-
-    Returns:
-        A dict from ``"ca"``, ``"cert"`` and ``"key"`` to each file's path.
-
-    Raises:
-        FileExistsError: one of the three files is there already (remove
-            the folder's credentials first, or write into another folder).
-    """
+    """Write a new certificate authority, certificate and key (``ca.pem``,
+    ``cert.pem``, ``key.pem``, mode 0600) into ``folder`` (made with mode 0700
+    if need be); return a dict from ``"ca"``, ``"cert"`` and ``"key"`` to each
+    file's path. An existing file is never overwritten: ``FileExistsError``."""
     from distributed import Security
 
     temporary = Security.temporary()  # one key and certificate for every role
@@ -61,18 +50,10 @@ def write_credentials(folder):
 
 
 def security_from(folder):
-    """The driver's ``distributed.Security`` from a folder of credentials.
-
-    Args:
-        folder: a folder written by :func:`write_credentials`.
-
-    Returns:
-        A ``distributed.Security`` that requires encryption and presents the
-        folder's certificate: pass it to ``Client(address, security=...)``.
-
-    Raises:
-        FileNotFoundError: a file is missing (it names which).
-    """
+    """The driver's ``distributed.Security`` from a folder written by
+    :func:`write_credentials`: it requires encryption and presents the
+    folder's certificate (pass it to ``Client(address, security=...)``).
+    ``FileNotFoundError`` names a missing file."""
     from distributed import Security
 
     folder = Path(folder)

@@ -42,17 +42,19 @@ FETCH_SECONDS = 10.0  # the first limit on fetching one finished chunk
 WORKERS_LOST_AFTER = 30.0  # seconds with no worker at all: the run stops
 
 
-class ChunkTimeoutError(TimeoutError):
-    """No chunk arrived within ``timeout``, or the run passed its ``deadline``.
-
-    ``done`` holds the chunks that arrived (their rows are kept: in ``out``,
-    in memory, or on disk, where the run resumes).
-    """
+class _StoppedRun:
+    """A run that stopped early: ``done`` holds the chunks that arrived (their
+    rows are kept: in ``out``, in memory, or on disk, where the run resumes)."""
 
     def __init__(self, message, done=(), out=None):
         super().__init__(message)
         self.done = sorted(done)
         self.out = out
+
+
+class ChunkTimeoutError(_StoppedRun, TimeoutError):
+    """No chunk arrived within ``timeout``, or the run passed its ``deadline``
+    (``done`` and ``out`` as in :class:`_StoppedRun`)."""
 
 
 class WorkerMismatchError(RuntimeError):
@@ -68,13 +70,9 @@ VERSIONS = f"tuple(__import__(name).__version__ for name in {PACKAGES!r})"
 
 
 def check_workers(client):
-    """Ask every worker of ``client`` for its versions of ``PACKAGES``
-    before a run, and refuse a cluster where one differs from the driver.
-
-    Introduced in ``10-beyond-one-machine``.
-
-    Args:
-        client: a ``dask.distributed.Client``.
+    """Ask every worker of ``client`` (a ``dask.distributed.Client``) for its
+    versions of ``PACKAGES`` before a run, and refuse a cluster where one
+    differs from the driver. Introduced in ``10-beyond-one-machine``.
 
     Raises:
         WorkerMismatchError: naming each worker that cannot import them, or
@@ -102,13 +100,8 @@ def check_workers(client):
         )
 
 
-class WorkersLostError(RuntimeError):
+class WorkersLostError(_StoppedRun, RuntimeError):
     """Every worker was lost (or a process pool broke) before the run ended."""
-
-    def __init__(self, message, done=(), out=None):
-        super().__init__(message)
-        self.done = sorted(done)
-        self.out = out
 
 
 class DaskExecutor:
@@ -133,32 +126,17 @@ class DaskExecutor:
         return None if name is None else f"{name}-{self.run}-{uuid.uuid4().hex[:8]}"
 
     def share(self, value, name=None):
-        """A future of ``value``: a task that unpickles it on a worker (run
-        again if every worker holding it dies).
-
-        Args:
-            value: anything picklable (the model's spec, a chunk's samples).
-            name: the start of its key (``jacobian-model``).
-
-        Returns:
-            A ``distributed.Future``.
-        """
+        """A ``distributed.Future`` of picklable ``value``: a task that
+        unpickles it on a worker (run again if every worker holding it dies);
+        ``name`` starts its key (``jacobian-model``)."""
         return self.client.submit(
             pickle.loads, pickle.dumps(value), pure=False, key=self._key(name)
         )
 
     def submit(self, fn, *args, name=None):
-        """Run ``fn(*args)`` on a worker; ``fn`` and ``args`` are futures of
-        :meth:`share` (or small plain values: ints, strings).
-
-        Args:
-            fn: the task.
-            *args: its arguments.
-            name: the start of its key (``jacobian-chunk-000017``).
-
-        Returns:
-            A ``distributed.Future``.
-        """
+        """A ``distributed.Future`` of ``fn(*args)`` on a worker; ``fn`` and
+        ``args`` are futures of :meth:`share` (or small plain values: ints,
+        strings); ``name`` starts its key (``jacobian-chunk-000017``)."""
         return self.client.submit(
             operator.call,
             fn,
@@ -169,11 +147,7 @@ class DaskExecutor:
         )
 
     def wait(self, pending, seconds):
-        """The futures among ``pending`` that finished within ``seconds``.
-
-        Returns:
-            A set (empty when none did).
-        """
+        """The set of futures among ``pending`` that finished within ``seconds``."""
         from distributed import wait
 
         try:
@@ -214,6 +188,7 @@ class ProcessExecutor:
 
     def __init__(self, max_workers=None, *, threads=None, pool=None):
         cores = os.cpu_count() or 1
+        self._owned = pool is None
         if pool is None:
             import multiprocessing
 
@@ -234,10 +209,8 @@ class ProcessExecutor:
                 initializer=exec,
                 initargs=(setup,),
             )
-            self._owned = True
         else:
             self.max_workers = pool._max_workers
-            self._owned = False
         self.pool = pool
         # results travel as files: a process killed while it sends a large
         # result through the pool's pipe leaves half a message there, and the
@@ -251,14 +224,10 @@ class ProcessExecutor:
         return value
 
     def submit(self, fn, *args, name=None):
-        """Run ``fn(*args)`` in a process of the pool (``name`` is unused).
-
-        Returns:
-            A ``concurrent.futures.Future``.
-        """
+        """A ``concurrent.futures.Future`` of ``fn(*args)`` in a process of the
+        pool (``name`` is unused)."""
         inner = self.pool.submit(result_in_file, str(self.results), fn, *args)
         outer = concurrent.futures.Future()
-
         outer.inner = inner
 
         def arrived(done):
@@ -339,9 +308,6 @@ def executor_for(workers, *, retries=0):
             with the methods in ``INTERFACE`` (``threads()`` optional).
         retries: times a chunk that fails is run again (Dask only).
 
-    Returns:
-        An executor.
-
     Raises:
         TypeError: ``workers`` is none of these (or is closed).
         ValueError: ``retries`` for an executor that cannot rerun a chunk.
@@ -351,20 +317,18 @@ def executor_for(workers, *, retries=0):
     retries = check_retries(retries)
     if isinstance(workers, DaskExecutor):
         return DaskExecutor(workers.client, retries) if retries else workers
-    if retries and (
-        isinstance(workers, concurrent.futures.ProcessPoolExecutor)
-        or all(callable(getattr(workers, name, None)) for name in INTERFACE)
-    ):
+    is_pool = isinstance(workers, concurrent.futures.ProcessPoolExecutor)
+    has_interface = all(callable(getattr(workers, n, None)) for n in INTERFACE)
+    if retries and (is_pool or has_interface):
         raise ValueError(
             f"retries={retries} asks Dask to run a failed chunk again; "
             f"{type(workers).__name__} does not. Use a Dask client or "
             "LocalWorkers, or leave retries out."
         )
-    if all(callable(getattr(workers, name, None)) for name in INTERFACE):
+    if has_interface:
         return workers  # ours, or any object with the five methods
-    if isinstance(workers, concurrent.futures.ProcessPoolExecutor):
+    if is_pool:
         return ProcessExecutor(pool=workers)
-
     try:
         client = client_of(workers)
     except TypeError:
@@ -401,20 +365,9 @@ def as_arrived(executor, futures, *, timeout=None, deadline=None):
 
     No wait here is without a limit: a result is fetched for at most
     ``FETCH_SECONDS`` (doubled at each try of the same chunk; less where a
-    clock ends sooner), because a Dask
-    future can be finished on a worker that has just died - Dask then runs
-    it again ("Couldn't gather 1 keys, rescheduling"), and an unbounded
-    ``future.result()`` would wait for that past every clock. A fetch that
-    runs out puts the chunk back among those still to come.
-
-    Args:
-        executor: the executor that ran them.
-        futures: its futures.
-        timeout: seconds without a chunk arriving that end the run.
-        deadline: seconds for the whole run.
-
-    Yields:
-        ``(future, result)`` pairs.
+    clock ends sooner), because a Dask future can be finished on a worker
+    that has just died (Dask then runs it again); a fetch that runs out puts
+    the chunk back among those still to come.
 
     Raises:
         ChunkTimeoutError: a clock passed (the caller adds what arrived).
