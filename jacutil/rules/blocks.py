@@ -31,6 +31,7 @@ also makes the Gram matrix no larger than the block; Bu et al.'s "mixed
 ghost norm", arXiv:2205.10683, decides by the sizes alone).
 """
 
+import math
 from contextlib import contextmanager
 
 from ..core._tf import tf
@@ -108,12 +109,7 @@ def positions_of(shape):
         An ``int`` or None.
     """
     inner = list(tf.TensorShape(shape))[1:-1]
-    if any(d is None for d in inner):
-        return None
-    count = 1
-    for d in inner:
-        count *= d
-    return count
+    return None if None in inner else math.prod(inner)
 
 
 def outer_blocks(a, delta):
@@ -149,6 +145,13 @@ def outer_by_position(a, by_position):
     product = tf.reshape(product, [n_samples, p, n_outputs, q])
     product = tf.transpose(product, [0, 2, 1, 3])
     return tf.reshape(product, [n_samples, n_outputs, p * q])
+
+
+def times_transpose(delta, matrix):
+    """``delta @ matrix.T`` over the last axis, as one 2-D product: the signal
+    below a kernel."""
+    rows = tf.matmul(tf.reshape(delta, [-1, delta.shape[-1]]), matrix, transpose_b=True)
+    return tf.reshape(rows, tf.concat([tf.shape(delta)[:-1], [matrix.shape[0]]], 0))
 
 
 def sum_positions(delta, width):

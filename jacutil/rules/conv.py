@@ -22,27 +22,15 @@ norms of Opacus's ``GradSampleModuleFastGradientClipping``).
 
 from ..core._shared import size_of
 from ..core._tf import keras, tf
-from .blocks import (
-    gram_is_cheaper,
-    gram_norms,
-    kernel_and_bias,
-    positions_of,
-    sum_norms,
-)
+from .blocks import kernel_and_bias, positions_of
 from .dense import KernelRule
 from .registry import Blocks, LogitsSignal, NoRule, per_output, register, rows
 
 
 @register(keras.layers.Conv1D, keras.layers.Conv2D)
 class ConvRule(KernelRule):
-    """``y = act(conv(a, W) + b)``, channels last, any strides, padding, dilation.
-
-    Args:
-        layer: the Keras layer.
-
-    Raises:
-        NoRule: a channels_first, LoRA or quantized convolution.
-    """
+    """``y = act(conv(a, W) + b)``, channels last, any strides, padding, dilation;
+    a channels_first, LoRA or quantized convolution raises :class:`NoRule`."""
 
     name = "conv"
 
@@ -115,29 +103,12 @@ class ConvRule(KernelRule):
         )
         return blocks, (self._below(image, delta) if need_signal else None)
 
-    def _backward_norms(self, saved, delta, wanted, need_signal):
-        """Ghost norms per group, from the Gram matrices of the T output
-        positions, where those are cheaper than a group's kernel block; the
-        bias's ``|sum_t delta[t]|^2`` over every channel; the blocks otherwise."""
-        image, slope = saved
-        kernel = self.layer.kernel
-        with_kernel = kernel in wanted
-        with_bias = self.bias is not None and self.bias in wanted
-        patch = size_of(kernel.shape[:-1])  # kh * kw * c_in / g
-        group_filters = self.layer.filters // self.groups
-        signal = delta.delta if isinstance(delta, LogitsSignal) else delta
+    def _gram_sizes(self, image, signal):
+        """T output positions, and a group's (p, q) = (kh * kw * c_in / g,
+        c_out / g): ghost norms per group (:meth:`KernelRule._backward_norms`)."""
+        patch = size_of(self.layer.kernel.shape[:-1])
         positions = positions_of(signal.shape[1:])  # (r, *positions, c_out)
-        ghost = gram_is_cheaper(positions, patch, group_filters) or not with_kernel
-        if not (with_kernel or with_bias) or not ghost:
-            return super()._backward_norms(saved, delta, wanted, need_signal)
-        delta = self._at_z(slope, delta)
-        squared = tf.zeros(tf.shape(delta)[:2], delta.dtype)
-        if with_kernel:
-            for patches, group_signal in self._groups(image, delta):
-                squared += gram_norms(patches, group_signal)
-        if with_bias:
-            squared += sum_norms(delta)
-        return squared, (self._below(image, delta) if need_signal else None)
+        return positions, patch, self.layer.filters // self.groups
 
     def _at_z(self, slope, delta):
         """The signal at the pre-activations, (n, l, h', w', c_out)."""

@@ -14,6 +14,7 @@ from .blocks import (
     kernel_and_bias,
     positions_of,
     sum_norms,
+    times_transpose,
 )
 from .registry import Blocks, LogitsSignal, NoRule, Rule, register
 
@@ -27,7 +28,8 @@ def refuse_adapted(layer, kind):
 
 class KernelRule(Rule):
     """``y = act(a W + b)``: the kernel, bias and activation that a Dense shares
-    with a convolution (a Dense at every position).
+    with a convolution (a Dense at every position), and their ghost norms;
+    a subclass gives ``_gram_sizes``, ``_at_z``, ``_groups`` and ``_below``.
 
     Args:
         layer: the Keras layer.
@@ -45,6 +47,26 @@ class KernelRule(Rule):
         self.takes_logits_signal = self.activation.makes_logits
         self.bias = layer.bias if layer.use_bias else None
         self.variables = [layer.kernel] + ([self.bias] if self.bias is not None else [])
+
+    def _backward_norms(self, saved, delta, wanted, need_signal):
+        """Ghost norms: the Gram matrices of the T positions (per group) where
+        ``T (p + q) <= p q`` for the kernel's (p, q) block, the blocks otherwise;
+        a bias alone is ``|sum_t delta[t]|^2`` either way."""
+        a, slope = saved
+        with_kernel = self.layer.kernel in wanted
+        with_bias = self.bias is not None and self.bias in wanted
+        signal = delta.delta if isinstance(delta, LogitsSignal) else delta
+        ghost = gram_is_cheaper(*self._gram_sizes(a, signal)) or not with_kernel
+        if not (with_kernel or with_bias) or not ghost:
+            return super()._backward_norms(saved, delta, wanted, need_signal)
+        delta = self._at_z(slope, delta)
+        squared = tf.zeros(tf.shape(delta)[:2], delta.dtype)
+        if with_kernel:
+            for patches, group_signal in self._groups(a, delta):
+                squared += gram_norms(patches, group_signal)
+        if with_bias:
+            squared += sum_norms(delta)
+        return squared, (self._below(a, delta) if need_signal else None)
 
 
 @register(keras.layers.Dense)
@@ -75,29 +97,19 @@ class DenseRule(KernelRule):
 
     def _backward(self, saved, delta, wanted, need_signal):
         a, slope = saved
-        delta = self.activation.backward(slope, delta)
+        delta = self._at_z(slope, delta)
         blocks = kernel_and_bias(a, delta, self.layer.kernel, self.bias, wanted)
         return blocks, (self._below(a, delta) if need_signal else None)
 
-    def _backward_norms(self, saved, delta, wanted, need_signal):
-        """Ghost norms: the Gram matrices of the T positions where ``T (p + q) <=
-        p q`` (a flat input, T = 1, unless p or q is 1), the blocks otherwise;
-        a bias alone is ``|sum_t delta[t]|^2`` either way."""
-        a, slope = saved
-        kernel = self.layer.kernel
-        with_kernel = kernel in wanted
-        with_bias = self.bias is not None and self.bias in wanted
-        p, q = kernel.shape
-        ghost = gram_is_cheaper(positions_of(a.shape), p, q) or not with_kernel
-        if not (with_kernel or with_bias) or not ghost:
-            return super()._backward_norms(saved, delta, wanted, need_signal)
-        delta = self.activation.backward(slope, delta)
-        squared = tf.zeros(tf.shape(delta)[:2], delta.dtype)
-        if with_kernel:
-            squared += gram_norms(a, delta)
-        if with_bias:
-            squared += sum_norms(delta)
-        return squared, (self._below(a, delta) if need_signal else None)
+    def _gram_sizes(self, a, signal):
+        """T, p and q for :func:`gram_is_cheaper` (a flat input: T = 1)."""
+        return positions_of(a.shape), *self.layer.kernel.shape
+
+    def _at_z(self, slope, delta):
+        return self.activation.backward(slope, delta)
+
+    def _groups(self, a, delta):
+        return [(a, delta)]
 
     def _backward_squares(self, saved, delta, wanted, need_signal):
         """G's diagonal without the blocks, for a flat input: the kernel's
@@ -119,9 +131,4 @@ class DenseRule(KernelRule):
         return squares, (self._below(a, delta) if need_signal else None)
 
     def _below(self, a, delta):
-        """``delta @ W.T``, as one 2-D product over every row."""
-        width = delta.shape[-1]
-        below = tf.matmul(
-            tf.reshape(delta, [-1, width]), self.layer.kernel, transpose_b=True
-        )
-        return tf.reshape(below, tf.concat([tf.shape(delta)[:-1], [a.shape[-1]]], 0))
+        return times_transpose(delta, self.layer.kernel)

@@ -101,12 +101,9 @@ class DenseJacobian:
         return self._jac.tensor(as_batch(x, self.target))
 
     def __call__(self, x, *, copy=False):
-        """Return the (n_samples, n_outputs, n_params) Jacobian of ``x``.
-
-        The array is a read-only view of TensorFlow's result, not a copy:
-        copying 228 MB (n = 10,000 on the question's network) costs as long
-        as computing it. Pass ``copy=True``, or take ``np.array(J)``, for an
-        array you may write to.
+        """Return the (n_samples, n_outputs, n_params) Jacobian of ``x``: by
+        default a read-only view, not a copy, as in
+        :meth:`jacutil.stages.compiled.CompiledJacobian.__call__`.
 
         Args:
             x: the n samples, an array.

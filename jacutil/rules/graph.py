@@ -9,6 +9,8 @@ tensors each step reads and writes. The rules' plan
 read models here.
 """
 
+import itertools
+from collections import Counter
 from dataclasses import dataclass
 
 from ..core._grouped import convolutions_by_group
@@ -215,23 +217,12 @@ class Wiring:
         )
 
     def producers(self):
-        """``{key: step}``: the step that writes each tensor (inputs have none).
-
-        Returns:
-            A ``dict``.
-        """
+        """``{key: step}``: the step that writes each tensor (inputs have none)."""
         return {key: j for j, key in enumerate(self.outputs)}
 
     def readers(self):
-        """``{key: count}``: how many step inputs and model outputs read each tensor.
-
-        Returns:
-            A ``dict``.
-        """
-        count = {}
-        for key in [k for keys in self.inputs for k in keys] + list(self.model_outputs):
-            count[key] = count.get(key, 0) + 1
-        return count
+        """``{key: count}``: how many step inputs and model outputs read each tensor."""
+        return Counter(itertools.chain(*self.inputs, self.model_outputs))
 
 
 def graph_nodes(model):

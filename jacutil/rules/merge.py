@@ -13,6 +13,8 @@ proved with the plan they sit in (``tests/test_rules_graphs.py``), as every
 plan is before use (``jacutil.rules.plan.Plan.check``).
 """
 
+import math
+
 from ..core._tf import keras, tf
 from .registry import NoRule, Rule
 
@@ -128,10 +130,7 @@ class MultiplyRule(MergeRule):
         below = []
         for i in range(len(saved)):
             others = [a for j, a in enumerate(saved) if j != i]
-            product = others[0]
-            for a in others[1:]:
-                product = product * a
-            below.append(delta * product[:, None])
+            below.append(delta * math.prod(others)[:, None])
         return below
 
 

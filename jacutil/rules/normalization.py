@@ -63,13 +63,9 @@ class _Affine(Rule):
         y = xhat if self.gamma is None else xhat * self.gamma
         return y if self.beta is None else y + self.beta
 
-    def blocks(self, xhat, delta, wanted):
-        """Blocks of gamma and beta: ``delta * xhat`` and ``delta`` summed over
-        the positions, (n, l, size) each."""
-        return Blocks(self._gradients(xhat, delta, wanted))
-
     def _gradients(self, xhat, delta, wanted):
-        """``[(variable, (n, l, size))]`` for the wanted of gamma and beta."""
+        """``[(variable, (n, l, size))]`` for the wanted of gamma and beta:
+        ``delta * xhat`` and ``delta`` summed over the positions."""
         found = []
         if self.gamma is not None and self.gamma in wanted:
             width = size_of(self.gamma)
@@ -90,7 +86,7 @@ class _Affine(Rule):
     def _backward(self, saved, delta, wanted, need_signal):
         xhat, _ = saved
         below = self._below(saved, delta) if need_signal else None
-        return self.blocks(xhat, delta, wanted), below
+        return Blocks(self._gradients(xhat, delta, wanted)), below
 
     def _below(self, saved, delta):
         """The signal at the layer's input, (n, l, *input_shape)."""
@@ -102,14 +98,8 @@ class _Affine(Rule):
 
 @register(keras.layers.LayerNormalization)
 class LayerNormRule(_Affine):
-    """``y = gamma * (a - mean) / sqrt(var + eps) + beta`` over the last axes.
-
-    Args:
-        layer: the Keras layer.
-
-    Raises:
-        NoRule: RMS scaling, or axes other than the last ones.
-    """
+    """``y = gamma * (a - mean) / sqrt(var + eps) + beta`` over the last axes;
+    RMS scaling, or axes other than the last ones, raise :class:`NoRule`."""
 
     name = "layer_norm"
 
@@ -136,14 +126,8 @@ class LayerNormRule(_Affine):
 
 @register(keras.layers.BatchNormalization)
 class BatchNormRule(_Affine):
-    """Inference mode: the moving mean and variance, on the last axis.
-
-    Args:
-        layer: the Keras layer.
-
-    Raises:
-        NoRule: an axis other than the last.
-    """
+    """Inference mode: the moving mean and variance, on the last axis; another
+    axis raises :class:`NoRule`."""
 
     name = "batch_norm (inference)"
 

@@ -101,12 +101,8 @@ class Plan:
         return self.wiring.producers().get(outputs[0]) if len(outputs) == 1 else None
 
     def needs_signal(self):
-        """``{key: bool}``: whether a tensor depends on a wanted variable (then
-        its signal is needed below it).
-
-        Returns:
-            A ``dict`` over every tensor's key.
-        """
+        """``{key: bool}`` over every tensor: whether it depends on a wanted
+        variable (then its signal is needed below it)."""
         depends = dict.fromkeys(self.wiring.model_inputs, False)
         for j, keys in enumerate(self.wiring.inputs):
             below = any(depends.get(key, False) for key in keys)
@@ -119,11 +115,7 @@ class Plan:
         return any(step.runs_user_code for step in self.steps)
 
     def layers(self):
-        """``[(layer name, rule)]``, e.g. ``("conv2d", "conv2d+relu")``.
-
-        Returns:
-            A list of ``(str, str)`` pairs, one per step.
-        """
+        """``[(layer name, rule)]`` per step, e.g. ``("conv2d", "conv2d+relu")``."""
         return [(step.layer.name, step.describe()) for step in self.steps]
 
     def describe(self):

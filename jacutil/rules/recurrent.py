@@ -22,14 +22,8 @@ Keras's steps, with ``s = recurrent_activation`` and ``a = activation``:
 
 from ..core._tf import keras, tf
 from .activations import Activation
-from .blocks import kernel_and_bias
+from .blocks import kernel_and_bias, times_transpose
 from .registry import NoRule, Rule, register
-
-
-def _times_transpose(delta, matrix):
-    """``delta @ matrix.T`` over the last axis, as one 2-D product."""
-    rows = tf.matmul(tf.reshape(delta, [-1, delta.shape[-1]]), matrix, transpose_b=True)
-    return tf.reshape(rows, tf.concat([tf.shape(delta)[:-1], [matrix.shape[0]]], 0))
 
 
 def _with_slope(activation, z):
@@ -94,7 +88,7 @@ class _Recurrent(Rule):
         blocks = self.blocks(a, states, inputs, tf.stack(by_state, 1), wanted)
         below = None
         if need_signal:
-            below = _times_transpose(tf.stack(by_input, 2), self.cell.kernel)
+            below = times_transpose(tf.stack(by_input, 2), self.cell.kernel)
         return blocks, below
 
     def step(self, x_k, state):
@@ -148,22 +142,13 @@ class _Recurrent(Rule):
         return blocks
 
     def input_bias(self):
-        """The bias added to every step's input.
-
-        Returns:
-            The bias variable or its input row, shape (gates * u,), or None.
-        """
+        """The bias added to every step's input, (gates * u,), or None."""
         return self.bias
 
     def initial(self, h):
-        """The state before the first step (or the carry before the last).
-
-        Args:
-            h: a zero state (n, u), a signal (n, l, u), or ``0.0``.
-
-        Returns:
-            A tuple: the state's parts, ``h`` first.
-        """
+        """The state's parts, ``h`` first, before the first step (or the carry
+        before the last) from ``h``: a zero state (n, u), a signal (n, l, u) or
+        ``0.0``."""
         return (h,)
 
 
@@ -172,14 +157,6 @@ class LSTMRule(_Recurrent):
     name = "lstm (BPTT)"
 
     def initial(self, h):
-        """The state before the first step (or the carry before the last).
-
-        Args:
-            h: a zero state (n, u), a signal (n, l, u), or ``0.0``.
-
-        Returns:
-            A tuple: the state's parts, ``h`` first.
-        """
         return (h, h if isinstance(h, float) else tf.zeros_like(h))
 
     def step(self, x_k, state):
@@ -198,21 +175,14 @@ class LSTMRule(_Recurrent):
         dh, dc = carry
         dc = dc + dh * o_dac
         dz = tf.concat([dc, dc, dc, dh], -1) * gates  # (n, l, 4u)
-        dh = _times_transpose(dz, self.cell.recurrent_kernel)
+        dh = times_transpose(dz, self.cell.recurrent_kernel)
         return dz, dz, (dh, dc * f)
 
 
 @register(keras.layers.GRU)
 class GRURule(_Recurrent):
-    """A GRU (``reset_after=True``), by backpropagation through time.
-
-    Args:
-        layer: the Keras layer.
-
-    Raises:
-        NoRule: ``reset_after=False``, or a configuration no recurrent rule
-            covers.
-    """
+    """A GRU (``reset_after=True``), by backpropagation through time;
+    ``reset_after=False`` raises :class:`NoRule`."""
 
     name = "gru (BPTT)"
 
@@ -222,11 +192,6 @@ class GRURule(_Recurrent):
             raise NoRule("a GRU with reset_after=False")
 
     def input_bias(self):
-        """The bias added to every step's input.
-
-        Returns:
-            The bias variable or its input row, shape (gates * u,), or None.
-        """
         return self.bias[0]
 
     def step(self, x_k, state):
@@ -254,7 +219,7 @@ class GRURule(_Recurrent):
         by_state = tf.concat(
             [by_input[..., : 2 * units], by_input[..., 2 * units :] * r], -1
         )
-        dh = dh * z + _times_transpose(by_state, self.cell.recurrent_kernel)
+        dh = dh * z + times_transpose(by_state, self.cell.recurrent_kernel)
         return by_input, by_state, (dh,)
 
     def blocks(self, a, states, by_input, by_state, wanted):
@@ -279,4 +244,4 @@ class SimpleRNNRule(_Recurrent):
     def step_back(self, kept, carry):
         (slope,) = kept
         dz = carry[0] * slope
-        return dz, dz, (_times_transpose(dz, self.cell.recurrent_kernel),)
+        return dz, dz, (times_transpose(dz, self.cell.recurrent_kernel),)

@@ -49,11 +49,7 @@ class IdentityRule(Rule):
 
 @register(keras.layers.Activation)
 class ActivationRule(Rule):
-    """A Keras ``Activation`` layer: its signal only, no blocks.
-
-    Args:
-        layer: the Keras layer.
-    """
+    """A Keras ``Activation`` layer: its signal only, no blocks."""
 
     name = "activation"
 
@@ -76,11 +72,7 @@ class ActivationRule(Rule):
 
 @register(keras.layers.ReLU, keras.layers.LeakyReLU, keras.layers.ELU)
 class ElementwiseLayerRule(ActivationRule):
-    """Element-wise layers with options (max_value, negative_slope, ...).
-
-    Args:
-        layer: the Keras layer.
-    """
+    """Element-wise layers with options (max_value, negative_slope, ...)."""
 
     name = "elementwise"
 

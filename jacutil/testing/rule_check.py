@@ -276,11 +276,10 @@ def _run_checks(step, layer, x, rng, errors):
         where = np.cumsum([0] + [size_of(v) for v in variables])
         columns = {id(v): J[:, :, where[k] : where[k + 1]]
                    for k, v in enumerate(variables)}  # fmt: skip
-        worst = 0.0
         backwards = variables[::-1]
         placed, _ = jacobian(backwards, variables)
         expected = np.concatenate([columns[id(v)] for v in backwards], 2)
-        worst = max(worst, _relative(placed, expected))
+        worst = _relative(placed, expected)
         for v in variables:
             placed, _ = jacobian([v], [v])
             worst = max(worst, _relative(placed, columns[id(v)]))

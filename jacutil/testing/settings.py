@@ -35,11 +35,7 @@ class Setting:
     input_dtype: str = "float64"
 
     def make(self):
-        """A fresh, unbuilt float64 layer.
-
-        Returns:
-            A Keras layer of ``layer_type``.
-        """
+        """A fresh, unbuilt float64 layer of ``layer_type``."""
         return self.layer_type(**self.kwargs, dtype="float64")
 
     @property
