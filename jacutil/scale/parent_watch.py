@@ -61,19 +61,10 @@ def _watch(fd, folder, grace):
 
 
 def start(environ=None, grace=GRACE):
-    """Start the watching thread once per process (a daemon thread).
-
-    The two variables are removed from ``environ``. Nothing happens unless
-    ``JACUTIL_PARENT_FD`` names a pipe open in this process.
-
-    Args:
-        environ: where to read ``JACUTIL_PARENT_FD`` and
-            ``JACUTIL_REMOVE_ON_EXIT`` (default: ``os.environ``).
-        grace: seconds between ``SIGTERM`` and ``SIGKILL``.
-
-    Returns:
-        The ``threading.Thread``, or ``None`` when no descriptor is given.
-    """
+    """Start the watching thread once per process (a daemon thread) and
+    return it; None unless ``JACUTIL_PARENT_FD`` in ``environ`` (default
+    ``os.environ``; both variables are removed from it) names a pipe open in
+    this process. ``grace``: seconds between ``SIGTERM`` and ``SIGKILL``."""
     environ = os.environ if environ is None else environ
     for thread in threading.enumerate():  # Dask may load this file twice
         if thread.name == THREAD_NAME:

@@ -21,22 +21,15 @@ the Python process that started them, however it ends - a normal exit
 without ``close()``, ``SIGTERM`` (Slurm, ``timeout``, a stopped Jupyter
 kernel), ``SIGKILL`` (an out-of-memory killer): within ``STOP_BOUND``
 seconds (10; measured: under one) every process is gone and the folder
-removed. How: the driver holds the write end of a pipe and each child (the
-scheduler and each nanny) its read end; ``jacutil/scale/parent_watch.py``,
-loaded by Dask as a ``--preload`` file (without importing ``jacutil`` or
-TensorFlow), reads it in a thread and, at end of file - the kernel closes
-the driver's end however it dies - sends ``SIGTERM`` to its process group,
-then ``SIGKILL`` after 5 seconds; the scheduler's removes the folder. A
-nanny's worker and resource tracker are in its group (and a worker exits at
-once when its nanny does: Dask's own pipe). A process that the driver forked
-without ``exec`` (``multiprocessing`` with ``fork``) holds the write end
-too: the processes then stop when it ends as well.
+removed. How: each child (the scheduler and each nanny) watches a pipe whose
+write end the driver holds, in ``jacutil/scale/parent_watch.py`` (its module
+docstring says how). A process that the driver forked without ``exec``
+(``multiprocessing`` with ``fork``) holds the write end too: the processes
+then stop when it ends as well.
 
-Dask alone does not do this: the scheduler's ``--idle-timeout`` counts tasks,
-not connected clients, so it would stop a scheduler that a learner leaves
-open between two cells; a worker's ``--death-timeout`` only bounds its first
-connection; workers and nannies stop when their scheduler goes away, but the
-scheduler knows nothing of the process that started it.
+Dask alone does not do this: ``--idle-timeout`` counts tasks, not clients;
+``--death-timeout`` bounds a worker's first connection only; the scheduler
+knows nothing of the process that started it.
 
 A scheduler or worker that does not come up within ``start_timeout`` seconds,
 or a port that is taken, is an error that says which and shows its log.
@@ -71,11 +64,7 @@ class WorkerStartError(RuntimeError):
 
 
 def free_port():
-    """A TCP port on 127.0.0.1 that nothing listens on right now.
-
-    Returns:
-        An ``int``: the port number.
-    """
+    """A TCP port (``int``) on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as probe:
         probe.bind((HOST, 0))
         return probe.getsockname()[1]
@@ -110,8 +99,7 @@ def _stop(process, grace=5.0):
 
 
 def _close_fds(fds):
-    """Close and forget the descriptors in the list ``fds`` (each once)."""
-    while fds:
+    while fds:  # each once: the list forgets them
         try:
             os.close(fds.pop())
         except OSError:
@@ -131,10 +119,7 @@ def _stop_all(processes, logs=None, pipe=()):
 class LocalWorkers:
     """A Dask scheduler and ``n_workers`` worker processes on this machine.
 
-    ``threads``: TensorFlow threads per worker (default: the cores shared
-    out). ``port``: the scheduler's (default: a free one). ``python``: the
-    interpreter that runs them. ``client`` is the connected
-    ``dask.distributed.Client``; ``address`` the scheduler's
+    ``client`` is the connected ``dask.distributed.Client``; ``address`` the scheduler's
     (``tls://127.0.0.1:PORT``); ``security`` the ``distributed.Security``
     that a second client needs. ``dashboard=True`` opens Dask's dashboard
     on 127.0.0.1 (``dashboard_link``; it needs ``bokeh``: ``pip install
@@ -270,14 +255,10 @@ class LocalWorkers:
             "--tls-key",
             str(credentials / "key.pem"),
         ]
-        scheduler = self._spawn(
+        self._spawn(
             "scheduler",
             [
-                "-m",
-                "distributed.cli.dask_scheduler",
-                "--protocol",
-                "tls",
-                "--host",
+                *"-m distributed.cli.dask_scheduler --protocol tls --host".split(),
                 HOST,
                 "--port",
                 str(self.port),
@@ -294,29 +275,17 @@ class LocalWorkers:
             self._spawn(
                 f"worker-{i}",
                 [
-                    "-m",
-                    "distributed.cli.dask_worker",
+                    *"-m distributed.cli.dask_worker".split(),
                     self.address,
-                    "--protocol",
-                    "tls",
-                    "--host",
+                    *"--protocol tls --host".split(),
                     HOST,
                     *tls,
-                    "--nthreads",
-                    "1",
-                    "--nworkers",
-                    "1",
-                    "--name",
+                    *"--nthreads 1 --nworkers 1 --name".split(),
                     f"worker-{i}",
                     "--no-dashboard",
                     "--dashboard-address",
                     f"{HOST}:0",
-                    "--dashboard-address",
-                    f"{HOST}:0",
-                    "--nanny",
-                    "--memory-limit",
-                    "0",
-                    "--death-timeout",
+                    *"--nanny --memory-limit 0 --death-timeout".split(),
                     str(int(self.start_timeout) + 1),
                     "--preload-nanny",
                     PARENT_WATCH,
@@ -332,7 +301,6 @@ class LocalWorkers:
         while len(self.client.scheduler_info()["workers"]) < self.n_workers:
             self._check_alive(deadline, f"{self.n_workers} Dask workers")
             time.sleep(0.1)
-        del scheduler
 
     def _dashboard_arguments(self):
         if self.dashboard_link is None:
@@ -357,33 +325,20 @@ class LocalWorkers:
             )
 
     def worker_pids(self):
-        """``{worker address: pid}`` of the worker processes (not their nannies).
-
-        Returns:
-            A dict from address (``str``) to pid (``int``); a worker that is
-            dying or restarting is left out.
-        """
+        """``{worker address: pid}`` of the worker processes (not their
+        nannies); a worker that is dying or restarting (it answers with an
+        error) is left out."""
         pids = self.client.run(os.getpid, on_error="return")
-        # a worker that is dying or restarting answers with an error: skipped
         return {address: pid for address, pid in pids.items() if isinstance(pid, int)}
 
     def kill_busy_worker(self, timeout=60.0):
         """A fault drill: ``SIGKILL`` a worker process that holds a chunk.
 
-        Waits up to ``timeout`` seconds for a worker with tasks, kills it as
-        an out-of-memory killer or a lost machine would, and returns
-        ``(address, pid, keys it held)``. Its nanny starts a new worker; the
-        scheduler gives the chunks it held to a live one.
-
-        Args:
-            timeout: seconds to wait for a worker with tasks.
-
-        Returns:
-            ``(address, pid, keys)``: the worker's address (``str``), its pid
-            and a list of the task keys it held.
-
-        Raises:
-            TimeoutError: no worker held a chunk within ``timeout`` seconds.
+        Waits up to ``timeout`` seconds for a worker with tasks (else
+        ``TimeoutError``), kills it as an out-of-memory killer or a lost
+        machine would, and returns ``(address, pid, list of the task keys it
+        held)``. Its nanny starts a new worker; the scheduler gives the chunks
+        it held to a live one.
         """
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -437,14 +392,8 @@ def _check_bokeh(python):
 
 def leftovers(address=None):
     """Processes that a LocalWorkers (any, or the one at ``address``) started
-    and that still run: after ``close()``, none (``make test`` checks).
-
-    Args:
-        address: the scheduler address of one LocalWorkers (default: any).
-
-    Returns:
-        A list of ``psutil.Process``.
-    """
+    and that still run, as a list of ``psutil.Process``: after ``close()``,
+    none (``make test`` checks)."""
     import psutil
 
     found = []
@@ -461,16 +410,9 @@ def leftovers(address=None):
 def leftover_folders(since=None):
     """Temporary folders of LocalWorkers and process pools
     (``jacutil-workers-<pid>-…``, ``jacutil-pool-<pid>-…``) whose process has
-    ended: after a run, however it ended, none (``make test`` checks the
-    folders of its own run).
-
-    Args:
-        since: a time (``time.time()``): only folders changed since then
-            (default: all).
-
-    Returns:
-        A list of ``pathlib.Path``.
-    """
+    ended, changed since ``since`` (a ``time.time()``; None: all), as a list
+    of ``pathlib.Path``: after a run, however it ended, none (``make test``
+    checks the folders of its own run)."""
     import psutil
 
     found = []
@@ -492,10 +434,7 @@ def remove_dead_owners_folders():
     this process started: their owner was killed with every process it had
     (SIGKILL, a lost machine), so no watchdog could remove them. Folders left
     since this process started stay, for ``make test``'s check to see.
-
-    Returns:
-        The list of removed ``pathlib.Path``.
-    """
+    Returns the list of removed ``pathlib.Path``."""
     import psutil
 
     started = psutil.Process().create_time()
@@ -514,17 +453,8 @@ def client_of(workers):
     """The ``dask.distributed.Client`` of a :class:`LocalWorkers` or a Client;
     for None, the current one, as Dask's own functions use it (inside
     ``with Client(...)`` or ``with LocalWorkers(...)``, or the last one made).
-
-    Args:
-        workers: a running :class:`LocalWorkers`, a Client, or None.
-
-    Returns:
-        The ``dask.distributed.Client``.
-
-    Raises:
-        TypeError: ``workers`` is neither (or is closed), or is None and no
-            client is current.
-    """
+    ``TypeError`` when ``workers`` is neither (or is closed), or is None and
+    no client is current."""
     if workers is None:
         try:
             from distributed import default_client
