@@ -223,17 +223,15 @@ def jacobian(
             forward, ran, traces = False, jac, jac.trace_count
     if forward:
         pass  # J came from forward mode, above
-    elif isinstance(out, (str, os.PathLike)):  # resumable: the file's chunk size
-        J = chunked_jacobian(
-            model, x, memory_budget=budget, out=out, progress=progress,
-            variables=variables, training=training, method="rules", key=key,
-        )  # fmt: skip
-        plan = replace(plan, chunk_size=recorded_chunk_size(out))
     elif out is not None or plan.n_chunks > 1:
+        resumable = isinstance(out, (str, os.PathLike))
         J = chunked_jacobian(
-            model, x, chunk_size=plan.chunk_size, out=out, progress=progress,
-            variables=variables, training=training, method="rules", key=key,
+            model, x, chunk_size=None if resumable else plan.chunk_size,
+            memory_budget=budget, out=out, progress=progress, variables=variables,
+            training=training, method="rules", key=key,
         )  # fmt: skip
+        if resumable:  # a resumed file keeps its own chunk size
+            plan = replace(plan, chunk_size=recorded_chunk_size(out))
     else:
         J = jac.of_batch(batch, copy=copy)
     if not explain:

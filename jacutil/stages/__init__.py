@@ -8,12 +8,4 @@
 
 from ..core.lazy import lazy_modules
 
-__getattr__ = lazy_modules(
-    __name__,
-    {
-        "chunked",
-        "compiled",
-        "loop",
-        "vectorized",
-    },
-)
+__getattr__ = lazy_modules(__name__, {"chunked", "compiled", "loop", "vectorized"})

@@ -92,10 +92,7 @@ def vectorized_jacobian(model, x, *, variables=None, training=False):
         >>> vectorized_jacobian(model, x).shape  # (n, l, m)
         (4, 2, 8)
     """
-    target = resolve_target(model, variables, training, x)
-    x = as_batch(x, target)
-    output_layout(target, x)  # checks the outputs first, with a clear message
-    return batch_tensor(target, x)[0].numpy()
+    return _entry(batch_tensor, model, x, variables, training)
 
 
 def per_sample_jacobian(model, x, *, variables=None, training=False):
@@ -105,16 +102,8 @@ def per_sample_jacobian(model, x, *, variables=None, training=False):
     batch, so each sample is differentiated through itself only: linear in n.
     Recurrent layers are unrolled while it is traced, and a model that pfor
     cannot vectorize runs sample by sample (``jacutil.core.formulation``).
-    Introduced in ``02-vectorized``.
-
-    Args:
-        model: a Keras model, or a callable ``f(x)`` with ``variables=``.
-        x: the n samples (an array, or a list or dict of arrays).
-        variables: the variables to differentiate (default: trainable ones).
-        training: run the model in training mode.
-
-    Returns:
-        A NumPy array of shape (n, l, m).
+    Introduced in ``02-vectorized``. Args and Returns as in
+    :func:`vectorized_jacobian`.
 
     Examples:
         >>> import numpy as np
@@ -126,10 +115,16 @@ def per_sample_jacobian(model, x, *, variables=None, training=False):
         >>> per_sample_jacobian(model, x).shape  # (n, l, m)
         (4, 2, 8)
     """
+    return _entry(per_sample_tensor, model, x, variables, training)
+
+
+def _entry(tensor, model, x, variables, training):
+    """Run ``tensor(target, x)`` for a public entry; the outputs are checked
+    first, with a clear message."""
     target = resolve_target(model, variables, training, x)
     x = as_batch(x, target)
     output_layout(target, x)
-    return per_sample_tensor(target, x)[0].numpy()
+    return tensor(target, x)[0].numpy()
 
 
 def _padded_per_sample(target, x):
