@@ -21,6 +21,7 @@ files are complete are skipped. :func:`read_chunks` reads the folder back as
 one array (or a lazy ``dask.array``).
 """
 
+import functools
 import json
 import os
 import secrets
@@ -51,8 +52,6 @@ def _read_run(folder):
     path = Path(folder) / RUN_FILE
     try:
         return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise
     except ValueError as error:
         raise ResumeMismatch(
             f"{path} cannot be read ({error}): it was changed or cut short "
@@ -60,13 +59,14 @@ def _read_run(folder):
         ) from None
 
 
-class ChunkFolder:
-    """The folder of a run: its record, chunk size and token.
+def _write_run(folder, state):
+    text = json.dumps(state).encode()
+    write_atomically(Path(folder) / RUN_FILE, lambda file: file.write(text))
 
-    Args:
-        path: the folder.
-        state: what ``run.json`` holds.
-    """
+
+class ChunkFolder:
+    """The folder of a run at ``path``: its record, chunk size and token, from
+    ``state`` (what ``run.json`` holds)."""
 
     def __init__(self, path, state):
         self.path = Path(path)
@@ -102,15 +102,14 @@ class ChunkFolder:
         running when a clock passed finishes, but its file is refused), so
         :meth:`complete` then counts what the run left. Called by the driver,
         holding the folder's lock."""
-        state = {**_read_run(self.path), "token": None, "ended": self.token}
-        text = json.dumps(state).encode()
-        write_atomically(self.path / RUN_FILE, lambda file: file.write(text))
+        _write_run(
+            self.path, {**_read_run(self.path), "token": None, "ended": self.token}
+        )
 
     def rows_done(self):
         """The rows (samples) in complete chunk files."""
         todo = set(self.todo())
-        done = [b for k, b in enumerate(self.plan) if k not in todo]
-        return sum(stop - start for start, stop in done)
+        return sum(b - a for k, (a, b) in enumerate(self.plan) if k not in todo)
 
 
 def open_chunk_folder(path, shape, dtype, record, chunk_size, default_chunk_size):
@@ -120,12 +119,10 @@ def open_chunk_folder(path, shape, dtype, record, chunk_size, default_chunk_size
 
     Args:
         path: the folder.
-        shape: the Jacobian's shape, (n, l, m).
-        dtype: its dtype.
+        shape: the Jacobian's shape, (n, l, m), and ``dtype`` its dtype.
         record: what identifies the run (``resume.run_record``).
-        chunk_size: the chunk size asked for, or None (the earlier run's, or
+        chunk_size: asked for, or None (the earlier run's, or
             ``default_chunk_size`` for a new folder).
-        default_chunk_size: the chunk size of a new folder.
 
     Returns:
         A :class:`ChunkFolder`.
@@ -153,8 +150,7 @@ def open_chunk_folder(path, shape, dtype, record, chunk_size, default_chunk_size
     state["chunk_size"] = int(chunk_size or default_chunk_size)
     state["token"] = secrets.token_hex(8)
     path.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(state).encode()
-    write_atomically(path / RUN_FILE, lambda file: file.write(text))
+    _write_run(path, state)
     return ChunkFolder(path, state)
 
 
@@ -164,21 +160,12 @@ def write_chunk(folder, start, rows, token):
     ``token``). Written under a temporary name, flushed, and renamed only if
     the run has not ended meanwhile (:meth:`ChunkFolder.end`).
 
-    Args:
-        folder: the run's folder (on a file system every worker sees).
-        start: the chunk's first row.
-        rows: its rows, shape (c, l, m).
-        token: the run's token.
-
     Raises:
         RunFileError: the folder is not the run's.
         RunEndedError: the run ended before the file could take its name.
     """
     folder = Path(folder)
-
-    def still_the_runs():
-        _check_token(folder, token)
-
+    still_the_runs = functools.partial(_check_token, folder, token)
     still_the_runs()  # before writing: a wrong folder fails at once
     rows = np.ascontiguousarray(rows)
     path = folder / chunk_name(start, start + len(rows))
@@ -227,20 +214,11 @@ def _check_token(folder, token):
 
 
 def read_chunks(folder, *, lazy=False):
-    """The Jacobian in a chunk folder, as one array.
-
-    Args:
-        folder: a folder written by ``distributed_jacobian(..., out=folder)``.
-        lazy: return a ``dask.array`` whose blocks are the chunk files
-            (memory-mapped when computed) instead of reading them all now.
-
-    Returns:
-        A NumPy array (or a ``dask.array``) of shape (n, l, m).
-
-    Raises:
-        ResumeMismatch: a chunk is missing or incomplete (it says which,
-            and how to finish the run).
-    """
+    """The Jacobian in a chunk folder (written by ``distributed_jacobian(...,
+    out=folder)``), as one NumPy array of shape (n, l, m); with ``lazy``, a
+    ``dask.array`` whose blocks are the chunk files (memory-mapped when
+    computed). ``ResumeMismatch`` when a chunk is missing or incomplete (it
+    says which, and how to finish the run)."""
     folder = Path(folder)
     try:
         chunks = ChunkFolder(folder, _read_run(folder))

@@ -18,6 +18,7 @@ import operator
 import pickle
 
 from ..core.arguments import check_chunk_size
+from ..core.planner import Plan
 from .dask_blocks import blocks_by_samples, is_dask_input
 from .distributed import model_spec, prepare, rows_task
 from .workers import client_of
@@ -46,9 +47,7 @@ def lazy_jacobian(
         x: the n samples: an array, or ``dask.array`` / futures (then
             ``client`` is needed).
         chunk_size: samples per block.
-        training: run the model in training mode.
-        jit_compile: compile with XLA.
-        method: as in :func:`jacutil.compiled_jacobian`.
+        training, jit_compile, method: as in :func:`jacutil.distributed_jacobian`.
         client: the ``dask.distributed.Client`` that computes a ``dask.array``
             x's first sample (and holds futures); None: the current client.
 
@@ -68,25 +67,20 @@ def lazy_jacobian(
     options = {"training": training, "jit_compile": jit_compile, "method": method}
     task = loads(pickle.dumps(functools.partial(rows_task, options=options)))
     spec = loads(pickle.dumps(model_spec(model, run.probe)))
+    plan = Plan(run.n_rows, chunk_size)
     if run.dask_x is not None:
         blocks = blocks_by_samples(run.dask_x, chunk_size)
     else:
-        blocks = [
-            loads(pickle.dumps(run.chunk(k * chunk_size, (k + 1) * chunk_size)))
-            for k in range(-(-run.n_rows // chunk_size))
-        ]
+        blocks = [loads(pickle.dumps(run.chunk(*bounds))) for bounds in plan]
     call = dask.delayed(operator.call, pure=True)
-    parts = []
-    for k, block in enumerate(blocks):
-        start = k * chunk_size
-        rows = min(chunk_size, run.n_rows - start)
-        parts.append(
-            da.from_delayed(
-                call(task, spec, block, start),
-                shape=(rows, *run.shape[1:]),
-                dtype=run.dtype,
-            )
+    parts = [
+        da.from_delayed(
+            call(task, spec, block, start),
+            shape=(stop - start, *run.shape[1:]),
+            dtype=run.dtype,
         )
+        for block, (start, stop) in zip(blocks, plan, strict=True)
+    ]
     return da.concatenate(parts)
 
 
@@ -99,13 +93,9 @@ def jacobian_futures(model, x, workers=None, *, chunk_size, **options):
     ``10-beyond-one-machine``.
 
     Args:
-        model: a Keras model.
-        x: the n samples (an array, a ``dask.array`` or futures).
+        model, x, chunk_size, **options: as in :func:`lazy_jacobian`.
         workers: a :class:`jacutil.LocalWorkers` or ``dask.distributed.Client``
             (None: the current client).
-        chunk_size: samples per chunk.
-        **options: ``training``, ``jit_compile``, ``method`` as in
-            :func:`lazy_jacobian`.
 
     Returns:
         A list of ``distributed.Future``, chunk k holding rows

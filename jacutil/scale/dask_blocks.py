@@ -25,20 +25,10 @@ def is_dask_input(x):
 
 
 def as_dask_array(x, client):
-    """``x`` as a ``dask.array`` whose data stays where it is.
-
-    Args:
-        x: a ``dask.array``; a Dask future of an array; or a list of futures,
-            each a block of samples (arrays with the same trailing shape).
-        client: the ``dask.distributed.Client`` that holds the futures.
-
-    Returns:
-        A ``dask.array`` (samples first).
-
-    Raises:
-        ValueError: the number of samples is unknown (``nan`` chunks: call
-            ``x.compute_chunk_sizes()`` first).
-    """
+    """``x`` (a ``dask.array``, a Dask future of an array, or a list of
+    futures of blocks of samples, held by ``client``) as a ``dask.array``
+    whose data stays where it is; ``ValueError`` when its number of samples is
+    unknown (``nan`` chunks)."""
     import dask.array as da
     from distributed import Future
 

@@ -5,8 +5,7 @@ scheduler by default - when a worker dies while it holds a chunk, another
 gets it, and nothing is lost or computed twice into the result - or a
 process pool on this machine. The model travels as its Keras config and its
 weights (a Keras model does not pickle well), and each worker rebuilds it
-once per set of weights; the scheduler sees only ``pickle.loads``,
-``operator.call`` and bytes, so it needs neither jacutil nor TensorFlow.
+once per set of weights.
 
 Where the rows go (``out=``): back to this process, into memory or one
 resumable ``.npy`` that this process writes (the same ledger as
@@ -65,18 +64,12 @@ __all__ = [
 ]
 
 CHUNKS_PER_WORKER = 4  # default chunk size: n / (4 workers), for balance and retries
+COMPILE_KEYS = ("training", "jit_compile", "method")  # what each chunk's task takes
 
 
 def check_sendable(model):
-    """Refuse what workers cannot rebuild: anything but a ``keras.Model``.
-
-    Args:
-        model: what the caller wants computed on workers.
-
-    Raises:
-        TypeError: ``model`` is not a ``keras.Model`` (a plain function, a
-            layer).
-    """
+    """Refuse what workers cannot rebuild: anything but a ``keras.Model``
+    (``TypeError``)."""
     if not isinstance(model, keras.Model):
         raise TypeError(
             f"workers rebuild a Keras model from its config; got "
@@ -86,18 +79,9 @@ def check_sendable(model):
 
 
 def model_spec(model, x):
-    """What a worker needs to rebuild ``model``: its config and weights, and
-    the outputs of the first sample of ``x``, to prove the rebuilt model is
-    the same function.
-
-    Args:
-        model: a Keras model.
-        x: the n samples.
-
-    Returns:
-        A dict: ``config`` (JSON), ``weights`` (arrays), ``key`` (a
-        fingerprint) and ``probe`` (one sample and its outputs).
-    """
+    """What a worker needs to rebuild ``model``: a dict of its ``config``
+    (JSON), ``weights``, ``key`` (a fingerprint) and ``probe`` (the first
+    sample of ``x`` and its outputs, to prove the rebuilt model the same)."""
     try:
         config = model.to_json()
     except Exception as error:  # noqa: BLE001 - any reason: say what to do
@@ -150,7 +134,8 @@ def forget_models():
 
 @contextlib.contextmanager
 def model_from(spec):
-    """The model of ``spec``, held for one task.
+    """The Keras model of ``spec`` (:func:`model_spec`), with its weights,
+    held for one task.
 
     Rebuilt once per worker and architecture (the newest two are kept), so a
     second call with new weights - each step of Levenberg-Marquardt - only
@@ -158,12 +143,6 @@ def model_from(spec):
     the outputs of the probe are checked again. A lock holds the model for
     the whole task: two tasks in two threads of one worker never see each
     other's weights.
-
-    Args:
-        spec: as :func:`model_spec` makes it.
-
-    Yields:
-        The Keras model, with the spec's weights.
     """
     entry = _rebuilt.get(spec["config"])
     if entry is None:
@@ -225,15 +204,8 @@ def _normal_equations_task(spec, x, y, *, chunk_size, training):
 
 
 def as_numpy(x):
-    """``x`` (an array, or a list or dict of them) as NumPy arrays: what
-    travels to a worker.
-
-    Args:
-        x: a tensor or array, or a nest of them.
-
-    Returns:
-        The same nest of NumPy arrays.
-    """
+    """``x`` (a tensor or array, or a nest of them) as NumPy arrays: what
+    travels to a worker."""
     return tf.nest.map_structure(np.asarray, x)
 
 
@@ -265,18 +237,9 @@ class Prepared:
 
 
 def prepare(model, x, client, training, jit_compile, method):
-    """Check ``model`` and ``x`` on the driver (one sample of a ``dask.array``)
-    and compile the Jacobian that every chunk uses.
-
-    Args:
-        model: a Keras model.
-        x: the samples: arrays, or a ``dask.array`` / futures.
-        client: the Dask client (None for a process pool).
-        training, jit_compile, method: as in :func:`distributed_jacobian`.
-
-    Returns:
-        A :class:`Prepared`.
-    """
+    """Check ``model`` and ``x`` on the driver (one sample of a ``dask.array``;
+    ``client`` is None for a process pool) and compile the Jacobian that every
+    chunk uses, as a :class:`Prepared`."""
     check_sendable(model)
     dask_x = None
     if is_dask_input(x):
@@ -317,12 +280,10 @@ def distributed_jacobian(
     ``workers``: a :class:`LocalWorkers`, a ``dask.distributed.Client``, a
     ``concurrent.futures.ProcessPoolExecutor`` or an executor
     (:mod:`jacutil.scale.executors`); None, the current Dask client (inside
-    ``with LocalWorkers(...)`` or ``with Client(...)``), as Dask's own
-    functions do. Chunks of ``chunk_size`` samples
-    (default: n / (4 x workers); a resumed run's own) are rows of the same
-    compiled Jacobian as :func:`jacutil.chunked_jacobian`, so the result
-    equals it bit for bit when both use the same ``chunk_size`` (another
-    chunk size may round float32 differently in the last bit).
+    ``with LocalWorkers(...)`` or ``with Client(...)``). Chunks (default
+    n / (4 x workers); a resumed run's own) are rows of the same compiled
+    Jacobian as :func:`jacutil.chunked_jacobian`: the result equals it bit
+    for bit with the same ``chunk_size``.
 
     ``x``: arrays, or a ``dask.array`` (or Dask futures) whose blocks are
     computed on the workers and never come to this process (one sample
@@ -334,19 +295,14 @@ def distributed_jacobian(
     the workers write themselves (:mod:`jacutil.scale.chunk_files`; it must
     be on a file system every worker sees at the same path), resumable too.
 
-    Two clocks, both off by default: ``timeout`` is the longest wait, in
-    seconds, for the next chunk to arrive; ``deadline`` bounds the whole
-    run. Both start when the chunks are sent, so the first wait includes
-    what a fresh worker does before its first chunk (TensorFlow's import and
-    the model's trace: seconds); give ``timeout`` that margin, or warm the
-    workers with a small run first. When one passes, or every worker has been gone for
-    ``executors.WORKERS_LOST_AFTER`` seconds, the run stops with
+    The clocks ``timeout`` and ``deadline`` start when the chunks are sent,
+    so the first wait includes a fresh worker's start (TensorFlow's import,
+    the model's trace: seconds). When one passes, or every worker has been
+    gone for ``executors.WORKERS_LOST_AFTER`` seconds, the run stops with
     :class:`ChunkTimeoutError` or :class:`WorkersLostError`; the chunks that
     arrived are kept (``error.out`` and ``error.done`` in memory; on disk,
-    where calling again resumes). The chunks not yet started are cancelled;
-    in a folder, a chunk still running is not written when it ends, and
-    ``error.done`` lists the chunk files complete when the run stopped.
-    ``on_chunk(k)`` is called after chunk ``k`` is written (and recorded).
+    where calling again resumes) and those not started are cancelled.
+    In a folder, ``error.done`` lists the chunk files complete at the stop.
     Introduced in ``10-beyond-one-machine``.
 
     Args:
@@ -356,9 +312,8 @@ def distributed_jacobian(
         chunk_size: samples per chunk (default n / (4 x workers)).
         out: None, an array of shape (n, l, m), a ``.npy`` path or a folder.
         progress: show a progress bar over samples.
-        training: run the model in training mode.
-        jit_compile: compile with XLA.
-        method: as in :func:`jacutil.compiled_jacobian` (default ``"rules"``).
+        training, jit_compile, method: as in :func:`jacutil.chunked_jacobian`
+            (default method ``"rules"``).
         timeout: seconds to wait for the next chunk, the first one included
             (None: no limit).
         deadline: seconds for the whole run (None: no limit).
@@ -394,9 +349,8 @@ def distributed_jacobian(
 
 def _distributed(executor, model, x, chunk_size, out, progress, options):
     """:func:`distributed_jacobian` with its executor."""
-    client = getattr(executor, "client", None)
-    compile_options = [options[k] for k in ("training", "jit_compile", "method")]
-    run = prepare(model, x, client, *compile_options)
+    compile_options = {k: options[k] for k in COMPILE_KEYS}
+    run = prepare(model, x, getattr(executor, "client", None), **compile_options)
     _warn_threads(executor)
     workers_now = max(1, executor.n_workers())
     plan = plan_chunks(  # by default, CHUNKS_PER_WORKER chunks a worker
@@ -472,9 +426,7 @@ class Job:
         self.executor, self.run, self.model = executor, run, model
         self.progress, self.on_chunk = progress, options["on_chunk"]
         self.clocks = {"timeout": options["timeout"], "deadline": options["deadline"]}
-        self.options = {
-            key: options[key] for key in ("training", "jit_compile", "method")
-        }
+        self.options = {key: options[key] for key in COMPILE_KEYS}
 
     def submit(self, todo, chunk_size, where=None):
         """A task for each chunk in ``todo``: ``rows_task(spec, samples, start)``,
@@ -504,12 +456,9 @@ class Job:
     def collect(self, futures, write, done, chunk_size, kept, on_disk=None):
         """Each chunk as it arrives, written by ``write(k, rows)`` (None: the
         worker wrote it). A clock that passes, or workers lost, stop the run
-        with an error that says where the chunks that arrived are (``kept``:
-        the array in memory, or a sentence). Workers that write their own
-        files may have finished more chunks than arrived here: then
-        ``on_disk()`` ends the run (after the chunks still to come are
-        cancelled) and returns the chunks complete on disk, which the error
-        counts."""
+        with an error saying where the arrived chunks are (``kept``: the array
+        in memory, or a sentence); ``on_disk()``, when given, returns the
+        chunks complete on disk, which the error counts instead."""
         n_rows, arrived = self.run.n_rows, set()
         bar = tqdm(total=n_rows, initial=done, disable=not self.progress, unit="sample")
         # closed on any error (a worker's too): the chunks still to come are cancelled
@@ -567,12 +516,9 @@ class DistributedLeastSquares(LeastSquaresProblem):
     not bit for bit. Introduced in ``10-beyond-one-machine``.
 
     Args:
-        model: a Keras model.
-        x: the n samples.
-        y: the targets, one per sample.
+        model, x, y, chunk_size, training: as in
+            :func:`jacutil.least_squares_problem` (a Keras model).
         workers: a :class:`LocalWorkers` or a ``dask.distributed.Client``.
-        chunk_size: samples per chunk.
-        training: run the model in training mode.
     """
 
     def __init__(self, model, x, y, workers, *, chunk_size=None, training=False):
@@ -582,18 +528,9 @@ class DistributedLeastSquares(LeastSquaresProblem):
         self._rows_y = self.y.reshape(self.n_samples, self.n_outputs)
 
     def normal_equations(self, theta, checkpoint=None):
-        """``(JtJ, Jtr)`` at ``theta``, summed over chunks run on the workers.
-
-        Args:
-            theta: the parameters, shape (m,).
-            checkpoint: must be None (a lost worker's chunk is rerun instead).
-
-        Returns:
-            ``(JtJ, Jtr)``: float64 arrays of shape (m, m) and (m,).
-
-        Raises:
-            ValueError: a ``checkpoint`` was given.
-        """
+        """``(JtJ, Jtr)`` at ``theta``, float64 (m, m) and (m,), summed over
+        chunks run on the workers; ``checkpoint`` must be None (a lost
+        worker's chunk is rerun instead: ``ValueError``)."""
         if checkpoint is not None:
             raise ValueError(
                 "checkpoint is not kept for distributed normal equations: a "
