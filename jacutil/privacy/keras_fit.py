@@ -50,12 +50,7 @@ def per_sample_loss(loss):
     if isinstance(loss, str):
         loss = keras.losses.get(loss)
     if isinstance(loss, keras.losses.Loss):
-        unreduced = loss.call
-
-        def loss_fn(y, prediction):
-            return unreduced(y, prediction)
-
-        return loss_fn
+        return loss.call  # unreduced, with the object's options
     if callable(loss):
         return loss
     raise ValueError(
