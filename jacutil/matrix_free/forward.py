@@ -26,7 +26,7 @@ from ..core.formulation import (
 )
 from ..core.outputs import output_layout
 from ..core.second_order import ensure_second_order
-from ..core.target import resolve_target, variable_list, watched
+from ..core.target import resolve_target, watched
 
 COLUMNS_PER_PASS = 64  # parameter columns vectorized together
 
@@ -154,7 +154,6 @@ def forward_jacobian(
         >>> forward_jacobian(model, x).shape  # (n, l, m)
         (4, 2, 8)
     """
-    variables = None if variables is None else variable_list(variables)
     target = resolve_target(model, variables, training, x)
     jac = ForwardJacobian(target, columns_per_pass, owner=model)
     return jac if x is None else jac(x)

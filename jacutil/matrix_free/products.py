@@ -37,7 +37,7 @@ from ..core.formulation import (
 from ..core.outputs import output_layout
 from ..core.planner import plan_chunks
 from ..core.second_order import ensure_second_order
-from ..core.target import resolve_target, variable_list, watched
+from ..core.target import resolve_target, watched
 
 
 class Products:
@@ -247,7 +247,6 @@ def products(model, *, variables=None, training=False, chunk_size=None, mode="fo
         A :class:`Products` ``p``: ``p.jvp(x, v)`` (m,) -> (n, l) and
         ``p.vjp(x, u)`` (n, l) -> (m,).
     """
-    variables = None if variables is None else variable_list(variables)
     target = resolve_target(model, variables, training)
     return Products(target, chunk_size, mode, owner=model)
 
