@@ -29,39 +29,36 @@ def available(name):
     return importlib.util.find_spec(name) is not None
 
 
-def _peer(library, what, model):
-    """``library``'s builder ``what`` applied to ``model``, or None without it."""
-    if not available(library):
-        return None
-    module = importlib.import_module(f".{library}_peer", __name__)
-    return getattr(module, f"{library}_{what}")(model)
+def _builder(library, what, summary):
+    """The public ``{library}_{what}(model)``: ``library``'s builder ``what``
+    (in ``{library}_peer.py``) applied to the model, or None without it."""
+
+    def build(model):
+        if not available(library):
+            return None
+        module = importlib.import_module(f".{library}_peer", __name__)
+        return getattr(module, f"{library}_{what}")(model)
+
+    build.__name__ = build.__qualname__ = f"{library}_{what}"
+    build.__doc__ = f"{summary}, or None without {library}."
+    return build
 
 
-def jax_jacobian(model):
-    """``jax.jit(vmap(jacrev(f)))`` on the model's weights, or None without JAX."""
-    return _peer("jax", "jacobian", model)
-
-
-def torch_jacobian(model):
-    """``torch.func.vmap(jacrev(f))`` on the model's weights, or None without torch."""
-    return _peer("torch", "jacobian", model)
-
-
-def jax_gradients(model):
-    """``jax.jit(vmap(grad(loss)))`` of the squared error, or None without JAX."""
-    return _peer("jax", "gradients", model)
-
-
-def torch_gradients(model):
-    """``torch.func.vmap(grad(loss))`` of the squared error, or None without torch."""
-    return _peer("torch", "gradients", model)
-
-
-def jax_gradient_norms(model):
-    """The norms of ``jax_gradients`` in the same ``jax.jit``, or None without JAX."""
-    return _peer("jax", "gradient_norms", model)
-
-
-def torch_gradient_norms(model):
-    """The norms of ``torch_gradients``, or None without torch."""
-    return _peer("torch", "gradient_norms", model)
+jax_jacobian = _builder(
+    "jax", "jacobian", "``jax.jit(vmap(jacrev(f)))`` on the model's weights"
+)
+torch_jacobian = _builder(
+    "torch", "jacobian", "``torch.func.vmap(jacrev(f))`` on the model's weights"
+)
+jax_gradients = _builder(
+    "jax", "gradients", "``jax.jit(vmap(grad(loss)))`` of the squared error"
+)
+torch_gradients = _builder(
+    "torch", "gradients", "``torch.func.vmap(grad(loss))`` of the squared error"
+)
+jax_gradient_norms = _builder(
+    "jax", "gradient_norms", "The norms of ``jax_gradients`` in the same ``jax.jit``"
+)
+torch_gradient_norms = _builder(
+    "torch", "gradient_norms", "The norms of ``torch_gradients``"
+)

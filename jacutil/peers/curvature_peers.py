@@ -2,32 +2,10 @@
 
 The peers of ``jacutil.curvature`` for ``python -m jacutil.bench.curvature_rows``
 (``make bench-peers``). BackPACK, curvlinops and laplace-torch work on a
-``torch.nn.Module``, not on ``torch.func`` functions, so :func:`torch_module`
-builds an ``nn.Sequential`` from the records of ``network.describe`` (Dense,
-Conv2D and Flatten layers in a chain, activations linear, ReLU, tanh,
-sigmoid) and :class:`TorchModule` keeps the map between its parameters and
-``flat_params`` order:
-
-- a Dense kernel (n_in, n_out) is PyTorch's ``Linear.weight`` (n_out, n_in);
-- a Conv2D kernel (kh, kw, c_in, c_out) is ``Conv2d.weight`` (c_out, c_in,
-  kh, kw); images go in as (n, c, h, w);
-- PyTorch's ``Flatten`` reads (c, h, w) where Keras's reads (h, w, c), so the
-  Dense kernel after it has its rows permuted to match: the outputs are the
-  same numbers.
-
-Each builder returns a function of NumPy arrays whose result is in
-jacutil's conventions (parameters in ``flat_params`` order, the loss summed
-over samples), so that it can be compared with jacutil's directly:
-
-- ``backpack_ggn_diagonal``: BackPACK's ``DiagGGNExact``, the exact diagonal
-  of G = sum_i J_i.T H_i J_i;
-- ``backpack_kflr``: BackPACK's ``KFLR`` factors (the Kronecker factors with
-  the exact H; BackPACK's ``KFAC`` samples H by Monte Carlo instead);
-- ``curvlinops_ggn``: curvlinops's ``GGNLinearOperator`` products G v;
-- ``laplace_torch_variance``: laplace-torch's linearized predictive
-  covariance J* Sigma J*.T for a fixed prior precision and noise;
-- ``jax_ntk``: the empirical NTK J J.T by ``jit(vmap(jacrev))`` and einsum;
-  ``neural_tangents_ntk``: neural-tangents' ``empirical_ntk_fn``.
+``torch.nn.Module``, so :func:`torch_module` rebuilds the Keras chain as one.
+Each builder returns a function of NumPy arrays whose result is in jacutil's
+conventions (parameters in ``flat_params`` order, the loss summed over
+samples), so that it can be compared with jacutil's directly.
 
 Losses, as ``jacutil.curvature.losses``: ``"squared_error"`` is
 0.5 |f - y|^2 (H = I), while PyTorch's ``MSELoss(reduction="sum")`` is
@@ -46,7 +24,7 @@ import warnings
 
 import numpy as np
 
-from .layers import forward, joined
+from .layers import forward
 from .network import describe
 
 LOSSES = ("squared_error", "softmax_cross_entropy")
@@ -55,18 +33,13 @@ SPIN = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # the user's choice, if set
 
 
 def load_torch():
-    """PyTorch, imported on first use, with a short OpenMP spin.
+    """The ``torch`` module, imported on first use, with a short OpenMP spin.
 
     The JAX peers need no PyTorch; the others import it through here, so
     that the spin is shortened (as ``torch_peer.py`` explains) unless the
-    user set ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``. Introduced in
+    user set ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``; ImportError without
+    PyTorch (``make bench-peers`` installs it). Introduced in
     ``11-curvature-and-uncertainty``.
-
-    Returns:
-        The ``torch`` module.
-
-    Raises:
-        ImportError: PyTorch is not installed (``make bench-peers`` installs it).
     """
     if "torch" not in sys.modules and not any(name in os.environ for name in SPIN):
         os.environ["GOMP_SPINCOUNT"] = "10000"  # read once, when libgomp loads
@@ -107,39 +80,19 @@ class TorchModule:
         self.image = image
 
     def inputs(self, x):
-        """NumPy inputs as a torch tensor in the module's layout and dtype.
-
-        Args:
-            x: the samples, Keras's layout.
-
-        Returns:
-            A ``torch.Tensor``.
-        """
+        """NumPy inputs ``x`` (Keras's layout) as a tensor in the module's."""
         torch = load_torch()
         t = torch.as_tensor(np.asarray(x), dtype=self.dtype)
         return t.permute(0, 3, 1, 2).contiguous() if self.image else t
 
     def to_torch(self, v):
-        """A vector in ``flat_params`` order as the module's parameter vector.
-
-        Args:
-            v: an array (m,).
-
-        Returns:
-            A ``torch.Tensor`` (m,).
-        """
+        """A vector (m,) in ``flat_params`` order as the module's, a tensor (m,)."""
         torch = load_torch()
         return torch.as_tensor(np.asarray(v)[self.index], dtype=self.dtype)
 
     def to_ours(self, t):
-        """A vector in the module's parameter order, in ``flat_params`` order.
-
-        Args:
-            t: a tensor (m,), or a list of per-parameter tensors.
-
-        Returns:
-            A NumPy array (m,), float64.
-        """
+        """A tensor (m,) or list of per-parameter tensors, in the module's order,
+        as a float64 NumPy array (m,) in ``flat_params`` order."""
         torch = load_torch()
         if isinstance(t, (list, tuple)):
             t = torch.cat([b.reshape(-1) for b in t])
@@ -151,18 +104,15 @@ class TorchModule:
 def torch_module(model):
     """The Keras model rebuilt as a :class:`TorchModule` on its weights.
 
-    Introduced in ``11-curvature-and-uncertainty``.
-
-    Args:
-        model: a Keras chain of Dense, Conv2D and Flatten layers (a
-            ``Sequential`` or a functional model without branches).
-
-    Returns:
-        A :class:`TorchModule`.
-
-    Raises:
-        ValueError: another layer, a branching model, a weight that is not
-            trainable, or an unsupported Conv2D option.
+    ``model`` is a chain of Dense, Conv2D and Flatten layers (a ``Sequential``
+    or a functional model without branches), activations linear, ReLU, tanh
+    or sigmoid; ValueError for another layer, a branching model, a weight
+    that is not trainable or an unsupported Conv2D option. A Dense kernel
+    (n_in, n_out) becomes ``Linear.weight`` (n_out, n_in); a Conv2D kernel
+    (kh, kw, c_in, c_out) ``Conv2d.weight`` (c_out, c_in, kh, kw), images
+    going in as (n, c, h, w); PyTorch's ``Flatten`` reads (c, h, w) where
+    Keras's reads (h, w, c), so the Dense kernel after it has its rows
+    permuted to match. Introduced in ``11-curvature-and-uncertainty``.
     """
     torch = load_torch()
     records, theta = describe(model)
@@ -318,18 +268,11 @@ def _backpack_pass(model, loss, extension):
 def backpack_ggn_diagonal(model, loss="squared_error"):
     """BackPACK's ``DiagGGNExact``: ``diag(x)``, the diagonal of G, shape (m,).
 
-    Introduced in ``11-curvature-and-uncertainty``.
-
-    Args:
-        model: a Keras chain (see :func:`torch_module`).
-        loss: ``"squared_error"`` or ``"softmax_cross_entropy"``.
-
-    Returns:
-        ``diag(x)``: NumPy inputs -> a NumPy array (m,) in ``flat_params``
-        order, G of the loss summed over samples (MSELoss halved).
-
-    Raises:
-        ValueError: an unknown loss or a model :func:`torch_module` rejects.
+    ``model`` a Keras chain (see :func:`torch_module`), ``loss``
+    ``"squared_error"`` or ``"softmax_cross_entropy"`` (ValueError otherwise).
+    ``diag(x)`` maps NumPy inputs to a NumPy array (m,) in ``flat_params``
+    order, G of the loss summed over samples (MSELoss halved). Introduced in
+    ``11-curvature-and-uncertainty``.
     """
     from backpack.extensions import DiagGGNExact
 
@@ -354,21 +297,12 @@ def backpack_kflr(model, loss="squared_error"):
     sums each signal over the output positions before the outer product
     (``B = sum (sum_r delta_r)(sum_r delta_r).T``) and does not divide A by
     the number of positions R, while jacutil's KFAC-expand sums the outer
-    products per position and divides A by n R. Introduced in
-    ``11-curvature-and-uncertainty``.
-
-    Args:
-        model: a Keras chain (see :func:`torch_module`).
-        loss: ``"squared_error"`` or ``"softmax_cross_entropy"``.
-
-    Returns:
-        ``factors(x)``: a list, per Linear or Conv2d layer, of ``(A, B)``
-        NumPy arrays as BackPACK gives them (``kflr = [B, A]``): A the
-        input factor (with a bias column when the layer has a bias), B the
-        output factor, for the loss summed over samples (MSELoss halved).
-
-    Raises:
-        ValueError: an unknown loss or a model :func:`torch_module` rejects.
+    products per position and divides A by n R. Arguments as
+    :func:`backpack_ggn_diagonal`. ``factors(x)`` gives a list, per Linear or
+    Conv2d layer, of ``(A, B)`` NumPy arrays as BackPACK gives them (``kflr =
+    [B, A]``): A the input factor (with a bias column when the layer has a
+    bias), B the output factor, for the loss summed over samples (MSELoss
+    halved). Introduced in ``11-curvature-and-uncertainty``.
     """
     from backpack.extensions import KFLR
 
@@ -390,19 +324,10 @@ def backpack_kflr(model, loss="squared_error"):
 def curvlinops_ggn(model, x, loss="squared_error"):
     """curvlinops's ``GGNLinearOperator`` on x: ``matvec(v)`` = G v, (m,).
 
-    Introduced in ``11-curvature-and-uncertainty``.
-
-    Args:
-        model: a Keras chain (see :func:`torch_module`).
-        x: the n samples (one batch).
-        loss: ``"squared_error"`` or ``"softmax_cross_entropy"``.
-
-    Returns:
-        ``matvec(v)``: a vector (m,) in ``flat_params`` order -> G v, (m,),
-        same order, G of the loss summed over samples (MSELoss halved).
-
-    Raises:
-        ValueError: an unknown loss or a model :func:`torch_module` rejects.
+    ``x`` is the n samples (one batch); ``model`` and ``loss`` as
+    :func:`backpack_ggn_diagonal`. ``v`` and G v are in ``flat_params``
+    order, G of the loss summed over samples (MSELoss halved). Introduced in
+    ``11-curvature-and-uncertainty``.
     """
     from curvlinops import GGNLinearOperator
 
@@ -442,16 +367,12 @@ def laplace_torch_variance(
         x: the training inputs.
         y: their targets (n, l).
         structure: ``"last_layer"`` (laplace-torch's ``FullLLLaplace``) or
-            ``"diagonal"`` (``DiagLaplace``, every weight).
+            ``"diagonal"`` (``DiagLaplace``, every weight); ValueError otherwise.
         prior_precision: delta.
         sigma_noise: sigma.
 
     Returns:
         ``variance(x_test)``: NumPy inputs -> (n_test, l, l), J* Sigma J*.T.
-
-    Raises:
-        ValueError: an unknown structure or a model :func:`torch_module`
-            rejects.
     """
     from laplace import Laplace
 
@@ -487,40 +408,22 @@ def laplace_torch_variance(
 def jax_ntk(model):
     """The empirical NTK by ``jit(vmap(jacrev))`` then ``J J.T`` (einsum).
 
-    Introduced in ``11-curvature-and-uncertainty``.
-
-    Args:
-        model: a Keras model ``network.describe`` reads.
-
-    Returns:
-        ``ntk(x)``: NumPy inputs -> (n l, n l), rows and columns sample-major
-        (row ``i * l + k``: sample i, output k), as
-        ``jacutil.curvature.ntk.empirical_ntk``.
-
-    Raises:
-        ValueError: a layer ``network.describe`` rejects.
+    ``model`` is one ``network.describe`` reads (ValueError otherwise);
+    ``ntk(x)`` maps NumPy inputs to (n l, n l), rows and columns sample-major
+    (row ``i * l + k``: sample i, output k), as
+    ``jacutil.curvature.ntk.empirical_ntk``. Introduced in
+    ``11-curvature-and-uncertainty``.
     """
-    import jax
     import jax.numpy as jnp
 
-    from .jax_peer import OPS, rebuilt
+    from .jax_peer import joined_jacobian, on_numpy
 
-    layers, theta = rebuilt(model)
-
-    def f(theta, x):
-        return forward(layers, theta, x, OPS)
-
-    @jax.jit
-    def kernel(theta, x):
-        blocks = jax.vmap(jax.jacrev(f), in_axes=(None, 0))(theta, x)
-        rows = blocks[0].shape[0] * blocks[0].shape[1]  # n l, sample-major
-        J = joined(blocks, (rows,), OPS)
+    def kernel(layers, theta, x):
+        J = joined_jacobian(layers, theta, x)
+        J = J.reshape(-1, J.shape[-1])  # n l rows, sample-major
         return jnp.einsum("ap,bp->ab", J, J)
 
-    def ntk(x):
-        return np.asarray(kernel(theta, jnp.asarray(x)))
-
-    return ntk
+    return on_numpy(model, kernel)
 
 
 def neural_tangents_ntk(model):
@@ -528,15 +431,10 @@ def neural_tangents_ntk(model):
 
     neural-tangents 0.6.5 (the newest) imports ``jax.core.Jaxpr``, which
     newer JAX releases no longer have: then this returns None. Introduced
-    in ``11-curvature-and-uncertainty``.
-
-    Args:
-        model: a Keras model ``network.describe`` reads.
-
-    Returns:
-        ``ntk(x)``: as :func:`jax_ntk`, or None when neural-tangents does
-        not import.
+    in ``11-curvature-and-uncertainty``. Arguments and ``ntk(x)`` as
+    :func:`jax_ntk`.
     """
+
     try:
         import neural_tangents as nt
     except ImportError:

@@ -48,22 +48,14 @@ def rebuilt(model):
     return bind(layers, jnp.asarray), [jnp.asarray(p) for p in theta]
 
 
-def jax_jacobian(model):
-    """``jac(x)``: the (n_samples, n_outputs, n_params) Jacobian, from JAX."""
-    layers, theta = rebuilt(model)
+def joined_jacobian(layers, theta, x):
+    """(n, l, m): ``vmap(jacrev(f))``, columns in ``flat_params`` order."""
 
     def f(theta, x):
         return forward(layers, theta, x, OPS)
 
-    @jax.jit
-    def jacobian(theta, x):
-        blocks = jax.vmap(jax.jacrev(f), in_axes=(None, 0))(theta, x)
-        return joined(blocks, blocks[0].shape[:2], OPS)  # columns in flat_params order
-
-    def jac(x):
-        return np.asarray(jacobian(theta, jnp.asarray(x)))
-
-    return jac
+    blocks = jax.vmap(jax.jacrev(f), in_axes=(None, 0))(theta, x)
+    return joined(blocks, blocks[0].shape[:2], OPS)
 
 
 def _gradients(layers, theta, x, y):
@@ -76,26 +68,28 @@ def _gradients(layers, theta, x, y):
     return joined(blocks, blocks[0].shape[:1], OPS)
 
 
+def on_numpy(model, compute):
+    """``compute(layers, theta, *arrays)`` jitted, on the model's weights, as a
+    function of NumPy arrays returning one."""
+    layers, theta = rebuilt(model)
+    compiled = jax.jit(lambda theta, *arrays: compute(layers, theta, *arrays))
+    return lambda *arrays: np.asarray(compiled(theta, *map(jnp.asarray, arrays)))
+
+
+def jax_jacobian(model):
+    """``jac(x)``: the (n_samples, n_outputs, n_params) Jacobian, from JAX."""
+    return on_numpy(model, joined_jacobian)
+
+
 def jax_gradients(model):
     """``grads(x, y)``: (n_samples, n_params) per-sample squared-error gradients."""
-    layers, theta = rebuilt(model)
-    compiled = jax.jit(lambda theta, x, y: _gradients(layers, theta, x, y))
-
-    def grads(x, y):
-        return np.asarray(compiled(theta, jnp.asarray(x), jnp.asarray(y)))
-
-    return grads
+    return on_numpy(model, _gradients)
 
 
 def jax_gradient_norms(model):
     """``norms(x, y)``: (n_samples,) norms of those gradients, gradients first."""
-    layers, theta = rebuilt(model)
 
-    @jax.jit
-    def compiled(theta, x, y):
+    def norms(layers, theta, x, y):
         return jnp.linalg.norm(_gradients(layers, theta, x, y), axis=1)
 
-    def norms(x, y):
-        return np.asarray(compiled(theta, jnp.asarray(x), jnp.asarray(y)))
-
-    return norms
+    return on_numpy(model, norms)

@@ -23,11 +23,6 @@ class Ops:
     ``conv2d`` takes one sample (h, w, c_in) and a Keras kernel (kh, kw,
     c_in, c_out), and returns (h', w', c_out), channels last like Keras.
     ``concat`` joins a list of 1-D arrays into one.
-
-    Args:
-        act: the activations by name.
-        conv2d: ``conv2d(a, kernel, layer)``.
-        concat: ``concat(vectors)``.
     """
 
     act: dict
@@ -48,16 +43,11 @@ def bind(layers, convert):
 
 
 def forward(layers, theta, x, ops):
-    """The outputs of one sample ``x``, flattened: shape (n_outputs,).
+    """The outputs of one sample ``x``, flattened: a 1-D array (n_outputs,).
 
-    Args:
-        layers: the :class:`~.network.Layer` records, weights bound.
-        theta: the trainable weights, in ``flat_params`` order.
-        x: one sample.
-        ops: the library's :class:`Ops`.
-
-    Returns:
-        A 1-D array of the library.
+    ``layers`` are the :class:`~.network.Layer` records, weights bound;
+    ``theta`` the trainable weights in ``flat_params`` order; ``ops`` the
+    library's :class:`Ops`.
     """
     values = [x]  # a graph's record reads by index; a chain's, the last value
     for layer in layers:
@@ -76,18 +66,10 @@ def forward(layers, theta, x, ops):
 def squared_error(layers, theta, x, y, ops):
     """One sample's squared-error loss: the mean of (f(x) - y)**2 over outputs.
 
-    As ``keras.losses.mean_squared_error`` on a model with one output.
-
-    Args:
-        layers: the :class:`~.network.Layer` records, weights bound.
-        theta: the trainable weights, in ``flat_params`` order.
-        x: one sample.
-        y: its target.
-        ops: the library's :class:`Ops`.
-
-    Returns:
-        A scalar of the library.
+    As ``keras.losses.mean_squared_error`` on a model with one output: a
+    scalar, ``y`` the target of the sample ``x``; the rest as :func:`forward`.
     """
+
     return ((forward(layers, theta, x, ops) - y.reshape(-1)) ** 2).mean()
 
 

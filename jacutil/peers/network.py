@@ -1,20 +1,13 @@
 """A Keras model read into plain records that JAX and PyTorch can rebuild.
 
-``describe(model)`` returns the model's layers, input to output, as
-:class:`Layer` records holding NumPy weights in Keras's own layouts, and
-``theta``, the trainable weights in ``flat_params`` order. A weight that is
-trainable is held as its index into ``theta``, so a peer differentiates
-exactly the Jacobian's columns. Introduced in ``07-benchmark``.
-
 A chain of layers (``Sequential``, or a functional model without branches)
-is a list of records, each applied to the one before. Any other functional
-model with one input - skips joined by ``Add``, several outputs, nested
-models - is read as a graph in topological order by the rules' reader
-(``jacutil.rules.graph.graph_nodes``): each record names in ``inputs`` the
-values it reads (0: the model's input, k: record k - 1's output), and a last
+is a list of :class:`Layer` records, each applied to the one before. Any
+other functional model with one input - skips joined by ``Add``, several
+outputs, nested models - is read as a graph in topological order by the
+rules' reader (``jacutil.rules.graph.graph_nodes``), and a last
 ``"outputs"`` record joins the model's outputs, each flattened per sample,
 in ``tf.nest.flatten`` order: the order of a Jacobian's rows (see
-``jacutil/core/outputs.py``).
+``jacutil/core/outputs.py``). Introduced in ``07-benchmark``.
 
 Keras layouts, which the peers follow:
 
@@ -60,16 +53,13 @@ class Layer:
 def describe(model):
     """``(layers, theta)``: the model as :class:`Layer` records and its weights.
 
-    Args:
-        model: a Keras model: a chain of layers, or a functional model with
-            one input (``Add`` skips, several outputs).
-
-    Returns:
-        ``(layers, theta)``: the records, input to output, and the trainable
-        weights as NumPy arrays in ``flat_params`` order.
-
-    Raises:
-        ValueError: a layer or an option the peers do not rebuild.
+    ``model`` is a chain of layers or a functional model with one input
+    (``Add`` skips, several outputs); ValueError for a layer or an option the
+    peers do not rebuild. ``layers`` are input to output, with NumPy weights
+    in Keras's own layouts; ``theta`` is the trainable weights as NumPy
+    arrays in ``flat_params`` order, and a record holds a trainable weight as
+    its index into ``theta``, so a peer differentiates exactly the
+    Jacobian's columns.
     """
     if not isinstance(model, keras.Model):
         raise ValueError("the peers rebuild a Keras model only")
@@ -93,18 +83,10 @@ def describe(model):
 
 
 def read_layer(layer, weight):
-    """The :class:`Layer` record of one Keras layer.
-
-    Args:
-        layer: a Keras layer.
-        weight: ``weight(variable)``: its index into theta, or a constant.
-
-    Returns:
-        A :class:`Layer`.
-
-    Raises:
-        ValueError: a layer the peers do not rebuild.
+    """The :class:`Layer` record of one Keras layer (ValueError if the peers do
+    not rebuild it); ``weight(variable)`` is its index into theta, or a constant.
     """
+
     read = READERS.get(type(layer))
     if read is None:
         raise ValueError(
