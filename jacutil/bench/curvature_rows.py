@@ -1,31 +1,23 @@
 """jacutil.curvature against BackPACK, curvlinops, JAX and laplace-torch.
 
-``python -m jacutil.bench.curvature_rows`` times each row below for
+``python -m jacutil.bench.curvature_rows`` times each of :data:`ROWS` for
 jacutil and its peer on the same weights (``jacutil.peers.curvature_peers``
 rebuilds the Keras model) and prints a Markdown table with each row's ratio
-jacutil / peer (below 1: jacutil is faster):
-
-- ``diag``: the exact diagonal of G, ``jacutil.curvature.diagonal.ggn_diagonal``
-  against BackPACK's ``DiagGGNExact``;
-- ``ggn``: one product G v, ``ggn_operator(...).matvec`` against curvlinops's
-  ``GGNLinearOperator`` (each operator built once, outside the clock);
-- ``ntk``: the empirical NTK J J.T, ``jacutil.curvature.ntk.empirical_ntk``
-  against ``jax.jit(vmap(jacrev))`` then einsum;
-- ``laplace``: the predictive covariance J* Sigma J*.T of a last-layer
-  Laplace posterior (prior precision and noise fixed), ``Laplace(...)
-  .predictive_variance`` against laplace-torch's ``FullLLLaplace`` (each
-  posterior fitted once, outside the clock).
+jacutil / peer (below 1: jacutil is faster): the exact diagonal of G
+(``jacutil.curvature.diagonal.ggn_diagonal``), one product G v
+(``ggn_operator(...).matvec``), the empirical NTK J J.T
+(``jacutil.curvature.ntk.empirical_ntk``) and the predictive covariance
+J* Sigma J*.T of a last-layer Laplace posterior, prior precision and noise
+fixed (``Laplace(...).predictive_variance``); operators and posteriors are
+built once, outside the clock.
 
 The MLP is the question's (``jacutil.question_mlp``) with the squared error
 0.5 |f - y|^2; the CNN is ``jacutil.small_cnn``, whose last Dense has no
 activation (it outputs logits), with the softmax cross-entropy. Every loss
-is summed over samples. Timed as ``peer_rows.py`` times: one warm-up call
-(``first``), then the median of ``repeats`` calls; before its timed calls
-each peer's result is checked against jacutil's (the largest absolute
-difference within ``rtol`` times the largest entry of jacutil's result) and
-the largest absolute difference is kept. A row whose jacutil function is
-missing or fails, or whose peer is not installed, says so in the table.
-Introduced in ``11-curvature-and-uncertainty``.
+is summed over samples. Timed as ``peer_rows.py`` times, each peer's result
+checked against jacutil's first (:func:`check_row`). A row whose jacutil
+function is missing or fails, or whose peer is not installed, says so in
+the table. Introduced in ``11-curvature-and-uncertainty``.
 """
 
 import argparse
@@ -47,16 +39,10 @@ PRIOR_PRECISION, SIGMA_NOISE = 1.0, 0.5
 
 @dataclass
 class Row:
-    """One row: what, on which model, against which peer.
-
-    Args:
-        kind: ``"diag"``, ``"ggn"``, ``"ntk"`` or ``"laplace"``.
-        model: ``"mlp"`` or ``"cnn"``.
-        n: the number of samples.
-        peer: the peer in words.
-        library: the module the peer needs (to say when it is missing).
-        aim: the ratio jacutil / peer the issue aims at, or None.
-    """
+    """One row: what (``kind``, a key of :data:`LABELS`), on which model
+    (``"mlp"`` or ``"cnn"``) and n, against which peer (in words);
+    ``library`` is the module the peer needs (to say when it is missing),
+    ``aim`` the ratio jacutil / peer the issue aims at, or None."""
 
     kind: str
     model: str
@@ -190,23 +176,14 @@ def check_row(row, theirs, ours):
 
 
 def run_row(row, *, repeats=5, seed=0, log=print):
-    """Time one row, jacutil then its peer, the peer checked first.
+    """Time one :class:`Row`, jacutil then its peer, the peer checked first.
 
+    ``repeats`` timed calls after the warm-up call; ``seed`` the model's and
+    data's; progress goes to ``log``. Returns a dict: ``row``, ``jacutil``
+    and ``peer`` (each ``{first, times, median}``, or None), ``max_abs_diff``
+    (or None) and ``note`` (why a side did not run, or ``""``);
+    AssertionError where the peer's result differs from jacutil's.
     Introduced in ``11-curvature-and-uncertainty``.
-
-    Args:
-        row: a :class:`Row`.
-        repeats: the timed calls after the warm-up call.
-        seed: the model's and data's seed.
-        log: where progress goes.
-
-    Returns:
-        A dict: ``row`` (the :class:`Row`), ``jacutil`` and ``peer`` (each
-        ``{first, times, median}``, or None), ``max_abs_diff`` (or None) and
-        ``note`` (why a side did not run, or ``""``).
-
-    Raises:
-        AssertionError: the peer's result differs from jacutil's.
     """
     model = paths.MODELS[row.model].build(seed)
     x, y = _inputs(row.model, row.n, seed)
@@ -236,29 +213,17 @@ def run_row(row, *, repeats=5, seed=0, log=print):
 
 
 def ratio(result):
-    """jacutil's median over the peer's, or None when either did not run.
-
-    Introduced in ``11-curvature-and-uncertainty``.
-
-    Args:
-        result: a dict from :func:`run_row`.
-
-    Returns:
-        A float (below 1: jacutil is faster) or None.
-    """
+    """jacutil's median over the peer's in a :func:`run_row` result (below 1:
+    jacutil is faster), or None when either did not run. Introduced in
+    ``11-curvature-and-uncertainty``."""
     if result["jacutil"] is None or result["peer"] is None:
         return None
     return result["jacutil"]["median"] / result["peer"]["median"]
 
 
 def table(results):
-    """The rows as a Markdown table, with each row's ratio and aim.
-
-    Introduced in ``11-curvature-and-uncertainty``.
-
-    Args:
-        results: dicts from :func:`run_row`.
-    """
+    """The :func:`run_row` results as a Markdown table, with each row's ratio
+    and aim. Introduced in ``11-curvature-and-uncertainty``."""
     lines = [
         "| what | model | loss | n | jacutil | first call | peer | peer's | "
         "jacutil / peer | aim | max abs diff |",
@@ -286,19 +251,10 @@ def table(results):
 
 
 def run_all(kinds=None, *, repeats=5, seed=0, log=print):
-    """Run the rows (or those of ``kinds``) and return their results.
-
-    Introduced in ``11-curvature-and-uncertainty``.
-
-    Args:
-        kinds: names among ``"diag"``, ``"ggn"``, ``"ntk"``, ``"laplace"``
-            (default: all); ``repeats``, ``seed`` and ``log`` as in :func:`run_row`.
-
-    Returns:
-        A list of dicts from :func:`run_row`.
-
-    Raises:
-        ValueError: an unknown kind.
+    """Run the rows (or those of ``kinds``, keys of :data:`LABELS`; ValueError
+    for another) and return their :func:`run_row` results; ``repeats``,
+    ``seed`` and ``log`` as there. Introduced in
+    ``11-curvature-and-uncertainty``.
     """
     unknown = set(kinds or ()) - set(LABELS)
     if unknown:
@@ -312,14 +268,10 @@ def run_all(kinds=None, *, repeats=5, seed=0, log=print):
 def main(argv=None):
     """``python -m jacutil.bench.curvature_rows``: run the rows, print the table.
 
-    Introduced in ``11-curvature-and-uncertainty``.
-
-    Args:
-        argv: the arguments (None: ``sys.argv[1:]``).
-
-    Returns:
-        The results (a list of dicts from :func:`run_row`).
+    ``argv`` defaults to ``sys.argv[1:]``; returns the :func:`run_row`
+    results. Introduced in ``11-curvature-and-uncertainty``.
     """
+
     parser = argparse.ArgumentParser(
         prog="python -m jacutil.bench.curvature_rows",
         description="Time jacutil.curvature against BackPACK, curvlinops, JAX "

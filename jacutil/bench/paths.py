@@ -35,12 +35,8 @@ PEERS = tuple(PEER_NAMES)  # "x peer" is to the faster one
 
 
 def not_installed(what, library):
-    """The note that ``what`` is skipped: ``library`` is not installed.
-
-    Args:
-        what: the path or peer, in words.
-        library: the missing library's name.
-    """
+    """The note that ``what`` (a path or peer, in words) is skipped: ``library``
+    is not installed."""
     return (
         f"note: {what} skipped: {library} is not installed "
         "(make bench-peers installs it)."
@@ -49,14 +45,8 @@ def not_installed(what, library):
 
 @dataclass
 class Path_:
-    """One way to compute the Jacobian: ``build(model)`` returns ``jac(x)``.
-
-    Args:
-        label: the path in words.
-        build: ``build(model)`` returning ``jac(x)``.
-        exponent: time and memory grow like n**exponent.
-        applies: ``applies(model) -> bool``, or None for every model.
-    """
+    """One way to compute the Jacobian, ``label`` in words: ``build(model)``
+    returns ``jac(x)``."""
 
     label: str
     build: object
@@ -124,17 +114,8 @@ PATHS = {
 
 @dataclass
 class BenchModel:
-    """A model to time: ``build(seed)``, ``inputs(n, seed)``, default sizes.
-
-    Args:
-        label: the model in words.
-        build: ``build(seed)`` returning the Keras model.
-        inputs: ``inputs(n, seed)`` returning n samples.
-        sizes: the default numbers of samples.
-        paths: the default paths (empty: every path that applies).
-        targets: ``targets(n, seed)`` returning n targets for a loss, or None
-            (seeded standard normal ones, ``models.targets``).
-    """
+    """A model to time, ``label`` in words: ``build(seed)`` returns the Keras
+    model, ``inputs(n, seed)`` n samples; ``sizes`` are the default n."""
 
     label: str
     build: object
@@ -180,15 +161,8 @@ MODELS = {
 
 
 def default_paths(model_name, network):
-    """The paths a run times when none are named: those that apply.
-
-    Args:
-        model_name: a name in ``MODELS``.
-        network: the built Keras model.
-
-    Returns:
-        A list of path names.
-    """
+    """The paths (a list of names) a run times on ``network``, the built model
+    ``model_name`` of ``MODELS``, when none are named: those that apply."""
     chosen = MODELS[model_name].paths
     if chosen:
         return list(chosen)
@@ -200,25 +174,14 @@ def default_paths(model_name, network):
 
 
 def count_outputs(model, x):
-    """l: the outputs of one sample, every output of the model counted.
-
-    Args:
-        model: the Keras model.
-        x: its inputs (one sample is run).
-    """
+    """l: the outputs of one sample, every output of the model counted (one
+    sample of the inputs ``x`` is run)."""
     leaves = tf.nest.flatten(model(x[:1]))
     return sum(size_of(leaf.shape[1:]) for leaf in leaves)
 
 
 def jacobian_shape(model, x, n):
-    """(n, l, m) of the model's per-sample Jacobian, from one sample of x.
+    """The tuple (n, l, m) of the model's per-sample Jacobian, from one sample
+    of its inputs x."""
 
-    Args:
-        model: the Keras model.
-        x: its inputs.
-        n: the number of samples.
-
-    Returns:
-        A tuple ``(n, l, m)``.
-    """
     return (n, count_outputs(model, x), count_params(model.trainable_variables))

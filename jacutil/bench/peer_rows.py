@@ -1,18 +1,11 @@
 """jacutil against JAX and PyTorch beyond the Jacobian: the peer rows.
 
 ``make bench-peers`` adds these rows (``--peer-rows``) to the Jacobian
-tables: each is one task on one model at one n, timed for jacutil and each
-peer on the same weights (``jacutil.peers`` rebuilds the Keras model):
-
-- ``gradients``: per-sample gradients of a squared-error loss,
-  ``jacutil.per_sample_gradients(model, mean_squared_error, x, y)`` against
-  ``jax.jit(vmap(grad(loss)))`` and ``torch.func.vmap(grad(loss))``;
-- ``norms``: ``jacutil.per_sample_gradient_norms`` against each peer's
-  gradients, then norms (in the same ``jax.jit`` for JAX);
-- ``jacobian``: ``jacutil.jacobian`` against ``jit(vmap(jacrev))`` and
-  ``vmap(jacrev)``, on the question's MLP at n = 100 and on models the
-  Jacobian tables do not time: a residual MLP (``Add`` skips) and a
-  two-head model (its two outputs' rows joined in jacutil's order).
+tables: each is one of :data:`TASKS`, a kind of :data:`KINDS` on one model
+at one n, timed for jacutil and each peer on the same weights
+(``jacutil.peers`` rebuilds the Keras model). The ``jacobian`` rows time
+models the Jacobian tables do not: a residual MLP (``Add`` skips) and a
+two-head model (its two outputs' rows joined in jacutil's order).
 
 Every call is timed the way a user repeats it: one warm-up call (trace,
 compile; timed apart as ``first``), then the median of ``repeats`` calls.
@@ -41,14 +34,10 @@ SQUARED_ERROR = keras.losses.mean_squared_error  # one loss a sample: the mean o
 
 @dataclass
 class Kind:
-    """What a row computes: jacutil's way and each peer's.
-
-    Args:
-        label: the quantity in words.
-        ours: ``ours(model)`` returning ``f(x, y)``, jacutil's.
-        peers: ``{peer: (label, build)}``: ``build(model)`` returns
-            ``f(x, y)``, or None when the peer is not installed.
-    """
+    """What a row computes (``label``, in words): jacutil's way, ``ours(model)``
+    returning ``f(x, y)``, and each peer's, ``{peer: (label, build)}`` where
+    ``build(model)`` returns ``f(x, y)``, or None when the peer is not
+    installed."""
 
     label: str
     ours: object
@@ -107,13 +96,8 @@ KINDS = {
 
 @dataclass
 class Task:
-    """One kind of row on one model, at its default sizes.
-
-    Args:
-        kind: a name in :data:`KINDS`.
-        model: a name in :data:`~.paths.MODELS`.
-        sizes: the numbers of samples n.
-    """
+    """One kind of row (a name in :data:`KINDS`) on one model (a name in
+    :data:`~.paths.MODELS`), at its default sizes n."""
 
     kind: str
     model: str
@@ -146,20 +130,13 @@ def _inputs(task, network, n, seed):
 def run_task(name, sizes=None, *, repeats=5, seed=0, log=print):
     """Time one task's rows: jacutil and each installed peer, each checked.
 
-    Args:
-        name: a name in :data:`TASKS`.
-        sizes: the numbers of samples (default: the task's own).
-        repeats: the timed calls after the warm-up call.
-        seed: the model's, inputs' and targets' seed.
-        log: where progress goes.
-
-    Returns:
-        A list of row dicts, one per n: ``task``, ``kind``, ``model``, ``n``,
-        ``jacutil`` (``first``, ``times``, ``median``) and ``peers``
-        (``{peer: {first, times, median, max_abs_diff}}``).
-
-    Raises:
-        AssertionError: a peer's result differs from jacutil's.
+    ``name`` is a name in :data:`TASKS`; ``sizes`` default to the task's own;
+    ``repeats`` timed calls after the warm-up call; ``seed`` the model's,
+    inputs' and targets'; progress goes to ``log``. Returns a list of row
+    dicts, one per n: ``task``, ``kind``, ``model``, ``n``, ``jacutil``
+    (``first``, ``times``, ``median``) and ``peers`` (``{peer: {first, times,
+    median, max_abs_diff}}``); AssertionError where a peer's result differs
+    from jacutil's.
     """
     task = TASKS[name]
     kind = KINDS[task.kind]
@@ -208,16 +185,9 @@ def _progress(row):
 def run_peer_rows(names=None, sizes=None, *, repeats=5, seed=0, log=print):
     """Time the peer rows; the results as a dict (``peers.json``).
 
-    Args:
-        names: names in :data:`TASKS` (default: all).
-        sizes: the numbers of samples for every task (default: each task's).
-        repeats: the timed calls after the warm-up call.
-        seed: the models', inputs' and targets' seed.
-        log: where progress goes.
-
-    Returns:
-        A dict: ``machine``, ``repeats``, ``models`` (labels), ``kinds``
-        (labels) and ``rows`` (see :func:`run_task`).
+    ``names`` default to all :data:`TASKS`, ``sizes`` (for every task) to
+    each task's; the rest as :func:`run_task`. The dict holds ``machine``,
+    ``repeats``, ``models`` (labels), ``kinds`` (labels) and ``rows``.
     """
     names = list(names or TASKS)
     rows = []
@@ -237,14 +207,8 @@ def run_peer_rows(names=None, sizes=None, *, repeats=5, seed=0, log=print):
 
 
 def peer_ratio(row):
-    """jacutil's median over the fastest peer's in a row, or None without peers.
-
-    Args:
-        row: a row dict (see :func:`run_task`).
-
-    Returns:
-        A ``float`` (below 1: jacutil is faster) or None.
-    """
+    """jacutil's median over the fastest peer's in a :func:`run_task` row (below
+    1: jacutil is faster), or None without peers."""
     medians = [t["median"] for t in row["peers"].values()]
     return row["jacutil"]["median"] / min(medians) if medians else None
 
@@ -259,11 +223,8 @@ SHORT_MODELS = {
 
 
 def peer_rows_table(results):
-    """Markdown: one line per row, jacutil's median against each peer's.
-
-    Args:
-        results: the dict :func:`run_peer_rows` returns.
-    """
+    """Markdown: one line per row of :func:`run_peer_rows`'s ``results``,
+    jacutil's median against each peer's."""
     lines = [
         "| what | model | n | jacutil | first call | JAX | PyTorch | x fastest peer |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
@@ -286,12 +247,8 @@ def peer_rows_table(results):
 
 
 def proof_line(row, kinds=None):
-    """One row's proof: each peer's largest absolute difference from jacutil.
-
-    Args:
-        row: a row dict (see :func:`run_task`).
-        kinds: the results' ``kinds`` (the peers' labels), or None.
-    """
+    """One :func:`run_task` row's proof: each peer's largest absolute difference
+    from jacutil; ``kinds`` is the results' (the peers' labels), or None."""
     where = f"{row['kind']}, {SHORT_MODELS.get(row['model'], row['model'])}, "
     where += f"n = {row['n']:,}"
     if not row["peers"]:
@@ -306,11 +263,9 @@ def proof_line(row, kinds=None):
 
 
 def peer_rows_markdown(results):
-    """The peer rows' section: where measured, the table, a proof per row.
+    """The peer rows' section of :func:`run_peer_rows`'s ``results``: where
+    measured, the table, a proof per row."""
 
-    Args:
-        results: the dict :func:`run_peer_rows` returns.
-    """
     m = results["machine"]
     versions = ", ".join(f"{k} {v}" for k, v in m["versions"].items())
     head = (

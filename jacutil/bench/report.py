@@ -3,7 +3,8 @@
 Every table gives each path's median and its ratios: to the nested loop, to
 the fastest path, to the write floor (filling a preallocated array of J's
 shape) and, when JAX or PyTorch ran, to the faster of the two at that n.
-Introduced in ``07-benchmark``.
+``results`` is always the benchmark's results dict (``results.json``), and
+``n`` a number of samples. Introduced in ``07-benchmark``.
 """
 
 from typing import NamedTuple
@@ -20,14 +21,7 @@ FLOORS = (FLOOR, FLOOR_NEW)
 
 
 class Ratios(NamedTuple):
-    """One path's time against others at one n (None where there is none).
-
-    Args:
-        loop: the loop's time / this time (how many times faster).
-        fastest: this time / the fastest path's.
-        floor: this time / the write floor's.
-        peer: this time / the faster peer's (JAX, PyTorch).
-    """
+    """One path's time against others at one n (None where there is none)."""
 
     loop: float | None  # loop time / this time: how many times faster
     fastest: float  # this time / the fastest path's
@@ -36,15 +30,7 @@ class Ratios(NamedTuple):
 
 
 def results_at(results, n):
-    """``{path: result}`` at n.
-
-    Args:
-        results: the benchmark's results dict (``results.json``).
-        n: the number of samples.
-
-    Returns:
-        A dict from path name to its result dict.
-    """
+    """``{path: result}`` at n: a dict from path name to its result dict."""
     return {r["path"]: r for r in results["results"] if r["n"] == n}
 
 
@@ -53,15 +39,7 @@ def _medians(at):
 
 
 def fastest_peer(results, n):
-    """The name of the faster peer that ran at n, or None.
-
-    Args:
-        results: the benchmark's results dict (``results.json``).
-        n: the number of samples.
-
-    Returns:
-        A ``str`` or None.
-    """
+    """The name (a ``str``) of the faster peer that ran at n, or None."""
     ran = {p: t for p, t in _medians(results_at(results, n)).items() if p in PEERS}
     return min(ran, key=ran.get) if ran else None
 
@@ -70,13 +48,6 @@ def ratios(results, n):
     """``{path: Ratios(loop, fastest, floor, peer)}`` at n; the loop predicted if
     skipped. A :class:`Ratios` is a tuple too: ``(x loop, x fastest, x floor,
     x peer)``.
-
-    Args:
-        results: the benchmark's results dict (``results.json``).
-        n: the number of samples.
-
-    Returns:
-        A dict from path name to :class:`Ratios`.
     """
     at = results_at(results, n)
     ran = _medians(at)
@@ -114,12 +85,7 @@ def _floor_line(results, n):
 
 
 def table_at(results, n):
-    """A Markdown table of every path at n, fastest first.
-
-    Args:
-        results: the benchmark's results dict (``results.json``).
-        n: the number of samples.
-    """
+    """A Markdown table of every path at n, fastest first."""
     at = results_at(results, n)
     labels = results["labels"]
     share = ratios(results, n)
@@ -159,14 +125,8 @@ def peer_proof(results, n):
     """A line proving each peer's J equals the reference's at n, or "".
 
     Every path's J is checked against the compiled per-sample stage before
-    it is timed; this prints the peers' largest absolute differences.
-
-    Args:
-        results: the benchmark's results dict (``results.json``).
-        n: the number of samples.
-
-    Returns:
-        A ``str`` (empty where no peer ran at n, or none kept a difference).
+    it is timed; this prints the peers' largest absolute differences ("" where
+    no peer ran at n, or none kept a difference).
     """
     at = results_at(results, n)
     said = [
@@ -190,12 +150,6 @@ def summary(results):
     ``best`` is the fastest jacutil path (not a peer), ``jacutil`` its median;
     ``per_peer`` its time over the faster peer's (None without peers),
     ``per_floor`` over the write floor's.
-
-    Args:
-        results: the benchmark's results dict (``results.json``).
-
-    Returns:
-        A list of dicts, one per n.
     """
     rows = []
     for n in results["sizes"]:
@@ -219,11 +173,7 @@ def summary(results):
 
 
 def summary_table(results):
-    """Markdown: per n, the best jacutil path against the peers and the floor.
-
-    Args:
-        results: the benchmark's results dict (``results.json``).
-    """
+    """Markdown: per n, the best jacutil path against the peers and the floor."""
     lines = [
         "| n | best jacutil path | median | JAX | PyTorch | x fastest peer | x floor |",
         "|---:|---|---:|---:|---:|---:|---:|",
@@ -240,11 +190,7 @@ def summary_table(results):
 
 
 def markdown(results):
-    """All the tables in Markdown, and where they were measured.
-
-    Args:
-        results: the benchmark's results dict (``results.json``).
-    """
+    """All the tables in Markdown, and where they were measured."""
     m = results["machine"]
     versions = ", ".join(f"{k} {v}" for k, v in m["versions"].items())
     versions += "".join(f", {k}={v}" for k, v in m.get("threads", {}).items())
@@ -270,11 +216,9 @@ def markdown(results):
 
 
 def profile_table(profile):
-    """Markdown: where the hand-derived path's time goes (see ``profile_dense``).
+    """Markdown: where the hand-derived path's time goes, from the dict
+    ``profile_dense`` returns."""
 
-    Args:
-        profile: the dict ``profile_dense`` returns.
-    """
     lines = [
         f"**Where the hand-derived path's time goes, n = {profile['n']:,}** "
         "(each piece includes the ones above it)",
@@ -288,14 +232,7 @@ def profile_table(profile):
 
 
 def series(results):
-    """``{label: [median or None per size]}`` for the plot, the floors included.
-
-    Args:
-        results: the benchmark's results dict (``results.json``).
-
-    Returns:
-        A dict from label to a list of seconds (or None), one per size.
-    """
+    """``{label: [median or None per size]}`` for the plot, the floors included."""
     out = {}
     for path, label in results["labels"].items():
         values = []
@@ -309,14 +246,7 @@ def series(results):
 
 def slopes(results):
     """``{label: fitted slope of log(median) against log(n)}``, where a path
-    ran at three sizes or more (two points always lie on a line).
-
-    Args:
-        results: the benchmark's results dict (``results.json``).
-
-    Returns:
-        A dict from label to ``float``.
-    """
+    ran at three sizes or more (two points always lie on a line)."""
     out = {}
     for label, values in series(results).items():
         ran = [(n, v) for n, v in zip(results["sizes"], values, strict=True) if v]

@@ -79,16 +79,9 @@ def _timed(name, n, function, argument, repeats, watch_memory, check=None):
 
 
 def time_floors(shape, repeats, watch_memory):
-    """Both floors at J's ``shape``: filling a preallocated array, and np.full.
-
-    Args:
-        shape: (n, l, m).
-        repeats: the timed calls.
-        watch_memory: measure the first call's peak memory here.
-
-    Returns:
-        A list of two :class:`Result`.
-    """
+    """Both floors at J's ``shape`` (n, l, m), a list of two :class:`Result`:
+    filling a preallocated array, and np.full; ``repeats`` timed calls each, the
+    first call's peak memory measured here when ``watch_memory``."""
     out = preallocated(shape)  # outside the timing
     floor = _timed(FLOOR, shape[0], fill_floor, out, repeats, watch_memory)
     new = _timed(FLOOR_NEW, shape[0], write_floor, shape, repeats, watch_memory)
@@ -108,15 +101,8 @@ def tolerances():
 
 
 def max_abs_diff(a, b):
-    """The largest absolute difference of two arrays of one shape, a float.
-
-    Args:
-        a: an array.
-        b: an array of a's shape.
-
-    Returns:
-        A ``float`` (0.0 for empty arrays).
-    """
+    """The largest absolute difference of two arrays of one shape, a float
+    (0.0 for empty arrays)."""
     a, b = np.asarray(a), np.asarray(b)
     if a.shape != b.shape:
         raise AssertionError(f"shapes differ: {a.shape} and {b.shape}")
@@ -125,16 +111,8 @@ def max_abs_diff(a, b):
 
 def agree(value, expected, message):
     """Assert ``value`` equals ``expected`` at :data:`RTOL`, :data:`ATOL`
-    (``message`` says what disagrees); the largest absolute difference.
-
-    Args:
-        value: the array checked.
-        expected: the reference array.
-        message: the AssertionError's message.
-
-    Raises:
-        AssertionError: they differ beyond the tolerances.
-    """
+    (AssertionError with ``message`` otherwise); the largest absolute
+    difference."""
     np.testing.assert_allclose(value, expected, rtol=RTOL, atol=ATOL, err_msg=message)
     return max_abs_diff(value, expected)
 
@@ -148,16 +126,8 @@ def _check(J, reference, name, n):
 
 
 def build_paths(model, names, log=print):
-    """``{name: jac}`` for the paths that can run here (peers when installed).
-
-    Args:
-        model: the Keras model.
-        names: the paths' names.
-        log: where to say which paths cannot run.
-
-    Returns:
-        A dict from name to ``jac(x)``.
-    """
+    """``{name: jac(x)}`` for the paths ``names`` that can run here on the Keras
+    ``model`` (peers when installed); ``log`` says which cannot."""
     built = {}
     for name in names:
         jac = PATHS[name].build(model)
@@ -185,21 +155,11 @@ def run_bench(
     LSTM); ``sizes`` default to the model's own. ``paths`` default to every
     path that applies to the model. Peak memory is the first call's, measured
     in a fresh process per path (``memory_mode="fresh"``) or in this one
-    (``"inline"``).
-
-    Args:
-        sizes: the numbers of samples n (default: the model's).
-        repeats: the timed calls per path and n.
-        max_seconds: skip a path at an n predicted to take longer.
-        memory_mode: ``"fresh"`` or ``"inline"``.
-        paths: the paths' names (default: all that apply).
-        seed: the model's and the inputs' seed.
-        log: where progress goes.
-        model: a name in ``MODELS``.
-
-    Returns:
-        The results dict (``results.json``).
+    (``"inline"``). ``repeats`` timed calls per path and n; a path is skipped
+    at an n predicted to take longer than ``max_seconds``; ``seed`` is the
+    model's and the inputs'; progress goes to ``log``.
     """
+
     bench_model = MODELS[model]
     sizes = sorted(sizes or bench_model.sizes)
     network = bench_model.build(seed)
