@@ -26,14 +26,8 @@ from .runner import run_bench
 
 
 def parse(argv):
-    """The command line's options.
-
-    Args:
-        argv: the arguments (None: ``sys.argv[1:]``).
-
-    Returns:
-        An ``argparse.Namespace``.
-    """
+    """The command line's options, an ``argparse.Namespace`` (``argv`` None:
+    ``sys.argv[1:]``)."""
     parser = argparse.ArgumentParser(
         prog="python -m jacutil.bench",
         description="Time every per-sample Jacobian path, with JAX and PyTorch "
@@ -91,15 +85,8 @@ def parse(argv):
 
 
 def run_one(model, args):
-    """One model's run: time, profile (the hand-derived path), save, print.
-
-    Args:
-        model: a name in ``MODELS``.
-        args: the parsed command line.
-
-    Returns:
-        The results dict.
-    """
+    """One model's run (a name in ``MODELS``), with the parsed command line:
+    time, profile (the hand-derived path), save, print; the results dict."""
     print(f"\n{MODELS[model].label}")
     results = run_bench(
         args.sizes,
@@ -125,14 +112,8 @@ def run_one(model, args):
 
 
 def run_rows(args):
-    """The peer rows (``--peer-rows``): time, save peers.json and .md, print.
-
-    Args:
-        args: the parsed command line.
-
-    Returns:
-        The dict ``run_peer_rows`` returns.
-    """
+    """The peer rows (``--peer-rows``): time, save peers.json and .md, print;
+    the dict ``run_peer_rows`` returns."""
     print("\njacutil against JAX and PyTorch: gradients, norms, more models")
     results = run_peer_rows(
         args.peer_rows or None, args.sizes, repeats=args.repeats, seed=args.seed
@@ -148,14 +129,10 @@ def run_rows(args):
 
 
 def main(argv=None):
-    """Run the benchmark; the results dict (a list of them for several models).
+    """Run the benchmark on the command line ``argv`` (None: ``sys.argv[1:]``);
+    the results dict, a list of them for several models, or None
+    (``--measure-memory``)."""
 
-    Args:
-        argv: the command line's arguments (None: ``sys.argv[1:]``).
-
-    Returns:
-        A results dict, a list of them, or None (``--measure-memory``).
-    """
     args = parse(argv)
     if args.measure_memory:  # one path's memory, in a fresh process (fresh.py)
         peaks = measure_memory(

@@ -13,17 +13,9 @@ from .paths import MODELS, PATHS
 
 
 def measure_memory(name, sizes, seed, model="mlp"):
-    """Peak bytes of each size's first call, sizes increasing (in this process).
-
-    Args:
-        name: a path in ``PATHS``.
-        sizes: the numbers of samples.
-        seed: the model's and the inputs' seed.
-        model: a name in ``MODELS``.
-
-    Returns:
-        A list of ints, one per size in increasing order.
-    """
+    """Peak bytes of path ``name``'s first call at each of ``sizes``, a list of
+    ints in increasing order of size (in this process); ``seed`` is the
+    model's and the inputs', ``model`` a name in ``MODELS``."""
     network = MODELS[model].build(seed)
     jac = PATHS[name].build(network)
     x = MODELS[model].inputs(max(sizes), seed)
@@ -32,16 +24,10 @@ def measure_memory(name, sizes, seed, model="mlp"):
 
 
 def measure_in_fresh_process(name, sizes, seed=0, model="mlp"):
-    """Peak bytes of path ``name`` at each size, in a new Python process.
-
-    Args as in :func:`measure_memory`.
-
-    Returns:
-        A list of ints, one per size in increasing order (empty without sizes).
-
-    Raises:
-        RuntimeError: the process failed (its stderr's end is in the message).
+    """:func:`measure_memory` in a new Python process (an empty list without
+    sizes); RuntimeError, with the end of its stderr, where the process fails.
     """
+
     if not sizes:
         return []
     arguments = ["-m", "jacutil.bench", "--measure-memory", name, "--seed", str(seed)]

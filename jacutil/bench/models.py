@@ -79,17 +79,7 @@ def two_head(n_inputs=10, hidden=(64, 32), heads=(2, 1), *, seed=0, dtype="float
 
 
 def flat_data(n_samples, n_inputs, *, seed=0, dtype="float32"):
-    """Seeded standard normal inputs, shape (n_samples, n_inputs).
-
-    Args:
-        n_samples: n.
-        n_inputs: features per sample.
-        seed: the generator's seed.
-        dtype: the array's dtype.
-
-    Returns:
-        An array of shape (n, n_inputs).
-    """
+    """Seeded standard normal inputs of ``dtype``, shape (n_samples, n_inputs)."""
     rng = np.random.default_rng(seed)
     return rng.standard_normal((n_samples, n_inputs)).astype(dtype)
 
@@ -97,16 +87,9 @@ def flat_data(n_samples, n_inputs, *, seed=0, dtype="float32"):
 def targets(model, n_samples, *, seed=0):
     """Seeded targets for a squared-error loss: (n_samples, *output shape).
 
-    Standard normal, in the model's dtype; for a model with one output.
-
-    Args:
-        model: a built Keras model with one output.
-        n_samples: n.
-        seed: the generator's seed.
-
-    Returns:
-        An array of shape (n, *the output's shape per sample).
+    Standard normal, in the model's dtype; for a built model with one output.
     """
+
     shape = tuple(model.outputs[0].shape[1:])
     rng = np.random.default_rng(seed + 1000)
     return rng.standard_normal((n_samples, *shape)).astype(model.dtype)

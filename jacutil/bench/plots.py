@@ -85,15 +85,10 @@ def save(results, out):
     """Write results.json, results.md and scaling.png into ``out``.
 
     A model other than the question's MLP gets its name in the file names:
-    results-lstm.json, results-lstm.md, scaling-lstm.png.
-
-    Args:
-        results: the benchmark's results dict (``results.json``).
-        out: the folder (created if needed).
-
-    Returns:
-        The folder, a ``pathlib.Path``.
+    results-lstm.json, results-lstm.md, scaling-lstm.png. ``out`` is created
+    if needed and returned, a ``pathlib.Path``.
     """
+
     import matplotlib
 
     matplotlib.use("Agg")

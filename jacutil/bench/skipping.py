@@ -2,7 +2,11 @@
 
 A path is skipped where its predicted time for all its calls at n exceeds
 ``max_seconds``, or, for the quadratic ``tape.jacobian`` paths, where its
-predicted memory does not fit. Introduced in ``07-benchmark``.
+predicted memory does not fit. In every function below, ``done`` is the
+:class:`~.runner.Result` objects so far, ``path`` a path's name, ``n`` the
+number of samples, ``model`` a name in ``MODELS`` and ``per_n2`` the path's
+bytes per n**2 (see :func:`quadratic_bytes`), or None. Introduced in
+``07-benchmark``.
 """
 
 import numpy as np
@@ -12,11 +16,7 @@ from .paths import PATHS, count_outputs
 
 
 def format_seconds(s):
-    """1.23 s, 45.6 ms or 789 us; '-' for None.
-
-    Args:
-        s: seconds, or None.
-    """
+    """Seconds ``s`` as 1.23 s, 45.6 ms or 789 us; '-' for None."""
     if s is None:
         return "-"
     if s >= 1:
@@ -31,15 +31,8 @@ def predict(done, path, n):
 
     From one size: linear in n (small n is mostly overhead, so a quadratic
     path would be overestimated); from two: the fitted slope, between 1 and
-    the path's exponent. Memory, not time, guards the quadratic paths.
-
-    Args:
-        done: the :class:`~.runner.Result` objects so far.
-        path: the path's name.
-        n: the number of samples.
-
-    Returns:
-        Seconds, or None where the path has not run yet.
+    the path's exponent. Memory, not time, guards the quadratic paths. None
+    where the path has not run yet.
     """
     ran = [r for r in done if r.path == path and r.median is not None]
     if not ran:
@@ -57,17 +50,7 @@ def predicted_peak(done, path, n, model="mlp", per_n2=None):
 
     a*n**2 fitted to the peaks measured so far; ``per_n2 * n**2`` (bytes per
     n**2 from the model's size, see ``quadratic_bytes``); and for the
-    question's MLP the measured model of notebook 02.
-
-    Args:
-        done: the :class:`~.runner.Result` objects so far.
-        path: the path's name.
-        n: the number of samples.
-        model: a name in ``MODELS``.
-        per_n2: bytes per n**2 (see :func:`quadratic_bytes`), or None.
-
-    Returns:
-        Bytes, or None without any guess.
+    question's MLP the measured model of notebook 02. None without any guess.
     """
     peaks = [(r.n, r.peak) for r in done if r.path == path and r.peak]
     guesses = [max(p / m**2 for m, p in peaks) * n**2] if peaks else []
@@ -81,14 +64,8 @@ def predicted_peak(done, path, n, model="mlp", per_n2=None):
 def quadratic_bytes(network, x):
     """Bytes per n**2 of ``tape.jacobian`` over a batch: n*l rows, each
     back-propagated through the whole batch's activations (about
-    l * activations * itemsize; 1,600 for the MLP, where 1,955 was measured).
-
-    Args:
-        network: the Keras model.
-        x: its inputs (one sample is run).
-
-    Returns:
-        Bytes per n**2, an ``int``.
+    l * activations * itemsize; 1,600 for the MLP, where 1,955 was measured):
+    an ``int``, from one sample of the Keras model ``network``'s inputs ``x``.
     """
     n_outputs = count_outputs(network, x)
     elements = memory.activation_elements(network, x[:1], unroll=False)
@@ -99,17 +76,8 @@ def memory_guard(done, path, n, model="mlp", per_n2=None):
     """``(predicted peak bytes, free bytes)`` of a quadratic path at n.
 
     The rule: a quadratic path runs at n only where its predicted peak
-    (:func:`predicted_peak`) is below half of the memory free now.
-
-    Args:
-        done: the :class:`~.runner.Result` objects so far.
-        path: the path's name.
-        n: the number of samples.
-        model: a name in ``MODELS``.
-        per_n2: bytes per n**2 of the path, or None.
-
-    Returns:
-        A tuple of two ints, or ``(None, None)`` for a linear path.
+    (:func:`predicted_peak`) is below half of the memory free now. Two ints,
+    or ``(None, None)`` for a linear path.
     """
     if PATHS[path].exponent != 2:
         return None, None
@@ -126,21 +94,10 @@ def skip_reason(
     Memory first, for a quadratic path (:func:`memory_guard`): skipped where
     its predicted peak is above half the free memory. Then time: skipped
     where the first call and ``repeats`` more, each taking the predicted
-    seconds, would exceed ``max_seconds``.
-
-    Args:
-        done: the :class:`~.runner.Result` objects so far.
-        path: the path's name.
-        n: the number of samples.
-        repeats: the timed calls after the first.
-        max_seconds: the most seconds all the calls at n may take.
-        model: a name in ``MODELS``.
-        per_n2: bytes per n**2 of a quadratic path, or None.
-        guard: ``memory_guard``'s answer if the caller already has it.
-
-    Returns:
-        A tuple ``(seconds or None, reason or None)``.
+    seconds, would exceed ``max_seconds``. ``guard`` is ``memory_guard``'s
+    answer if the caller already has it.
     """
+
     predicted = predict(done, path, n)
     peak, free = guard or memory_guard(done, path, n, model, per_n2)
     if peak is not None and peak > free // 2:  # memory first: the real limit
