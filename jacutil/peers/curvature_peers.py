@@ -150,10 +150,11 @@ def torch_module(model):
             if flattened_from is not None:  # rows in PyTorch's (c, h, w) order
                 c, h, wd = flattened_from
                 out = kernel.shape[1]
-                kernel = kernel.reshape(h, wd, c, out).transpose(2, 0, 1, 3)
-                kernel = kernel.reshape(-1, out)
-                numbers_kernel = numbers_kernel.reshape(h, wd, c, out)
-                numbers_kernel = numbers_kernel.transpose(2, 0, 1, 3).reshape(-1, out)
+                kernel, numbers_kernel = (
+                    a.reshape(h, wd, c, out).transpose(2, 0, 1, 3).reshape(-1, out)
+                    for a in (kernel, numbers_kernel)
+                )
+
                 flattened_from = None
             layer = torch.nn.Linear(
                 *kernel.shape, bias=w["bias"] is not None, dtype=dtype
