@@ -233,14 +233,16 @@ class OutputLoss:
         """Each sample's loss, shape (n,)."""
         return self.values_tf(_tensor(f), self._t(y, f)).numpy()
 
-    def gradient(self, f, y):
-        """``dL_i / df_i``, shape (n, l)."""
-        f = _tensor(f)
-        t = self._t(y, f.numpy())
+    def _gradient(self, f, t):
         with tf.GradientTape() as tape:
             tape.watch(f)
             value = tf.reduce_sum(self.values_tf(f, t))
-        return tape.gradient(value, f).numpy()
+        return tape.gradient(value, f)
+
+    def gradient(self, f, y):
+        """``dL_i / df_i``, shape (n, l)."""
+        f = _tensor(f)
+        return self._gradient(f, self._t(y, f.numpy())).numpy()
 
     def hessian(self, f, y=None):
         """``H_i``, shape (n, l, l) (``y`` only for a loss whose H needs it)."""
@@ -509,12 +511,6 @@ class AutodiffLoss(OutputLoss):
         prediction, y_true = self._y_true(f, tf.constant(t_row, dtype))
         values = tf.convert_to_tensor(self.fn(y_true, prediction))
         return max(1, int(np.prod(values.shape[1:])))
-
-    def _gradient(self, f, t):
-        with tf.GradientTape() as tape:
-            tape.watch(f)
-            value = tf.reduce_sum(self.values_tf(f, t))
-        return tape.gradient(value, f)
 
     def hessian_product_tf(self, f, u, t=None):
         f = tf.identity(f)
@@ -927,8 +923,6 @@ def head_loss(spec, shape=None, label="output", probability=None):
         loss = _from_keras(spec, shape, label, probability)
     if shape is None:
         loss._check_head(probability)
-        if loss.name == "softmax_cross_entropy":
-            _needs_classes(loss)
         return loss
     return loss.bind(shape, label, probability)
 

@@ -3,19 +3,11 @@
 Differential-privacy clipping and influence estimates need, for every
 sample i, the gradient of its own loss ``L_i = loss(y_i, f(x_i))`` with
 respect to theta: an (n, m) array, the per-sample Jacobian contracted with
-``dL_i/df`` - without forming the (n, l, m) Jacobian. On the layer-rules
-path (``jacutil.rules``) the backward pass simply starts from ``dL_i/df``
-instead of the identity; other models take one gradient per sample in
-``tf.vectorized_map``.
-
-The norms need not even the gradients where a rule knows how
-(``Rule.backward_norms``): a Dense kernel's per-sample gradient is the
-outer product ``a delta^T``, whose norm is ``|a| |delta|``.
-
-Both are compiled once per model, loss and variables (:class:`LossGradients`,
-cached by :func:`gradients_for`): the call a training loop
-repeats traces nothing, and a batch larger than the memory budget runs in
-chunks.
+``dL_i/df`` - without forming the (n, l, m) Jacobian; the norms need not even
+the gradients where a rule knows how (see each entry). Both are compiled once
+per model, loss and variables (:class:`LossGradients`, cached by
+:func:`gradients_for`): the call a training loop repeats traces nothing, and
+a batch larger than the memory budget runs in chunks.
 """
 
 import weakref
