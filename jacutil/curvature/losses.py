@@ -15,14 +15,10 @@ takes it: one loss for every head, or a list (in the heads' order) or a dict
 (by output name) of losses, one per head. Each loss may be
 
 * one of the plain names ``NAMES``, which mean the **sum** over samples
-  (``reduction="sum"``, ``G = sum_i J_i.T H_i J_i``):
-
-  - ``"squared_error"``: ``L_i = 0.5 * |f_i - y_i|^2``, so ``H_i = I``;
-  - ``"softmax_cross_entropy"``: ``f_i`` are logits over the classes (the
-    head's last axis), ``y_i`` integer labels or one-hot rows;
-    ``H_i = diag(p) - p p.T`` per position, ``p = softmax(f_i)``;
-  - ``"sigmoid_cross_entropy"``: logits of independent yes/no outputs,
-    ``y_i`` in {0, 1}; ``H_i = diag(s (1 - s))``, ``s = sigmoid(f_i)``;
+  (``reduction="sum"``, ``G = sum_i J_i.T H_i J_i``): :class:`SquaredError`,
+  :class:`SoftmaxCrossEntropy` (logits over the head's last axis, ``y_i``
+  integer labels or one-hot rows) and :class:`SigmoidCrossEntropy` (logits of
+  independent yes/no outputs, ``y_i`` in {0, 1}), each with its ``H_i``;
 
 * a Keras loss object or name, with its own ``reduction`` (Keras' default,
   ``"sum_over_batch_size"``, divides G by the number of loss values, n for
@@ -46,9 +42,8 @@ loss; so is a Keras cross-entropy with ``from_logits=False``.
 
 ``sqrt_hessian(f)`` gives ``S_i`` with ``H_i = S_i S_i.T`` (l, l): its
 columns are the signals a backward pass starts from to build the exact
-diagonal of G and the KFAC factors without forming ``J_i.T H_i J_i``. For
-softmax, ``S = diag(sqrt p) - p sqrt(p).T``, since the ``p`` sum to one.
-Every formula is written once, in TensorFlow; the NumPy methods run it.
+diagonal of G and the KFAC factors without forming ``J_i.T H_i J_i``. Every
+formula is written once, in TensorFlow; the NumPy methods run it.
 """
 
 import functools
@@ -101,10 +96,7 @@ class OutputLoss:
     def __new__(cls, name=None, *args, **kwargs):
         if cls is OutputLoss:
             if name not in _KINDS:
-                raise ValueError(
-                    f"loss must be one of {', '.join(map(repr, NAMES))}, a Keras "
-                    f"loss or a callable loss(y_true, y_pred); got {name!r}."
-                )
+                raise _unknown(repr(name))
             cls = _KINDS[name]
         return super().__new__(cls)
 
@@ -138,25 +130,21 @@ class OutputLoss:
             self.shape,
         )  # fmt: skip
 
+    def _copy(self, **changes):
+        copy = object.__new__(type(self))
+        copy.__dict__.update(self.__dict__, **changes)
+        return copy
+
     def bind(self, shape, label, probability=None):
-        """This loss for a head of per-sample ``shape`` (a copy).
-
-        Args:
-            shape: the head's per-sample output shape.
-            label: the head's name in messages.
-            probability: ``"softmax"``/``"sigmoid"`` if the head's output is
-                made by one, else None.
-
-        Returns:
-            An :class:`OutputLoss` of the same kind, bound to the head.
+        """A copy of this loss bound to a head of per-sample ``shape``, named
+        ``label`` in messages, whose output is made by ``probability``
+        (``"softmax"``/``"sigmoid"``, or None).
 
         Raises:
             ValueError: the head's shape contradicts the loss (its classes),
                 or a cross-entropy head outputs probabilities.
         """
-        bound = object.__new__(type(self))
-        bound.__dict__.update(self.__dict__)
-        bound.shape, bound.label = tuple(shape), label
+        bound = self._copy(shape=tuple(shape), label=label)
         bound._check_head(probability)
         return bound
 
@@ -164,56 +152,30 @@ class OutputLoss:
         pass
 
     def summed(self):
-        """This loss with the sum over samples as its reduction (a copy):
-        what a likelihood is, whatever reduction training used (Laplace).
-
-        Returns:
-            An :class:`OutputLoss` of the same kind.
-        """
-        copy = object.__new__(type(self))
-        copy.__dict__.update(self.__dict__)
-        copy.reduction = "sum"
-        return copy
+        """A copy of this loss with the sum over samples as its reduction:
+        what a likelihood is, whatever reduction training used (Laplace)."""
+        return self._copy(reduction="sum")
 
     def _w(self, f):
         """The head's width on ``f``: static where the shape is known."""
         return _width(f) if self.shape is None else math.prod(self.shape)
 
     def width(self, n_outputs):
-        """The head's outputs per sample.
-
-        Args:
-            n_outputs: l, the model's outputs per sample (a head without a
-                shape covers them all).
-
-        Returns:
-            An ``int``.
-        """
+        """The head's outputs per sample, an ``int``, of the model's
+        ``n_outputs`` (l; a head without a shape covers them all)."""
         return n_outputs if self.shape is None else math.prod(self.shape)
 
     def positions(self, width):
-        """Loss values per sample (what a mean reduction divides by).
-
-        Args:
-            width: the head's outputs per sample.
-
-        Returns:
-            An ``int``: one per row of the last axis.
-        """
+        """Loss values per sample (what a mean reduction divides by), an
+        ``int``, of ``width`` outputs per sample: one per row of classes."""
         return max(1, width // self.classes)
 
     # -- targets --------------------------------------------------------------
 
     def targets(self, y, f):
-        """``y`` as an (n, l) array of target values (one-hot for labels).
-
-        Args:
-            y: the targets of the n samples.
-            f: the outputs (n, l), for the shapes.
-
-        Returns:
-            A NumPy array (n, l) - (n, .) for a loss differentiated as given.
-        """
+        """The n samples' targets ``y`` as a NumPy array (n, l) of target
+        values (one-hot for labels), shaped by the outputs ``f`` (n, l); (n, .)
+        for a loss differentiated as given."""
         f = np.asarray(f)
         return self._targets(y, f.shape[0], f.shape[1], f.dtype)
 
@@ -271,14 +233,16 @@ class OutputLoss:
         """Each sample's loss, shape (n,)."""
         return self.values_tf(_tensor(f), self._t(y, f)).numpy()
 
-    def gradient(self, f, y):
-        """``dL_i / df_i``, shape (n, l)."""
-        f = _tensor(f)
-        t = self._t(y, f.numpy())
+    def _gradient(self, f, t):
         with tf.GradientTape() as tape:
             tape.watch(f)
             value = tf.reduce_sum(self.values_tf(f, t))
-        return tape.gradient(value, f).numpy()
+        return tape.gradient(value, f)
+
+    def gradient(self, f, y):
+        """``dL_i / df_i``, shape (n, l)."""
+        f = _tensor(f)
+        return self._gradient(f, self._t(y, f.numpy())).numpy()
 
     def hessian(self, f, y=None):
         """``H_i``, shape (n, l, l) (``y`` only for a loss whose H needs it)."""
@@ -295,15 +259,9 @@ class OutputLoss:
         """Gradients at the outputs for targets drawn from the model's own
         predictive distribution, scaled so that ``E[s s.T] = H_i`` exactly.
 
-        Each kind says what it draws; the draws of a sample are independent.
-
-        Args:
-            f: the outputs (n, l), NumPy.
-            draws: how many per sample.
-            rng: a ``numpy.random.Generator``.
-
-        Returns:
-            A NumPy array (n, draws, l).
+        Each kind says what it draws; the ``draws`` of a sample are
+        independent, from ``rng`` (a ``numpy.random.Generator``). ``f`` (n, l)
+        in, NumPy (n, draws, l) out.
 
         Raises:
             ValueError: the loss is not the likelihood of a distribution the
@@ -349,15 +307,15 @@ class SquaredError(OutputLoss):
 
 
 class SigmoidCrossEntropy(OutputLoss):
-    """Independent yes/no logits: ``H_i = scale * diag(s (1 - s))``."""
+    """Independent yes/no logits: ``H_i = scale * diag(s (1 - s))``,
+    ``s = sigmoid(f_i)``."""
 
     name = "sigmoid_cross_entropy"
 
+    positions = SquaredError.positions  # one value per row of the last axis
+
     def _check_head(self, probability):
         _refuse_probabilities(self, probability)
-
-    def positions(self, width):
-        return max(1, width // (self.shape[-1] if self.shape else width))
 
     def mean_tf(self, f):
         return tf.sigmoid(f)
@@ -386,9 +344,10 @@ class SigmoidCrossEntropy(OutputLoss):
 
 
 class SoftmaxCrossEntropy(OutputLoss):
-    """Logits over the last axis: ``H_i = diag(p) - p p.T`` per position
-    (for targets that sum to one per position, as labels, one-hot rows and
-    smoothed labels do)."""
+    """Logits over the last axis: ``H_i = diag(p) - p p.T`` per position,
+    ``p = softmax(f_i)`` (for targets that sum to one per position, as labels,
+    one-hot rows and smoothed labels do); ``S = diag(sqrt p) - p sqrt(p).T``,
+    since the ``p`` sum to one."""
 
     name = "softmax_cross_entropy"
 
@@ -484,14 +443,9 @@ class AutodiffLoss(OutputLoss):
 
     ``fn`` returns one value per sample (or per position, samples first);
     they are summed per sample. ``y_true`` is shaped like the head's output,
-    or like its labels (one per sample or per row of the last axis).
-
-    Args:
-        fn: the loss, e.g. a Keras loss's ``call`` (no reduction).
-        reduction: as Keras (default ``"sum_over_batch_size"``).
-        shape: the head's per-sample shape, or None.
-        label: the head's name in messages.
-        about: what the loss is, for messages.
+    or like its labels (one per sample or per row of the last axis). ``fn``
+    is e.g. a Keras loss's ``call`` (no reduction); ``about`` names it in
+    messages; the other arguments as :class:`OutputLoss`.
     """
 
     name = "autodiff"
@@ -558,12 +512,6 @@ class AutodiffLoss(OutputLoss):
         values = tf.convert_to_tensor(self.fn(y_true, prediction))
         return max(1, int(np.prod(values.shape[1:])))
 
-    def _gradient(self, f, t):
-        with tf.GradientTape() as tape:
-            tape.watch(f)
-            value = tf.reduce_sum(self.values_tf(f, t))
-        return tape.gradient(value, f)
-
     def hessian_product_tf(self, f, u, t=None):
         f = tf.identity(f)
         with tf.GradientTape() as tape:
@@ -603,12 +551,9 @@ class HeadLosses(OutputLoss):
 
     The methods split ``f`` (n, l) into the heads' slices and join the
     results (H and S block-diagonal); targets ``t`` are a list, one (n, .)
-    array per head. ``name`` is the heads' common name, or their names
-    joined by ``+``.
-
-    Args:
-        heads: an :class:`OutputLoss` per head, bound to its shape, in
-            ``tf.nest.flatten`` order.
+    array per head. ``heads``: an :class:`OutputLoss` per head, bound to its
+    shape, in ``tf.nest.flatten`` order. ``name`` is the heads' common name,
+    or their names joined by ``+``.
     """
 
     def __new__(cls, *args, **kwargs):
@@ -635,11 +580,7 @@ class HeadLosses(OutputLoss):
         return f"HeadLosses({self.heads!r})"
 
     def summed(self):
-        """Every head's loss summed over samples (see :meth:`OutputLoss.summed`).
-
-        Returns:
-            A :class:`HeadLosses`.
-        """
+        """Every head's loss summed over samples (:meth:`OutputLoss.summed`)."""
         return HeadLosses([h.summed() for h in self.heads])
 
     @property
@@ -760,18 +701,9 @@ class HeadLosses(OutputLoss):
         ``sample_weight`` (n,) times each head's reduction: 1 for ``"sum"``;
         ``1 / (n * values per sample)`` for ``"sum_over_batch_size"`` and
         ``"mean"``; ``1 / sum(sample_weight)`` for ``"mean_with_sample_weight"``
-        with weights - as Keras reduces a loss.
-
-        Args:
-            n: the number of samples.
-            n_outputs: l.
-            sample_weight: (n,) non-negative weights, or None.
-            targets: the heads' targets (a loss differentiated as given counts
-                its values per sample on them), or None.
-            dtype: the array's dtype.
-
-        Returns:
-            An (n, l) array.
+        with weights - as Keras reduces a loss. ``n`` samples, ``n_outputs``
+        (l); ``targets``: the heads' targets (a loss differentiated as given
+        counts its values per sample on them), or None.
         """
         dtype = dtype or np.float64
         w = np.ones(n, dtype) if sample_weight is None else sample_weight.astype(dtype)
@@ -842,42 +774,53 @@ def _refuse_probabilities(loss, probability):
 # --- reading the model's graph -------------------------------------------------
 
 
-def probability_op(tensor):
-    """``"softmax"`` or ``"sigmoid"`` if a traced ``tensor`` is made by one
-    (through identity, reshape, cast and transpose ops), else None."""
-    marked = cached_logits(tensor) is not None
+def _probability_made(tensor):
+    """The softmax or sigmoid op that made a traced ``tensor`` (through
+    identity, reshape, cast and transpose ops), or None."""
     t = tensor
     for _ in range(32):
         op = getattr(t, "op", None)
         if op is None or not hasattr(op, "type"):
             break
         if op.type in PROBABILITY_OPS:
-            return PROBABILITY_OPS[op.type]
+            return op
         if op.type == "IdentityN":
             t = op.inputs[t.value_index]
         elif op.type in PASS_THROUGH and len(op.inputs):
             t = op.inputs[0]
         else:
             break
-    return "softmax or sigmoid" if marked else None
+    return None
+
+
+def probability_op(tensor):
+    """``"softmax"`` or ``"sigmoid"`` if a traced ``tensor`` is made by one
+    (as :func:`_probability_made` finds it), else None."""
+    op = _probability_made(tensor)
+    if op is not None:
+        return PROBABILITY_OPS[op.type]
+    return "softmax or sigmoid" if cached_logits(tensor) is not None else None
+
+
+def logits_of(probabilities):
+    """The logits a Keras cross-entropy reads instead of ``probabilities``, or
+    None: Keras 3 keeps them on a softmax's or sigmoid's output
+    (``cached_logits``); in a graph they are the input of the op that made it."""
+    logits = cached_logits(probabilities)
+    if logits is None and not tf.executing_eagerly():
+        op = _probability_made(probabilities)
+        logits = None if op is None else op.inputs[0]
+    return logits
 
 
 _heads_seen = weakref.WeakKeyDictionary()  # model -> {input signature: heads}
 
 
 def model_heads(model, call, spec):
-    """Each output head of ``call`` traced on ``spec``: ``(label, shape,
-    probability)`` in ``tf.nest.flatten`` order; traced once per model and
-    input signature.
-
-    Args:
-        model: what the answer is kept for (held weakly).
-        call: ``x -> output nest``.
-        spec: the input signature (``tf.TensorSpec`` nest).
-
-    Returns:
-        A list of ``(label, per-sample shape or None, probability)``.
-    """
+    """Each output head of ``call`` (``x -> output nest``) traced on ``spec``
+    (a ``tf.TensorSpec`` nest): a list of ``(label, per-sample shape or None,
+    probability)`` in ``tf.nest.flatten`` order; traced once per input
+    signature and kept for ``model`` (held weakly)."""
     key = tuple((tuple(s.shape[1:]), s.dtype.name) for s in tf.nest.flatten(spec))
     try:
         kept = _heads_seen.setdefault(model, {})
@@ -962,18 +905,9 @@ def _closed_form(kind, options, reduction, shape):
 
 
 def head_loss(spec, shape=None, label="output", probability=None):
-    """One head's :class:`OutputLoss` from what the user gave.
-
-    Args:
-        spec: a name from ``NAMES``, a Keras loss name, object or function, a
-            callable ``loss(y_true, y_pred)``, or an :class:`OutputLoss`.
-        shape: the head's per-sample output shape (None: unknown).
-        label: the head's name in messages.
-        probability: ``"softmax"``/``"sigmoid"`` when the head's output is
-            made by one (from :func:`model_heads`), else None.
-
-    Returns:
-        An :class:`OutputLoss` bound to the head.
+    """One head's :class:`OutputLoss`, bound to the head, from ``spec`` (one
+    head's loss as :func:`output_loss` takes it); ``shape`` (None: unknown),
+    ``label`` and ``probability`` as :meth:`OutputLoss.bind` takes them.
 
     Raises:
         ValueError: an unknown loss, a reduction that is not one number, or a
@@ -989,8 +923,6 @@ def head_loss(spec, shape=None, label="output", probability=None):
         loss = _from_keras(spec, shape, label, probability)
     if shape is None:
         loss._check_head(probability)
-        if loss.name == "softmax_cross_entropy":
-            _needs_classes(loss)
         return loss
     return loss.bind(shape, label, probability)
 
@@ -1006,16 +938,20 @@ def _about(spec):
     return getattr(spec, "__name__", repr(spec))
 
 
+def _unknown(about):
+    return ValueError(
+        f"loss must be one of {', '.join(map(repr, NAMES))}, a Keras loss "
+        f"(object or name) or a callable loss(y_true, y_pred); got {about}."
+    )
+
+
 def _from_keras(spec, shape, label, probability):
     about = _about(spec)
     if isinstance(spec, str):
         try:
             spec = keras.losses.get(spec)
         except ValueError:
-            raise ValueError(
-                f"loss must be one of {', '.join(map(repr, NAMES))}, a Keras loss "
-                f"(object or name) or a callable loss(y_true, y_pred); got {about}."
-            ) from None
+            raise _unknown(about) from None
     reduction, options, fn = "sum_over_batch_size", {}, spec
     if isinstance(spec, keras.losses.Loss):
         config = spec.get_config()
@@ -1025,10 +961,7 @@ def _from_keras(spec, shape, label, probability):
     elif isinstance(spec, functools.partial):
         fn, options = spec.func, dict(spec.keywords)
     elif not callable(spec):
-        raise ValueError(
-            f"loss must be one of {', '.join(map(repr, NAMES))}, a Keras loss "
-            f"(object or name) or a callable loss(y_true, y_pred); got {about}."
-        )
+        raise _unknown(about)
     reduction = _reduction(reduction)
     kind = _keras_functions().get(fn) if fn is not None else None
     loss = _closed_form(kind, options, reduction, shape) if kind else None
@@ -1054,17 +987,9 @@ def _from_keras(spec, shape, label, probability):
 
 
 def describe(loss, heads):
-    """The model's :class:`HeadLosses` from the user's loss and its heads.
-
-    Args:
-        loss: one loss for every head; a list (heads' order) or a dict (by
-            output name) with one per head; or a :class:`HeadLosses`.
-        heads: ``(label, shape, probability)`` per head, as
-            :func:`model_heads` gives (or ``[("output", None, None)]``).
-
-    Returns:
-        A :class:`HeadLosses`.
-    """
+    """The model's :class:`HeadLosses` from the user's ``loss`` (as
+    :func:`output_loss` takes it, or a :class:`HeadLosses`) and its ``heads``
+    as :func:`model_heads` gives them (or ``[("output", None, None)]``)."""
     labels = [label for label, _, _ in heads]
     if isinstance(loss, HeadLosses):
         specs = loss.heads
@@ -1102,17 +1027,8 @@ def describe(loss, heads):
 
 def losses_for(loss, model, call=None, spec=None):
     """The :class:`HeadLosses` of ``loss`` on ``model``, the model's graph
-    traced once on ``spec`` (default: its declared inputs) to find its heads.
-
-    Args:
-        loss: as for :func:`describe`.
-        model: a Keras model or a callable.
-        call: ``x -> output nest`` (default: the model in inference mode).
-        spec: the input signature, or None.
-
-    Returns:
-        A :class:`HeadLosses`.
-    """
+    traced once (``call``, default: the model in inference mode) on ``spec``
+    (default: its declared inputs) to find its heads."""
     if call is None:
         call = (
             (lambda x: model(x, training=False))

@@ -3,19 +3,11 @@
 Differential-privacy clipping and influence estimates need, for every
 sample i, the gradient of its own loss ``L_i = loss(y_i, f(x_i))`` with
 respect to theta: an (n, m) array, the per-sample Jacobian contracted with
-``dL_i/df`` - without forming the (n, l, m) Jacobian. On the layer-rules
-path (``jacutil.rules``) the backward pass simply starts from ``dL_i/df``
-instead of the identity; other models take one gradient per sample in
-``tf.vectorized_map``.
-
-The norms need not even the gradients where a rule knows how
-(``Rule.backward_norms``): a Dense kernel's per-sample gradient is the
-outer product ``a delta^T``, whose norm is ``|a| |delta|``.
-
-Both are compiled once per model, loss and variables (:class:`LossGradients`,
-cached by :func:`gradients_for`): the call a training loop
-repeats traces nothing, and a batch larger than the memory budget runs in
-chunks.
+``dL_i/df`` - without forming the (n, l, m) Jacobian; the norms need not even
+the gradients where a rule knows how (see each entry). Both are compiled once
+per model, loss and variables (:class:`LossGradients`, cached by
+:func:`gradients_for`): the call a training loop repeats traces nothing, and
+a batch larger than the memory budget runs in chunks.
 """
 
 import weakref
@@ -50,9 +42,9 @@ from ..core.formulation import (
     unrolled,
 )
 from ..core.guards import JacobianError
-from ..core.internals import cached_logits
 from ..core.planner import bytes_per_sample, plan_within, run_chunks
 from ..core.target import watched
+from ..curvature.losses import logits_of
 from ..rules.registry import LogitsSignal
 from ..rules.walk import LogitsNotOnRules
 from ..stages.compiled import bucket_size, compiled_for
@@ -76,25 +68,6 @@ def losses_per_sample(loss_fn, y, prediction, n):
     return losses
 
 
-LOGIT_OPS = ("Softmax", "Sigmoid")
-
-
-def _logits_of(prediction):
-    """The logits a Keras loss reads instead of ``prediction``, or None.
-
-    Keras 3 computes cross-entropy from the logits of a softmax or sigmoid
-    output, for accuracy: from the logits Keras keeps on it
-    (``cached_logits``), or in a graph from the input of the
-    ``Softmax``/``Sigmoid`` op that made it.
-    """
-    logits = cached_logits(prediction)
-    if logits is None and not tf.executing_eagerly():
-        if getattr(prediction, "op", None) is not None:
-            if prediction.op.type in LOGIT_OPS:
-                logits = prediction.op.inputs[0]
-    return logits
-
-
 def _signal(loss_fn, y):
     """``prediction -> dL_i / d prediction_i``, shaped (n, 1, *output); or,
     when the loss reads the logits, ``dL_i / d logits_i`` as a LogitsSignal.
@@ -106,7 +79,7 @@ def _signal(loss_fn, y):
     """
 
     def signal(prediction):
-        logits = _logits_of(prediction)
+        logits = logits_of(prediction)
         watched = [prediction] if logits is None else [prediction, logits]
         with tf.GradientTape() as tape:
             tape.watch(watched)
@@ -187,13 +160,10 @@ class LossGradients:
     (``CompiledJacobian.checked_plan``); otherwise one gradient per sample,
     vectorized by pfor, under XLA where oneDNN would mishandle the trace, or
     one sample at a time where pfor fails (``ladder``, a
-    :class:`jacutil.core.formulation.Ladder`). The loss function is held
-    weakly: the cache never keeps a closure (or what it captures) alive.
-
-    Args:
-        jac: the model's :class:`jacutil.stages.compiled.CompiledJacobian`
-            with ``method="rules"`` (its target and its proved plan).
-        loss_fn: ``loss_fn(y, prediction)`` with one loss per sample.
+    :class:`jacutil.core.formulation.Ladder`). ``jac`` is the model's
+    :class:`jacutil.stages.compiled.CompiledJacobian` with ``method="rules"``;
+    ``loss_fn(y, prediction)``, one loss per sample, is held weakly: the cache
+    never keeps a closure (or what it captures) alive.
     """
 
     def __init__(self, jac, loss_fn):
@@ -218,16 +188,9 @@ class LossGradients:
         return self._loss()
 
     def __call__(self, x, y, what="gradients"):
-        """Gradients (n, m) or norms (n,) of a checked batch.
-
-        Args:
-            x: a batch checked by ``as_batch``.
-            y: the targets, a tensor with one row per sample.
-            what: ``"gradients"`` or ``"norms"``.
-
-        Returns:
-            A read-only NumPy view of TensorFlow's result, shape (n, m) or (n,).
-        """
+        """Gradients (n, m) or norms (n,) (``what="norms"``) of ``x`` checked
+        by ``as_batch`` and targets ``y`` (:func:`prepared`), as a read-only
+        NumPy view of TensorFlow's result."""
         rows = int(n_samples(x))
         if rows == 1:  # pfor fails on some graphs with one sample (TF 2.21)
             x, y = pad_with_last(x, 2), pad_with_last(y, 2)
@@ -248,14 +211,8 @@ class LossGradients:
         Only where an earlier call on this signature ran on the layer rules
         and the batch has two rows or more: the other modes (XLA, pfor, one
         sample at a time) are chosen by an eager call that can fall back.
-        ``DPSGD.sampled_step`` fuses it into its compiled step.
-
-        Args:
-            x: a batch checked by ``as_batch``.
-            y: its targets, as :func:`prepared` gives them.
-
-        Returns:
-            ``f(x, y)`` giving the norms, shape (rows,), or None.
+        ``DPSGD.sampled_step`` fuses it into its compiled step. ``x``, ``y``
+        as :func:`prepared` gives them; ``f(x, y)`` gives norms (rows,).
         """
         key = ("norms", signature_key(x), signature_key(y))
         if self.ladder.modes.get(key) != Ladder.RULES or int(n_samples(x)) < 2:
@@ -365,18 +322,8 @@ def gradients_for(model, loss_fn, variables, training, x=None):
     :mod:`jacutil.core.cache` as long as the model lives.
 
     Keyed by the loss function's identity: pass the same function each call
-    (a new lambda each step compiles each step).
-
-    Args:
-        model: a Keras model, or a callable ``f(x)`` with ``variables``.
-        loss_fn: ``loss_fn(y, prediction)`` with one loss per sample.
-        variables: the variables to differentiate, or None for the model's
-            trainable variables.
-        training: run the model in training mode.
-        x: a batch, to build a model that is not built yet (optional).
-
-    Returns:
-        The model's :class:`LossGradients` for this loss, cached.
+    (a new lambda each step compiles each step). Arguments as
+    :func:`per_sample_gradients`; ``x`` (optional) builds a model not built yet.
     """
     jac = compiled_for(model, variables, training, False, "rules", x)
     key = (id(loss_fn), training, *map(id, jac.target.variables))
@@ -390,54 +337,8 @@ def gradients_for(model, loss_fn, variables, training, x=None):
     )
 
 
-def _run(model, loss_fn, x, y, what, options):
-    """What both public functions share: the cached compiled object, x and y
-    checked, the memory budget, chunks and the explanation."""
-    x, y, weights = read_data(x, y)
-    if weights is not None:
-        raise ValueError(
-            "the dataset's batches carry sample weights, and a per-sample "
-            "gradient is each sample's own, unweighted loss: give batches of "
-            "(x, y), or scale each row by its weight afterwards."
-        )
-    if y is None:
-        raise ValueError(
-            "y is missing: pass the targets, or a dataset of (x, y) batches."
-        )
-    variables, training = options["variables"], options["training"]
-    job = gradients_for(model, loss_fn, variables, training, x)
-    traces = job.trace_count
-    target = job.target
-    batch = as_batch(x, target)
-    rows = int(n_samples(batch))
-    y = _targets(y, target, rows)
-    activations = job.jac.activation_elements(batch)
-    per_sample = bytes_per_sample(
-        1, target.n_params, target.dtype.itemsize, activations
-    )
-    plan = plan_within(rows, per_sample, options["memory_budget"], options["explain"])
-
-    def compute(start, stop):  # the whole batch as it is: no slicing op
-        if stop - start == rows:
-            return job(batch, y, what)
-        return job(take(batch, start, stop), take(y, start, stop), what)
-
-    width = () if what == "norms" else (target.n_params,)
-    out = run_chunks(
-        plan, compute, shape=(rows, *width), dtype=np.dtype(target.dtype),
-        progress=options["progress"],
-    )  # fmt: skip
-    if options["copy"] and plan.n_chunks == 1:
-        out = np.array(out)
-    if not options["explain"]:
-        return out
-    on_rules = job.formulation.startswith("layer rules")
-    fallback = job.jac.fallback or "the loss reads logits"
-    traced = job.trace_count > traces
-    return out, choice_for(job.jac, plan, on_rules, job.formulation, traced, fallback)
-
-
-def per_sample_gradients(
+def _run(
+    what,
     model,
     loss_fn,
     x,
@@ -450,6 +351,53 @@ def per_sample_gradients(
     copy=False,
     progress=False,
 ):
+    """What both public functions share, and their options (documented in
+    :func:`per_sample_gradients`): the cached compiled object, x and y checked,
+    the memory budget, chunks and the explanation."""
+    x, y, weights = read_data(x, y)
+    if weights is not None:
+        raise ValueError(
+            "the dataset's batches carry sample weights, and a per-sample "
+            "gradient is each sample's own, unweighted loss: give batches of "
+            "(x, y), or scale each row by its weight afterwards."
+        )
+    if y is None:
+        raise ValueError(
+            "y is missing: pass the targets, or a dataset of (x, y) batches."
+        )
+    job = gradients_for(model, loss_fn, variables, training, x)
+    traces = job.trace_count
+    target = job.target
+    batch = as_batch(x, target)
+    rows = int(n_samples(batch))
+    y = _targets(y, target, rows)
+    activations = job.jac.activation_elements(batch)
+    per_sample = bytes_per_sample(
+        1, target.n_params, target.dtype.itemsize, activations
+    )
+    plan = plan_within(rows, per_sample, memory_budget, explain)
+
+    def compute(start, stop):  # the whole batch as it is: no slicing op
+        if stop - start == rows:
+            return job(batch, y, what)
+        return job(take(batch, start, stop), take(y, start, stop), what)
+
+    width = () if what == "norms" else (target.n_params,)
+    out = run_chunks(
+        plan, compute, shape=(rows, *width), dtype=np.dtype(target.dtype),
+        progress=progress,
+    )  # fmt: skip
+    if copy and plan.n_chunks == 1:
+        out = np.array(out)
+    if not explain:
+        return out
+    on_rules = job.formulation.startswith("layer rules")
+    fallback = job.jac.fallback or "the loss reads logits"
+    traced = job.trace_count > traces
+    return out, choice_for(job.jac, plan, on_rules, job.formulation, traced, fallback)
+
+
+def per_sample_gradients(model, loss_fn, x, y=None, **options):
     """The gradient of each sample's own loss, in ``flat_params`` order.
 
     On the layer-rules path the backward pass starts from ``dL_i/df`` (from
@@ -496,54 +444,18 @@ def per_sample_gradients(
         >>> per_sample_gradients(model, mse, x, np.zeros((4, 2))).shape  # (n, m)
         (4, 8)
     """
-    options = dict(
-        variables=variables, training=training, memory_budget=memory_budget,
-        explain=explain, copy=copy, progress=progress,
-    )  # fmt: skip
-    return _run(model, loss_fn, x, y, "gradients", options)
+    return _run("gradients", model, loss_fn, x, y, **options)
 
 
-def per_sample_gradient_norms(
-    model,
-    loss_fn,
-    x,
-    y=None,
-    *,
-    variables=None,
-    training=False,
-    memory_budget=None,
-    explain=False,
-    copy=False,
-    progress=False,
-):
+def per_sample_gradient_norms(model, loss_fn, x, y=None, **options):
     """(n,): the norm of each sample's loss gradient (what DP clipping needs).
 
     On the layer rules, each layer's share comes from its input and its
     output signal without forming the gradient where the rule knows how
     (Dense: ``|a|^2 |delta|^2``; see ``Rule.backward_norms``), compiled by
     XLA up to ``XLA_NORMS_ROWS`` samples a call; otherwise the norms of the
-    per-sample gradients, in the same graph. Compiled once per
-    model and loss function, as :func:`per_sample_gradients`. Introduced in
-    ``09-matrix-free``.
-
-    Args:
-        model: a Keras model, or a callable ``f(x)`` with ``variables=``.
-        loss_fn: ``loss_fn(y, prediction)`` with one loss per sample.
-        x: the n samples, or a dataset of ``(x, y)`` batches (then no ``y``).
-        y: the targets, one per sample.
-        variables: the variables differentiated (default: trainable ones).
-        training: run the model in training mode.
-        memory_budget: bytes of working memory before the batch runs in
-            chunks (default: half the memory free now, when it matters).
-        explain: also return a :class:`jacutil.auto.Choice`.
-        copy: return an array you may write to.
-        progress: show a progress bar over chunks.
-
-    Returns:
-        A NumPy array of shape (n,); with ``explain=True``, ``(norms, choice)``.
+    per-sample gradients, in the same graph. Arguments, options and caching
+    as :func:`per_sample_gradients`; returns a NumPy array of shape (n,), or
+    ``(norms, choice)`` with ``explain=True``. Introduced in ``09-matrix-free``.
     """
-    options = dict(
-        variables=variables, training=training, memory_budget=memory_budget,
-        explain=explain, copy=copy, progress=progress,
-    )  # fmt: skip
-    return _run(model, loss_fn, x, y, "norms", options)
+    return _run("norms", model, loss_fn, x, y, **options)
