@@ -338,20 +338,10 @@ def gradients_for(model, loss_fn, variables, training, x=None):
 
 
 def _run(
-    what,
-    model,
-    loss_fn,
-    x,
-    y=None,
-    *,
-    variables=None,
-    training=False,
-    memory_budget=None,
-    explain=False,
-    copy=False,
-    progress=False,
-):
-    """What both public functions share, and their options (documented in
+    what, model, loss_fn, x, y, variables, training, memory_budget, explain, copy,
+    progress,
+):  # fmt: skip
+    """What both public functions share (their options are documented in
     :func:`per_sample_gradients`): the cached compiled object, x and y checked,
     the memory budget, chunks and the explanation."""
     x, y, weights = read_data(x, y)
@@ -397,7 +387,19 @@ def _run(
     return out, choice_for(job.jac, plan, on_rules, job.formulation, traced, fallback)
 
 
-def per_sample_gradients(model, loss_fn, x, y=None, **options):
+def per_sample_gradients(
+    model,
+    loss_fn,
+    x,
+    y=None,
+    *,
+    variables=None,
+    training=False,
+    memory_budget=None,
+    explain=False,
+    copy=False,
+    progress=False,
+):
     """The gradient of each sample's own loss, in ``flat_params`` order.
 
     On the layer-rules path the backward pass starts from ``dL_i/df`` (from
@@ -444,10 +446,22 @@ def per_sample_gradients(model, loss_fn, x, y=None, **options):
         >>> per_sample_gradients(model, mse, x, np.zeros((4, 2))).shape  # (n, m)
         (4, 8)
     """
-    return _run("gradients", model, loss_fn, x, y, **options)
+    return _run("gradients", **locals())
 
 
-def per_sample_gradient_norms(model, loss_fn, x, y=None, **options):
+def per_sample_gradient_norms(
+    model,
+    loss_fn,
+    x,
+    y=None,
+    *,
+    variables=None,
+    training=False,
+    memory_budget=None,
+    explain=False,
+    copy=False,
+    progress=False,
+):
     """(n,): the norm of each sample's loss gradient (what DP clipping needs).
 
     On the layer rules, each layer's share comes from its input and its
@@ -458,4 +472,4 @@ def per_sample_gradient_norms(model, loss_fn, x, y=None, **options):
     as :func:`per_sample_gradients`; returns a NumPy array of shape (n,), or
     ``(norms, choice)`` with ``explain=True``. Introduced in ``09-matrix-free``.
     """
-    return _run("norms", model, loss_fn, x, y, **options)
+    return _run("norms", **locals())
