@@ -55,7 +55,7 @@ class KernelRule(Rule):
         a, slope = saved
         with_kernel = self.layer.kernel in wanted
         with_bias = self.bias is not None and self.bias in wanted
-        signal = delta.delta if isinstance(delta, LogitsSignal) else delta
+        signal = LogitsSignal.unwrapped(delta)
         ghost = gram_is_cheaper(*self._gram_sizes(a, signal)) or not with_kernel
         if not (with_kernel or with_bias) or not ghost:
             return super()._backward_norms(saved, delta, wanted, need_signal)
