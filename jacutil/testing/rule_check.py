@@ -43,16 +43,11 @@ from ..rules.walk import place_blocks, signal_for
 class RuleReport:
     """What :func:`check_rule` measured.
 
-    ``errors``: each check's largest difference, relative to the largest
-    reference value (or absolute below 1); ``problem``: a contract error or
-    a refused layer, when the rule could not be run.
-
-    Args:
-        rule: the rule's name (``describe()``).
-        layer: the layer, in words.
-        tolerance: the largest error that passes.
-        errors: each check's error, by check name.
-        problem: the contract error or refusal, or None.
+    ``rule``: the rule's name (``describe()``); ``layer``: the layer, in
+    words; ``tolerance``: the largest error that passes; ``errors``: by check
+    name, each check's largest difference, relative to the largest reference
+    value (or absolute below 1); ``problem``: a contract error or a refused
+    layer, when the rule could not be run (else None).
     """
 
     rule: str
@@ -72,11 +67,8 @@ class RuleReport:
         return self.problem is None and not self.failures
 
     def line(self):
-        """One line: ok/FAIL, the layer, its rule and every check's error.
-
-        Returns:
-            A ``str``.
-        """
+        """One line (a ``str``): ok/FAIL, the layer, its rule and every
+        check's error."""
         if self.problem is not None:
             found = self.problem
         else:
