@@ -30,13 +30,8 @@ class KernelRule(Rule):
     """``y = act(a W + b)``: the kernel, bias and activation that a Dense shares
     with a convolution (a Dense at every position), and their ghost norms;
     a subclass gives ``_gram_sizes``, ``_at_z``, ``_groups`` and ``_below``.
-
-    Args:
-        layer: the Keras layer.
-        kind: what the layer is, in :class:`NoRule`'s words.
-
-    Raises:
-        NoRule: a LoRA or quantized layer.
+    ``kind`` names the layer in :class:`NoRule`'s words (a LoRA or quantized
+    layer raises it).
     """
 
     def __init__(self, layer, kind):
