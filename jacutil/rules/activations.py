@@ -42,16 +42,9 @@ def _keras(name):
 
 
 def kind_of(function):
-    """``"linear"``, a FORMULAS name, ``"elementwise"``, ``"softmax"``,
-    ``"log_softmax"`` or ``"unknown"``.
-
-    Args:
-        function: an activation function (Keras's, TensorFlow's, or any), or
-            None.
-
-    Returns:
-        The kind, a ``str``.
-    """
+    """The kind of an activation ``function`` (Keras's, TensorFlow's, any, or
+    None): ``"linear"``, a FORMULAS name, ``"elementwise"``, ``"softmax"``,
+    ``"log_softmax"`` or ``"unknown"``."""
     if function is None or function is _keras("linear"):
         return "linear"
     for name in FORMULAS:
@@ -69,26 +62,17 @@ def kind_of(function):
 
 
 class Activation:
-    """``y = function(z)`` forward, and its signal backward, by kind.
-
-    Args:
-        function: the activation function (None: linear).
-    """
+    """``y = function(z)`` forward, and its signal backward, by kind (None:
+    linear)."""
 
     def __init__(self, function):
         self.function = function
         self.kind = kind_of(function)
 
     def forward(self, z):
-        """``(y, saved)``; the slope of an element-wise function is saved.
-
-        Args:
-            z: the pre-activations, shape ``(n, *shape)``.
-
-        Returns:
-            ``(y, saved)``: y of shape ``(n, *shape)``, and what :meth:`backward`
-            needs.
-        """
+        """``(y, saved)`` of the pre-activations ``z`` ``(n, *shape)``: y of
+        their shape, and what :meth:`backward` needs (an element-wise
+        function's slope)."""
         if self.kind == "linear":
             return z, None
         if self.kind == "elementwise":
@@ -113,19 +97,9 @@ class Activation:
         return self.kind in ("softmax", "sigmoid")
 
     def backward(self, saved, delta):
-        """The signal at z from the signal at y: ``(n, l, *shape)`` both.
-
-        Args:
-            saved: what :meth:`forward` saved.
-            delta: the signal at y, shape ``(n, l, *shape)``, or a
-                :class:`jacutil.rules.registry.LogitsSignal`.
-
-        Returns:
-            The signal at z, shape ``(n, l, *shape)``.
-
-        Raises:
-            TypeError: a signal at logits for a function that makes none.
-        """
+        """The signal at z from ``delta`` at y (or a
+        :class:`jacutil.rules.registry.LogitsSignal`; TypeError for a function
+        that makes no logits): ``(n, l, *shape)`` both."""
         if isinstance(delta, LogitsSignal):
             if not self.makes_logits:
                 raise TypeError(f"a signal at logits for {self.describe()}")

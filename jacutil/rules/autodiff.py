@@ -18,15 +18,8 @@ from .registry import Blocks, Rule, per_output, rows
 
 
 def repeat_rows(a, n_outputs):
-    """``(n, *shape)`` -> ``(n * l, *shape)``: each sample repeated l times in a row.
-
-    Args:
-        a: a tensor of shape ``(n, *shape)``.
-        n_outputs: l.
-
-    Returns:
-        A tensor of shape ``(n * l, *shape)``.
-    """
+    """``(n, *shape)`` -> ``(n * l, *shape)``: each sample repeated l =
+    ``n_outputs`` times in a row."""
     shape = tf.shape(a)
     tiled = tf.broadcast_to(
         a[:, None], tf.concat([shape[:1], [n_outputs], shape[1:]], 0)
@@ -35,33 +28,16 @@ def repeat_rows(a, n_outputs):
 
 
 def tiled_vjp(function, a, delta):
-    """The signal at ``a`` from the signal ``delta``, shape ``(n, l, *out)``,
-    at ``function(a)``.
-
-    Args:
-        function: the function, applied to a batch.
-        a: its input, shape ``(n, *in)``.
-        delta: the signal at its output, shape ``(n, l, *out)``.
-
-    Returns:
-        The signal at ``a``, shape ``(n, l, *in)``.
-    """
+    """The signal ``(n, l, *in)`` at ``a`` ``(n, *in)`` from the signal
+    ``delta``, shape ``(n, l, *out)``, at ``function(a)`` (on a batch)."""
     return tiled_vjps(function, [a], delta, [True])[0]
 
 
 def tiled_vjps(function, inputs, delta, need_signal):
-    """:func:`tiled_vjp` of a function of several inputs: the signal at each.
-
-    Args:
-        function: the function, ``function(*inputs)`` on a batch.
-        inputs: its inputs, each of shape ``(n, *in_i)``.
-        delta: the signal at its output, shape ``(n, l, *out)``.
-        need_signal: per input, whether its signal is wanted.
-
-    Returns:
-        A list: the signal at each input, shape ``(n, l, *in_i)``, or None
-        where it is not wanted or the input is not a float (ids).
-    """
+    """:func:`tiled_vjp` of ``function(*inputs)``, inputs ``(n, *in_i)``: a
+    list of the signal at each, ``(n, l, *in_i)``, or None where
+    ``need_signal`` (per input) says it is not wanted or the input is not a
+    float (ids)."""
     n_samples, n_outputs = tf.shape(delta)[0], tf.shape(delta)[1]
     tiled = [repeat_rows(a, n_outputs) for a in inputs]
     sources = [

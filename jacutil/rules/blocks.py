@@ -43,17 +43,9 @@ _FORCED = []  # the route every rule takes inside norms_route(), innermost last
 @contextmanager
 def norms_route(route):
     """Inside the block every rule computes its squared norms by ``route``,
-    whatever the sizes: what a check of both routes needs. (A bias alone,
-    and LayerNorm's gamma and beta, have one route: their own sums.)
-
-    Args:
-        route: ``"ghost"`` (without the blocks) or ``"blocks"``.
-
-    Yields:
-        None.
-
-    Raises:
-        ValueError: another route.
+    ``"ghost"`` (without the blocks) or ``"blocks"``, whatever the sizes: what
+    a check of both routes needs. (A bias alone, and LayerNorm's gamma and
+    beta, have one route: their own sums.)
     """
     if route not in ("ghost", "blocks"):
         raise ValueError(f"route is 'ghost' or 'blocks', not {route!r}")
@@ -65,16 +57,11 @@ def norms_route(route):
 
 
 def ghost_is_cheaper(ghost_work, block_work):
-    """Whether a rule's squared norms take the route without the blocks.
-
-    Args:
-        ghost_work: the multiply-adds of that route per sample and signal
-            row, or None when unknown (a shape unknown while traced).
-        block_work: those of forming the blocks.
-
-    Returns:
-        A ``bool``: ``ghost_work <= block_work``, unless :func:`norms_route`
-        forces a route; an unknown work takes the blocks.
+    """Whether a rule's squared norms take the route without the blocks:
+    ``ghost_work <= block_work`` (the multiply-adds per sample and signal row
+    of that route and of forming the blocks), unless :func:`norms_route`
+    forces a route; an unknown ``ghost_work`` (None: a shape unknown while
+    traced) takes the blocks.
     """
     if _FORCED:
         return _FORCED[-1] == "ghost"
@@ -83,15 +70,9 @@ def ghost_is_cheaper(ghost_work, block_work):
 
 def gram_is_cheaper(positions, p, q):
     """:func:`ghost_is_cheaper` for a kernel's block: the Gram route's
-    ``T * T * (p + q)`` against the block's ``T * p * q``.
-
-    Args:
-        positions: T, or None when unknown.
-        p: the kernel's rows (a patch's size for a convolution).
-        q: its columns (a group's output channels).
-
-    Returns:
-        A ``bool``.
+    ``T * T * (p + q)`` against the block's ``T * p * q``, for T =
+    ``positions`` (None when unknown), p the kernel's rows (a patch's size for
+    a convolution) and q its columns (a group's output channels).
     """
     if positions is None:
         return ghost_is_cheaper(None, 0)
@@ -99,15 +80,8 @@ def gram_is_cheaper(positions, p, q):
 
 
 def positions_of(shape):
-    """T, the product of the axes between the samples and the last, or None
-    when one is unknown.
-
-    Args:
-        shape: a static shape ``(n, *positions, width)``.
-
-    Returns:
-        An ``int`` or None.
-    """
+    """T, the product of the axes between the samples and the last of a
+    static ``shape`` ``(n, *positions, width)``, or None when one is unknown."""
     inner = list(tf.TensorShape(shape))[1:-1]
     return None if None in inner else math.prod(inner)
 
@@ -128,15 +102,8 @@ def outer_blocks(a, delta):
 
 
 def outer_by_position(a, by_position):
-    """:func:`outer_blocks` of a signal laid out (n, t, l, q), positions first.
-
-    Args:
-        a: the layer's input, shape ``(n, *positions, p)``, t positions in all.
-        by_position: the signal, shape ``(n, *positions, l, q)``.
-
-    Returns:
-        The kernel's block, shape (n, l, p * q).
-    """
+    """:func:`outer_blocks` of a signal laid out (n, *positions, l, q),
+    positions first: the kernel's (n, l, p * q) block."""
     n_samples, n_outputs = tf.shape(by_position)[0], tf.shape(by_position)[2]
     p, q = a.shape[-1], by_position.shape[-1]
     a = tf.reshape(a, [n_samples, -1, p])  # (n, t, p)
@@ -155,15 +122,7 @@ def times_transpose(delta, matrix):
 
 
 def sum_positions(delta, width):
-    """(n, l, width): ``delta`` ``(n, l, *positions, width)`` summed over positions.
-
-    Args:
-        delta: a tensor of shape ``(n, l, *positions, width)``.
-        width: the last dimension.
-
-    Returns:
-        A tensor of shape (n, l, width).
-    """
+    """(n, l, width): ``delta`` ``(n, l, *positions, width)`` summed over positions."""
     n_samples, n_outputs = tf.shape(delta)[0], tf.shape(delta)[1]
     return tf.reduce_sum(tf.reshape(delta, [n_samples, n_outputs, -1, width]), 2)
 
@@ -207,14 +166,8 @@ def kernel_and_bias(a, delta, kernel, bias, wanted, by_position=False):
 def gram_norms(a, delta):
     """(n, r): the squared norm of each kernel block of :func:`outer_blocks`,
     without it: ``sum_{t, s} (a[t] . a[s]) (delta[t] . delta[s])``, with one
-    position ``|a|^2 |delta|^2``.
-
-    Args:
-        a: the layer's input at each position, ``(n, *positions, p)``.
-        delta: the signal at ``z``, ``(n, r, *positions, q)``.
-
-    Returns:
-        A tensor of shape (n, r).
+    position ``|a|^2 |delta|^2``; ``a`` is (n, *positions, p) and ``delta``
+    (n, r, *positions, q).
     """
     n_samples, n_rows = tf.shape(delta)[0], tf.shape(delta)[1]
     a = tf.reshape(a, [n_samples, -1, a.shape[-1]])  # (n, T, p)
@@ -228,12 +181,6 @@ def gram_norms(a, delta):
 
 
 def sum_norms(delta):
-    """(n, r): the squared norm of each bias block, ``|sum_t delta[t]|^2``.
-
-    Args:
-        delta: the signal at ``z``, ``(n, r, *positions, q)``.
-
-    Returns:
-        A tensor of shape (n, r).
-    """
+    """(n, r): the squared norm of each bias block, ``|sum_t delta[t]|^2``, of
+    the signal ``delta`` (n, r, *positions, q) at ``z``."""
     return tf.reduce_sum(tf.square(sum_positions(delta, delta.shape[-1])), -1)

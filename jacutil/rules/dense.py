@@ -30,13 +30,8 @@ class KernelRule(Rule):
     """``y = act(a W + b)``: the kernel, bias and activation that a Dense shares
     with a convolution (a Dense at every position), and their ghost norms;
     a subclass gives ``_gram_sizes``, ``_at_z``, ``_groups`` and ``_below``.
-
-    Args:
-        layer: the Keras layer.
-        kind: what the layer is, in :class:`NoRule`'s words.
-
-    Raises:
-        NoRule: a LoRA or quantized layer.
+    ``kind`` names the layer in :class:`NoRule`'s words (a LoRA or quantized
+    layer raises it).
     """
 
     def __init__(self, layer, kind):
@@ -55,7 +50,7 @@ class KernelRule(Rule):
         a, slope = saved
         with_kernel = self.layer.kernel in wanted
         with_bias = self.bias is not None and self.bias in wanted
-        signal = delta.delta if isinstance(delta, LogitsSignal) else delta
+        signal = LogitsSignal.unwrapped(delta)
         ghost = gram_is_cheaper(*self._gram_sizes(a, signal)) or not with_kernel
         if not (with_kernel or with_bias) or not ghost:
             return super()._backward_norms(saved, delta, wanted, need_signal)

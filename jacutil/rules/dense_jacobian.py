@@ -52,13 +52,7 @@ class DenseJacobian:
     It is ``compiled_jacobian(model, method="rules")`` kept to Dense networks
     (``plan``), or ``compiled_jacobian(model)`` where they do not apply.
     ``fallback`` is None on the hand-derived path, or why it does not apply.
-
-    Args:
-        model: a Keras model.
-        jit_compile: compile with XLA.
-        variables: the variables to differentiate, or None for the model's
-            trainable variables.
-        training: run the model in training mode (the fallback then runs).
+    Arguments as :func:`compiled_dense_jacobian` (``training``: the fallback runs).
     """
 
     def __init__(self, model, jit_compile, variables, training):
@@ -90,27 +84,15 @@ class DenseJacobian:
         return self._jac.trace_count
 
     def tensor(self, x):
-        """The Jacobian of ``x`` as a tensor (checked against autodiff first).
-
-        Args:
-            x: the n samples, an array.
-
-        Returns:
-            A tensor of shape (n, l, m).
-        """
+        """The (n, l, m) Jacobian of the n samples ``x`` (an array) as a tensor
+        (checked against autodiff first)."""
         return self._jac.tensor(as_batch(x, self.target))
 
     def __call__(self, x, *, copy=False):
         """Return the (n_samples, n_outputs, n_params) Jacobian of ``x``: by
         default a read-only view, not a copy, as in
-        :meth:`jacutil.stages.compiled.CompiledJacobian.__call__`.
-
-        Args:
-            x: the n samples, an array.
-            copy: return an array you may write to.
-
-        Returns:
-            J, an array of shape (n, l, m).
+        :meth:`jacutil.stages.compiled.CompiledJacobian.__call__`; with
+        ``copy=True`` an array you may write to.
         """
         return self._jac(x, copy=copy)
 
@@ -150,17 +132,9 @@ def dense_jacobian(model, x, *, variables=None, training=False):
     Any other model, or one whose rules differ from autodiff on the samples
     checked, falls back to :func:`per_sample_jacobian`.
 
-    Returns (n_samples, n_outputs, n_params). Introduced in ``07-benchmark``.
-
-    Args:
-        model: a Keras model.
-        x: the n samples, an array.
-        variables: the variables to differentiate (default: the model's
-            trainable variables).
-        training: run the model in training mode.
-
-    Returns:
-        J, an array of shape (n, l, m), columns in ``flat_params`` order.
+    Returns J, an array of shape (n_samples, n_outputs, n_params), columns in
+    ``flat_params`` order, for the n samples ``x`` (an array); other arguments
+    as :func:`compiled_dense_jacobian`. Introduced in ``07-benchmark``.
     """
     variables = None if variables is None else variable_list(variables)
     target = resolve_target(model, variables, training, x)

@@ -19,14 +19,8 @@ from ..core.internals import made_by, takes_training
 
 
 def is_exact_keras(model):
-    """A plain ``keras.Sequential`` or functional model, not a subclass.
-
-    Args:
-        model: anything.
-
-    Returns:
-        A ``bool``.
-    """
+    """Whether ``model`` is a plain ``keras.Sequential`` or functional model,
+    not a subclass."""
     kind = type(model)
     if kind is keras.Sequential:
         return True
@@ -76,15 +70,9 @@ class Node:
         return ", ".join(others)
 
     def __call__(self, *values):
-        """Replay the call on ``values``, in inference mode.
-
-        Args:
-            *values: the input tensors, one per symbolic input (in the order
-                of ``inputs``), each of shape ``(n, *input_shape)``.
-
-        Returns:
-            The operation's output tensor.
-        """
+        """The operation's output: the call replayed in inference mode on
+        ``values``, one ``(n, *input_shape)`` tensor per symbolic input (in
+        the order of ``inputs``)."""
         if self.args is None:
             args, kwargs = values, dict(self.kwargs)
         else:
@@ -129,12 +117,6 @@ def chain_nodes(model):
     An exact ``Sequential`` (nested ones are opened), or a functional model
     whose graph (:func:`graph_nodes`, nested models opened) is one path: one
     input, each call taking the tensor before it, the last one's the output.
-
-    Args:
-        model: a Keras model.
-
-    Returns:
-        A list of :class:`Node`, input to output, or None.
     """
     if type(model) is keras.Sequential:
         nodes = []
@@ -155,14 +137,7 @@ def chain_nodes(model):
 
 def chain_layers(model):
     """The model's layers from input to output, or None unless it is a chain
-    of layers each called with its input alone (see :func:`chain_nodes`).
-
-    Args:
-        model: a Keras model.
-
-    Returns:
-        A list of Keras layers, input to output, or None.
-    """
+    of layers each called with its input alone (see :func:`chain_nodes`)."""
     nodes = chain_nodes(model)
     if nodes is None or any(
         not isinstance(n.operation, keras.Layer) or n.extra_arguments() for n in nodes
@@ -195,14 +170,8 @@ class Wiring:
 
     @classmethod
     def chain(cls, n_steps):
-        """Step j reads tensor j and writes tensor j + 1.
-
-        Args:
-            n_steps: the number of steps.
-
-        Returns:
-            A :class:`Wiring`.
-        """
+        """The wiring of ``n_steps`` in a chain: step j reads tensor j and
+        writes tensor j + 1."""
         inputs = tuple((j,) for j in range(n_steps))
         return cls(inputs, tuple(range(1, n_steps + 1)), (0,), (n_steps,))
 
@@ -226,15 +195,10 @@ class Wiring:
 
 
 def graph_nodes(model):
-    """The calls of a functional model as a graph, nested models opened inline.
-
-    Args:
-        model: an exact Keras model (:func:`is_exact_keras`).
-
-    Returns:
-        ``(nodes, wiring)``: the :class:`Node` of each call in topological
-        order (inputs first) and the :class:`Wiring` between them, the keys
-        the ids of the Keras tensors.
+    """The calls of an exact Keras model (:func:`is_exact_keras`) as a graph,
+    nested models opened inline: ``(nodes, wiring)``, the :class:`Node` of each
+    call in topological order (inputs first) and the :class:`Wiring` between
+    them, the keys the ids of the Keras tensors.
 
     Raises:
         NotAGraph: a layer is used twice or gives several outputs, or the

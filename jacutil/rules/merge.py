@@ -16,26 +16,14 @@ plan is before use (``jacutil.rules.plan.Plan.check``).
 import math
 
 from ..core._tf import keras, tf
-from .registry import NoRule, Rule
+from .registry import NoRule, Rule, register
 
 MERGE_RULES = {}  # merge layer type -> rule class
 
 
 def merge_rule(layer_type):
-    """Class decorator: the rule of the merge layers of exact type ``layer_type``.
-
-    Args:
-        layer_type: a Keras merge layer type.
-
-    Returns:
-        The decorator, which returns the rule class unchanged.
-    """
-
-    def add(rule):
-        MERGE_RULES[layer_type] = rule
-        return rule
-
-    return add
+    """Class decorator: the rule of the merge layers of exact type ``layer_type``."""
+    return register(layer_type, table=MERGE_RULES)
 
 
 def _input_shapes(layer):

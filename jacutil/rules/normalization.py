@@ -21,19 +21,9 @@ from .registry import Blocks, NoRule, Rule, register
 
 
 def _last_axes(layer, axis, most=None):
-    """How many of the input's last axes ``axis`` names.
-
-    Args:
-        layer: the Keras layer (its input's rank).
-        axis: the layer's ``axis``, an int or a list.
-        most: the most axes the rule takes (None: any but the samples' axis).
-
-    Returns:
-        An ``int``, at least 1.
-
-    Raises:
-        NoRule: other axes than the last ones, or too many.
-    """
+    """How many (at least 1) of the layer input's last axes ``axis`` (an int
+    or a list) names; :class:`NoRule` for other axes than the last ones, or
+    more than ``most`` (None: any but the samples' axis)."""
     axes = list(axis) if isinstance(axis, (list, tuple)) else [axis]
     if axes == [-1]:
         return 1

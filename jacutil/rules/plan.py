@@ -70,25 +70,14 @@ class Plan:
     compares its Jacobian with autodiff, sample by sample, once per input
     shape, and :meth:`tensor` refuses any other. No consumer can take the
     rules' numbers without that proof.
-
-    Args:
-        steps: a rule (:class:`jacutil.rules.registry.Rule`) per node, in
-            topological order (input to output).
-        wanted: per step, the :class:`jacutil.rules.registry.Wanted` variables
-            it writes blocks for.
-        variables: the Jacobian's m columns' variables, in order.
-        lowest: the lowest step holding a wanted variable.
-        checked: the input signatures the plan was proved on.
-        wiring: which tensors each step reads and writes (a :class:`Wiring`);
-            None for a chain, each step reading the one before.
     """
 
-    steps: list  # a Rule per node, in topological order
+    steps: list  # a Rule per node, in topological order (input to output)
     wanted: list  # per step: the Wanted variables it writes blocks for
-    variables: list  # the Jacobian's columns, in order (the walk places blocks)
+    variables: list  # the Jacobian's m columns, in order (the walk places blocks)
     lowest: int  # the lowest step holding a wanted variable
     checked: set = field(default_factory=set)  # input signatures proved
-    wiring: Wiring = None  # None: a chain
+    wiring: Wiring = None  # which tensors each step reads, writes; None: a chain
 
     def __post_init__(self):
         if self.wiring is None:
@@ -123,16 +112,10 @@ class Plan:
         return "layer rules: " + ", ".join(rule for _, rule in self.layers())
 
     def check(self, target, x):
-        """None when the rules agree with autodiff on ``x``'s samples, else
-        why not. Agreement is recorded for ``x``'s input shape.
-
-        Args:
-            target: the :class:`jacutil.core.target.Target` (autodiff's side).
-            x: a checked batch.
-
-        Returns:
-            None, or why the rules disagree (a ``str``).
-        """
+        """None when the rules agree with autodiff (``target``, a
+        :class:`jacutil.core.target.Target`) on the samples of ``x`` (a checked
+        batch), else why not (a ``str``). Agreement is recorded for ``x``'s
+        input shape."""
         with pfor_log():  # pfor's notes on our own autodiff rules: not the user's
             reason = disagreement(self, target, x)
         if reason is None:

@@ -92,48 +92,26 @@ class _Recurrent(Rule):
         return blocks, below
 
     def step(self, x_k, state):
-        """One step forward.
-
-        Args:
-            x_k: the step's input times the kernel (and input bias), shape
-                (n, gates * u).
-            state: the state before the step, a tuple, ``h`` (n, u) first.
-
-        Returns:
-            ``(state, kept)``: the state after the step, and what
-            :meth:`step_back` needs, each a tuple of (n, ...) tensors.
-        """
+        """One step forward: from ``x_k``, the step's input times the kernel
+        (and input bias), (n, gates * u), and the ``state`` before it (a tuple,
+        ``h`` (n, u) first), ``(state, kept)``: the state after the step and
+        what :meth:`step_back` needs, each a tuple of (n, ...) tensors."""
         raise NotImplementedError
 
     def step_back(self, kept, carry):
-        """One step backward.
-
-        Args:
-            kept: what :meth:`step` kept, each with an axis for l: (n, 1, ...).
-            carry: the signal at the state after the step, a tuple of
-                (n, l, u) tensors.
-
-        Returns:
-            ``(by_input, by_state, carry)``: the signal at the step's gates from
-            the input and from the state, (n, l, gates * u) each, and the
-            signal at the state before the step.
-        """
+        """One step backward: from what :meth:`step` kept (each with an axis
+        for l: (n, 1, ...)) and the ``carry``, the signal at the state after
+        the step (a tuple of (n, l, u) tensors), ``(by_input, by_state,
+        carry)``: the signal at the step's gates from the input and from the
+        state, (n, l, gates * u) each, and the signal at the state before it."""
         raise NotImplementedError
 
     def blocks(self, a, states, by_input, by_state, wanted, bias_after_r=True):
-        """Blocks of K, R and the bias after R (LSTM, SimpleRNN).
-
-        Args:
-            a: the layer's input, shape (n, T, features).
-            states: the state before each step, shape (n, T, u).
-            by_input: the signal at the gates from the input, (n, T, l, g * u).
-            by_state: the signal at the gates from the state, (n, T, l, g * u).
-            wanted: the variables to write blocks for.
-            bias_after_r: write the bias with R (False: the caller writes it).
-
-        Returns:
-            :class:`jacutil.rules.registry.Blocks`, (n, l, size) each.
-        """
+        """:class:`jacutil.rules.registry.Blocks` (n, l, size) of K, R and the
+        bias after R (LSTM, SimpleRNN; ``bias_after_r=False``: the caller writes
+        it), from the input ``a`` (n, T, features), the ``states`` before each
+        step (n, T, u) and the signal at the gates from the input and from the
+        state, ``by_input`` and ``by_state`` (n, T, l, g * u) each."""
         cell, bias = self.cell, self.bias if bias_after_r else None
         blocks = kernel_and_bias(a, by_input, cell.kernel, None, wanted, True)
         blocks.update(

@@ -43,31 +43,27 @@ class RuleContractError(AssertionError):
     block for a variable it was not asked for): a bug in the rule."""
 
 
-def register(*layer_types, overwrite=False):
-    """Class decorator: ``@register(keras.layers.Dense)`` makes the rule known.
-
-    Args:
-        *layer_types: the exact layer types the rule is for.
-        overwrite: replace a rule already registered for one of them
-            (otherwise :class:`AlreadyRegistered` is raised).
-
-    Returns:
-        The decorator, which returns the rule class unchanged.
+def register(*layer_types, overwrite=False, table=None):
+    """Class decorator: ``@register(keras.layers.Dense)`` makes the rule known
+    for those exact layer types, in ``table`` (default ``RULES``); a type that
+    has a rule raises :class:`AlreadyRegistered` unless ``overwrite``. The
+    decorator returns the rule class unchanged.
     """
+    table = RULES if table is None else table
 
     def add(rule):
         taken = [
-            t for t in layer_types if RULES.get(t) not in (None, rule) and not overwrite
+            t for t in layer_types if table.get(t) not in (None, rule) and not overwrite
         ]
         if taken:
             names = ", ".join(t.__name__ for t in taken)
             raise AlreadyRegistered(
-                f"{names} already has a rule ({RULES[taken[0]].__name__}); pass "
+                f"{names} already has a rule ({table[taken[0]].__name__}); pass "
                 f"overwrite=True, or use `with jacutil.rules.registered({names}, "
                 f"{rule.__name__}):` to replace it for a while"
             )
         for layer_type in layer_types:
-            RULES[layer_type] = rule
+            table[layer_type] = rule
         return rule
 
     return add
@@ -75,15 +71,9 @@ def register(*layer_types, overwrite=False):
 
 @contextmanager
 def registered(layer_types, rule):
-    """``with registered(LayerType, RuleClass):`` the rule is the registered
-    one inside the block; the registry is restored as it was on leaving.
-
-    Args:
-        layer_types: a layer type, or a tuple of them.
-        rule: the rule class (a :class:`Rule` subclass).
-
-    Yields:
-        The rule class.
+    """``with registered(LayerType, RuleClass) as rule:`` the rule (a
+    :class:`Rule` subclass) is the registered one for the layer type (or tuple
+    of them) inside the block; the registry is restored as it was on leaving.
     """
     if not isinstance(layer_types, (tuple, list)):
         layer_types = (layer_types,)
@@ -104,24 +94,24 @@ class LogitsSignal:
     """A signal at the logits ``z`` of a softmax or sigmoid, not at its
     output ``y``: what a Keras loss gives when it reads ``y``'s logits
     (the logits Keras keeps on ``y``, ``cached_logits``, or the input of a
-    ``Softmax``/``Sigmoid`` op).
-
-    Args:
-        delta: the signal at the logits, shape ``(n or 1, r, *logits_shape)``.
+    ``Softmax``/``Sigmoid`` op); ``delta`` has shape ``(n or 1, r, *logits_shape)``.
     """
 
     def __init__(self, delta):
         self.delta = delta
+
+    @staticmethod
+    def unwrapped(delta):
+        """The signal's tensor: ``delta``, or the logits' one it wraps."""
+        return delta.delta if isinstance(delta, LogitsSignal) else delta
 
 
 class Wanted:
     """The variables whose blocks one backward step must write, by identity.
 
     ``variable in wanted`` (its ``id`` works too); iterating gives the
-    variables. Keras variables cannot be dict keys, hence this set.
-
-    Args:
-        variables: the wanted variables (any iterable).
+    variables. Keras variables cannot be dict keys, hence this set of the
+    ``variables`` given (any iterable).
     """
 
     def __init__(self, variables=()):
@@ -129,18 +119,9 @@ class Wanted:
 
     @classmethod
     def of(cls, wanted):
-        """``wanted`` as a :class:`Wanted`: from one, or any iterable of variables.
-
-        Args:
-            wanted: a :class:`Wanted`, an iterable of variables, or a dict
-                whose values are variables.
-
-        Returns:
-            A :class:`Wanted`.
-
-        Raises:
-            TypeError: it holds integers (column positions), not variables.
-        """
+        """``wanted`` as a :class:`Wanted`: from one, an iterable of variables
+        or a dict whose values are variables; TypeError if it holds integers
+        (column positions)."""
         if isinstance(wanted, cls):
             return wanted
         variables = list(wanted.values() if isinstance(wanted, dict) else wanted)
@@ -170,11 +151,8 @@ class Blocks:
     block ``blocks[(kernel, bias)] = B`` of shape (n, l, kernel.size +
     bias.size) holds the kernel's columns, then the bias's (one fused
     product). The engine places each in the Jacobian's column order and
-    splits a joint block whose variables are not adjacent there.
-
-    Args:
-        pairs: ``(key, block)`` pairs to start with, a key a variable or a
-            tuple of variables.
+    splits a joint block whose variables are not adjacent there. ``pairs``:
+    ``(key, block)`` pairs to start with, a key a variable or a tuple of them.
     """
 
     def __init__(self, pairs=()):
@@ -214,18 +192,9 @@ class Blocks:
 
     @classmethod
     def of(cls, blocks):
-        """``blocks`` as :class:`Blocks`: from Blocks, None, ``{}`` or pairs.
-
-        Args:
-            blocks: a :class:`Blocks`, None, an empty dict, or ``(key, block)``
-                pairs.
-
-        Returns:
-            A :class:`Blocks`.
-
-        Raises:
-            TypeError: a non-empty dict (of column positions).
-        """
+        """``blocks`` as :class:`Blocks`: from Blocks, None, ``{}`` or
+        ``(key, block)`` pairs; TypeError for a non-empty dict (of column
+        positions)."""
         if isinstance(blocks, cls):
             return blocks
         if blocks is None or (isinstance(blocks, dict) and not blocks):
@@ -259,9 +228,8 @@ class Rule(abc.ABC):
       ``Add``): ``a`` is that list, ``need_signal`` a list of bools (one per
       input) and the signal below a list (None where not needed).
 
-    Args:
-        layer: the Keras layer. A subclass raises :class:`NoRule` for a
-            configuration it does not cover, and sets ``self.variables``.
+    A subclass's constructor takes the Keras layer, raises :class:`NoRule` for
+    a configuration it does not cover, and sets ``self.variables``.
     """
 
     name: str = "rule"
@@ -290,13 +258,6 @@ class Rule(abc.ABC):
     def forward(self, a) -> tuple[Any, Any]:
         """``(y, saved)``: the layer's output ``(n, *output_shape)`` on ``a``
         ``(n, *input_shape)``, and what :meth:`backward` needs (from ``_forward``).
-
-        Args:
-            a: the layer's input, shape ``(n, *input_shape)``.
-
-        Returns:
-            ``(y, saved)``: y of shape ``(n, *output_shape)``, and what
-            ``_forward`` saved.
         """
         y, saved = self._forward(a)
         if self.several_inputs:  # one shape and dtype per input
@@ -337,7 +298,7 @@ class Rule(abc.ABC):
         wanted = Wanted.of(wanted)
         found, below = self._backward(saved, delta, wanted, need_signal)
         blocks = Blocks.of(found)
-        signal = delta.delta if isinstance(delta, LogitsSignal) else delta
+        signal = LogitsSignal.unwrapped(delta)
         self._check_blocks(blocks, signal, wanted)
         return blocks, self._checked_below(below, signal, need_signal)
 
@@ -348,22 +309,14 @@ class Rule(abc.ABC):
 
         What per-sample gradient norms need (DP clipping): with a signal of one
         row, ``squared[i, 0]`` is the squared norm of sample i's gradient with
-        respect to the wanted variables of this layer.
-
-        Args:
-            saved, delta, wanted, need_signal: as for :meth:`backward`.
-
-        Returns:
-            ``(squared, below)``: ``squared`` of shape (n, r), the sum over the
-            wanted variables of each block's squared entries (zeros when none
-            is wanted), and the signal below as :meth:`backward` gives it.
-
-        Raises:
-            RuleContractError: ``squared`` or the signal has the wrong shape.
+        respect to the wanted variables of this layer. Arguments and the
+        signal below as :meth:`backward`; ``squared`` has shape (n, r), the sum
+        over the wanted variables of each block's squared entries (zeros when
+        none is wanted); RuleContractError when a shape is wrong.
         """
         wanted = Wanted.of(wanted)
         squared, below = self._backward_norms(saved, delta, wanted, need_signal)
-        signal = delta.delta if isinstance(delta, LogitsSignal) else delta
+        signal = LogitsSignal.unwrapped(delta)
         expected = [self._seen_samples(), signal.shape[1]]
         if squared is not None and not _agrees(squared.shape, expected):
             raise self._broken(
@@ -379,18 +332,13 @@ class Rule(abc.ABC):
 
         With the columns of a square root of each sample's loss Hessian as
         the signal, the sums are the exact diagonal of the Gauss-Newton
-        matrix (``jacutil.curvature.diagonal``, notebook 11).
-
-        Args:
-            saved, delta, wanted, need_signal: as for :meth:`backward`.
-
-        Returns:
-            ``(squares, below)``: :class:`Blocks` keyed as :meth:`backward`'s,
-            each of shape (size,), and the signal below.
+        matrix (``jacutil.curvature.diagonal``, notebook 11). Arguments as
+        :meth:`backward`; ``squares`` are :class:`Blocks` keyed as its blocks,
+        each of shape (size,).
         """
         wanted = Wanted.of(wanted)
         squares, below = self._backward_squares(saved, delta, wanted, need_signal)
-        signal = delta.delta if isinstance(delta, LogitsSignal) else delta
+        signal = LogitsSignal.unwrapped(delta)
         return Blocks.of(squares), self._checked_below(below, signal, need_signal)
 
     def _backward_squares(self, saved, delta, wanted, need_signal):
@@ -528,17 +476,10 @@ def _shown(shape):
 
 
 def rule_for(layer, table=None):
-    """``(rule, None)`` for ``layer``, or ``(None, reason)`` when it has none.
-
-    Args:
-        layer: a Keras layer.
-        table: the registry to look in, from layer type to rule class; by
-            default ``RULES`` (one-input layers; merge layers have
-            ``jacutil.rules.merge.MERGE_RULES``).
-
-    Returns:
-        ``(Rule, None)`` or ``(None, reason)``, the reason a ``str``.
-    """
+    """``(rule, None)`` for ``layer``, or ``(None, reason)`` (a ``str``) when
+    it has none in ``table`` (from layer type to rule class; by default
+    ``RULES``, of one-input layers; merge layers have
+    ``jacutil.rules.merge.MERGE_RULES``)."""
     rule = (RULES if table is None else table).get(type(layer))
     if rule is None:
         return None, f"no rule for {type(layer).__name__}"
@@ -549,27 +490,12 @@ def rule_for(layer, table=None):
 
 
 def rows(delta):
-    """``(n, l, *shape)`` -> ``(n * l, *shape)``: one row per sample and output.
-
-    Args:
-        delta: a tensor of shape ``(n, l, *shape)``.
-
-    Returns:
-        A tensor of shape ``(n * l, *shape)``.
-    """
+    """``(n, l, *shape)`` -> ``(n * l, *shape)``: one row per sample and output."""
     return tf.reshape(delta, tf.concat([[-1], tf.shape(delta)[2:]], 0))
 
 
 def per_output(rows_, n_samples, n_outputs):
-    """``(n * l, *shape)`` -> ``(n, l, *shape)``: the inverse of :func:`rows`.
-
-    Args:
-        rows\\_: a tensor of shape ``(n * l, *shape)``.
-        n_samples: n.
-        n_outputs: l.
-
-    Returns:
-        A tensor of shape ``(n, l, *shape)``.
-    """
+    """``(n * l, *shape)`` -> ``(n, l, *shape)`` for n = ``n_samples`` and
+    l = ``n_outputs``: the inverse of :func:`rows`."""
     shape = tf.concat([[n_samples, n_outputs], tf.shape(rows_)[1:]], 0)
     return tf.reshape(rows_, shape)

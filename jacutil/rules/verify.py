@@ -11,6 +11,18 @@ from .walk import OutputRows, rules_squared_norms, rules_tensor
 SAMPLES_CHECKED = 8  # samples on which the rules are proved, spread over the batch
 
 
+def relative_error(hand, reference):
+    """The largest difference of ``hand`` from ``reference``, relative to the
+    largest ``|reference|`` (absolute below 1); inf when their shapes differ."""
+    hand, reference = np.asarray(hand), np.asarray(reference)
+    if hand.shape != reference.shape:
+        return np.inf
+    if hand.size == 0:
+        return 0.0
+    scale = max(1.0, float(np.abs(reference).max()))
+    return float(np.abs(hand - reference).max()) / scale
+
+
 def disagreement(plan, target, x, seed=0):
     """None if the rules agree with autodiff on several samples, else the reason.
 
@@ -21,14 +33,7 @@ def disagreement(plan, target, x, seed=0):
     The rules' norms of that product (:func:`rules_squared_norms`, which
     may not form it) are checked against its norm too.
 
-    Args:
-        plan: a :class:`Plan`.
-        target: the :class:`jacutil.core.target.Target` (autodiff's side).
-        x: a checked batch.
-        seed: the seed of the random weights.
-
-    Returns:
-        None, or why the rules disagree (a ``str``).
+    Arguments as :meth:`Plan.check`; ``seed`` seeds the random weights.
     """
     rows = int(n_samples(x))
     picked = np.unique(np.linspace(0, rows - 1, min(rows, SAMPLES_CHECKED)).round())
@@ -47,22 +52,17 @@ def disagreement(plan, target, x, seed=0):
             score = tf.reduce_sum(tf.cast(w[row], y.dtype) * y)
         grads = tape.gradient(score, sources)
         auto = joined_gradients(grads, sizes_of(target.variables), J.dtype).numpy()
-        scale = max(1.0, float(np.abs(auto).max(initial=0)))
-        error = (
-            float(np.abs(hand[row] - auto).max())
-            if hand[row].shape == auto.shape
-            else np.inf
-        )
-        if not error <= tolerance * scale:
+        error = relative_error(hand[row], auto)
+        if not error <= tolerance:
             return (
-                f"the layer rules differ from autodiff by {error:.3g} on sample "
-                f"{i}: the model computes something its layers do not say"
+                f"the layer rules differ from autodiff by {error:.3g} (relative) on "
+                f"sample {i}: the model computes something its layers do not say"
             )
-        expected = float(auto @ auto)  # the norms without the gradients, squared
-        error = abs(float(squared[row]) - expected)
-        if not error <= tolerance * max(1.0, expected):
+        error = relative_error(squared[row], auto @ auto)  # norms without gradients
+        if not error <= tolerance:
             return (
                 f"the layer rules' gradient norms differ from autodiff's by "
-                f"{error:.3g} (squared) on sample {i}: a rule's norms are wrong"
+                f"{error:.3g} (squared, relative) on sample {i}: a rule's norms "
+                "are wrong"
             )
     return None

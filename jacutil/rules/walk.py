@@ -29,17 +29,8 @@ def rules_tensor(plan, x, signal=None):
     the derivative of a per-sample loss, the per-sample gradients. It may be
     a :class:`LogitsSignal` (the derivative at the top layer's logits). A
     model of several outputs takes :class:`OutputRows` (a signal on the l
-    rows), not a function.
-
-    Args:
-        plan: a :class:`Plan`.
-        x: a batch of n samples: a tensor, or a list or dict of them as
-            ``jacutil.core.batch.as_batch`` arranges several inputs.
-        signal: None, a function from the output, shape
-            ``(n, *output_shape)``, to the signal, or :class:`OutputRows`.
-
-    Returns:
-        A tensor of shape (n, l, m), or (n, r, m) with ``signal``.
+    rows), not a function. ``x``: a batch of n samples, a tensor, or a list
+    or dict of them as ``jacutil.core.batch.as_batch`` arranges several inputs.
 
     Raises:
         LogitsNotOnRules: a :class:`LogitsSignal` and a top rule that cannot
@@ -55,15 +46,7 @@ def rules_squared_norms(plan, x, signal):
     the r rows of its signal - per-sample gradient norms, squared, without
     the gradients where the rules know how (:meth:`Rule.backward_norms`).
     Use :meth:`Plan.squared_norms`, which refuses unchecked inputs.
-
-    Args:
-        plan: a :class:`Plan`.
-        x: a batch of n samples, as for :func:`rules_tensor`.
-        signal: a function from the output to the signal, or
-            :class:`OutputRows`, as for :func:`rules_tensor`.
-
-    Returns:
-        A tensor of shape (n, r).
+    Arguments as :func:`rules_tensor` (``signal`` not None).
     """
     total = []
 
@@ -84,16 +67,7 @@ def rules_squared_columns(plan, x, signal):
     rows r - G's exact diagonal when the rows are the columns of a square
     root of each ``H_i`` (notebook 11) - without the blocks where the rules
     know how (:meth:`Rule.backward_squares`). Use :meth:`Plan.squared_columns`,
-    which refuses unchecked inputs.
-
-    Args:
-        plan: a :class:`Plan`.
-        x: a batch of n samples, as for :func:`rules_tensor`.
-        signal: None (the identity), a function from the output to the
-            signal, or :class:`OutputRows`, as for :func:`rules_tensor`.
-
-    Returns:
-        A tensor of shape (m,).
+    which refuses unchecked inputs. Arguments as :func:`rules_tensor`.
     """
     squares, _, _, dtype = _gather_blocks(plan, x, signal, "backward_squares")
     shaped = Blocks((key, column[None, None]) for key, column in squares.items())
@@ -118,10 +92,7 @@ def _walk_backward(plan, x, signal, visit):
     topological order: ``visit(step, saved, delta, wanted, need_signal)`` for
     each step above a wanted variable, returning the signal below (a list for
     a step of several inputs). Where a tensor feeds several steps, their
-    signals are summed.
-
-    Returns:
-        ``(n, l or r, dtype)``.
+    signals are summed. Returns ``(n, l or r, dtype)``.
     """
     wiring = plan.wiring
     leaves = tf.nest.flatten(x)
@@ -163,9 +134,6 @@ class OutputRows:
     """A signal on the l output rows of every sample, in the order of
     ``jacutil.core.outputs`` (each output flattened, in ``tf.nest.flatten``
     order): ``rows`` of shape (1 or n, r, l).
-
-    Args:
-        rows: the signal, shape ``(1 or n, r, l)``.
     """
 
     rows: object
@@ -211,36 +179,21 @@ def _starting_signals(plan, outputs, signal):
 
 def signal_for(step, delta, wanted, n_samples):
     """The signal a step takes: ``delta`` ``(1 or n, l, *output_shape)`` with one
-    row per sample, unless the step takes a shared signal and writes no blocks.
-
-    Args:
-        step: the step's rule.
-        delta: the signal, shape ``(1 or n, l, *output_shape)``.
-        wanted: the step's wanted variables.
-        n_samples: n.
-
-    Returns:
-        ``delta``, broadcast to ``(n, l, *output_shape)`` where it must be.
-    """
+    row per sample (broadcast to n = ``n_samples``), unless the step's rule
+    takes a shared signal and writes no blocks (no ``wanted`` variable)."""
     if wanted or not step.shared_signal:
         return tf.broadcast_to(delta, tf.concat([[n_samples], tf.shape(delta)[1:]], 0))
     return delta
 
 
 def place_blocks(blocks, variables, n_samples, n_outputs, dtype):
-    """(n, l, m): the blocks in the columns of ``variables``, in that order.
+    """(n, l, m) Jacobian of ``dtype``, with n = ``n_samples`` and
+    l = ``n_outputs``: the :class:`~jacutil.rules.registry.Blocks` (each
+    (n, l, size)) in the columns of ``variables``, in that order.
 
-    Args:
-        blocks: :class:`~jacutil.rules.registry.Blocks`, each (n, l, size), a
-            joint block (kernel, bias) the kernel's columns then the bias's.
-        variables: the Jacobian's columns, in order (m entries in all).
-        n_samples, n_outputs: n and l.
-        dtype: the Jacobian's dtype.
-
-    Returns:
-        The (n, l, m) Jacobian. A joint block lies whole where its variables
-        are adjacent in ``variables`` (in its order) and is split otherwise;
-        a variable without a block (the outputs do not use it) gets zeros.
+    A joint block (kernel, bias) lies whole where its variables are adjacent
+    in ``variables`` (in its order) and is split otherwise; a variable
+    without a block (the outputs do not use it) gets zeros.
     """
     position = {id(v): i for i, v in enumerate(variables)}
     at = {}  # position of the first variable -> (how many variables, block)

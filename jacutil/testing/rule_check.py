@@ -35,6 +35,7 @@ from ..core.second_order import ensure_second_order
 from ..core.target import watched
 from ..rules.blocks import norms_route
 from ..rules.registry import RULES, NoRule, Rule, RuleContractError, Wanted
+from ..rules.verify import relative_error
 from ..rules.walk import place_blocks, signal_for
 
 
@@ -42,16 +43,11 @@ from ..rules.walk import place_blocks, signal_for
 class RuleReport:
     """What :func:`check_rule` measured.
 
-    ``errors``: each check's largest difference, relative to the largest
-    reference value (or absolute below 1); ``problem``: a contract error or
-    a refused layer, when the rule could not be run.
-
-    Args:
-        rule: the rule's name (``describe()``).
-        layer: the layer, in words.
-        tolerance: the largest error that passes.
-        errors: each check's error, by check name.
-        problem: the contract error or refusal, or None.
+    ``rule``: the rule's name (``describe()``); ``layer``: the layer, in
+    words; ``tolerance``: the largest error that passes; ``errors``: by check
+    name, each check's largest difference, relative to the largest reference
+    value (or absolute below 1); ``problem``: a contract error or a refused
+    layer, when the rule could not be run (else None).
     """
 
     rule: str
@@ -71,11 +67,8 @@ class RuleReport:
         return self.problem is None and not self.failures
 
     def line(self):
-        """One line: ok/FAIL, the layer, its rule and every check's error.
-
-        Returns:
-            A ``str``.
-        """
+        """One line (a ``str``): ok/FAIL, the layer, its rule and every
+        check's error."""
         if self.problem is not None:
             found = self.problem
         else:
@@ -185,23 +178,13 @@ def _inputs(layer, input_shape, input_dtype, n_samples, rng):
     return tf.constant(rng.standard_normal(shape), input_dtype)
 
 
-def _relative(hand, reference):
-    hand, reference = np.asarray(hand), np.asarray(reference)
-    if hand.shape != reference.shape:
-        return np.inf
-    if hand.size == 0:
-        return 0.0
-    scale = max(1.0, float(np.abs(reference).max()))
-    return float(np.abs(hand - reference).max()) / scale
-
-
 def _run_checks(step, layer, x, rng, errors):
     n = int(x.shape[0])
     floating = x.dtype.is_floating
     variables = list(step.variables)
     y, saved = step.forward(x)
     expected = layer(x, training=False)
-    errors["forward"] = _relative(y, expected)
+    errors["forward"] = relative_error(y, expected)
     n_outputs = int(np.prod(expected.shape[1:], dtype=np.int64))
     identity = tf.reshape(
         tf.eye(n_outputs, dtype=tf.float64), [1, n_outputs, *expected.shape[1:]]
@@ -237,7 +220,7 @@ def _run_checks(step, layer, x, rng, errors):
             : len(variables)]]))  # fmt: skip
         if floating:
             tape_input.append(grads[-1][0])
-    errors["vjp"] = _relative(np.einsum("nlm,nl->nm", J, w), np.stack(tape_params))
+    errors["vjp"] = relative_error(np.einsum("nlm,nl->nm", J, w), np.stack(tape_params))
 
     # jvp: J_i @ u against forward mode
     if variables:
@@ -250,7 +233,7 @@ def _run_checks(step, layer, x, rng, errors):
         ) as accumulator:  # fmt: skip
             out = layer(x, training=False)
         forward = tf.reshape(accumulator.jvp(out), [n, n_outputs]).numpy()
-        errors["jvp"] = _relative(np.einsum("nlm,m->nl", J, u), forward)
+        errors["jvp"] = relative_error(np.einsum("nlm,m->nl", J, u), forward)
 
     # the signal below: both contractions, both ways of asking
     if floating:
@@ -260,14 +243,14 @@ def _run_checks(step, layer, x, rng, errors):
         forward = tf.reshape(accumulator.jvp(out), [n, n_outputs]).numpy()
         reference = np.stack(tape_input)
         errors["signal"] = max(
-            _relative(np.einsum("nl...,nl->n...", signal, w), reference)
+            relative_error(np.einsum("nl...,nl->n...", signal, w), reference)
             if signal is not None else np.inf
             for signal in (below, alone)
         )  # fmt: skip
         input_axes = "".join("abcdefg"[: len(x.shape) - 1])
         errors["signal"] = max(
             errors["signal"],
-            _relative(np.einsum(f"nl{input_axes},n{input_axes}->nl", below, t),
+            relative_error(np.einsum(f"nl{input_axes},n{input_axes}->nl", below, t),
                       forward),
         )  # fmt: skip
 
@@ -279,10 +262,10 @@ def _run_checks(step, layer, x, rng, errors):
         backwards = variables[::-1]
         placed, _ = jacobian(backwards, variables)
         expected = np.concatenate([columns[id(v)] for v in backwards], 2)
-        worst = _relative(placed, expected)
+        worst = relative_error(placed, expected)
         for v in variables:
             placed, _ = jacobian([v], [v])
-            worst = max(worst, _relative(placed, columns[id(v)]))
+            worst = max(worst, relative_error(placed, columns[id(v)]))
         errors["columns"] = worst
 
     errors["norms"] = _norms_error(step, saved, n, y.shape[1:], floating, rng)
@@ -309,12 +292,12 @@ def _norms_error(step, saved, n, output_shape, floating, rng, n_rows=3):
                 with norms_route(route) if route else nullcontext():
                     squared, found = step.backward_norms(saved, delta, wanted, floating)
                 squared = expected * 0 if squared is None else squared.numpy()
-                worst = max(worst, _relative(squared, expected))
+                worst = max(worst, relative_error(squared, expected))
                 if floating:
                     shape = (n, *below.shape[1:])
                     worst = max(
                         worst,
-                        _relative(
+                        relative_error(
                             np.broadcast_to(found.numpy(), shape),
                             np.broadcast_to(below.numpy(), shape),
                         ),

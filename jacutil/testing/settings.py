@@ -19,14 +19,9 @@ layers = keras.layers
 class Setting:
     """One layer configuration to check a rule on.
 
-    ``layer_type(**kwargs, dtype="float64")`` on inputs of shape
-    ``(n, *input_shape)``, of ``input_dtype`` (floats unless given).
-
-    Args:
-        layer_type: the Keras layer class.
-        input_shape: one sample's input shape.
-        kwargs: the layer's keyword arguments.
-        input_dtype: the inputs' dtype (``"int32"`` for an Embedding's ids).
+    ``layer_type(**kwargs, dtype="float64")`` (a Keras layer class and its
+    keyword arguments) on inputs of shape ``(n, *input_shape)``, of
+    ``input_dtype`` (floats unless given; ``"int32"`` for an Embedding's ids).
     """
 
     layer_type: type
@@ -50,14 +45,8 @@ def _shown(value):
 
 
 def wavy(z):
-    """An activation jacutil does not know: its signal passes by autodiff.
-
-    Args:
-        z: a tensor.
-
-    Returns:
-        ``z * sin(z)``, a tensor of ``z``'s shape.
-    """
+    """``z * sin(z)``: an activation jacutil does not know, so its signal
+    passes by autodiff."""
     return z * tf.sin(z)
 
 
