@@ -11,9 +11,9 @@ def lazy_face(package, names=(), modules="", hidden=()):
     ``names`` maps each name the package shows to the module (relative to
     ``package``) that defines it; a name that is its module's own name is
     that module. ``modules`` (space-separated) are submodules importable as
-    attributes but not in ``__all__``, and so are the ``hidden`` names. Nothing is
-    imported until first use (no import cycles), which then keeps the value
-    in the package's namespace.
+    attributes but not in ``__all__``, and so are the ``hidden`` names.
+    Nothing is imported until first use (no import cycles), which then keeps
+    the value in the package's namespace.
     """
     table = dict(names) | {module: module for module in modules.split()}
 

@@ -1,15 +1,8 @@
 """Products with J without forming J (notebook 09-matrix-free).
 
-A Gauss-Newton or trust-region step needs only ``J @ v`` and ``J.T @ u``:
-
-* ``jvp(model, x, v)``: (n, l), the outputs' change along the parameter
-  direction ``v`` (length m): forward mode, ``tf.autodiff.ForwardAccumulator``,
-  one forward pass carrying tangents;
-* ``vjp(model, x, u)``: (m,), ``sum_i,k u[i, k] * d f(x)[i, k] / d theta``:
-  reverse mode, one ``tape.gradient`` with ``output_gradients=u``;
-* ``jacobian_operator(model, x)``: a ``scipy.sparse.linalg.LinearOperator`` of
-  shape (n*l, m), rows sample-major like ``least_squares_problem(...).jac``,
-  whose ``matvec``/``rmatvec``/``matmat`` use them.
+A Gauss-Newton or trust-region step needs only ``J @ v`` (:func:`jvp`,
+forward mode) and ``J.T @ u`` (:func:`vjp`, reverse mode);
+:func:`jacobian_operator` is J as a SciPy ``LinearOperator`` that uses them.
 
 Memory is one forward (and backward) pass over a chunk of samples, never
 n*l*m numbers. Each product is compiled once per model and input shape;
