@@ -33,7 +33,7 @@ The package, by job:
 - ``bench``, ``peers``  the benchmark (``make bench``) and its PyTorch/JAX peers
 """
 
-from .core.lazy import lazy_modules
+from .core.lazy import lazy_face
 
 __version__ = "0.1.0"
 
@@ -87,9 +87,6 @@ _FACE = {
     # the benchmark and its peers (make bench)
     "bench": "bench", "peers": "peers",
 }  # fmt: skip
-__all__ = [name for name in _FACE if name not in ("tf", "keras", "bench", "peers")]
-__getattr__ = lazy_modules(__name__, _FACE)
-
-
-def __dir__():
-    return sorted({*globals(), *_FACE})
+__all__, __getattr__, __dir__ = lazy_face(
+    __name__, _FACE, hidden=("tf", "keras", "bench", "peers")
+)

@@ -18,9 +18,9 @@ The compiled functions are cached per model (weakly), so the second call on
 the same model traces nothing. ``explain=True`` returns the choice and why.
 """
 
-import os
 from dataclasses import dataclass, field, replace
 
+from .core._shared import is_path
 from .core.batch import as_batch, n_samples
 from .core.data import read_data
 from .core.formulation import ForwardModeBlindSpot
@@ -42,17 +42,10 @@ from .stages.compiled import compiled_for
 class Choice:
     """Which path ``jacobian`` took, and why. ``print(choice)`` says it in words.
 
-    Args:
-        path: ``"layer rules"`` or ``"per-sample autodiff"``.
-        why: why that path, in words.
-        formulation: how the Jacobian was computed (the compiled stage's
-            ``formulation``).
-        layers: ``[(layer name, rule)]`` on the rules path.
-        chunks: the number of chunks (1: one call).
-        chunk_size: samples per chunk, or None for one call.
-        working_bytes: the working memory predicted for the call.
-        budget_bytes: the memory budget it was held to.
-        traced: whether this call traced (compiled) a new function.
+    ``formulation``: how the Jacobian was computed (the compiled stage's);
+    ``chunks`` of ``chunk_size`` samples (1 and None: one call);
+    ``working_bytes``: the working memory predicted for the call, held to
+    ``budget_bytes``.
     """
 
     path: str  # "layer rules" or "per-sample autodiff"
@@ -97,19 +90,9 @@ RULES_WHY = "every layer has a rule or passes its signal by autodiff"
 
 def choice_for(jac, plan, on_rules, formulation, traced, fallback=None):
     """The :class:`Choice` of a call on ``jac``'s layer rules or its fallback
-    (``jacobian`` and the per-sample loss gradients say it the same way).
-
-    Args:
-        jac: the compiled Jacobian (``compiled_for``) that ran.
-        plan: the call's :class:`jacutil.core.planner.Plan`.
-        on_rules: whether it ran on the layer rules.
-        formulation: how it computed, in words.
-        traced: whether this call traced a new function.
-        fallback: why not the layer rules (default ``jac.fallback``).
-
-    Returns:
-        A :class:`Choice`.
-    """
+    (``jacobian`` and the per-sample loss gradients say it the same way),
+    for the call's :class:`jacutil.core.planner.Plan`; ``fallback`` says why
+    not the layer rules (default ``jac.fallback``)."""
     why = RULES_WHY if on_rules else f"no layer rules: {fallback or jac.fallback}"
     return Choice(
         path="layer rules" if on_rules else "per-sample autodiff",
@@ -184,7 +167,7 @@ def jacobian(
     """
     check_key(key, model, out)
     variables = None if variables is None else variable_list(variables)
-    x = read_data(x, repeatable=isinstance(out, (str, os.PathLike)))[0]
+    x = read_data(x, repeatable=is_path(out))[0]
     jac = compiled_for(model, variables, training, False, "rules", x)
     traces = jac.trace_count
     target = jac.target
@@ -224,7 +207,7 @@ def jacobian(
     if forward:
         pass  # J came from forward mode, above
     elif out is not None or plan.n_chunks > 1:
-        resumable = isinstance(out, (str, os.PathLike))
+        resumable = is_path(out)
         J = chunked_jacobian(
             model, x, chunk_size=None if resumable else plan.chunk_size,
             memory_budget=budget, out=out, progress=progress, variables=variables,

@@ -17,21 +17,10 @@ TensorFlow gap), ``_shared`` (small helpers used everywhere),
 ``lazy`` (what a package imports on first use).
 """
 
-from .lazy import lazy_modules
+from .lazy import lazy_face
 
-__getattr__ = lazy_modules(
+__all__, __getattr__, __dir__ = lazy_face(
     __name__,
-    {
-        "batch",
-        "cache",
-        "formulation",
-        "guards",
-        "layout",
-        "memory",
-        "outputs",
-        "planner",
-        "resume",
-        "second_order",
-        "target",
-    },
+    modules="batch cache formulation guards layout memory outputs planner resume "
+    "second_order target",
 )

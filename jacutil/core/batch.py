@@ -199,17 +199,10 @@ def as_batch(x, target):
     Floating-point inputs are cast to the variables' dtype; integer inputs
     (token ids for an ``Embedding``) stay integers. Every input must have the
     same number of samples first, and the per-sample shape that the model
-    declares (a ``None`` there takes any size).
-
-    Args:
-        x: the n samples: one array, or a list or dict of arrays, each with
-            the samples first.
-        target: the :class:`jacutil.core.target.Target` whose declared inputs
-            and dtype the batch must match.
-
-    Returns:
-        The batch as tensors, arranged like the model's inputs; ValueError or
-        TypeError, naming the input, when a check fails.
+    declares (a ``None`` there takes any size) in ``target``
+    (:class:`jacutil.core.target.Target`). Returns the batch as tensors,
+    arranged like the model's inputs; ValueError or TypeError, naming the
+    input, when a check fails.
     """
     x = _structured(x, target.declared)
     leaves = tf.nest.flatten(x)

@@ -70,17 +70,11 @@ def entries(kind, model):
 def kept(kind, model, key, make, still_valid=None):
     """The entry of ``kind`` for ``model`` and ``key``, made by ``make()``
     when none is kept (the newest ``CACHED_PER_MODEL`` per model are kept).
-
-    Args:
-        kind: the name of the cache (``"compiled"``, ``"products"``, ...).
-        model: a Keras model, a callable or a bound method (its owner).
-        key: a hashable tuple of what the entry depends on besides the owner.
-        make: ``make()`` builds the entry.
-        still_valid: ``still_valid(entry)`` is False for an entry that must
-            be built again (a new function at a dead one's address, say).
-
-    Returns:
-        The entry.
+    ``kind`` names the cache (``"compiled"``, ``"products"``, ...); ``model``
+    is a Keras model, a callable or a bound method (its owner); ``key``, a
+    hashable tuple of what the entry depends on besides the owner.
+    ``still_valid(entry)`` is False for an entry that must be built again (a
+    new function at a dead one's address, say).
     """
     owner, extra = owner_of(model)
     entries = _entries(kind, owner)

@@ -93,22 +93,13 @@ def _read(source):
 
 
 def read_data(x, y=None, sample_weight=None, *, repeatable=False):
-    """``(x, y, sample_weight)`` as arrays, from arrays or a data source.
-
-    Introduced in ``04-chunked``.
-
-    Args:
-        x: the samples: arrays (a structure of them), a ``tf.data.Dataset`` or
-            a ``keras.utils.PyDataset`` of ``model.fit``'s batches.
-        y: the targets, only with arrays (a dataset carries its own).
-        sample_weight: the samples' weights, only with arrays.
-        repeatable: the caller writes a resumable file: a dataset must give
-            the same samples in the same order each time it is read.
-
-    Returns:
-        ``(x, y, sample_weight)``; arrays come back as they were given.
-        ValueError or TypeError for a source that cannot be read so (module
-        docstring).
+    """``(x, y, sample_weight)`` as arrays, from arrays (a structure of them,
+    given back as they are) or a ``tf.data.Dataset`` or
+    ``keras.utils.PyDataset`` of ``model.fit``'s batches, which carries its
+    own ``y`` and ``sample_weight``. With ``repeatable`` (the caller writes a
+    resumable file) a dataset must give the same samples in the same order
+    each time it is read. ValueError or TypeError for a source that cannot be
+    read so (module docstring). Introduced in ``04-chunked``.
     """
     if not is_data_source(x):
         return x, y, sample_weight

@@ -48,19 +48,13 @@ class SlowPathWarning(UserWarning):
 
 
 def recurrent_layers(target):
-    """The model's Keras RNN layers that may be unrolled while traced (nested
-    ones and Bidirectional's included).
+    """The Keras RNN layers of ``target`` that may be unrolled while traced
+    (nested ones and Bidirectional's included), in ``target.layers`` order.
 
     Not a Bidirectional's layers in a model that makes a mask: Keras 3.15
     computes another function when those are unrolled (up to 0.06 apart on
     a masked sequence), so they keep their loop - and the stage that cannot
     vectorize it falls back (``tf.map_fn``) or refuses (forward mode).
-
-    Args:
-        target: a :class:`jacutil.core.target.Target`.
-
-    Returns:
-        A list of ``keras.layers.RNN`` layers, in ``target.layers`` order.
     """
     masked = any(
         getattr(layer, "mask_zero", False) or isinstance(layer, keras.layers.Masking)
@@ -175,18 +169,12 @@ def _broadcasts(op):
 
 
 def quiet_function(python_function, **options):
-    """``tf.function`` for jacutil's own traces, which TensorFlow does not count.
+    """``tf.function(python_function, **options)`` for jacutil's own traces,
+    which TensorFlow does not count.
 
     jacutil traces by design (jacutil's RetracingWarning watches for the real
     trap), so TensorFlow's retracing warning is off; each trace runs inside
     :func:`pfor_log`.
-
-    Args:
-        python_function: the function to trace.
-        **options: keyword arguments for ``tf.function``.
-
-    Returns:
-        The ``tf.function``.
     """
 
     def traced(*args, **kwargs):
@@ -210,10 +198,8 @@ def refuse_shape_preserving_max_pools(ops):
     """Raise :class:`ForwardModeBlindSpot` when one of ``ops`` is a max pool
     whose output has its input's shape (``padding="same"`` with stride 1, or
     a 1-wide window): in a graph, TF 2.21's JVP of such a pool is zero
-    (eager is right; valid padding or stride 2 are right too).
-
-    Args:
-        ops: graph operations (``tf.Operation``), as from :func:`new_ops`.
+    (eager is right; valid padding or stride 2 are right too). ``ops``:
+    ``tf.Operation`` objects, as from :func:`new_ops`.
     """
     for op in ops:
         if op.type in MAX_POOLS:
@@ -274,20 +260,10 @@ def new_ops():
 
 
 def vectorize(jacobian, target, x, xla=False):
-    """``jacobian(target, x)`` traced, and moved under XLA if it needs to be.
-
-    Call it inside a ``tf.function`` trace.
-
-    Args:
-        jacobian: a function ``jacobian(target, x)`` returning a tensor.
-        target: a :class:`jacutil.core.target.Target`.
-        x: the batch of n samples (tensors).
-        xla: the caller compiles with XLA already (no need to move).
-
-    Returns:
-        ``(J, notes)``: J as ``jacobian`` returns it, and what pfor said and
-        whether it runs under XLA (a list of ``str``).
-    """
+    """``(J, notes)``: the tensor ``jacobian(target, x)`` traced, and moved
+    under XLA if it needs to be (not when ``xla``: the caller compiles with
+    XLA already); ``notes``, a list of ``str``, say what pfor said and whether
+    it runs under XLA. Call it inside a ``tf.function`` trace."""
     with pfor_log() as notes, new_ops() as created:
         J = jacobian(target, x)
     if xla or not onednn_hazards(created):

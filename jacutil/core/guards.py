@@ -173,16 +173,8 @@ def note_trace(variables, options):
     Traces are counted per model (its variables) and ``options`` (the method
     and ``jit_compile``), across every compiled function built for them, so
     ``ju.compiled_jacobian(model)`` called inside a loop is caught although
-    each new function traces only once. Introduced in ``06-pitfalls``.
-
-    Args:
-        variables: the compiled Jacobian's variables (the first one keys the
-            model).
-        options: the options that tell its functions apart (an iterable of
-            hashables: method, ``jit_compile``).
-
-    Returns:
-        An ``int``: the traces counted for this model and options so far.
+    each new function traces only once. Returns the traces counted for this
+    model and options so far. Introduced in ``06-pitfalls``.
     """
     first = variables[0]
     key = (id(first), len(variables), tuple(options))

@@ -29,16 +29,10 @@ def _moved(what):
 
 
 def made_by(tensor):
-    """Which Keras operation made a symbolic tensor, and how.
-
-    Args:
-        tensor: a symbolic Keras tensor of a functional model.
-
-    Returns:
-        ``(operation, node, index)``: the layer or op, the call (Keras node:
-        ``input_tensors``, ``outputs``, ``arguments``) that made the tensor,
-        and which of the call's outputs it is.
-    """
+    """Which Keras operation made a functional model's symbolic ``tensor``,
+    and how: ``(operation, node, index)``, the layer or op, the call (Keras
+    node: ``input_tensors``, ``outputs``, ``arguments``) that made the
+    tensor, and which of the call's outputs it is."""
     history = getattr(tensor, "_keras_history", None)
     if history is None or len(history) != 3:
         _moved("a Keras tensor's _keras_history (operation, node, index)")
@@ -65,15 +59,8 @@ def takes_training(operation):
 
 def layers_within(model, include_self):
     """Every layer inside ``model``, however deeply nested (sublayers held as
-    attributes too), or [] for a callable that is no Keras layer.
-
-    Args:
-        model: a Keras model or layer, or any callable.
-        include_self: put ``model`` itself first.
-
-    Returns:
-        A list of layers.
-    """
+    attributes too), or [] for a callable that is no Keras layer; with
+    ``include_self``, ``model`` itself first."""
     if not isinstance(model, keras.layers.Layer):
         return []
     flatten = getattr(model, "_flatten_layers", None)
@@ -118,14 +105,7 @@ def loss_tracker(model):
     """Keras's running mean of a compiled model's loss
     (``model._loss_tracker``), which ``model.fit`` shows as "loss":
     ``jacutil.privacy``'s train function updates it, as Keras's own
-    ``train_step`` does.
-
-    Args:
-        model: a compiled Keras model.
-
-    Returns:
-        A ``keras.metrics.Mean``.
-    """
+    ``train_step`` does: a ``keras.metrics.Mean``."""
     tracker = getattr(model, "_loss_tracker", None)
     if not isinstance(tracker, keras.metrics.Mean):
         _moved("Model._loss_tracker (Keras's running mean of the loss)")

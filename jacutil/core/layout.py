@@ -19,14 +19,8 @@ from .target import resolve_target
 def to_lm_by_n(J):
     """(n, l, m) -> the (l*m) x n matrix: row ``k*m + p``, column ``i``.
 
-    Introduced in ``00-welcome``.
-
-    Args:
-        J: a Jacobian of shape (n, l, m).
-
-    Returns:
-        A NumPy array of shape (l * m, n) (a copy, or a view where NumPy
-        can make one).
+    Returns a NumPy array of shape (l * m, n) (a copy, or a view where NumPy
+    can make one). Introduced in ``00-welcome``.
 
     Examples:
         >>> import numpy as np
@@ -48,15 +42,8 @@ def to_lm_by_n(J):
 
 
 def from_lm_by_n(M, n_outputs):
-    """The (l*m) x n matrix -> (n, l, m); the inverse of :func:`to_lm_by_n`.
-
-    Args:
-        M: the (l * m, n) matrix.
-        n_outputs: l.
-
-    Returns:
-        A NumPy array of shape (n, l, m).
-    """
+    """The (l*m) x n matrix ``M`` -> (n, l, m), ``n_outputs`` = l; the inverse
+    of :func:`to_lm_by_n`."""
     M = np.asarray(M)
     if M.ndim != 2:
         raise ValueError(f"M must be a 2-D (l*m) x n matrix; got shape {M.shape}.")
@@ -111,14 +98,7 @@ def flat_params(model, *, variables=None):
 
     Each variable is flattened in row-major order, in
     ``trainable_variables`` order: the order of J's last axis. Introduced in
-    ``00-welcome``.
-
-    Args:
-        model: a Keras model, or a callable with ``variables=``.
-        variables: the variables to join (default: the trainable ones).
-
-    Returns:
-        A NumPy array of shape (m,).
+    ``00-welcome``. ``variables=`` joins those instead (a callable needs it).
 
     Examples:
         >>> import numpy as np
@@ -135,16 +115,8 @@ def flat_params(model, *, variables=None):
 
 
 def set_flat_params(model, theta, *, variables=None):
-    """Write a flat vector ``theta`` back into the model's trainable variables.
-
-    Args:
-        model: a Keras model, or a callable with ``variables=``.
-        theta: a flat vector of shape (m,), in ``flat_params`` order.
-        variables: the variables written (default: the trainable ones).
-
-    Returns:
-        None; ValueError when theta is not of shape (m,).
-    """
+    """Write a flat vector ``theta`` of shape (m,), in ``flat_params`` order,
+    back into the model's trainable variables (or ``variables=``)."""
     target = resolve_target(model, variables)
     theta = np.asarray(theta)
     if theta.shape != (target.n_params,):

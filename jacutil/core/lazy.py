@@ -5,23 +5,17 @@ import importlib
 import sys
 
 
-def lazy_modules(package, names):
-    """A module ``__getattr__`` that imports what ``names`` name on first use.
+def lazy_face(package, names=(), modules="", hidden=()):
+    """A package's ``__all__``, ``__getattr__`` and ``__dir__``, in one call.
 
-    ``jacutil.stages.chunked`` works without the package importing every
-    module at once (no import cycles), and the first use of a name keeps it
-    in the package's namespace.
-
-    Args:
-        package: the package's ``__name__``.
-        names: the module names to import on first use, or a dict: name ->
-            the module (relative to ``package``) that defines it; a name
-            that is its module's own name is that module.
-
-    Returns:
-        A function ``__getattr__(name)`` for the package's namespace.
+    ``names`` maps each name the package shows to the module (relative to
+    ``package``) that defines it; a name that is its module's own name is
+    that module. ``modules`` (space-separated) are submodules importable as
+    attributes but not in ``__all__``, and so are the ``hidden`` names.
+    Nothing is imported until first use (no import cycles), which then keeps
+    the value in the package's namespace.
     """
-    table = names if isinstance(names, dict) else {name: name for name in names}
+    table = dict(names) | {module: module for module in modules.split()}
 
     def __getattr__(name):
         if name not in table:
@@ -31,4 +25,7 @@ def lazy_modules(package, names):
         setattr(sys.modules[package], name, value)
         return value
 
-    return __getattr__
+    def __dir__():
+        return sorted({*vars(sys.modules[package]), *table})
+
+    return [name for name in names if name not in hidden], __getattr__, __dir__

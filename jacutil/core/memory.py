@@ -28,15 +28,9 @@ from .target import resolve_target
 
 @dataclass
 class MemoryUse:
-    """``peak``: highest anonymous RSS during the call, minus ``baseline`` (bytes).
-
-    Args:
-        result: what the call returned.
-        baseline: the level (bytes of anonymous RSS) the peak is measured from.
-        peak: the highest anonymous RSS during the call minus ``baseline``,
-            in bytes (at least 0).
-        seconds: the call's wall time.
-    """
+    """A call's ``result``, its wall time in ``seconds``, and ``peak``: the
+    highest anonymous RSS during the call minus ``baseline``, in bytes (at
+    least 0)."""
 
     result: object
     baseline: int
@@ -57,20 +51,12 @@ def anonymous_rss(process=None):
 
 
 def peak_memory(fn, *args, interval=0.002, baseline=None, **kwargs):
-    """Run ``fn(*args, **kwargs)`` and measure its peak resident memory.
+    """Run ``fn(*args, **kwargs)`` and measure its peak resident memory (a
+    :class:`MemoryUse`), sampled every ``interval`` seconds.
 
     Memory that TensorFlow keeps pooled from an earlier call is not counted
-    again, so for a sweep of sizes pass the level from before the first size.
-
-    Args:
-        fn: the function to call.
-        *args: its positional arguments.
-        interval: seconds between two samples of the memory.
-        baseline: bytes of anonymous RSS to measure from (default: now).
-        **kwargs: its keyword arguments.
-
-    Returns:
-        A :class:`MemoryUse`.
+    again, so for a sweep of sizes pass the level from before the first size
+    as ``baseline`` (bytes of anonymous RSS; default: now).
     """
     process = psutil.Process()
     if baseline is None:
@@ -103,11 +89,6 @@ class MemoryModel:
     ``quadratic`` (a) is zero for the per-sample path; ``linear`` (b) holds the
     rows of the result and their working copies; ``constant`` (c) the rest.
 
-    Args:
-        quadratic: a, bytes per sample squared.
-        linear: b, bytes per sample.
-        constant: c, bytes.
-
     >>> MemoryModel(quadratic=0.0, linear=100.0, constant=50.0).largest_n(1050)
     10
     """
@@ -137,16 +118,9 @@ class MemoryModel:
         """Least-squares fit, with non-negative terms, of measured ``peaks`` (bytes).
 
         Relative errors are minimised, so small sizes count as much as large
-        ones. ``quadratic=False`` fits ``b*n + c`` only.
-
-        Args:
-            sizes: the numbers of samples measured, shape (k,), k >= 2.
-            peaks: the peak bytes measured at each size, shape (k,).
-            quadratic: fit the ``a*n**2`` term too.
-
-        Returns:
-            A :class:`MemoryModel`; ValueError for fewer than two sizes, or not
-            one peak per size.
+        ones. ``quadratic=False`` fits ``b*n + c`` only. ``sizes``: the
+        numbers of samples measured, shape (k,), k >= 2, one peak each
+        (else a ValueError).
         """
         from scipy.optimize import nnls
 
@@ -192,18 +166,9 @@ def activation_elements(model, x, *, variables=None, training=False, unroll=True
     (``jacutil.stages.chunked`` turns it into bytes). With ``unroll`` (the
     per-sample method) recurrent layers are traced unrolled, and every read
     of a variable after its first counts too: an unrolled layer gets one
-    block of gradients per time step. Introduced in ``04-chunked``.
-
-    Args:
-        model: a Keras model, or a callable ``f(x)`` with ``variables``.
-        x: a batch (its per-sample shape is what counts).
-        variables: the variables to differentiate (default: the model's
-            trainable variables).
-        training: run the model in training mode.
-        unroll: trace recurrent layers unrolled and count repeated reads.
-
-    Returns:
-        An ``int``: A, floating-point elements per sample.
+    block of gradients per time step. Returns an ``int``; ``model``,
+    ``variables`` and ``training`` as :func:`jacutil.vectorized_jacobian`.
+    Introduced in ``04-chunked``.
     """
     target = resolve_target(model, variables, training, x)
     return count_activations(target, as_batch(x, target), unroll=unroll)

@@ -20,11 +20,9 @@ from .guards import JacobianError
 class OutputLayout:
     """Where each output leaf sits in a sample's row (see :func:`output_layout`).
 
-    Args:
-        structure: the model's output nest, each leaf replaced by its index in
-            ``tf.nest.flatten`` order.
-        shapes: the per-sample shape of each leaf, in flatten order.
-        n_outputs: l, the elements of all leaves of one sample.
+    ``structure`` is the model's output nest, each leaf replaced by its index
+    in ``tf.nest.flatten`` order; ``shapes`` the per-sample shape of each
+    leaf, in that order; ``n_outputs``, l, the elements of all of them.
     """
 
     structure: object
@@ -88,15 +86,8 @@ def output_layout(target, x):
 
     Runs the model eagerly on the first sample and the first two, once per
     input signature, and checks that every output leaf has one row per
-    sample.
-
-    Args:
-        target: a :class:`jacutil.core.target.Target` (its ``layouts`` cache
-            the answer per input signature).
-        x: a checked batch of n samples.
-
-    Returns:
-        An :class:`OutputLayout`; JacobianError as in :func:`as_rows`.
+    sample (JacobianError as in :func:`as_rows`). ``target.layouts`` caches
+    the answer per input signature.
     """
     key = signature_key(x)
     if key not in target.layouts:

@@ -104,17 +104,10 @@ SMALL_BYTES = 64 * 2**20  # working memory that never needs chunks
 
 
 def memory_budget_for(memory_budget, working, look=False):
-    """The memory budget of a call: ``memory_budget`` (checked), or by default
-    half the memory free now - looked up only when the work may not fit in
-    ``SMALL_BYTES`` (or when ``look``: to explain the choice).
-
-    Args:
-        memory_budget: bytes, or None for the default.
-        working: the call's predicted working memory, in bytes.
-        look: look up the free memory even when the work is small.
-
-    Returns:
-        Bytes (int).
+    """The memory budget of a call, in bytes: ``memory_budget`` (checked), or
+    by default half the memory free now - looked up only when the predicted
+    ``working`` memory (bytes) may not fit in ``SMALL_BYTES`` (or when
+    ``look``: to explain the choice).
 
     Examples:
         >>> memory_budget_for(2**20, working=10 * 2**30)  # given: kept
@@ -133,15 +126,10 @@ def memory_budget_for(memory_budget, working, look=False):
 class Plan:
     """``n_rows`` samples in chunks of ``chunk_size`` (the last may be shorter).
 
-    Iterating gives each chunk's ``(start, stop)``; :func:`plan_chunks` makes one.
-
-    Args:
-        n_rows: the samples.
-        chunk_size: samples per chunk (at least 1, at most ``n_rows``).
-        asked: the chunk size the caller gave, or None (from the budget): a
-            resumed file must have the one asked for, or keeps its own.
-        budget: the memory budget, in bytes, the chunks were held to.
-        working: the predicted working memory of all rows in one piece.
+    Iterating gives each chunk's ``(start, stop)``; :func:`plan_chunks` makes
+    one. ``asked`` is the chunk size the caller gave, or None (from the
+    ``budget``, in bytes): a resumed file must have the one asked for, or
+    keeps its own. ``working``: the predicted bytes of all rows in one piece.
 
     Examples:
         >>> plan = Plan(n_rows=5, chunk_size=2)
@@ -188,18 +176,9 @@ def plan_chunks(
     ``DEFAULT_MEMORY_BUDGET``) gives the chunk: ``chunk_for(budget)`` for a
     memory model that is not linear in the chunk (:func:`chunk_size_for`
     with ``method="batch"``), else ``budget // per_sample``; neither: one
-    chunk. Always at least 1 sample and at most ``n_rows``.
-
-    Args:
-        n_rows: the samples.
-        chunk_size: samples per chunk, or None (checked:
-            :func:`jacutil.core.arguments.check_chunk_size`).
-        memory_budget: bytes, or None (checked: ``check_memory_budget``).
-        per_sample: bytes one sample costs (:func:`bytes_per_sample`).
-        chunk_for: a function ``budget -> samples per chunk``, instead.
-
-    Returns:
-        A :class:`Plan`.
+    chunk. Always at least 1 sample and at most ``n_rows``. ``per_sample``:
+    the bytes one sample costs (:func:`bytes_per_sample`). Returns a
+    :class:`Plan`; the checks are :mod:`jacutil.core.arguments`'.
 
     Examples:
         >>> plan_chunks(10, chunk_size=4).chunk_size
@@ -227,15 +206,7 @@ def plan_within(n_rows, per_sample, memory_budget=None, look=False):
     """The chunks that fit in a call's budget (:func:`memory_budget_for`:
     ``memory_budget``, or half the memory free now): what an entry that
     accumulates over samples (a curvature, per-sample gradients) plans with.
-
-    Args:
-        n_rows: the samples.
-        per_sample: bytes one sample costs (:func:`bytes_per_sample`).
-        memory_budget: bytes, or None.
-        look: look up the free memory even when the work is small.
-
-    Returns:
-        A :class:`Plan`.
+    Arguments as :func:`plan_chunks` and :func:`memory_budget_for`.
 
     Examples:
         >>> str(plan_within(10, per_sample=1000, memory_budget=3000))

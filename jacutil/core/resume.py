@@ -72,22 +72,14 @@ def _architecture(layer):
 
 
 def fingerprint(model, variables, x, **options):
-    """A digest of what a chunked run computes: any change gives another one.
+    """A digest (32 hex characters) of what a chunked run computes: any change
+    gives another one.
 
     It covers the model's layer types and settings, every weight (BatchNorm
-    statistics too), the variables differentiated (by position in
+    statistics too), the ``variables`` differentiated (by position in
     ``model.weights``, or by value when not the model's), every input array
-    and ``options``. What a plain function computes is not covered: ``key=``
-    names it.
-
-    Args:
-        model: a Keras model, or a plain function.
-        variables: the variables differentiated.
-        x: the inputs (an array, or a nest of arrays).
-        **options: anything else that changes the result.
-
-    Returns:
-        A hex string of 32 characters.
+    of ``x`` and ``options`` (anything else that changes the result). What a
+    plain function computes is not covered: ``key=`` names it.
     """
     digest = hashlib.blake2b(digest_size=16)
 
@@ -116,17 +108,8 @@ def fingerprint(model, variables, x, **options):
 def check_key(key, model, out, example="J.npy"):
     """The ``key=`` of a resumable run: it goes with ``out=`` a ``.npy`` path,
     a plain function (not a Keras model) must give one, and it is a string.
-
-    Args:
-        key: the key given, or None.
-        model: what the run differentiates.
-        out: the entry's ``out=`` (True stands for a path).
-        example: the file name the message suggests.
-
-    Raises:
-        ValueError: a key without a path.
-        TypeError: a plain function's run without a key, or a key that is
-            not a string.
+    ``out=True`` stands for a path; ``example`` is the file name the message
+    suggests.
     """
     if out is not True and not is_path(out):
         if key is not None:
@@ -151,18 +134,9 @@ def check_key(key, model, out, example="J.npy"):
 
 
 def run_record(jac, model, x, key=None):
-    """What identifies a resumable run: its :func:`fingerprint` and ``key``
-    (as in :func:`check_key`).
-
-    Args:
-        jac: the compiled Jacobian that writes the rows (``compiled_for``).
-        model: what it differentiates: a Keras model or a plain function.
-        x: the n samples.
-        key: a name for what a plain function computes (None for a model).
-
-    Returns:
-        A dict ``{"fingerprint": ..., "key": key}`` for the ledger.
-    """
+    """What identifies a resumable run of ``jac`` (``compiled_for``) on
+    ``model`` and ``x``, for the ledger: a dict of its :func:`fingerprint`,
+    ``key`` (as in :func:`check_key`) and options."""
     check_key(key, model, True)
     options = {"method": jac.method, "jit_compile": jac.jit_compile}
     options["training"] = jac.target.training
@@ -215,15 +189,9 @@ def _temporary(path):
 
 
 def write_atomically(path, write, before_replace=None):
-    """``write(file)`` into a temporary file, fsynced, then swapped in: all or
-    nothing.
-
-    Args:
-        path: the file to write.
-        write: a function of the open binary file.
-        before_replace: called after the temporary file is complete, just
-            before it takes its name; an error it raises leaves no file.
-    """
+    """``write(file)`` of the open binary file into a temporary file, fsynced,
+    then swapped in as ``path``: all or nothing. ``before_replace()`` runs
+    just before the swap; an error it raises leaves no file."""
     path = Path(path)
     temporary = _temporary(path)
     try:
@@ -243,13 +211,8 @@ def write_atomically(path, write, before_replace=None):
 def writer_lock(path):
     """Hold ``<path>.lock`` while this run writes the ``.npy`` at ``path``: a
     second writer (process or thread) is refused. The lock is ``flock``'s, so
-    it dies with its process: a killed run can be resumed at once.
-
-    Args:
-        path: the ``.npy`` written.
-
-    Returns:
-        A context manager; FileBusy while another writer holds the lock.
+    it dies with its process: a killed run can be resumed at once. FileBusy
+    while another writer holds the lock.
     """
     lock = Path(str(path) + LOCK_SUFFIX)
     while True:
@@ -288,17 +251,10 @@ def writer_lock(path):
 
 
 def check_out(out, shape, dtype, what="Jacobian", layout=""):
-    """``out`` as given, if it is an array that can hold this Jacobian.
-
-    Args:
-        out: what the caller passed as ``out=``.
-        shape: the Jacobian's shape, (n, l, m).
-        dtype: its dtype.
-        what: what ``out`` holds, in the message (the NTK's ``"Theta"``).
-        layout: words on the shape after it, e.g. ``" (sample-major)"``.
-
-    Returns:
-        ``out`` itself; TypeError or ValueError otherwise.
+    """``out`` as given, if it is an array that can hold this Jacobian of
+    ``shape`` (n, l, m) and ``dtype``; TypeError or ValueError otherwise.
+    ``what`` names it in the message (the NTK's ``"Theta"``), with ``layout``
+    after its shape, e.g. ``" (sample-major)"``.
     """
     if not isinstance(out, np.ndarray):
         raise TypeError(
@@ -380,12 +336,9 @@ def _read_ledger(path):
 
 
 class Ledger:
-    """Which chunks of ``path`` are complete; see the module docstring.
-
-    Args:
-        path: the ``.npy`` whose chunks it records.
-        record: what the file holds (fingerprint, key, shape, dtype).
-    """
+    """Which chunks of the ``.npy`` at ``path`` are complete, and ``record``:
+    what the file holds (fingerprint, key, shape, dtype); see the module
+    docstring."""
 
     def __init__(self, path, record):
         self.data_path = Path(path)
@@ -410,19 +363,10 @@ class Ledger:
         return sum(min(chunk_size, n_rows - k * chunk_size) for k in self.done)
 
     def load(self, chunk_size):
-        """The finished chunks and token of an earlier run of the same
-        computation.
-
-        Args:
-            chunk_size: the chunk size asked for, or None.
-
-        Returns:
-            The earlier run's chunk size (an ``int``), or None.
-
-        Raises:
-            ResumeMismatch: the earlier run computed something else, or with
-                another chunk size.
-        """
+        """Load the finished chunks and token of an earlier run of the same
+        computation, and return its chunk size (None: no earlier run).
+        ResumeMismatch where it computed something else, or with a chunk size
+        other than ``chunk_size`` (None: any)."""
         if not self.path.exists():
             return None
         earlier = _read_ledger(self.path)
@@ -493,17 +437,9 @@ def open_rows(path, shape, dtype, record, chunk_size, default_chunk_size):
     """The ledger of the ``.npy`` at ``path``, resumed if the file exists and
     matches it; otherwise a new file of ``shape`` and ``dtype`` (its rows not
     yet written) with a new token. Call it holding :func:`writer_lock`.
-
-    Args:
-        path: the ``.npy``.
-        shape: the Jacobian's shape, (n, l, m).
-        dtype: its dtype.
-        record: what identifies the run (:func:`run_record`).
-        chunk_size: the chunk size asked for, or None (the earlier run's).
-        default_chunk_size: the chunk size of a new file.
-
-    Returns:
-        ``(ledger, chunk_size)``: a :class:`Ledger` and an int.
+    ``record`` identifies the run (:func:`run_record`); ``chunk_size`` is the
+    one asked for, or None (the earlier run's, else ``default_chunk_size``).
+    Returns ``(ledger, chunk_size)``: a :class:`Ledger` and an int.
     """
     path = Path(path)
     record = {**record, "shape": list(shape), "dtype": str(np.dtype(dtype))}
@@ -546,12 +482,9 @@ def write_rows(path, start, rows):
 
 
 class SumCheckpoint:
-    """Running sums over chunks, saved atomically after each chunk.
-
-    Args:
-        path: the ``.npz`` checkpoint.
-        record: what the sums are of (JSON-able); another record is refused.
-    """
+    """Running sums over chunks, saved atomically after each chunk to the
+    ``.npz`` at ``path``; ``record`` (JSON-able) says what the sums are of,
+    and another record is refused."""
 
     def __init__(self, path, record):
         self.path = Path(path)

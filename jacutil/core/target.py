@@ -28,19 +28,13 @@ from .outputs import as_rows
 class Target:
     """A forward pass ``x -> (n_samples, n_outputs)`` and its variables.
 
-    ``call(x)`` returns the model's own output nest; ``forward(x)`` the rows.
-    ``declared`` is the model's declared input nest (Keras tensors), or None.
-    ``layers`` holds every Keras layer of the model (none for a callable).
-
-    Args:
-        call: ``x -> output nest``, the model's call (holding it weakly).
-        variables: the m parameters' variables, in ``flat_params`` order.
-        dtype: the variables' one float dtype (a ``np.dtype``).
-        declared: the model's declared input nest, or None.
-        layers: every Keras layer inside the model.
-        training: whether the model runs in training mode.
-        layouts: the :class:`jacutil.core.outputs.OutputLayout` per input
-            signature, filled as batches come.
+    ``call(x)`` returns the model's own output nest (holding the model
+    weakly); ``forward(x)`` the rows. ``variables``: the m parameters'
+    variables, in ``flat_params`` order, of one float ``dtype`` (a
+    ``np.dtype``). ``declared`` is the model's declared input nest (Keras
+    tensors), or None. ``layers`` holds every Keras layer of the model (none
+    for a callable). ``layouts``: the :class:`jacutil.core.outputs.OutputLayout`
+    per input signature, filled as batches come.
     """
 
     call: Callable
@@ -117,14 +111,8 @@ def variable_list(variables):
     """``variables=`` as a checked list: variables only, each once, one dtype.
 
     Any iterable is taken (a generator is read once, here). Trainable or not,
-    every variable in the list is differentiated.
-
-    Args:
-        variables: an iterable of ``tf.Variable`` or ``keras.Variable``.
-
-    Returns:
-        A list of the variables, in the order given; TypeError or ValueError
-        otherwise.
+    every variable (``tf.Variable`` or ``keras.Variable``) in the list is
+    differentiated, in the order given; TypeError or ValueError otherwise.
     """
     if _is_variable(variables):
         raise TypeError(
@@ -242,18 +230,9 @@ def resolve_target(model, variables=None, training=False, x=None):
     (optional) builds a Keras model that has not run yet.
 
     The target refers to the model weakly: whoever calls it holds the model.
-    Introduced in notebook
-    ``02-vectorized`` (a hand-written ``tf.map_fn`` Jacobian uses the
-    target's ``forward`` and ``variables``); ``03-compiled`` uses it again.
-
-    Args:
-        model: a Keras model, or a callable ``f(x)``.
-        variables: the variables to differentiate (required for a callable).
-        training: run the model in training mode.
-        x: a batch, to build a Keras model that has not run yet (optional).
-
-    Returns:
-        A :class:`Target`; TypeError or ValueError when a check fails.
+    Introduced in notebook ``02-vectorized`` (a hand-written ``tf.map_fn``
+    Jacobian uses the target's ``forward`` and ``variables``); ``03-compiled``
+    uses it again. A check that fails raises TypeError or ValueError.
     """
     is_keras = isinstance(model, keras.Layer)
     if not callable(model):
@@ -300,16 +279,8 @@ def stack_columns(jacobians, variables, n_rows):
     zero. When *every* one is ``None`` nothing is connected: an error
     (:func:`jacutil.core.guards.require_connected`), not a Jacobian of zeros.
     Introduced in notebook ``02-vectorized`` (it joins the blocks of a
-    hand-written ``tf.map_fn`` Jacobian).
-
-    Args:
-        jacobians: one tensor (or None) per variable, shape
-            ``(n_rows, l, *variable.shape)``.
-        variables: the variables, in ``flat_params`` order.
-        n_rows: the number of rows (samples), an ``int`` or a scalar tensor.
-
-    Returns:
-        A tensor of shape (n_rows, l, m).
+    hand-written ``tf.map_fn`` Jacobian). ``variables`` are in
+    ``flat_params`` order; ``n_rows`` is an ``int`` or a scalar tensor.
     """
     require_connected(jacobians, variables)
     template = next(j for j in jacobians if j is not None)

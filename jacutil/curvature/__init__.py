@@ -13,20 +13,9 @@ pieces (11-curvature-and-uncertainty).
 - ``laplace``    ``Laplace``: posteriors, predictive variance, marginal likelihood
 """
 
-from ..core.lazy import lazy_modules
+from ..core.lazy import lazy_face
 
-__getattr__ = lazy_modules(
+__all__, __getattr__, __dir__ = lazy_face(
     __name__,
-    {
-        "compiled",
-        "diagonal",
-        "fisher",
-        "ggn",
-        "hessian",
-        "kfac",
-        "laplace",
-        "losses",
-        "ntk",
-        "spectra",
-    },
+    modules="compiled diagonal fisher ggn hessian kfac laplace losses ntk spectra",
 )

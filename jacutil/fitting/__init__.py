@@ -6,14 +6,8 @@
 - ``dp_sgd``          ``DPSGD``: differentially private SGD by ghost clipping (09)
 """
 
-from ..core.lazy import lazy_modules
+from ..core.lazy import lazy_face
 
-__getattr__ = lazy_modules(
-    __name__,
-    {
-        "dp_sgd",
-        "gauss_newton",
-        "loss_gradients",
-        "scipy_bridge",
-    },
+__all__, __getattr__, __dir__ = lazy_face(
+    __name__, modules="dp_sgd gauss_newton loss_gradients scipy_bridge"
 )

@@ -4,6 +4,6 @@
 - ``forward``      ``forward_jacobian``: J column block by column block
 """
 
-from ..core.lazy import lazy_modules
+from ..core.lazy import lazy_face
 
-__getattr__ = lazy_modules(__name__, {"forward", "products"})
+__all__, __getattr__, __dir__ = lazy_face(__name__, modules="forward products")

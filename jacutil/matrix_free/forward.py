@@ -32,22 +32,16 @@ COLUMNS_PER_PASS = 64  # parameter columns vectorized together
 
 
 class ForwardJacobian:
-    """A reusable forward-mode ``jac(x)``; see :func:`forward_jacobian`.
+    """A reusable forward-mode ``jac(x)`` of ``target``, ``columns_per_pass``
+    (c, positive) columns of J per pass; see :func:`forward_jacobian`.
 
-    ``trace_count`` counts the traces (one per input shape).
-
-    Args:
-        target: what is differentiated (``jacutil.core.target``).
-        columns_per_pass: c, the columns of J (JVPs) computed in one pass.
-        owner: the model, kept alive as long as this object (None: cached).
-
-    Raises:
-        ValueError: ``columns_per_pass`` is not positive.
+    ``trace_count`` counts the traces (one per input shape); ``owner``, the
+    model, is kept alive as long as this object (None: cached).
     """
 
     def __init__(self, target, columns_per_pass, owner=None):
         self.target = target
-        self._owner = owner  # keeps the model alive as long as jac (None: cached)
+        self._owner = owner
         self.columns = int(columns_per_pass)
         if self.columns <= 0:
             raise ValueError(
@@ -83,19 +77,10 @@ class ForwardJacobian:
         return tf.transpose(columns, [1, 2, 0])
 
     def __call__(self, x):
-        """The Jacobian of ``x`` by forward mode, c columns per pass.
-
-        Args:
-            x: the n samples: an array, or a list or dict of arrays.
-
-        Returns:
-            J, an array of shape (n, l, m) in the variables' dtype.
-
-        Raises:
-            ForwardModeBlindSpot: the model holds something TensorFlow 2.21's
-                forward mode gets wrong in a graph (see
-                :mod:`jacutil.core.formulation`).
-        """
+        """J of the samples ``x`` by forward mode, c columns per pass: an
+        (n, l, m) array in the variables' dtype. ``ForwardModeBlindSpot``
+        where the model holds something TensorFlow 2.21's forward mode gets
+        wrong in a graph (see :mod:`jacutil.core.formulation`)."""
         refuse_kept_loops(self.target)
         x = as_batch(x, self.target)
         n_outputs = output_layout(self.target, x).n_outputs
@@ -160,18 +145,9 @@ def forward_jacobian(
 
 
 def forward_for(model, variables, training):
-    """The forward-mode Jacobian of ``model``, compiled once per input shape
-    and kept in :mod:`jacutil.core.cache` as long as the model lives.
-
-    Args:
-        model: a Keras model, or a callable ``f(x)`` with ``variables``.
-        variables: the variables to differentiate, or None for the model's
-            trainable variables.
-        training: run the model in training mode.
-
-    Returns:
-        The model's :class:`ForwardJacobian`, cached.
-    """
+    """The model's :class:`ForwardJacobian` (arguments as
+    :func:`forward_jacobian`), compiled once per input shape and kept in
+    :mod:`jacutil.core.cache` as long as the model lives."""
     target = resolve_target(model, variables, training)
     key = (training, *map(id, target.variables))
     return cache.kept(

@@ -1,15 +1,8 @@
 """Products with J without forming J (notebook 09-matrix-free).
 
-A Gauss-Newton or trust-region step needs only ``J @ v`` and ``J.T @ u``:
-
-* ``jvp(model, x, v)``: (n, l), the outputs' change along the parameter
-  direction ``v`` (length m): forward mode, ``tf.autodiff.ForwardAccumulator``,
-  one forward pass carrying tangents;
-* ``vjp(model, x, u)``: (m,), ``sum_i,k u[i, k] * d f(x)[i, k] / d theta``:
-  reverse mode, one ``tape.gradient`` with ``output_gradients=u``;
-* ``jacobian_operator(model, x)``: a ``scipy.sparse.linalg.LinearOperator`` of
-  shape (n*l, m), rows sample-major like ``least_squares_problem(...).jac``,
-  whose ``matvec``/``rmatvec``/``matmat`` use them.
+A Gauss-Newton or trust-region step needs only ``J @ v`` (:func:`jvp`,
+forward mode) and ``J.T @ u`` (:func:`vjp`, reverse mode);
+:func:`jacobian_operator` is J as a SciPy ``LinearOperator`` that uses them.
 
 Memory is one forward (and backward) pass over a chunk of samples, never
 n*l*m numbers. Each product is compiled once per model and input shape;
@@ -44,13 +37,9 @@ class Products:
     """Compiled ``jvp`` and ``vjp`` of one model; see :func:`products`.
 
     ``jvp(x, v)`` and ``vjp(x, u)`` take a batch and return NumPy arrays;
-    ``trace_count`` counts traces (one per product and input shape).
-
-    Args:
-        target: what is differentiated (``jacutil.core.target``).
-        chunk_size: samples per slice, or None for the whole batch.
-        mode: ``"forward"`` or ``"double_backward"`` (how ``jvp`` runs).
-        owner: the model, kept alive as long as these products.
+    ``trace_count`` counts traces (one per product and input shape). The
+    arguments as :func:`products`, with ``target`` (``jacutil.core.target``)
+    for the model and ``owner``, the model, kept alive as long as these.
     """
 
     def __init__(self, target, chunk_size=None, mode="forward", owner=None):
@@ -61,7 +50,7 @@ class Products:
         ensure_second_order()  # both JVPs differentiate gradient ops
         self.mode = mode
         self.target = target
-        self._owner = owner  # holds the model, as a compiled stage does (or None)
+        self._owner = owner
         self.variables = self.target.variables
         self.n_params = self.target.n_params
         self.shapes = [tuple(v.shape) for v in self.variables]
@@ -168,18 +157,8 @@ class Products:
         return plan_chunks(int(n_samples(x)), chunk_size=self.chunk_size)
 
     def jvp(self, x, v):
-        """``J @ v`` as (n, l): v is a flat parameter direction of length m.
-
-        Args:
-            x: the n samples: an array, or a list or dict of arrays.
-            v: a direction in parameter space, shape (m,).
-
-        Returns:
-            ``J @ v``, an array of shape (n, l).
-
-        Raises:
-            ValueError: ``v`` does not have m entries.
-        """
+        """``J @ v`` as (n, l) for the samples ``x``; ``v`` is a flat
+        parameter direction of length m (else a ValueError)."""
         if self.mode == "forward":
             refuse_kept_loops(self.target)
         self._check_shapes()
@@ -194,18 +173,8 @@ class Products:
         return np.concatenate(parts)
 
     def vjp(self, x, u):
-        """``J.T @ u`` as (m,): u holds one weight per sample and output, (n, l).
-
-        Args:
-            x: the n samples: an array, or a list or dict of arrays.
-            u: one weight per sample and output, shape (n, l) or (n * l,).
-
-        Returns:
-            ``J.T @ u``, an array of shape (m,).
-
-        Raises:
-            ValueError: ``u`` has another shape.
-        """
+        """``J.T @ u`` as (m,) for the samples ``x``; ``u`` holds one weight
+        per sample and output, shape (n, l) or (n * l,) (else a ValueError)."""
         self._check_shapes()
         x = as_batch(x, self.target)
         layout = output_layout(self.target, x)
@@ -234,35 +203,19 @@ def products(model, *, variables=None, training=False, chunk_size=None, mode="fo
     ``chunk_size`` runs the batch in slices of that many samples (memory of
     one slice's forward and backward pass); None runs it whole. ``mode``:
     ``"forward"`` (``ForwardAccumulator``) or ``"double_backward"`` (the JVP
-    as the gradient of a VJP) for ``jvp``. Introduced in ``09-matrix-free``.
-
-    Args:
-        model: a Keras model, or a callable ``f(x)`` with ``variables=``.
-        variables: the variables differentiated (default: trainable ones).
-        training: run the model in training mode.
-        chunk_size: samples per slice, or None.
-        mode: ``"forward"`` or ``"double_backward"``.
-
-    Returns:
-        A :class:`Products` ``p``: ``p.jvp(x, v)`` (m,) -> (n, l) and
-        ``p.vjp(x, u)`` (n, l) -> (m,).
+    as the gradient of a VJP) for ``jvp``; ``model``, ``variables`` and
+    ``training`` as :func:`jacutil.vectorized_jacobian`. Returns a
+    :class:`Products` ``p``: ``p.jvp(x, v)`` (m,) -> (n, l) and ``p.vjp(x, u)``
+    (n, l) -> (m,). Introduced in ``09-matrix-free``.
     """
     target = resolve_target(model, variables, training)
     return Products(target, chunk_size, mode, owner=model)
 
 
 def products_for(model, options):
-    """The same compiled products for repeated ``jvp``/``vjp`` calls on a
-    model, kept in :mod:`jacutil.core.cache` as long as the model lives.
-
-    Args:
-        model: a Keras model, or a callable ``f(x)`` with ``variables``.
-        options: a mapping of keyword arguments for :class:`Products`, with
-            ``variables`` and ``training`` among them (optional).
-
-    Returns:
-        The model's :class:`Products`, cached.
-    """
+    """The model's :class:`Products` for the keyword arguments ``options``
+    of :func:`products`, kept in :mod:`jacutil.core.cache` as long as the
+    model lives: the same compiled products for repeated calls."""
     options = dict(options)
     variables = options.pop("variables", None)
     training = options.pop("training", False)
@@ -306,15 +259,9 @@ def vjp(model, x, u, **options):
     Reverse mode: one ``tape.gradient`` with ``output_gradients=u``.
     Introduced in ``09-matrix-free``.
 
-    Args:
-        model: a Keras model, or a callable ``f(x)`` with ``variables=``.
-        x: the n samples.
-        u: weights of shape (n, l), or flat (n * l,).
-        **options: as in :func:`products`.
-
-    Returns:
-        A NumPy array of shape (m,): the sum over i and k of
-        ``u[i, k] * J[i, k]``.
+    Arguments as :func:`jvp`, ``u`` of shape (n, l) or flat (n * l,).
+    Returns a NumPy array of shape (m,): the sum over i and k of
+    ``u[i, k] * J[i, k]``.
 
     Examples:
         >>> import numpy as np
@@ -338,13 +285,7 @@ def jacobian_operator(model, x, **options):
     model's variables when it is applied, so it follows the model's current
     parameters. Introduced in ``09-matrix-free``.
 
-    Args:
-        model: a Keras model, or a callable ``f(x)`` with ``variables=``.
-        x: the n samples.
-        **options: as in :func:`products` (or ``products=`` one already made).
-
-    Returns:
-        A ``LinearOperator`` of shape (n * l, m), float64.
+    Arguments as :func:`jvp` (or ``products=`` ones already made).
     """
     from scipy.sparse.linalg import LinearOperator
 

@@ -7,7 +7,7 @@ calibrated to the target epsilon by dp-accounting, a validator that refuses
 what would break the guarantee.
 """
 
-from ..core.lazy import lazy_modules
+from ..core.lazy import lazy_face
 
 _NAMES = {
     "PrivateTraining": "keras_fit",
@@ -16,6 +16,6 @@ _NAMES = {
     "per_sample_loss": "keras_fit",
     "validate_private": "validator",
 }
-_MODULES = {name: name for name in ("accounting", "keras_fit", "validator")}
-__all__ = list(_NAMES)
-__getattr__ = lazy_modules(__name__, _NAMES | _MODULES)
+__all__, __getattr__, __dir__ = lazy_face(
+    __name__, _NAMES, modules="accounting keras_fit validator"
+)

@@ -9,17 +9,10 @@
 - ``distributed``  ``distributed_jacobian`` and ``DistributedLeastSquares``
 """
 
-from ..core.lazy import lazy_modules
+from ..core.lazy import lazy_face
 
-__getattr__ = lazy_modules(
+__all__, __getattr__, __dir__ = lazy_face(
     __name__,
-    {
-        "chunk_files",
-        "credentials",
-        "dask_arrays",
-        "dask_blocks",
-        "distributed",
-        "executors",
-        "workers",
-    },
+    modules="chunk_files credentials dask_arrays dask_blocks distributed executors "
+    "workers",
 )

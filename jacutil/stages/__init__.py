@@ -6,6 +6,8 @@
 - ``chunked``     ``chunked_jacobian``: memory-bounded chunks (04-chunked)
 """
 
-from ..core.lazy import lazy_modules
+from ..core.lazy import lazy_face
 
-__getattr__ = lazy_modules(__name__, {"chunked", "compiled", "loop", "vectorized"})
+__all__, __getattr__, __dir__ = lazy_face(
+    __name__, modules="chunked compiled loop vectorized"
+)

@@ -109,18 +109,10 @@ def chunked_jacobian(
 
 
 def chunk_rows(jac, x, chunk_size, start):
-    """Rows ``start..`` of J (one chunk) as a tensor; under XLA a short last
-    chunk is padded to its own power of two (one more compile), not a full one.
-
-    Args:
-        jac: a compiled Jacobian (``compiled_for``).
-        x: the n samples, as a batch.
-        chunk_size: c, samples per chunk.
-        start: the chunk's first sample.
-
-    Returns:
-        A tensor of shape (c, l, m) (fewer rows for a short last chunk).
-    """
+    """Rows ``start..`` of J (one chunk of c = ``chunk_size`` samples of the
+    batch ``x``) as a (c, l, m) tensor from ``jac`` (``compiled_for``); under
+    XLA a short last chunk is padded to its own power of two (one more
+    compile), not a full one."""
     stop = min(start + chunk_size, int(n_samples(x)))
     pad_to = bucket_size(stop - start, chunk_size) if jac.jit_compile else None
     return jac.tensor(take(x, start, stop), pad_to)

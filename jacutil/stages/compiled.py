@@ -23,15 +23,9 @@ METHODS = ("per_sample", "batch", "rules")
 
 
 def bucket_size(n_samples, block_size):
-    """Padded batch size for XLA: the next power of two, capped at block_size,
-    and at least 2 (pfor fails on some graphs with one sample, TF 2.21).
-
-    Args:
-        n_samples: n, the samples in the batch (or block).
-        block_size: the largest batch compiled at once.
-
-    Returns:
-        An ``int``: the rows the batch is padded to.
+    """The rows XLA pads a batch (or block) of ``n_samples`` to: the next
+    power of two, capped at ``block_size`` (the largest batch compiled at
+    once), and at least 2 (pfor fails on some graphs with one sample, TF 2.21).
 
     >>> [bucket_size(n, 64) for n in (1, 2, 3, 33, 100)]
     [2, 2, 4, 64, 64]
@@ -50,17 +44,10 @@ class CompiledJacobian:
     (``jacutil.rules``), or is None and ``fallback`` says why the per-sample
     stage runs instead.
 
-    Args:
-        target: the :class:`jacutil.core.target.Target` to differentiate.
-        method: ``"per_sample"``, ``"batch"`` or ``"rules"``.
-        jit_compile: compile with XLA.
-        block_size: the largest batch compiled at once; larger batches run in
-            blocks of this size.
-        owner: an object to keep alive as long as this one (the model).
-        model: the model whose layers the rules plan (default: ``owner``).
-
-    Raises:
-        ValueError: an unknown ``method``, or ``block_size`` below 1.
+    Arguments as :func:`compiled_jacobian`, with ``target``
+    (:class:`jacutil.core.target.Target`) for the model, ``owner`` an object
+    kept alive as long as this one, and ``model`` the one whose layers the
+    rules plan (default: ``owner``).
     """
 
     def __init__(self, target, method, jit_compile, block_size, owner=None, model=None):
@@ -80,7 +67,7 @@ class CompiledJacobian:
         self.compiled_shapes = set()
         self.formulation = None
         self.activations = {}  # input signature -> activation elements (chunked)
-        self._owner = owner  # keeps the model alive as long as jac
+        self._owner = owner
         self.ladder = Ladder(
             lambda key, mode, xla, x: self.build(x, mode, xla), self.checked_plan
         )
@@ -92,15 +79,9 @@ class CompiledJacobian:
             )
 
     def activation_elements(self, x):
-        """Elements of one sample's forward pass (for the memory model of
-        ``jacutil.stages.chunked``), counted once per input shape.
-
-        Args:
-            x: a checked batch (its per-sample shape is what counts).
-
-        Returns:
-            An ``int``: A, floating-point elements per sample.
-        """
+        """A, the floating-point elements of one sample's forward pass in the
+        checked batch ``x`` (for the memory model of ``jacutil.stages.chunked``),
+        counted once per input shape."""
         key = signature_key(x)
         if key not in self.activations:
             self.activations[key] = count_activations(
@@ -182,12 +163,6 @@ class CompiledJacobian:
 
         The proof (:meth:`jacutil.rules.Plan.check`) runs once per input
         shape; every consumer of the rules takes the plan from here.
-
-        Args:
-            x: a checked batch.
-
-        Returns:
-            The :class:`jacutil.rules.Plan`, or None.
         """
         if self.plan is None or signature_key(x) in self.plan.checked:
             return self.plan
@@ -202,33 +177,16 @@ class CompiledJacobian:
 
         ``copy=False`` returns a read-only view of TensorFlow's result
         instead of a copy (``.numpy()`` copies: at n = 10,000 on the
-        question's network that copy costs longer than the Jacobian).
-
-        Args:
-            x: the n samples: an array, or a list or dict of arrays.
-            copy: return an array you may write to.
-
-        Returns:
-            J, an array of shape (n, l, m).
-
-        Raises:
-            ValueError: ``x`` or the model's outputs do not fit (see
-                :func:`jacutil.core.batch.as_batch`).
+        question's network that copy costs longer than the Jacobian). A
+        ValueError where ``x`` (an array, or a list or dict of arrays) or the
+        model's outputs do not fit (see :func:`jacutil.core.batch.as_batch`).
         """
         x = as_batch(x, self.target)
         output_layout(self.target, x)  # checks the outputs, once per shape
         return self.of_batch(x, copy=copy)
 
     def of_batch(self, x, *, copy=True):
-        """:meth:`__call__` of a batch already checked by ``as_batch``.
-
-        Args:
-            x: a checked batch of n samples.
-            copy: return an array you may write to.
-
-        Returns:
-            J, an array of shape (n, l, m).
-        """
+        """:meth:`__call__` of a batch already checked by ``as_batch``."""
         n_rows = int(n_samples(x))
         if not self.jit_compile or n_rows <= self.block_size:
             pad_to = bucket_size(n_rows, self.block_size) if self.jit_compile else None
@@ -252,20 +210,10 @@ def compiled_for(model, variables, training, jit_compile, method, x=None):
 
     The key holds the variables themselves (their ids), so after
     ``layer.trainable = False`` the model gets a compiled Jacobian of its new
-    columns. Kept in :mod:`jacutil.core.cache` as long as the model lives.
-
-    Args:
-        model: a Keras model, or a callable ``f(x)`` with ``variables``.
-        variables: the variables to differentiate, or None for the model's
-            trainable variables.
-        training: run the model in training mode.
-        jit_compile: compile with XLA.
-        method: the formulation (as for :class:`CompiledJacobian`).
-        x: a batch, to build a model that is not built yet (optional).
-
-    Returns:
-        The model's :class:`CompiledJacobian` for these options, cached (the
-        newest ``CACHED_PER_MODEL`` per model).
+    columns. Arguments as :func:`compiled_jacobian`, and ``x``, a batch to
+    build a model that is not built yet (optional). Kept in
+    :mod:`jacutil.core.cache` (the newest ``CACHED_PER_MODEL`` per model) as
+    long as the model lives.
     """
     if variables is None and getattr(model, "built", False):
         # the second call on a model: no checks to repeat, the key is at hand

@@ -202,15 +202,7 @@ def per_sample_tensor(target, x, xla=False):
 
 @_in_a_graph
 def batch_tensor(target, x, xla=False):
-    """``tape.jacobian`` over the batch, and its formulation (see above).
-
-    Args:
-        target: a :class:`jacutil.core.target.Target`.
-        x: the batch of n samples.
-        xla: the caller compiles with XLA already.
-
-    Returns:
-        ``(J, formulation)``: J, a tensor of shape (n, l, m), and a ``str``.
-    """
+    """``(J, formulation)`` by ``tape.jacobian`` over the batch; arguments as
+    :func:`per_sample_tensor`."""
     J, notes = vectorize(batch_tape_jacobian, target, x, xla)
     return J, "; ".join(["tape.jacobian over the batch", *notes])

@@ -10,8 +10,8 @@
 - ``drills``    fault drills: a run killed part way (notebook 10)
 """
 
-from ..core.lazy import lazy_modules
+from ..core.lazy import lazy_face
 
-__getattr__ = lazy_modules(
-    __name__, "check drills memory_sweeps models notebook plots timing wide_fit".split()
+__all__, __getattr__, __dir__ = lazy_face(
+    __name__, modules="check drills memory_sweeps models notebook plots timing wide_fit"
 )

@@ -8,7 +8,7 @@
   ``python -m jacutil.testing`` checks them all and exits 1 on a failure.
 """
 
-from ..core.lazy import lazy_modules
+from ..core.lazy import lazy_face
 
 _NAMES = {
     "SETTINGS": "settings",
@@ -17,6 +17,6 @@ _NAMES = {
     "check_rule": "rule_check",
     "finite_difference_jacobian": "finite_differences",
 }
-_MODULES = {name: name for name in ("finite_differences", "rule_check", "settings")}
-__all__ = list(_NAMES)
-__getattr__ = lazy_modules(__name__, _NAMES | _MODULES)
+__all__, __getattr__, __dir__ = lazy_face(
+    __name__, _NAMES, modules="finite_differences rule_check settings"
+)
