@@ -75,10 +75,8 @@ def top_singular_values(model, x, k=6, **options):
     empirical NTK ``J J.T``.
 
     Args:
-        model: a Keras model, or a callable ``f(x)`` with ``variables=``.
-        x: the n samples.
+        model, x, **options: as for ``jacutil.jacobian_operator``.
         k: how many, fewer than min(n*l, m).
-        **options: as for ``jacutil.jacobian_operator``.
 
     Returns:
         A NumPy array (k,), descending.
@@ -126,7 +124,8 @@ def hutchinson_trace(operator, n_probes=100, seed=0):
     Introduced in ``11-curvature-and-uncertainty``.
 
     Args:
-        operator: a square ``LinearOperator`` (or array) of shape (m, m).
+        operator: a square ``LinearOperator`` (or array) of shape (m, m), or
+            a ``KFAC``.
         n_probes: random sign vectors to average over (at least 2).
         seed: the random seed.
 
@@ -143,15 +142,8 @@ def hutchinson_diagonal(operator, n_probes=100, seed=0):
 
     Introduced in ``11-curvature-and-uncertainty``. Compare it with
     ``ggn_diagonal``, which is exact: the estimate needs many probes for a
-    few digits.
-
-    Args:
-        operator: a square ``LinearOperator`` (or array) of shape (m, m).
-        n_probes: random sign vectors to average over (at least 2).
-        seed: the random seed.
-
-    Returns:
-        An :class:`Estimate` whose value is an array (m,).
+    few digits. Arguments as :func:`hutchinson_trace`; returns an
+    :class:`Estimate` whose value is an array (m,).
     """
     samples = _probed(operator, n_probes, seed)
     error = samples.std(axis=1, ddof=1) / np.sqrt(n_probes)
