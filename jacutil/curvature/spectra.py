@@ -36,19 +36,13 @@ def as_operator(operator):
 
 
 def top_eigenvalues(operator, k=6):
-    """The k largest eigenvalues of a symmetric operator, largest first.
+    """The k (fewer than m) largest eigenvalues of a symmetric operator (m, m)
+    (a ``LinearOperator``, an array or a ``KFAC``), a NumPy array (k,),
+    largest first.
 
     Introduced in ``11-curvature-and-uncertainty``. ``scipy.sparse.linalg.eigsh``
     (Lanczos) with products only; for the Hessian, which may be indefinite,
     they are the largest *algebraic* ones.
-
-    Args:
-        operator: a symmetric ``LinearOperator`` (or array) of shape (m, m),
-            or a ``KFAC``.
-        k: how many, fewer than m.
-
-    Returns:
-        A NumPy array (k,), descending.
 
     Raises:
         ValueError: k is not between 1 and m - 1.
@@ -67,19 +61,14 @@ def top_eigenvalues(operator, k=6):
 
 
 def top_singular_values(model, x, k=6, **options):
-    """The k largest singular values of J (n*l x m), largest first.
+    """The k (fewer than min(n*l, m)) largest singular values of J (n*l x m),
+    a NumPy array (k,), largest first.
 
     Introduced in ``11-curvature-and-uncertainty``. ``scipy.sparse.linalg.svds``
-    on ``jacutil.jacobian_operator`` (JVPs and VJPs, no J). Their squares are
-    the top eigenvalues of ``J.T J`` (G of the squared error) and of the
-    empirical NTK ``J J.T``.
-
-    Args:
-        model, x, **options: as for ``jacutil.jacobian_operator``.
-        k: how many, fewer than min(n*l, m).
-
-    Returns:
-        A NumPy array (k,), descending.
+    on ``jacutil.jacobian_operator`` (JVPs and VJPs, no J; ``model``, ``x``
+    and ``**options`` as it takes them). Their squares are the top
+    eigenvalues of ``J.T J`` (G of the squared error) and of the empirical
+    NTK ``J J.T``.
     """
     from scipy.sparse.linalg import svds
 
