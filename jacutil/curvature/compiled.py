@@ -2,19 +2,11 @@
 (notebook 11-curvature-and-uncertainty).
 
 :class:`CurvatureProducts` extends the products with J of notebook 09
-(:class:`jacutil.matrix_free.products.Products`) by two products, each one
-compiled graph per loss and input shape:
-
-* ``ggn_chunk``: ``sum_i J_i.T W_i H_i J_i v`` - one forward pass that
-  carries the tangent ``J v`` (``ForwardAccumulator``), each head's ``H``
-  applied to it at the outputs and weighted, and one backward pass started
-  from ``H J v``. No J is formed.
-* ``hvp_chunk``: the loss's Hessian times ``v`` - forward mode over the
-  reverse-mode gradient (forward over reverse).
-
-``W_i`` is each sample's weight per output (``sample_weight`` times each
-head's reduction: ``HeadLosses.row_weights``). A recurrent layer that keeps
-its ``while_loop`` carries no tangent in TF 2.21 (``jacutil.core.formulation``):
+(:class:`jacutil.matrix_free.products.Products`) by ``ggn_chunk`` (one
+forward pass carrying ``J v``, H applied at the outputs, one backward pass:
+no J formed) and ``hvp_chunk`` (forward over reverse), each one compiled
+graph per loss and input shape. A recurrent layer that keeps its
+``while_loop`` carries no tangent in TF 2.21 (``jacutil.core.formulation``):
 there both run reverse over reverse instead. :func:`curvature_inputs` checks
 what every curvature entry takes (x, y, sample_weight, the loss) once.
 """
@@ -26,13 +18,13 @@ import numpy as np
 from ..core import cache
 from ..core._shared import joined_gradients, or_zeros, sizes_of
 from ..core._tf import tf
-from ..core.arguments import refuse_non_finite
+from ..core.arguments import check_chunk_size, refuse_non_finite
 from ..core.batch import as_batch, n_samples, signature, signature_key, take
 from ..core.data import read_data
 from ..core.formulation import kept_loops, new_ops, quiet_function, refuse_hidden_reads
 from ..core.guards import require_connected
 from ..core.outputs import output_layout
-from ..core.target import resolve_target, watched
+from ..core.target import resolve_target, variable_list, watched
 from ..matrix_free.products import Products
 from .losses import losses_for
 
@@ -43,11 +35,7 @@ class CurvatureProducts(Products):
     Kept per model, variables and chunk size by :func:`curvature_products`;
     each product is compiled once per loss (``HeadLosses.key``) and input
     shape, so an operator made again on the same model traces nothing new.
-
-    Args:
-        target: what is differentiated (``jacutil.core.target``).
-        chunk_size: samples per slice, or None for the whole batch.
-        owner: the model, kept alive as long as these products.
+    Arguments as :class:`jacutil.matrix_free.products.Products`.
     """
 
     def __init__(self, target, chunk_size=None, owner=None):
@@ -134,14 +122,9 @@ class CurvatureProducts(Products):
             ]
             if t is not None:
                 specs.append([tf.TensorSpec([None, k], dtype) for k in widths])
-            if kind == "ggn" and t is None:
+            if kind == "ggn":
 
-                def method(x, w, v):
-                    return self.ggn_chunk(loss, x, w, v)
-
-            elif kind == "ggn":
-
-                def method(x, w, v, t):
+                def method(x, w, v, t=None):
                     return self.ggn_chunk(loss, x, w, v, t)
 
             else:
@@ -152,7 +135,10 @@ class CurvatureProducts(Products):
             self._functions[key] = quiet_function(method, input_signature=specs)
         return self._functions[key]
 
-    def _total(self, kind, loss, x, v, w, t):
+    def product(self, kind, loss, x, v, w, t):
+        """``G @ v`` (``kind="ggn"``) or ``H @ v`` (``"hvp"``), (m,), for a
+        checked batch ``x``, summed over its chunks; ``w``: the weights
+        (n, l); ``t``: the heads' targets (one array each), or None."""
         self._check_shapes()
         v = tf.constant(self._vector(v, self.n_params, "v", "one number per parameter"))
         total = np.zeros(self.n_params, self.target.dtype)
@@ -164,16 +150,6 @@ class CurvatureProducts(Products):
             total += function(*args).numpy()
         return total
 
-    def ggn(self, loss, x, v, w, t=None):
-        """``G @ v`` for a checked batch ``x``, summed over its chunks (m,);
-        ``w``: the weights (n, l); ``t``: the heads' targets or None."""
-        return self._total("ggn", loss, x, v, w, t if loss.needs_targets else None)
-
-    def hvp(self, loss, x, t, v, w):
-        """``H @ v`` of the weighted loss over batch ``x`` with targets ``t``
-        (one array per head), (m,)."""
-        return self._total("hvp", loss, x, v, w, t)
-
     def outputs(self, x):
         """The model's outputs on a checked batch, as rows (n, l), NumPy."""
         parts = [self.target.forward(take(x, a, b)).numpy() for a, b in self._chunks(x)]
@@ -181,42 +157,50 @@ class CurvatureProducts(Products):
 
 
 def curvature_for(model, variables, options, make):
-    """The compiled curvature products of ``model`` (notebook 11), kept in
-    :mod:`jacutil.core.cache` as long as the model lives.
-
-    Args:
-        model: a Keras model, or a callable ``f(x)`` with ``variables``.
-        variables: the variables to differentiate, or None for the model's
-            trainable variables.
-        options: a hashable tuple of what else the products depend on (the
-            loss's name and classes, the chunk size).
-        make: ``make(target)`` builds the products when none is kept.
-
-    Returns:
-        What ``make`` built for this model, variables and options, cached.
-    """
+    """What ``make(target)`` builds for ``model`` (a Keras model, or a
+    callable ``f(x)`` with ``variables``; None: the trainable ones), kept in
+    :mod:`jacutil.core.cache` per variables and ``options`` (a hashable tuple
+    of what else it depends on: the loss's key, the chunk size) as long as
+    the model lives (notebook 11)."""
     target = resolve_target(model, variables, False)
     key = (options, *map(id, target.variables))
     return cache.kept("curvature", model, key, lambda: make(target))
 
 
 def curvature_products(model, *, variables=None, chunk_size=None):
-    """The model's :class:`CurvatureProducts`, cached per model.
-
-    Args:
-        model: a Keras model, or a callable ``f(x)`` with ``variables=``.
-        variables: the variables (default: the trainable ones).
-        chunk_size: samples per slice, or None.
-
-    Returns:
-        A :class:`CurvatureProducts`.
-    """
+    """The model's :class:`CurvatureProducts` for ``variables`` (default:
+    the trainable ones) and ``chunk_size`` (samples per slice, or None),
+    cached per model (:func:`curvature_for`)."""
     return curvature_for(
         model,
         variables,
         ("products", chunk_size),
         lambda target: CurvatureProducts(target, chunk_size, owner=model),
     )
+
+
+def products_operator(kind, model, x, loss, y, sample_weight, variables, chunk_size):
+    """G (``kind="ggn"``) or the loss's Hessian (``"hvp"``) as a symmetric
+    ``scipy.sparse.linalg.LinearOperator`` (m, m), float64, whose products
+    (:meth:`CurvatureProducts.product`) read the variables when applied:
+    what ``ggn_operator`` and ``hessian_operator`` return, from their
+    arguments."""
+    from scipy.sparse.linalg import LinearOperator
+
+    chunk_size = check_chunk_size(chunk_size)
+    variables = None if variables is None else variable_list(variables)
+    products = curvature_products(model, variables=variables, chunk_size=chunk_size)
+    given = curvature_inputs(model, products.target, x, loss, y, sample_weight)
+    t = given.targets if kind == "hvp" or given.loss.needs_targets else None
+    m = products.n_params
+
+    def matvec(v):
+        total = products.product(
+            kind, given.loss, given.batch, np.ravel(v), given.weights, t
+        )
+        return total.astype(np.float64)
+
+    return LinearOperator((m, m), matvec=matvec, rmatvec=matvec, dtype=np.float64)
 
 
 @dataclass
@@ -270,17 +254,9 @@ def curvature_inputs(model, target, x, loss, y=None, sample_weight=None):
     are refused in x and y, and the model's graph is traced once to find its
     heads and refuse a cross-entropy on probabilities.
 
-    Args:
-        model: the model (what the heads are kept for).
-        target: its :class:`jacutil.core.target.Target`.
-        x: the n samples, or a dataset of ``model.fit``'s batches
-            (:func:`jacutil.core.data.read_data`; then no y or sample_weight).
-        loss: as ``jacutil.curvature.losses.output_loss`` takes it.
-        y: the targets (one array per head), or None.
-        sample_weight: (n,) weights, or None.
-
-    Returns:
-        A :class:`CurvatureInputs`.
+    ``model`` is what the heads are kept for, ``target`` its
+    :class:`jacutil.core.target.Target`; the rest as ``ggn_operator`` takes
+    them. Returns a :class:`CurvatureInputs`.
 
     Raises:
         ValueError: a bad x, y, sample_weight or loss; a loss differentiated

@@ -30,21 +30,53 @@ from ..stages.compiled import compiled_for
 from .compiled import curvature_for, curvature_inputs
 
 
-class DiagonalOfG:
-    """The compiled diagonal of G of one model, loss and variables.
+class OnRules:
+    """One chunk's piece of curvature, compiled on the layer rules once per
+    input shape (``_on_rules(x, *args, plan)``), or, where the rules do not
+    apply, from the chunk's formed per-sample J (``_formed(x, *args)``).
+    ``formulation`` says which, in words.
+
+    Args:
+        jac: the model's ``CompiledJacobian`` (method ``"rules"``).
+    """
+
+    start = "the rows"  # what the backward pass starts from, in words
+
+    def __init__(self, jac):
+        self.jac = jac
+        self.target = jac.target
+        self._functions = {}
+        self.formulation = None
+        self.trace_count = 0
+
+    def __call__(self, x, *args):
+        """The piece of one checked chunk ``x``, NumPy."""
+        plan = self.jac.checked_plan(x)
+        if plan is not None:
+            self.formulation = f"{plan.describe()}, started from {self.start}"
+            return self._on_rules(x, *args, plan)
+        self.formulation = (
+            f"the per-sample J of each chunk, contracted with {self.start} "
+            f"(no layer rules: {self.jac.fallback})"
+        )
+        return self._formed(x, *args)
+
+
+class DiagonalOfG(OnRules):
+    """The compiled diagonal of G of one model, loss and variables, (m,) per
+    chunk: ``job(x, w, t)`` with ``w`` the weights (n, l) or None for the
+    identity H, and ``t`` the heads' targets or None.
 
     Args:
         jac: the model's ``CompiledJacobian`` (method ``"rules"``).
         loss: a :class:`jacutil.curvature.losses.HeadLosses`.
     """
 
+    start = "sqrt(H)"
+
     def __init__(self, jac, loss):
-        self.jac = jac
-        self.target = jac.target
+        super().__init__(jac)
         self.loss = loss
-        self._functions = {}
-        self.formulation = None
-        self.trace_count = 0
 
     def _signal(self, x, w, t):
         """The signals ``(sqrt(W_i) S_i).T`` as rows (n, l, l), or None for
@@ -90,20 +122,6 @@ class DiagonalOfG:
             J = np.einsum("ikc,ikm->icm", S, J)
         return np.einsum("icm,icm->m", J, J)
 
-    def __call__(self, x, w=None, t=None):
-        """The diagonal of one checked chunk's G, a NumPy array (m,); ``w``:
-        the weights (n, l), None for the identity H; ``t``: the heads'
-        targets or None."""
-        plan = self.jac.checked_plan(x)
-        if plan is not None:
-            self.formulation = plan.describe() + ", started from sqrt(H)"
-            return self._on_rules(x, w, t, plan)
-        self.formulation = (
-            "the per-sample J of each chunk, contracted with sqrt(H) "
-            f"(no layer rules: {self.jac.fallback})"
-        )
-        return self._formed(x, w, t)
-
 
 def ggn_diagonal(
     model, x, loss="squared_error", *, y=None, sample_weight=None, variables=None,
@@ -116,19 +134,11 @@ def ggn_diagonal(
     signal per output) and the blocks are squared and summed inside the
     compiled graph; elsewhere from each chunk's formed per-sample J.
 
-    Args:
-        model: a Keras model (for a cross-entropy: one that outputs logits),
-            or a callable ``f(x)`` with ``variables=``.
-        x: the n samples.
-        loss: as for ``ggn_operator``: a plain name, a Keras loss, a
-            callable (its H by autodiff; needs ``y``), or one per head.
-        y: the targets, needed only by a loss differentiated as given.
-        sample_weight: (n,) non-negative weights, or None.
-        variables: the variables (default: the trainable ones).
-        memory_budget: bytes of working memory per chunk (default: as
-            ``jacutil.jacobian``).
-        progress: show a progress bar over the chunks.
-        explain: also return how it was computed, in words.
+    Arguments as :func:`jacutil.curvature.ggn.ggn_operator`, with
+    ``memory_budget`` (bytes of working memory per chunk; default: as
+    ``jacutil.jacobian``) in place of ``chunk_size``, ``progress`` (a
+    progress bar over the chunks) and ``explain`` (also return how it was
+    computed, in words).
 
     Returns:
         A NumPy array (m,), float64 - or ``(diagonal, how)`` with ``explain``.

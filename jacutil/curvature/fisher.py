@@ -19,10 +19,7 @@ for a loss averaged over the batch, F carries the same 1/n. The products
 ``J_i.T r_ic`` of a chunk come from one backward pass started from the rows
 (the layer rules' per-sample machinery, as ``per_sample_gradients`` and
 ``ggn_diagonal`` use it), or, without rules, from the chunk's per-sample J.
-
-:func:`hessian_diagonal` is the diagonal of the loss's Hessian: exact from m
-Hessian-vector products for small m, otherwise Hutchinson's estimate with
-its standard error.
+:func:`hessian_diagonal` is the diagonal of the loss's Hessian.
 """
 
 import math
@@ -39,6 +36,7 @@ from ..core.target import variable_list
 from ..rules.walk import OutputRows
 from ..stages.compiled import compiled_for
 from .compiled import curvature_for, curvature_inputs
+from .diagonal import OnRules
 from .hessian import hessian_operator
 from .losses import AutodiffLoss, losses_for
 from .spectra import Estimate, hutchinson_diagonal
@@ -47,20 +45,14 @@ EXACT_UP_TO = 2000  # hessian_diagonal(method="auto"): exact up to this many par
 METHODS = ("auto", "exact", "hutchinson")
 
 
-class GradientRows:
-    """``J_i.T r_ic`` of a chunk, (n, r, m), compiled once per model,
-    variables, input shape and number of rows.
+class GradientRows(OnRules):
+    """``J_i.T r_ic`` of a chunk, compiled once per model, variables, input
+    shape and number of rows: ``job(x, rows)``, ``rows`` (n, r, l) NumPy in,
+    (n, r, m) NumPy out.
 
     Args:
         jac: the model's ``CompiledJacobian`` (method ``"rules"``).
     """
-
-    def __init__(self, jac):
-        self.jac = jac
-        self.target = jac.target
-        self._functions = {}
-        self.formulation = None
-        self.trace_count = 0
 
     def _on_rules(self, x, rows, plan):
         key = (signature_key(x), rows.shape[1], rows.shape[2])
@@ -78,17 +70,7 @@ class GradientRows:
         rows = tf.constant(rows, self.target.dtype)
         return self._functions[key](x, rows).numpy()
 
-    def __call__(self, x, rows):
-        """The rows' gradients of one checked chunk ``x``: ``rows`` (n, r, l)
-        NumPy in, (n, r, m) NumPy out."""
-        plan = self.jac.checked_plan(x)
-        if plan is not None:
-            self.formulation = plan.describe() + ", started from the rows"
-            return self._on_rules(x, rows, plan)
-        self.formulation = (
-            "the per-sample J of each chunk, contracted with the rows "
-            f"(no layer rules: {self.jac.fallback})"
-        )
+    def _formed(self, x, rows):
         J = np.asarray(self.jac.tensor(x))
         return np.einsum("irk,ikm->irm", rows, J)
 
@@ -217,18 +199,10 @@ def empirical_fisher_operator(
     pass per chunk). The operator is of the variables' values when it was
     made.
 
-    Args:
-        model: a Keras model (for a cross-entropy: one whose heads output
-            logits), or a callable ``f(x)`` with ``variables=``.
-        x: the n samples.
-        y: their targets, one array per head as a list or dict like the
-            outputs.
-        loss: as for ``ggn_operator``: a plain name, a Keras loss, a
-            callable, or one per head.
-        sample_weight: (n,) non-negative weights, or None.
-        variables: the variables (default: the trainable ones), m in all.
-        memory_budget: bytes of working memory (default: as
-            ``jacutil.jacobian``).
+    Arguments as for ``ggn_operator``, except that ``y`` is needed (one
+    array per head as a list or dict like the outputs), and
+    ``memory_budget`` (bytes of working memory; default: as
+    ``jacutil.jacobian``) takes the place of ``chunk_size``.
 
     Returns:
         A symmetric positive semi-definite ``LinearOperator`` (m, m), float64.
@@ -263,18 +237,9 @@ def empirical_fisher_diagonal(
 
     Introduced in ``11-curvature-and-uncertainty``. ``g_i`` as for
     :func:`empirical_fisher_operator`; the gradients of one chunk at a time
-    (sized by ``memory_budget``) are squared and summed.
-
-    Args:
-        model: a Keras model, or a callable ``f(x)`` with ``variables=``.
-        x: the n samples.
-        y: their targets, one array per head.
-        loss: a plain name, a Keras loss, a callable, or one per head.
-        sample_weight: (n,) non-negative weights, or None.
-        variables: the variables (default: the trainable ones).
-        memory_budget: bytes of working memory per chunk.
-        progress: show a progress bar over the chunks.
-        explain: also return how it was computed, in words.
+    (sized by ``memory_budget``) are squared and summed. Arguments as
+    :func:`empirical_fisher_operator`, and ``progress`` (a progress bar over
+    the chunks) and ``explain`` (also return how it was computed, in words).
 
     Returns:
         A NumPy array (m,), float64 - or ``(diagonal, how)`` with ``explain``.
@@ -343,19 +308,12 @@ def mc_fisher_operator(
     when it fits in ``memory_budget``, otherwise recomputed one chunk at a
     time in every product.
 
-    Args:
-        model: a Keras model (for a cross-entropy: one whose heads output
-            logits), or a callable ``f(x)`` with ``variables=``.
-        x: the n samples.
-        loss: a plain name, a Keras loss with a closed form, or one per
-            head; a loss differentiated as given is refused (no likelihood).
-        y: the targets: not used (the targets are drawn); accepted as the
-            other curvature entries take it.
-        sample_weight: (n,) non-negative weights, or None.
-        variables: the variables (default: the trainable ones), m in all.
-        mc_samples: targets drawn per sample (at least 1).
-        seed: the seed of NumPy's generator, or None for fresh draws.
-        memory_budget: bytes of working memory.
+    Arguments as for :func:`empirical_fisher_operator`, except: ``loss``
+    needs a closed form (a loss differentiated as given is refused: no
+    likelihood); ``y`` is not used (the targets are drawn; accepted as the
+    other curvature entries take it); ``mc_samples``: targets drawn per
+    sample (at least 1); ``seed``: the seed of NumPy's generator, or None
+    for fresh draws.
 
     Returns:
         A symmetric positive semi-definite ``LinearOperator`` (m, m), float64.
@@ -381,20 +339,9 @@ def mc_fisher_diagonal(
     draws for the same ``seed``), with its standard error over the
     ``mc_samples`` draws - the spread of the per-draw diagonals
     ``sum_i (J_i.T sqrt(W_i) s_is)^2`` divided by ``sqrt(mc_samples)``. Its
-    expectation is ``ggn_diagonal``'s exact one.
-
-    Args:
-        model: a Keras model, or a callable ``f(x)`` with ``variables=``.
-        x: the n samples.
-        loss: a plain name, a Keras loss with a closed form, or one per head.
-        y: not used (the targets are drawn).
-        sample_weight: (n,) non-negative weights, or None.
-        variables: the variables (default: the trainable ones).
-        mc_samples: targets drawn per sample (a standard error needs 2).
-        seed: the seed of NumPy's generator, or None for fresh draws.
-        memory_budget: bytes of working memory per chunk.
-        progress: show a progress bar over the chunks.
-        explain: also return how it was computed, in words.
+    expectation is ``ggn_diagonal``'s exact one. Arguments as
+    :func:`mc_fisher_operator` (a standard error needs ``mc_samples=2``), and
+    ``progress`` and ``explain`` as :func:`empirical_fisher_diagonal`.
 
     Returns:
         A :class:`jacutil.curvature.spectra.Estimate`: ``value`` (m,),
@@ -434,14 +381,8 @@ def hessian_diagonal(
     each head's reduction).
 
     Args:
-        model: a Keras model (for a cross-entropy: one whose heads output
-            logits), or a callable ``f(x)`` with ``variables=``.
-        x: the n samples.
-        y: their targets, one array per head.
-        loss: a plain name, a Keras loss, a callable, or one per head.
-        sample_weight: (n,) non-negative weights, or None.
-        variables: the variables (default: the trainable ones), m in all.
-        chunk_size: samples per pass, or None for the whole batch at once.
+        model, x, y, loss, sample_weight, variables, chunk_size: as for
+            :func:`jacutil.curvature.hessian.hessian_operator`.
         method: ``"auto"``, ``"exact"`` or ``"hutchinson"``.
         n_probes: Hutchinson's sign vectors (at least 2).
         seed: Hutchinson's seed.

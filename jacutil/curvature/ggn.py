@@ -10,11 +10,7 @@ memory of one pass over a chunk, never l*m numbers per sample. SciPy's
 ``eigsh``, ``cg`` or ``minres`` take it as it is.
 """
 
-import numpy as np
-
-from ..core.arguments import check_chunk_size
-from ..core.target import variable_list
-from .compiled import curvature_inputs, curvature_products
+from .compiled import products_operator
 
 
 def ggn_operator(
@@ -64,17 +60,6 @@ def ggn_operator(
         >>> (G @ np.ones(8)).shape
         (8,)
     """
-    from scipy.sparse.linalg import LinearOperator
-
-    chunk_size = check_chunk_size(chunk_size)
-    variables = None if variables is None else variable_list(variables)
-    products = curvature_products(model, variables=variables, chunk_size=chunk_size)
-    given = curvature_inputs(model, products.target, x, loss, y, sample_weight)
-    m = products.n_params
-
-    def matvec(v):
-        return products.ggn(
-            given.loss, given.batch, np.ravel(v), given.weights, given.targets
-        ).astype(np.float64)
-
-    return LinearOperator((m, m), matvec=matvec, rmatvec=matvec, dtype=np.float64)
+    return products_operator(
+        "ggn", model, x, loss, y, sample_weight, variables, chunk_size
+    )

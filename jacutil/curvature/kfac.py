@@ -110,14 +110,8 @@ class KFAC:
         return v.reshape(self.n_params, -1), v.ndim == 1
 
     def matvec(self, v):
-        """``KFAC @ v`` for v of shape (m,) or (m, k).
-
-        Args:
-            v: flat parameter vectors (``flat_params`` order).
-
-        Returns:
-            An array of v's shape.
-        """
+        """``KFAC @ v``, of v's shape, for flat parameter vectors v
+        (``flat_params`` order) of shape (m,) or (m, k)."""
         v, flat = self._columns(v)
         out = np.zeros_like(v)
         for f in self.factors:
@@ -127,15 +121,8 @@ class KFAC:
         return out[:, 0] if flat else out
 
     def inverse_matvec(self, v, damping):
-        """``(KFAC + damping * I)^-1 @ v``, exact for this KFAC.
-
-        Args:
-            v: flat parameter vectors, (m,) or (m, k).
-            damping: a positive number.
-
-        Returns:
-            An array of v's shape.
-        """
+        """``(KFAC + damping * I)^-1 @ v``, exact for this KFAC, of v's shape
+        (as :meth:`matvec`); ``damping`` a positive number."""
         if not damping > 0:
             raise ValueError(f"damping must be positive; got {damping}.")
         v, flat = self._columns(v)
@@ -149,14 +136,7 @@ class KFAC:
         return out[:, 0] if flat else out
 
     def logdet(self, damping):
-        """``log det(KFAC + damping * I)``.
-
-        Args:
-            damping: a positive number.
-
-        Returns:
-            A float.
-        """
+        """``log det(KFAC + damping * I)``, a float; ``damping`` positive."""
         total = float(np.sum(np.log(self.rest_diagonal + damping)))
         for f in self.factors:
             eA, _, eB, _ = f.eig()
@@ -284,17 +264,10 @@ def kfac(
     whose kernel (and bias) are among the variables get Kronecker factors;
     every other variable G's exact diagonal (:func:`ggn_diagonal`).
 
-    Args:
-        model: a ``keras.Sequential`` (for a cross-entropy: ending in logits).
-        x: the n samples, one array.
-        loss: as for ``ggn_operator``: a plain name, a Keras loss, a
-            callable (needs ``y``), or one per head.
-        y: the targets, needed only by a loss differentiated as given.
-        sample_weight: (n,) non-negative weights, or None: they weight each
-            sample's signals (B); the input covariance A stays unweighted.
-        chunk_size: samples per pass.
-        variables: the variables (default: the trainable ones), an iterable
-            read once.
+    Arguments as :func:`jacutil.curvature.ggn.ggn_operator`, except: the
+    model must be a ``keras.Sequential`` and ``x`` one array;
+    ``sample_weight`` weights each sample's signals (B) while the input
+    covariance A stays unweighted; ``chunk_size`` is samples per pass.
 
     Returns:
         A :class:`KFAC`.

@@ -26,18 +26,9 @@ Three structures of P, as in laplace-torch:
   with ``s = sigma^2``, block by block (each block is one layer, so a
   per-layer delta keeps the inverse exact).
 
-The predictive of the linearized model at a test point x* is Gaussian over
-the outputs: mean f(x*), covariance ``J* Sigma J*.T`` (l x l). For a
-classification the probit approximation turns it into probabilities,
-``softmax(f / sqrt(1 + pi/8 diag(var)))``, or Monte Carlo samples do.
-
-The log marginal likelihood is laplace-torch's::
-
-    log p(y | theta*) - 0.5 * (log det P - log det P0) - 0.5 * theta*.T P0 theta*
-
-with ``P0 = diag(delta)`` over the structure's parameters, and its maximum
-over delta (one or one per layer, and sigma for a regression) chooses the
-prior.
+The predictive (:meth:`Laplace.predict`) is that of the linearized model,
+and the maximum of the marginal likelihood
+(:meth:`Laplace.log_marginal_likelihood`) chooses the prior.
 """
 
 import math
@@ -65,21 +56,12 @@ PRIOR_STRUCTURES = ("scalar", "layerwise")
 
 
 def laplace(
-    model,
-    x,
-    y=None,
-    loss="squared_error",
-    structure="last_layer",
-    *,
-    prior_precision=1.0,
-    sigma_noise=1.0,
-    variables=None,
-    last_layer=None,
-    memory_budget=None,
-):
+    model, x, y=None, loss="squared_error", structure="last_layer", **options
+):  # fmt: skip
     """Fit a Laplace approximation around a trained model's weights.
 
-    Introduced in ``11-curvature-and-uncertainty``.
+    Introduced in ``11-curvature-and-uncertainty``. The same as
+    ``Laplace(model, x, y, loss, structure, **options)``.
 
     Args:
         model: a trained Keras model (its weights are theta*), or a callable
@@ -93,11 +75,11 @@ def laplace(
             or ``"sigmoid_cross_entropy"`` (a classification; the model
             outputs logits), or an ``OutputLoss``.
         structure: ``"last_layer"``, ``"diagonal"`` or ``"kfac"``.
-        prior_precision: delta: a positive number, or one per layer of the
-            posterior (laplace-torch's per-module prior): a dict
-            ``{layer name: delta}`` naming every layer, or a sequence in the
-            order of :attr:`Laplace.layer_names` (the layers in the order of
-            their variables).
+        prior_precision: (keyword only, as are the rest) delta: a positive
+            number, or one per layer of the posterior (laplace-torch's
+            per-module prior): a dict ``{layer name: delta}`` naming every
+            layer, or a sequence in the order of :attr:`Laplace.layer_names`
+            (the layers in the order of their variables).
         sigma_noise: sigma, the noise standard deviation of a regression
             (it must stay 1 for a classification).
         variables: the variables the posterior covers (default: the last
@@ -121,26 +103,7 @@ def laplace(
             ``last_layer=``.
         TypeError: a plain callable without ``variables=``.
     """
-    x, y, weights = read_data(x, y)
-    if weights is not None:
-        raise ValueError(
-            "the dataset's batches carry sample weights; laplace takes none: "
-            "give batches of (x, y)."
-        )
-    if y is None:
-        raise ValueError("y is missing: pass the targets, or a dataset of (x, y).")
-    return Laplace(
-        model,
-        x,
-        y,
-        loss,
-        structure,
-        prior_precision=prior_precision,
-        sigma_noise=sigma_noise,
-        variables=variables,
-        last_layer=last_layer,
-        memory_budget=memory_budget,
-    )
+    return Laplace(model, x, y, loss, structure, **options)
 
 
 # -- which layer is last ----------------------------------------------------------
@@ -255,16 +218,11 @@ def last_layer_variables(model, x=None):
     way to the outputs is the one (laplace-torch finds its last layer with a
     forward pass too). Subclassed models (whose layer list is the order
     their attributes were set), nested models and functional graphs all
-    work; the answer is a layer, not a nested model. Introduced in
+    work; the answer is a layer, not a nested model. ``x``, a batch of
+    inputs (one sample is used), is needed when the model declares no
+    inputs (a subclassed model). Returns a list of tf.Variables, in
+    ``model.trainable_variables`` order. Introduced in
     ``11-curvature-and-uncertainty``.
-
-    Args:
-        model: a Keras model.
-        x: a batch of inputs (one sample is used), needed when the model
-            declares no inputs (a subclassed model).
-
-    Returns:
-        A list of tf.Variables, in ``model.trainable_variables`` order.
 
     Raises:
         TypeError: ``model`` is not a Keras model.
@@ -356,10 +314,6 @@ def _per_sample_shapes(x):
     return tf.nest.map_structure(lambda a: tuple(np.shape(a)[1:]), x)
 
 
-def _variable_name(v):
-    return str(getattr(v, "path", None) or v.name)
-
-
 class Laplace:
     """A Laplace posterior ``N(theta*, (G / sigma^2 + diag(delta))^-1)``.
 
@@ -391,7 +345,7 @@ class Laplace:
         self,
         model,
         x,
-        y,
+        y=None,
         loss="squared_error",
         structure="last_layer",
         *,
@@ -420,6 +374,14 @@ class Laplace:
                     "weights the posterior covers."
                 )
         memory_budget = check_memory_budget(memory_budget)
+        x, y, weights = read_data(x, y)
+        if weights is not None:
+            raise ValueError(
+                "the dataset's batches carry sample weights; laplace takes none: "
+                "give batches of (x, y)."
+            )
+        if y is None:
+            raise ValueError("y is missing: pass the targets, or a dataset of (x, y).")
         refuse_non_finite(x, "x")
         refuse_non_finite(y, "y")
         self.model = model
@@ -472,9 +434,10 @@ class Laplace:
         names, index, group = [], {}, []
         for v, owner in zip(variables, owners, strict=True):
             key = id(owner) if owner is not None else ("variable", id(v))
-            if key not in index:
+            if key not in index:  # a variable outside any layer: named by its path
                 index[key] = len(names)
-                names.append(owner.name if owner is not None else _variable_name(v))
+                path = str(getattr(v, "path", None) or v.name)
+                names.append(owner.name if owner is not None else path)
             group.append(np.full(int(np.prod(v.shape)), index[key]))
         self.layer_names = names
         self._group = np.concatenate(group) if group else np.zeros(0, int)
@@ -525,10 +488,6 @@ class Laplace:
         """
         values = np.broadcast_to(self.prior_precision, (len(self.layer_names),))
         return dict(zip(self.layer_names, map(float, values), strict=True))
-
-    def _per_parameter(self, delta):
-        """A float stays; per-layer values become one per parameter (m,)."""
-        return delta if np.ndim(delta) == 0 else np.asarray(delta)[self._group]
 
     # -- the pieces -----------------------------------------------------------
 
@@ -593,13 +552,21 @@ class Laplace:
         return sigma
 
     def _values(self, prior_precision, sigma_noise):
-        """(delta: a float or one per parameter, sigma^2)."""
-        delta = self.prior_precision if prior_precision is None else prior_precision
+        """(delta: a float, or per-layer values repeated to one per parameter
+        (m,); sigma^2)."""
+        delta = self._prior(
+            self.prior_precision if prior_precision is None else prior_precision
+        )
+        if np.ndim(delta) != 0:
+            delta = delta[self._group]
         sigma = self.sigma_noise if sigma_noise is None else sigma_noise
-        return self._per_parameter(self._prior(delta)), self._sigma(sigma) ** 2
+        return delta, self._sigma(sigma) ** 2
 
-    def _kfac_blocks(self, delta):
-        """KFAC's blocks with their one delta each: ``[(factor, d)]``.
+    def _kfac_precision(self, delta, s2):
+        """KFAC's P at delta (one per parameter) and sigma^2, diagonalized:
+        ``(p_rest, [(factor, QA, QB, p_block)])``, P's diagonal on the other
+        parameters and, per Kronecker block, the eigenvectors of A and B and
+        P's eigenvalues ``eA eB.T / s2 + d`` (one delta d per block).
 
         Raises:
             ValueError: a block (one layer's kernel and bias) with two deltas.
@@ -615,23 +582,13 @@ class Laplace:
                     f"parameters have {len(values)} prior precisions. Give each "
                     "layer one value (a dict {layer name: delta})."
                 )
-            blocks.append((f, float(values[0])))
-        return blocks
+            eA, QA, eB, QB = f.eig()
+            blocks.append((f, QA, QB, np.outer(eA, eB) / s2 + float(values[0])))
+        return self.ggn.rest_diagonal / s2 + delta[self.ggn.rest], blocks
 
-    def posterior_precision(self):
-        """P = G / sigma^2 + diag(delta): (m, m) for ``"last_layer"``, its
-        diagonal (m,) for ``"diagonal"``.
-
-        Introduced in ``11-curvature-and-uncertainty``.
-
-        Returns:
-            A NumPy array.
-
-        Raises:
-            ValueError: for ``"kfac"``, whose P is never formed (use
-                :meth:`predictive_variance` or the ``KFAC`` in ``ggn``).
-        """
-        delta, s2 = self._values(None, None)
+    def _precision(self, delta, s2):
+        """P at delta (a float or one per parameter) and sigma^2: (m, m) for
+        ``"last_layer"``, its diagonal (m,) for ``"diagonal"``."""
         if self.structure == "last_layer":
             return self.ggn / s2 + np.diag(np.broadcast_to(delta, self.n_params))
         if self.structure == "diagonal":
@@ -641,101 +598,96 @@ class Laplace:
             "m x m); use predictive_variance, or the KFAC object in .ggn."
         )
 
-    def posterior_covariance(self):
-        """Sigma = P^-1: (m, m) for ``"last_layer"`` (by Cholesky solves, so
-        small last layers only), its diagonal (m,) for ``"diagonal"``.
-
-        Introduced in ``11-curvature-and-uncertainty``.
-
-        Returns:
-            A NumPy array.
-
-        Raises:
-            ValueError: for ``"kfac"`` (use ``ggn.inverse_matvec``).
-        """
-        P = self.posterior_precision()
+    def _inverse(self, P):
+        """P^-1 of :meth:`_precision`'s P (by Cholesky solves for a matrix)."""
         if self.structure == "diagonal":
             return 1.0 / P
         factor = scipy.linalg.cho_factor(P, lower=True)
         return scipy.linalg.cho_solve(factor, np.eye(self.n_params))
 
-    def log_det_posterior_precision(self, prior_precision=None, sigma_noise=None):
-        """log det P at the stored (or the given) delta and sigma.
+    def posterior_precision(self):
+        """P = G / sigma^2 + diag(delta): (m, m) for ``"last_layer"``, its
+        diagonal (m,) for ``"diagonal"``, a NumPy array.
 
         Introduced in ``11-curvature-and-uncertainty``.
 
-        Args:
-            prior_precision: delta, one or per layer (default: the stored one).
-            sigma_noise: sigma (default: the stored one).
+        Raises:
+            ValueError: for ``"kfac"``, whose P is never formed (use
+                :meth:`predictive_variance` or the ``KFAC`` in ``ggn``).
+        """
+        return self._precision(*self._values(None, None))
 
-        Returns:
-            A float.
+    def posterior_covariance(self):
+        """Sigma = P^-1: (m, m) for ``"last_layer"`` (by Cholesky solves, so
+        small last layers only), its diagonal (m,) for ``"diagonal"``, a
+        NumPy array.
+
+        Introduced in ``11-curvature-and-uncertainty``.
+
+        Raises:
+            ValueError: for ``"kfac"`` (use ``ggn.inverse_matvec``).
+        """
+        return self._inverse(self.posterior_precision())
+
+    def log_det_posterior_precision(self, prior_precision=None, sigma_noise=None):
+        """log det P, a float, at the stored (or the given) delta (one or per
+        layer) and sigma.
+
+        Introduced in ``11-curvature-and-uncertainty``.
         """
         delta, s2 = self._values(prior_precision, sigma_noise)
         scalar = np.ndim(delta) == 0
         if self.structure == "last_layer":
             if scalar:
                 return float(np.sum(np.log(self._eigenvalues / s2 + delta)))
-            factor = np.linalg.cholesky(self.ggn / s2 + np.diag(delta))
+            factor = np.linalg.cholesky(self._precision(delta, s2))
             return 2.0 * float(np.sum(np.log(np.diagonal(factor))))
         if self.structure == "diagonal":
-            return float(np.sum(np.log(self.ggn / s2 + delta)))
+            return float(np.sum(np.log(self._precision(delta, s2))))
         # log det(K / s + d I) = log det(K + s d I) - m log s, block by block
         if scalar:
             return float(self.ggn.logdet(s2 * delta)) - self.n_params * math.log(s2)
-        rest = self.ggn.rest
-        total = float(np.sum(np.log(self.ggn.rest_diagonal / s2 + delta[rest])))
-        for f, d in self._kfac_blocks(delta):
-            eA, _, eB, _ = f.eig()
-            total += float(np.sum(np.log(np.outer(eA, eB) / s2 + d)))
-        return total
+        rest, blocks = self._kfac_precision(delta, s2)
+        return float(np.sum(np.log(rest))) + sum(
+            float(np.sum(np.log(p))) for *_, p in blocks
+        )
 
     def _covariance_times(self, V, prior_precision=None, sigma_noise=None):
         """Sigma @ V for V (m, r) for diagonal and KFAC: no m x m matrix."""
         delta, s2 = self._values(prior_precision, sigma_noise)
         if self.structure == "diagonal":
-            return V / (self.ggn / s2 + delta)[:, None]
+            return V / self._precision(delta, s2)[:, None]
         if np.ndim(delta) == 0:
             return s2 * np.asarray(self.ggn.inverse_matvec(V, s2 * delta), np.float64)
         V = np.asarray(V, dtype=np.float64)
         out = np.zeros_like(V)
-        rest = self.ggn.rest
-        out[rest] = V[rest] / (self.ggn.rest_diagonal / s2 + delta[rest])[:, None]
-        for f, d in self._kfac_blocks(delta):  # s (A (x) B + s d I)^-1, exact
-            eA, QA, eB, QB = f.eig()
-            W = np.einsum("ba,bdk,de->aek", QA, f.as_matrix(V), QB)
-            W /= (np.outer(eA, eB) / s2 + d)[:, :, None]
+        rest, blocks = self._kfac_precision(delta, s2)
+        out[self.ggn.rest] = V[self.ggn.rest] / rest[:, None]
+        for f, QA, QB, p in blocks:  # s (A (x) B + s d I)^-1, exact
+            W = np.einsum("ba,bdk,de->aek", QA, f.as_matrix(V), QB) / p[:, :, None]
             f.put(out, np.einsum("ab,bdk,ed->aek", QA, W, QB))
         return out
 
     def _covariance_diagonal(self, delta, s2):
         """diag(Sigma), (m,), at delta (one per parameter) and sigma^2."""
-        if self.structure == "last_layer":
-            factor = scipy.linalg.cho_factor(self.ggn / s2 + np.diag(delta), lower=True)
-            return np.diagonal(scipy.linalg.cho_solve(factor, np.eye(self.n_params)))
-        if self.structure == "diagonal":
-            return 1.0 / (self.ggn / s2 + delta)
+        if self.structure != "kfac":
+            covariance = self._inverse(self._precision(delta, s2))
+            return covariance if covariance.ndim == 1 else np.diagonal(covariance)
         out = np.zeros((self.n_params, 1))
-        rest = self.ggn.rest
-        out[rest, 0] = 1.0 / (self.ggn.rest_diagonal / s2 + delta[rest])
-        for f, d in self._kfac_blocks(delta):  # sum_ab QA[i,a]^2 QB[j,b]^2 / (.)
-            eA, QA, eB, QB = f.eig()
-            block = (QA**2) @ (1.0 / (np.outer(eA, eB) / s2 + d)) @ (QB**2).T
-            f.put(out, block[:, :, None])
+        rest, blocks = self._kfac_precision(delta, s2)
+        out[self.ggn.rest, 0] = 1.0 / rest
+        for f, QA, QB, p in blocks:  # sum_ab QA[i,a]^2 QB[j,b]^2 / p[a,b]
+            f.put(out, ((QA**2) @ (1.0 / p) @ (QB**2).T)[:, :, None])
         return out[:, 0]
 
     def predictive_variance(self, x_test):
         """The linearized predictive covariance ``J* Sigma J*.T`` per point.
 
-        J* is taken in chunks that fit the memory budget; for ``"diagonal"``
-        and ``"kfac"`` no m x m matrix is formed. Introduced in
+        ``x_test``: test inputs shaped like the training inputs. Returns an
+        array (n_test, l, l), without observation noise. J* is taken in
+        chunks that fit the memory budget; for ``"diagonal"`` and ``"kfac"``
+        no m x m matrix is formed. Introduced in
         ``11-curvature-and-uncertainty``.
-
-        Args:
-            x_test: test inputs shaped like the training inputs.
-
-        Returns:
-            An array of shape (n_test, l, l) (without observation noise).
 
         Raises:
             ValueError: x_test's per-sample shape differs from the training
@@ -827,16 +779,11 @@ class Laplace:
     # -- the marginal likelihood ----------------------------------------------
 
     def log_likelihood(self, sigma_noise=None):
-        """log p(y | theta*): minus the summed cross-entropy, or the Gaussian
-        log likelihood of a regression with noise sigma.
+        """log p(y | theta*), a float: minus the summed cross-entropy, or the
+        Gaussian log likelihood of a regression with noise sigma (default:
+        the stored one).
 
         Introduced in ``11-curvature-and-uncertainty``.
-
-        Args:
-            sigma_noise: sigma (default: the stored one).
-
-        Returns:
-            A float.
         """
         _, s2 = self._values(None, sigma_noise)
         if self._summed_loss is None:  # the data are fixed: summed once
@@ -848,20 +795,14 @@ class Laplace:
         return -self._summed_loss / s2 - 0.5 * count * math.log(2 * math.pi * s2)
 
     def log_marginal_likelihood(self, prior_precision=None, sigma_noise=None):
-        """laplace-torch's Laplace log marginal likelihood.
+        """laplace-torch's Laplace log marginal likelihood, a float.
 
         ``log p(y|theta*) - 0.5 (log det P - log det P0) - 0.5 theta*.T P0
         theta*`` with ``P0 = diag(delta)`` over the structure's m
-        parameters (delta one number, or one per layer). Unlike
-        laplace-torch it does not store the values it is given. Introduced
-        in ``11-curvature-and-uncertainty``.
-
-        Args:
-            prior_precision: delta, one or per layer (default: the stored one).
-            sigma_noise: sigma, a regression only (default: the stored one).
-
-        Returns:
-            A float.
+        parameters, at ``prior_precision`` (delta, one or per layer) and
+        ``sigma_noise`` (sigma, a regression only), each by default the
+        stored one. Unlike laplace-torch it does not store the values it is
+        given. Introduced in ``11-curvature-and-uncertainty``.
 
         Raises:
             ValueError: a value that is not positive, or sigma_noise for a

@@ -4,19 +4,10 @@
 Row ``i * l + k`` of Theta is sample i's output k (sample-major, the order in
 which ``jacutil.jacobian`` flattens the outputs), and so are the columns for
 the samples of ``x'``. Theta is an (n l, n' l) matrix of inner products of
-Jacobian rows: it never needs more than a chunk of J at a time.
-
-The work runs in *block-rows*: the J rows of one chunk of ``x`` times the J
-rows of every chunk of ``x'``. Chunks are sized so that the working memory -
-one chunk of J(x), one chunk of J(x') being computed, the output of the
-block-row, and the chunks of J(x') kept for reuse - stays within
-``memory_budget``. A block-row is also the unit of a resumable run into a
-``.npy`` file (``jacutil.core.resume``): its rows are on disk before the
-ledger records it.
-
-With ``x2=None`` (Theta(x, x)) only the blocks on and above the diagonal
-are multiplied; those below are their mirror images, so the result is
-exactly symmetric.
+Jacobian rows: it never needs more than a chunk of J at a time. The work
+runs in *block-rows* (one chunk of ``x`` against every chunk of ``x'``), the
+unit of the memory budget and of a resumable run into a ``.npy`` file, whose
+rows are on disk before the ledger records them (:func:`empirical_ntk`).
 """
 
 from pathlib import Path
@@ -71,19 +62,15 @@ def _jacobian_rows(model, x, variables, budget):
     return np.asarray(jacobian(model, x, variables=variables, memory_budget=budget))
 
 
-def _leaves(batch):
-    return tf.nest.flatten(batch)
-
-
 def _check_x2(setup, x2):
     """The batch of ``x2`` for ``setup``'s model; ValueError when its samples
     are shaped differently from those of x."""
-    shapes = [tuple(t.shape[1:]) for t in _leaves(setup.batch)]
-    shapes2 = [tuple(np.shape(t)[1:]) for t in _leaves(x2)]
+    shapes = [tuple(t.shape[1:]) for t in tf.nest.flatten(setup.batch)]
+    shapes2 = [tuple(np.shape(t)[1:]) for t in tf.nest.flatten(x2)]
     if len(shapes2) == len(shapes) and shapes != shapes2:  # before as_batch,
         _shape_error(shapes, shapes2)  # which would speak of x, not x2
     batch2 = as_batch(x2, setup.target)
-    shapes2 = [tuple(t.shape[1:]) for t in _leaves(batch2)]
+    shapes2 = [tuple(t.shape[1:]) for t in tf.nest.flatten(batch2)]
     if shapes != shapes2:
         _shape_error(shapes, shapes2)
     return batch2
@@ -282,7 +269,7 @@ def empirical_ntk(
 
 def _same_values(batch, batch2):
     """Whether two batches hold the same samples (then Theta is symmetric)."""
-    leaves, leaves2 = _leaves(batch), _leaves(batch2)
+    leaves, leaves2 = tf.nest.flatten(batch), tf.nest.flatten(batch2)
     return all(
         a.shape == b.shape and np.array_equal(np.asarray(a), np.asarray(b))
         for a, b in zip(leaves, leaves2, strict=True)
@@ -297,12 +284,8 @@ def _block_row(setup, i, c, columns, rows_out, row0, symmetric, budget, theta):
     n_out = setup.l
     start = i * c * n_out
     stop = min(start + c * n_out, setup.n * n_out)
-    if symmetric:
-        Ji = columns.rows(i)
-    else:
-        chunk = take(setup.batch, i * c, min((i + 1) * c, setup.n))
-        Ji = _jacobian_rows(setup.model, chunk, setup.variables, budget)
-        Ji = Ji.reshape(-1, setup.m)
+    rows = columns if symmetric else _Chunks(setup, setup.batch, c, 0, budget)
+    Ji = rows.rows(i)
     n_columns = columns.n * n_out
     for j in range(ceil_div(columns.n, c)):
         c0, c1 = j * c * n_out, min((j + 1) * c * n_out, n_columns)
@@ -375,18 +358,13 @@ def _into_file(setup, batch2, path, shape, plan, budget, record, explicit,
         return np.load(path, mmap_mode="r")
 
 
-def _budget_chunk(setup, memory_budget, held_per_sample, what):
-    """Samples per chunk for a pass over x that holds ``held_per_sample``."""
+def _row_chunks(model, setup, memory_budget, held_per_sample, progress):
+    """Yield ``(start, stop, J)`` for each chunk of x, J of shape (c, l, m),
+    the chunks sized for a pass that also holds ``held_per_sample``."""
+    what = f"J with {setup.l} outputs x {setup.m:,} parameters"
     per_sample = setup.row_bytes + setup.per_sample + held_per_sample
     budget = memory_budget_for(memory_budget, per_sample * setup.n)
-    c = _samples_per_chunk(budget, 0, per_sample, 0, what)
-    return min(c, setup.n), budget
-
-
-def _row_chunks(model, setup, memory_budget, held_per_sample, progress):
-    """Yield ``(start, stop, J)`` for each chunk of x, J of shape (c, l, m)."""
-    what = f"J with {setup.l} outputs x {setup.m:,} parameters"
-    c, budget = _budget_chunk(setup, memory_budget, held_per_sample, what)
+    c = min(_samples_per_chunk(budget, 0, per_sample, 0, what), setup.n)
     for start in tqdm(range(0, setup.n, c), disable=not progress, unit="chunk"):
         stop = min(start + c, setup.n)
         chunk = take(setup.batch, start, stop)
@@ -399,16 +377,8 @@ def ntk_trace(model, x, *, variables=None, memory_budget=None, progress=False):
     No (n l, n l) matrix is formed: J is computed chunk by chunk within
     ``memory_budget`` and each chunk's squares are added (in the model's
     dtype per chunk, the chunks' sums in float64).
+    Arguments as :func:`empirical_ntk` (``progress``: a bar over chunks).
     Introduced in ``11-curvature-and-uncertainty``.
-
-    Args:
-        model: a Keras model, or a callable ``f(x)`` with ``variables=``.
-        x: the n samples (an array, or a list or dict of arrays).
-        variables: the variables to differentiate (default: the model's
-            trainable variables).
-        memory_budget: bytes of working memory (default: as
-            ``jacutil.jacobian``).
-        progress: show a progress bar over chunks.
 
     Returns:
         The trace, a Python ``float``.
@@ -429,11 +399,9 @@ def ntk_diagonal(model, x, *, variables=None, memory_budget=None, progress=False
 
     Block i is the (l, l) kernel of sample i's outputs with themselves; the
     diagonal of Theta is ``np.einsum("ikk->ik", blocks).reshape(-1)`` and its
-    trace the sum of that. Computed chunk by chunk within ``memory_budget``.
-    Introduced in ``11-curvature-and-uncertainty``.
-
-    Args:
-        model, x, variables, memory_budget, progress: as for :func:`ntk_trace`.
+    trace the sum of that. Computed chunk by chunk within ``memory_budget``;
+    arguments as :func:`ntk_trace`. Introduced in
+    ``11-curvature-and-uncertainty``.
 
     Returns:
         The blocks, shape (n, l, l), in the model's dtype.

@@ -36,19 +36,13 @@ def as_operator(operator):
 
 
 def top_eigenvalues(operator, k=6):
-    """The k largest eigenvalues of a symmetric operator, largest first.
+    """The k (fewer than m) largest eigenvalues of a symmetric operator (m, m)
+    (a ``LinearOperator``, an array or a ``KFAC``), a NumPy array (k,),
+    largest first.
 
     Introduced in ``11-curvature-and-uncertainty``. ``scipy.sparse.linalg.eigsh``
     (Lanczos) with products only; for the Hessian, which may be indefinite,
     they are the largest *algebraic* ones.
-
-    Args:
-        operator: a symmetric ``LinearOperator`` (or array) of shape (m, m),
-            or a ``KFAC``.
-        k: how many, fewer than m.
-
-    Returns:
-        A NumPy array (k,), descending.
 
     Raises:
         ValueError: k is not between 1 and m - 1.
@@ -67,21 +61,14 @@ def top_eigenvalues(operator, k=6):
 
 
 def top_singular_values(model, x, k=6, **options):
-    """The k largest singular values of J (n*l x m), largest first.
+    """The k (fewer than min(n*l, m)) largest singular values of J (n*l x m),
+    a NumPy array (k,), largest first.
 
     Introduced in ``11-curvature-and-uncertainty``. ``scipy.sparse.linalg.svds``
-    on ``jacutil.jacobian_operator`` (JVPs and VJPs, no J). Their squares are
-    the top eigenvalues of ``J.T J`` (G of the squared error) and of the
-    empirical NTK ``J J.T``.
-
-    Args:
-        model: a Keras model, or a callable ``f(x)`` with ``variables=``.
-        x: the n samples.
-        k: how many, fewer than min(n*l, m).
-        **options: as for ``jacutil.jacobian_operator``.
-
-    Returns:
-        A NumPy array (k,), descending.
+    on ``jacutil.jacobian_operator`` (JVPs and VJPs, no J; ``model``, ``x``
+    and ``**options`` as it takes them). Their squares are the top
+    eigenvalues of ``J.T J`` (G of the squared error) and of the empirical
+    NTK ``J J.T``.
     """
     from scipy.sparse.linalg import svds
 
@@ -126,7 +113,8 @@ def hutchinson_trace(operator, n_probes=100, seed=0):
     Introduced in ``11-curvature-and-uncertainty``.
 
     Args:
-        operator: a square ``LinearOperator`` (or array) of shape (m, m).
+        operator: a square ``LinearOperator`` (or array) of shape (m, m), or
+            a ``KFAC``.
         n_probes: random sign vectors to average over (at least 2).
         seed: the random seed.
 
@@ -143,15 +131,8 @@ def hutchinson_diagonal(operator, n_probes=100, seed=0):
 
     Introduced in ``11-curvature-and-uncertainty``. Compare it with
     ``ggn_diagonal``, which is exact: the estimate needs many probes for a
-    few digits.
-
-    Args:
-        operator: a square ``LinearOperator`` (or array) of shape (m, m).
-        n_probes: random sign vectors to average over (at least 2).
-        seed: the random seed.
-
-    Returns:
-        An :class:`Estimate` whose value is an array (m,).
+    few digits. Arguments as :func:`hutchinson_trace`; returns an
+    :class:`Estimate` whose value is an array (m,).
     """
     samples = _probed(operator, n_probes, seed)
     error = samples.std(axis=1, ddof=1) / np.sqrt(n_probes)
