@@ -288,10 +288,8 @@ def least_squares_problem(
         model: a Keras model, or a callable ``f(x)`` with ``variables=``.
         x: the n samples.
         y: the targets, shape (n, l) or the model's output shape per sample.
-        variables: the variables fitted (default: the trainable ones).
-        training: run the model in training mode.
-        chunk_size: samples per chunk of J (None: from ``memory_budget``).
-        memory_budget: bytes of working memory for a chunk.
+        variables, training, chunk_size, memory_budget: as
+            :func:`chunked_jacobian` takes them (the variables are fitted).
         jacobian: ``"formed"`` (J as an (n*l, m) array) or ``"operator"``.
 
     Returns:

@@ -31,14 +31,9 @@ def per_sample_loss(loss):
     A Keras ``Loss`` object (``keras.losses.SparseCategoricalCrossentropy(
     from_logits=True)``) gives its unreduced ``call``, with its options; a name
     gives the Keras function of that name; a function is taken as it is.
-    Introduced in ``09-matrix-free``.
-
-    Args:
-        loss: ``model.loss`` of a compiled model.
-
-    Returns:
-        ``loss_fn(y, prediction)``; the same object for the same ``loss``
-        is not promised, so keep the one returned.
+    Returns ``loss_fn(y, prediction)`` for ``model.loss`` of a compiled model;
+    the same object for the same ``loss`` is not promised, so keep the one
+    returned. Introduced in ``09-matrix-free``.
     """
     if isinstance(loss, str):
         loss = keras.losses.get(loss)

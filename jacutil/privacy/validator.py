@@ -21,13 +21,8 @@ def validate_private(model):
       reach the update unclipped.
     - A model with no trainable variables, or not built.
 
-    Introduced in ``09-matrix-free``.
-
-    Args:
-        model: a Keras 3 model.
-
-    Raises:
-        ValueError: what is wrong and what to use instead.
+    ``model`` is a Keras 3 model; the ValueError says what is wrong and what
+    to use instead. Introduced in ``09-matrix-free``.
     """
     if not getattr(model, "built", False):
         raise ValueError(
