@@ -34,6 +34,7 @@ import numpy as np
 
 from ..core._tf import keras, tf
 from ..core.batch import n_samples, take
+from ..core.internals import layers_within
 from .loss_gradients import (
     gradients_for,
     losses_per_sample,
@@ -72,12 +73,9 @@ def clip_weights(norms, l2_norm_clip):
     one (NaN or infinity) the weight 0: it contributes nothing, rather than
     NaN to every weight. Introduced in ``09-matrix-free``.
 
-    Args:
-        norms: the per-sample gradient norms, shape (n,).
-        l2_norm_clip: C, the largest norm a sample's gradient may keep.
-
-    Returns:
-        A float64 NumPy array of shape (n,), every entry in [0, 1].
+    ``norms`` are the per-sample gradient norms, shape (n,), and
+    ``l2_norm_clip`` is C. Returns a float64 NumPy array of shape (n,), every
+    entry in [0, 1].
 
     Examples:
         >>> clip_weights([0.5, 2.0, 0.0, np.nan], 1.0)
@@ -131,9 +129,7 @@ def quiet_absl():
 def refuse_activity_regularizers(model):
     """An activity regularizer's loss depends on the samples, so adding its
     gradient unclipped would break the privacy guarantee: refuse it."""
-    stack = list(getattr(model, "layers", []))
-    while stack:
-        layer = stack.pop()
+    for layer in layers_within(model, include_self=False):
         if getattr(layer, "activity_regularizer", None) is not None:
             raise ValueError(
                 f"layer {layer.name!r} has an activity_regularizer: its loss "
@@ -142,20 +138,14 @@ def refuse_activity_regularizers(model):
                 "regularizers such as kernel_regularizer are fine: they are "
                 "added outside the clipping)."
             )
-        stack.extend(getattr(layer, "layers", []))
 
 
 class DPSGD:
     """Differentially private SGD for a Keras 3 model, by ghost clipping.
 
-    Each step computes the per-sample gradient norms (never the gradients),
-    the clip weights ``w_i = min(1, C / |g_i|)``, then one compiled backward
-    pass of ``sum_i w_i L_i`` - the clipped sum - adds Gaussian noise of
-    standard deviation ``noise_multiplier * l2_norm_clip`` to every
-    coordinate, divides by the batch size and calls
-    ``optimizer.apply_gradients``. :meth:`fit` samples its batches by Poisson
-    sampling (each sample joins each batch independently with probability
-    ``batch_size / n``), which is what the accountant of :meth:`epsilon`
+    Each step takes the four steps of this module's docstring, with noise of
+    standard deviation ``noise_multiplier * l2_norm_clip``; :meth:`fit`
+    Poisson-samples its batches, as the accountant of :meth:`epsilon`
     assumes. Introduced in ``09-matrix-free``.
 
     The model runs in inference mode (``training=False``) in both passes:
@@ -311,36 +301,21 @@ class DPSGD:
         self._checked_losses = True
 
     def clip_weights(self, x, y):
-        """The clip weights ``min(1, C / |g_i|)`` of a batch, from its norms.
-
-        Introduced in ``09-matrix-free``.
-
-        Args:
-            x: the batch's samples.
-            y: their targets.
-
-        Returns:
-            A float64 NumPy array of shape (n,).
-        """
+        """The clip weights ``min(1, C / |g_i|)`` of a batch ``x``, ``y``, from
+        its norms: a float64 NumPy array of shape (n,). Introduced in
+        ``09-matrix-free``."""
         x, y = self.as_inputs(x, y)
         self._check_losses(x, y)
         norms = per_sample_gradient_norms(self.model, self.loss_fn, x, y)
         return clip_weights(norms, self.l2_norm_clip)
 
     def padded_step(self, x, y, valid, *, denominator, sampling_rate):
-        """One DP-SGD step on a batch padded to a fixed size: the rows whose
-        ``valid`` is 0 are padding and weigh nothing. :meth:`fit` and
-        ``jacutil.privacy.make_private``'s ``model.fit`` take their steps
-        here. Introduced in ``09-matrix-free``.
-
-        Args:
-            x: the padded batch (tensors, cast by the caller as
-                :meth:`step` casts them).
-            y: its targets.
-            valid: 1 for a sampled row, 0 for padding, shape (rows,).
-            denominator: what the noisy sum is divided by.
-            sampling_rate: the Poisson rate that drew the batch (for the
-                accountant).
+        """One DP-SGD step on a batch ``x``, ``y`` padded to a fixed size (tensors,
+        cast as :meth:`step` casts them): the rows whose ``valid`` (shape
+        (rows,)) is 0 are padding and weigh nothing. The noisy sum is divided
+        by ``denominator``; ``sampling_rate`` is the Poisson rate that drew the
+        batch (for the accountant). :meth:`sampled_step` and :meth:`step` take
+        their steps here. Introduced in ``09-matrix-free``.
 
         Returns:
             ``(losses, prediction)``: the per-sample losses before the step
@@ -395,14 +370,7 @@ class DPSGD:
 
         ``g_i`` from a tape per sample, independent of the step's norms: a
         check for a new model or loss (n backward passes), not for each step.
-        Introduced in ``09-matrix-free``.
-
-        Args:
-            x: a batch's samples.
-            y: their targets.
-
-        Returns:
-            ``max_i |w_i g_i| / C``, a float.
+        Takes a batch ``x``, ``y``. Introduced in ``09-matrix-free``.
         """
         weights = self.clip_weights(x, y)
         x, y = self.as_inputs(x, y)
@@ -428,8 +396,7 @@ class DPSGD:
         ``09-matrix-free``.
 
         Args:
-            x: the batch's samples.
-            y: their targets.
+            x, y: the batch's samples and their targets.
             sampling_rate: the Poisson sampling rate that drew the batch.
             denominator: what the noisy sum is divided by (default: the
                 batch's size). The accountant takes it as public.
@@ -463,15 +430,9 @@ class DPSGD:
         padded with weight-0 rows to ``physical_batch_size`` (or a multiple of
         it when larger), so the compiled step traces once or twice, not once
         per batch size. :meth:`fit` and ``jacutil.privacy.make_private``'s
-        ``model.fit`` take their steps here. Introduced in ``09-matrix-free``.
-
-        Args:
-            x: all n training samples, as :meth:`step` takes them.
-            y: their targets.
-            batch_size: the expected batch size, at most n.
-            physical_batch_size: the padded batch's size (default: the
-                expected size plus two standard deviations of the Poisson
-                batch size, exceeded in about 2% of the steps).
+        ``model.fit`` take their steps here; ``x``, ``y`` are all n training
+        samples and targets, and the other arguments are :meth:`fit`'s.
+        Introduced in ``09-matrix-free``.
 
         Returns:
             ``(losses, y, prediction, valid)``, one row per row of the padded
@@ -545,11 +506,7 @@ class DPSGD:
         float64; a sample of non-finite gradient weighs 0 and its rows are
         replaced by a kept sample's, so that its NaN never reaches the
         backward pass; with no kept sample nothing is applied."""
-
-        def rows(data, at):
-            return tf.nest.map_structure(lambda a: tf.gather(a, at), data)
-
-        norms = tf.cast(norms_of(rows(batch_all, index), rows(targets_all, index)),
+        norms = tf.cast(norms_of(_take(batch_all, index), _take(targets_all, index)),
                         tf.float64)  # fmt: skip
         clip = tf.constant(self.l2_norm_clip, tf.float64)
         finite = tf.math.is_finite(norms)
@@ -562,7 +519,7 @@ class DPSGD:
         applied = tf.reduce_any(kept) | tf.logical_not(tf.reduce_any(skipped))
         first_kept = tf.gather(index, tf.argmax(tf.cast(kept, tf.int32)))
         index = tf.where(skipped, first_kept, index)
-        x, y = rows(x_all, index), tf.gather(y_all, index)
+        x, y = _take(x_all, index), tf.gather(y_all, index)
 
         def apply():
             return self.clipped_noisy_update(x, y, weights, denominator)
@@ -591,14 +548,9 @@ class DPSGD:
     ):
         """Train by DP-SGD on Poisson-sampled batches; a Keras-like History.
 
-        Each epoch takes ``round(n / batch_size)`` steps; each step puts each
-        sample in its batch independently with probability ``q = batch_size /
-        n`` and divides the noisy sum by ``batch_size`` (the expected batch
-        size, as Opacus does), so the accountant of :meth:`epsilon` is exact
-        for it. A batch is padded with weight-0 rows to a fixed
-        ``physical_batch_size`` (or a multiple of it when it is larger), so
-        the compiled step traces once or twice, not once per batch size.
-        Introduced in ``09-matrix-free``.
+        Each epoch takes ``round(n / batch_size)`` steps of
+        :meth:`sampled_step`, for which the accountant of :meth:`epsilon` is
+        exact. Introduced in ``09-matrix-free``.
 
         Args:
             x: the n training samples (an array, or a structure of arrays).
@@ -653,29 +605,13 @@ class DPSGD:
     def dp_event(self):
         """The steps taken so far as a ``dp_accounting.DpEvent``
         (:func:`dp_event` of sigma and the steps at each sampling rate).
-        Introduced in ``09-matrix-free``.
-
-        Raises:
-            ImportError: dp-accounting is not installed (the message says how).
-        """
+        Introduced in ``09-matrix-free``."""
         return dp_event(self.noise_multiplier, self._steps_at)
 
     def epsilon(self, delta, accountant="rdp"):
-        """The epsilon spent so far at ``delta``, from Google's dp-accounting
-        (:func:`epsilon_of`). Introduced in ``09-matrix-free``.
-
-        Args:
-            delta: the delta of the (epsilon, delta) guarantee, in (0, 1);
-                usually below 1 / n.
-            accountant: "rdp" (Renyi DP, as TensorFlow Privacy reports) or
-                "pld" (privacy loss distributions: tighter, slower).
-
-        Returns:
-            Epsilon, a float (``inf`` with no noise; 0.0 before any step).
-
-        Raises:
-            ImportError: dp-accounting is not installed (the message says how).
-        """
+        """The epsilon spent so far at ``delta``: :func:`epsilon_of` (its
+        arguments and result) of the steps taken. Introduced in
+        ``09-matrix-free``."""
         return epsilon_of(self.noise_multiplier, self._steps_at, delta, accountant)
 
 
@@ -689,15 +625,10 @@ def dp_event(noise_multiplier, steps_at):
     sensitivity C), Poisson-sampled at its rate; any accountant of
     ``dp-accounting`` takes it. Introduced in ``09-matrix-free``.
 
-    Args:
-        noise_multiplier: sigma.
-        steps_at: ``{sampling rate: steps taken at it}`` (rate 1: no sampling).
-
-    Returns:
-        A ``dp_accounting.ComposedDpEvent``.
-
-    Raises:
-        ImportError: dp-accounting is not installed (the message says how).
+    ``noise_multiplier`` is sigma, ``steps_at`` ``{sampling rate: steps
+    taken at it}`` (rate 1: no sampling). Returns a
+    ``dp_accounting.ComposedDpEvent``; an ImportError that says how to install
+    dp-accounting when it is not.
     """
     dpa = dp_accounting_module()
     gaussian = dpa.GaussianDpEvent(noise_multiplier)

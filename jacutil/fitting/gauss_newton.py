@@ -19,14 +19,10 @@ from scipy.sparse.linalg import LinearOperator, aslinearoperator, cg
 
 
 class NormalEquations:
-    """JtJ and Jtr at theta, factored with Cholesky for each damping.
-
-    Args:
-        problem: a :class:`jacutil.LeastSquaresProblem` (its
-            ``normal_equations``).
-        theta: the parameters, shape (m,).
-        scaling: ``"diag"`` (D = diag(JtJ), floored) or ``"identity"``.
-    """
+    """JtJ and Jtr of a :class:`jacutil.LeastSquaresProblem` (its
+    ``normal_equations``) at ``theta`` (m,), factored with Cholesky for each
+    damping; ``scaling`` is ``"diag"`` (D = diag(JtJ), floored) or
+    ``"identity"``."""
 
     def __init__(self, problem, theta, scaling):
         self.JtJ, self.Jtr = problem.normal_equations(theta)
@@ -34,14 +30,8 @@ class NormalEquations:
         self.diag = np.maximum(diag, 1e-9 * diag.max())
 
     def step(self, damping):
-        """The step solving ``(JtJ + damping * D) step = -Jtr``.
-
-        Args:
-            damping: the Levenberg-Marquardt damping (a float > 0).
-
-        Returns:
-            The step, shape (m,).
-        """
+        """The step, shape (m,), solving ``(JtJ + damping * D) step = -Jtr``
+        for the Levenberg-Marquardt ``damping`` (a float > 0)."""
         factors = scipy.linalg.cho_factor(self.JtJ + damping * np.diag(self.diag))
         return scipy.linalg.cho_solve(factors, -self.Jtr)
 
@@ -52,13 +42,9 @@ class GaussNewtonProducts:
     ``problem.jac(theta)`` is J at theta: a formed array, or an operator
     that stays J at theta when ``problem.fun`` moves the model to a trial
     (``LeastSquaresProblem.jac``), so ``step`` may be called after a
-    rejected trial.
-
-    Args:
-        problem: a :class:`jacutil.LeastSquaresProblem` (its ``jac`` and
-            ``fun``).
-        theta: the parameters, shape (m,).
-        iterations: the most conjugate-gradient iterations per step.
+    rejected trial. ``problem`` and ``theta`` as :class:`NormalEquations`
+    takes them; ``iterations``: the most conjugate-gradient iterations per
+    step.
     """
 
     def __init__(self, problem, theta, iterations):
@@ -67,14 +53,9 @@ class GaussNewtonProducts:
         self.iterations = iterations
 
     def step(self, damping):
-        """The step from ``iterations`` of CG on ``(JtJ + damping I) step = -Jtr``.
-
-        Args:
-            damping: the Levenberg-Marquardt damping (a float > 0).
-
-        Returns:
-            The step, shape (m,).
-        """
+        """The step, shape (m,), from ``iterations`` of CG on
+        ``(JtJ + damping I) step = -Jtr`` (``damping`` as in
+        :meth:`NormalEquations.step`)."""
         m = len(self.Jtr)
         J = self.J
         system = LinearOperator(

@@ -280,19 +280,16 @@ def least_squares_problem(
     ``jacobian="operator"``: ``jac`` returns a ``LinearOperator`` (products
     with J by forward and reverse mode, ``jacutil.matrix_free.products``), for when
     n*l*m numbers do not fit; fit with ``least_squares(..., tr_solver="lsmr")``
-    or ``levenberg_marquardt(problem, solver="cg")`` (notebook 09). The
-    operator ``jac(theta)`` returns is J at ``theta`` whenever it is applied,
-    even after ``fun`` has moved the model to a trial point.
+    or ``levenberg_marquardt(problem, solver="cg")`` (notebook 09); it stays J
+    at ``theta`` (see :meth:`LeastSquaresProblem.jac`).
     Introduced in ``05-scipy-least-squares``.
 
     Args:
         model: a Keras model, or a callable ``f(x)`` with ``variables=``.
         x: the n samples.
         y: the targets, shape (n, l) or the model's output shape per sample.
-        variables: the variables fitted (default: the trainable ones).
-        training: run the model in training mode.
-        chunk_size: samples per chunk of J (None: from ``memory_budget``).
-        memory_budget: bytes of working memory for a chunk.
+        variables, training, chunk_size, memory_budget: as
+            :func:`chunked_jacobian` takes them (the variables are fitted).
         jacobian: ``"formed"`` (J as an (n*l, m) array) or ``"operator"``.
 
     Returns:
@@ -319,19 +316,10 @@ def least_squares_problem(
 def fit_least_squares(model, x, y, **least_squares_options):
     """Fit ``model`` to ``(x, y)`` with ``scipy.optimize.least_squares``.
 
-    Options (``method=``, ``max_nfev=``, ...) go to SciPy. The solution is
-    written into the model; SciPy's result is returned.
-    Introduced in ``05-scipy-least-squares``.
-
-    Args:
-        model: a Keras model.
-        x: the n samples.
-        y: the targets, one per sample.
-        **least_squares_options: keyword arguments of
-            ``scipy.optimize.least_squares``.
-
-    Returns:
-        SciPy's ``OptimizeResult``; ``result.x`` has shape (m,).
+    ``model``, ``x`` and ``y`` as :func:`least_squares_problem` takes them;
+    the options (``method=``, ``max_nfev=``, ...) go to SciPy. The solution is
+    written into the model; SciPy's ``OptimizeResult`` is returned
+    (``result.x`` has shape (m,)). Introduced in ``05-scipy-least-squares``.
     """
     from scipy.optimize import least_squares
 

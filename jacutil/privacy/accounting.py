@@ -31,18 +31,14 @@ def noise_multiplier_for(epsilon, delta, sampling_rate, steps, accountant="pld")
 
     Args:
         epsilon: the target epsilon, > 0.
-        delta: the delta of the (epsilon, delta) guarantee, in (0, 1).
+        delta, accountant: as :func:`jacutil.fitting.dp_sgd.epsilon_of` takes
+            them (but "pld" is the default here).
         sampling_rate: q, each sample's probability of joining a batch, in
             (0, 1].
         steps: how many steps the training takes, >= 1.
-        accountant: "pld" (privacy loss distributions: tight) or "rdp"
-            (Renyi DP: looser, so a larger sigma).
 
     Returns:
-        sigma, a float.
-
-    Raises:
-        ImportError: dp-accounting is not installed (the message says how).
+        sigma, a float; an ImportError says how to install dp-accounting.
     """
     if not epsilon > 0:
         raise ValueError(

@@ -1,20 +1,13 @@
 """Private training the Keras way (notebook 09-matrix-free): ``make_private``
-on a compiled model, then plain ``model.fit``.
-
-``model.fit`` keeps what Keras gives - the History, callbacks
-(EarlyStopping, ModelCheckpoint, ...), compiled metrics, the progress bar,
-``validation_data`` - and each training step becomes one DP-SGD step of
-:class:`jacutil.fitting.dp_sgd.DPSGD` (ghost clipping: the per-sample norms
-without the per-sample gradients, one weighted backward pass), on a batch that
-DPSGD samples itself: Poisson sampling, the mechanism the accountant
-assumes. sigma comes from a target epsilon
-(:func:`jacutil.privacy.accounting.noise_multiplier_for`), and ``fit``
-refuses, before its first step, what would break that accounting.
+on a compiled model, then plain ``model.fit``, whose History, callbacks,
+compiled metrics, progress bar and ``validation_data`` stay Keras's while each
+step becomes one step of :class:`jacutil.fitting.dp_sgd.DPSGD`.
 """
 
 import numpy as np
 
 from ..core._tf import keras, tf
+from ..core.batch import take
 from ..core.internals import loss_tracker
 from ..fitting.dp_sgd import DPSGD, steps_per_epoch
 from .accounting import noise_multiplier_for
@@ -38,14 +31,9 @@ def per_sample_loss(loss):
     A Keras ``Loss`` object (``keras.losses.SparseCategoricalCrossentropy(
     from_logits=True)``) gives its unreduced ``call``, with its options; a name
     gives the Keras function of that name; a function is taken as it is.
-    Introduced in ``09-matrix-free``.
-
-    Args:
-        loss: ``model.loss`` of a compiled model.
-
-    Returns:
-        ``loss_fn(y, prediction)``; the same object for the same ``loss``
-        is not promised, so keep the one returned.
+    Returns ``loss_fn(y, prediction)`` for ``model.loss`` of a compiled model;
+    the same object for the same ``loss`` is not promised, so keep the one
+    returned. Introduced in ``09-matrix-free``.
     """
     if isinstance(loss, str):
         loss = keras.losses.get(loss)
@@ -162,7 +150,7 @@ class PrivateTraining:
                 "make_private again, so that its steps use the new optimizer."
             )
         self._check_budget(epochs - initial_epoch)
-        self.dpsgd.clip_weights(_first(x, 2), _first(y, 2))  # refuse early, clearly
+        self.dpsgd.clip_weights(take(x, 0, 2), take(y, 0, 2))  # refuse early, clearly
         self._data = self.dpsgd.as_inputs(x, y)  # once: each step gathers rows
         tokens = np.zeros((self.steps_per_epoch, 1), np.float32)  # one per step
         callbacks = [*(callbacks or []), _EpochStart(self)]
@@ -272,10 +260,6 @@ class _EpochStart(keras.callbacks.Callback):
         self.training._in_epoch = 0
 
 
-def _first(data, k):
-    return tf.nest.map_structure(lambda a: a[:k], data)
-
-
 def make_private(
     model,
     *,
@@ -296,13 +280,11 @@ def make_private(
     calibrated so that ``epochs`` epochs of ``round(train_size / batch_size)``
     Poisson-sampled steps spend at most ``epsilon`` at ``delta``, and printed
     once. Then ``model.fit(x, y, epochs=..., validation_data=...,
-    callbacks=[...])`` trains privately: each sample joins each batch
-    independently with probability ``batch_size / train_size``, its gradient
-    is clipped to ``l2_norm_clip`` (ghost clipping), Gaussian noise of
-    standard deviation ``sigma * l2_norm_clip`` is added to the sum, and the
-    compiled optimizer applies the result. The logs hold ``epsilon``, spent
-    after each epoch. Validation and ``model.evaluate`` are not private and
-    spend nothing: they release their own results (a held-out set's).
+    callbacks=[...])`` trains privately: each step is a
+    :meth:`DPSGD.sampled_step` at rate ``batch_size / train_size``, applied by
+    the compiled optimizer. The logs hold ``epsilon``, spent after each epoch.
+    Validation and ``model.evaluate`` are not private and spend nothing: they
+    release their own results (a held-out set's).
 
     The steps run the model in inference mode (dropout off; see
     :class:`DPSGD`). The model saves and loads as any Keras model; a loaded

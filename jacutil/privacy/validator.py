@@ -3,18 +3,10 @@
 escapes the clipping, is refused before the first step."""
 
 from ..core._tf import keras
+from ..core.internals import layers_within
 from ..fitting.dp_sgd import refuse_activity_regularizers
 
 MIXING = (keras.layers.BatchNormalization,)  # their statistics span the batch
-
-
-def _layers(model):
-    stack, seen = list(getattr(model, "layers", [])), []
-    while stack:
-        layer = stack.pop(0)
-        seen.append(layer)
-        stack.extend(getattr(layer, "layers", []))
-    return seen
 
 
 def validate_private(model):
@@ -29,13 +21,8 @@ def validate_private(model):
       reach the update unclipped.
     - A model with no trainable variables, or not built.
 
-    Introduced in ``09-matrix-free``.
-
-    Args:
-        model: a Keras 3 model.
-
-    Raises:
-        ValueError: what is wrong and what to use instead.
+    ``model`` is a Keras 3 model; the ValueError says what is wrong and what
+    to use instead. Introduced in ``09-matrix-free``.
     """
     if not getattr(model, "built", False):
         raise ValueError(
@@ -44,7 +31,7 @@ def validate_private(model):
         )
     if not model.trainable_variables:
         raise ValueError("the model has no trainable variables to train.")
-    for layer in _layers(model):
+    for layer in layers_within(model, include_self=False):
         if isinstance(layer, MIXING) and layer.trainable:
             raise ValueError(
                 f"layer {layer.name!r} is a {type(layer).__name__}: in training "
