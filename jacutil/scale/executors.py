@@ -292,10 +292,10 @@ def executor_for(workers, *, retries=0):
     ``dask.distributed.Client`` (None: the current client,
     :func:`~jacutil.scale.workers.client_of`), a
     ``concurrent.futures.ProcessPoolExecutor``, or an executor (ours, or any
-    object with the methods in ``INTERFACE``; ``threads()`` optional).
-
-    ``retries`` (Dask only) is a ``ValueError`` for other executors; a Dask
-    cluster is checked by :func:`check_workers`.
+    object with the methods in ``INTERFACE``; ``threads()`` optional); else
+    ``TypeError``. ``retries``: times a failed chunk is run again (Dask only:
+    a ``ValueError`` for other executors). A Dask cluster is checked by
+    :func:`check_workers`.
     """
     retries = check_retries(retries)
     if isinstance(workers, DaskExecutor):
