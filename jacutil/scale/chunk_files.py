@@ -117,19 +117,11 @@ def open_chunk_folder(path, shape, dtype, record, chunk_size, default_chunk_size
     same computation's, made if it does not exist; a new token either way.
     Call it holding :func:`jacutil.core.resume.writer_lock` on ``path``.
 
-    Args:
-        path: the folder.
-        shape: the Jacobian's shape, (n, l, m), and ``dtype`` its dtype.
-        record: what identifies the run (``resume.run_record``).
-        chunk_size: asked for, or None (the earlier run's, or
-            ``default_chunk_size`` for a new folder).
-
-    Returns:
-        A :class:`ChunkFolder`.
-
-    Raises:
-        ResumeMismatch: the folder holds another computation, another chunk
-            size, or files that no run wrote.
+    ``shape`` (n, l, m) and ``dtype`` are the Jacobian's, ``record`` what
+    identifies the run (``resume.run_record``); ``chunk_size`` None takes the
+    earlier run's, or ``default_chunk_size`` for a new folder. Returns a
+    :class:`ChunkFolder`; ``ResumeMismatch`` when the folder holds another
+    computation, another chunk size, or files that no run wrote.
     """
     path = Path(path)
     state = {**record, "shape": list(shape), "dtype": str(np.dtype(dtype))}
@@ -158,11 +150,8 @@ def write_chunk(folder, start, rows, token):
     """On a worker: rows ``start..`` into their own file of ``folder``, after
     checking that the folder is the run's (its ``run.json`` carries
     ``token``). Written under a temporary name, flushed, and renamed only if
-    the run has not ended meanwhile (:meth:`ChunkFolder.end`).
-
-    Raises:
-        RunFileError: the folder is not the run's.
-        RunEndedError: the run ended before the file could take its name.
+    the run has not ended meanwhile (:meth:`ChunkFolder.end`): else
+    ``RunFileError`` (not the run's folder) or :class:`RunEndedError`.
     """
     folder = Path(folder)
     still_the_runs = functools.partial(_check_token, folder, token)

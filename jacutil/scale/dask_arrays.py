@@ -3,11 +3,8 @@
 ``x`` may be a ``dask.array`` (or a Dask future of an array, or a list of
 futures of blocks of samples): :func:`jacutil.distributed_jacobian` computes
 its blocks on the workers and hands each to the chunk that needs it; only
-one sample comes to the driver, to check the model. :func:`lazy_jacobian`
-returns J itself as a lazy ``dask.array`` chunked by samples - nothing runs
-until it is computed, persisted or stored (``.to_zarr``, ``.store``) - and
-:func:`jacobian_futures` starts every chunk now and returns one future each,
-for asynchronous use.
+one sample comes to the driver, to check the model. J itself can stay there
+too: :func:`lazy_jacobian` and :func:`jacobian_futures`.
 
 Tasks reach the scheduler as ``pickle.loads`` and ``operator.call`` with
 bytes (as in :mod:`jacutil.scale.executors`): it needs nothing of ours.
@@ -42,17 +39,10 @@ def lazy_jacobian(
     rows, equal to it bit for bit with the same ``chunk_size``. Introduced
     in ``10-beyond-one-machine``.
 
-    Args:
-        model: a Keras model (the workers rebuild it from its config).
-        x: the n samples: an array, or ``dask.array`` / futures (then
-            ``client`` is needed).
-        chunk_size: samples per block.
-        training, jit_compile, method: as in :func:`jacutil.distributed_jacobian`.
-        client: the ``dask.distributed.Client`` that computes a ``dask.array``
-            x's first sample (and holds futures); None: the current client.
-
-    Returns:
-        A ``dask.array`` of shape (n, l, m).
+    Arguments as :func:`jacutil.distributed_jacobian` (``chunk_size``: samples
+    per block, required); ``client``, the ``dask.distributed.Client`` that
+    computes a ``dask.array`` x's first sample (None: the current client).
+    Returns a ``dask.array`` of shape (n, l, m).
     """
     import dask
     import dask.array as da
@@ -89,17 +79,10 @@ def jacobian_futures(model, x, workers=None, *, chunk_size, **options):
 
     For asynchronous use: the driver goes on while the workers compute;
     ``future.result()`` (or ``distributed.as_completed``) gives each chunk's
-    rows, shape (c, l, m), in sample order of the list. Introduced in
-    ``10-beyond-one-machine``.
-
-    Args:
-        model, x, chunk_size, **options: as in :func:`lazy_jacobian`.
-        workers: a :class:`jacutil.LocalWorkers` or ``dask.distributed.Client``
-            (None: the current client).
-
-    Returns:
-        A list of ``distributed.Future``, chunk k holding rows
-        ``k * chunk_size ...``.
+    rows, shape (c, l, m), in sample order of the list: chunk k holds rows
+    ``k * chunk_size ...``. Arguments as :func:`lazy_jacobian`, with
+    ``workers`` a :class:`jacutil.LocalWorkers` or ``dask.distributed.Client``
+    (None: the current client). Introduced in ``10-beyond-one-machine``.
     """
     client = client_of(workers)
     J = lazy_jacobian(model, x, chunk_size=chunk_size, client=client, **options)

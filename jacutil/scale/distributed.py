@@ -7,13 +7,10 @@ process pool on this machine. The model travels as its Keras config and its
 weights (a Keras model does not pickle well), and each worker rebuilds it
 once per set of weights.
 
-Where the rows go (``out=``): back to this process, into memory or one
-resumable ``.npy`` that this process writes (the same ledger as
-:func:`jacutil.chunked_jacobian`); or into a folder of chunk files that the
-workers write themselves, one file per chunk (:mod:`jacutil.scale.chunk_files`:
-the layout for NFS and object stores, on a file system every worker sees at
-the same path). ``x`` may stay on the workers too: a ``dask.array`` or
-futures (:mod:`jacutil.scale.dask_arrays`).
+The rows come back to this process (into memory or one resumable ``.npy``)
+or go into a folder of chunk files that the workers write themselves
+(:mod:`jacutil.scale.chunk_files`); ``x`` may stay on the workers too
+(:mod:`jacutil.scale.dask_arrays`). :func:`distributed_jacobian` says how.
 
 :class:`LocalWorkers` starts a scheduler and worker processes on this machine
 (127.0.0.1, TLS); on a cluster, pass a ``dask.distributed.Client`` connected
@@ -305,30 +302,17 @@ def distributed_jacobian(
     In a folder, ``error.done`` lists the chunk files complete at the stop.
     Introduced in ``10-beyond-one-machine``.
 
-    Args:
-        model: a Keras model (workers rebuild it from its config).
-        x: the n samples (arrays, a ``dask.array`` or Dask futures).
-        workers: where chunks run (see above; None: the current Dask client).
-        chunk_size: samples per chunk (default n / (4 x workers)).
-        out: None, an array of shape (n, l, m), a ``.npy`` path or a folder.
-        progress: show a progress bar over samples.
-        training, jit_compile, method: as in :func:`jacutil.chunked_jacobian`
-            (default method ``"rules"``).
-        timeout: seconds to wait for the next chunk, the first one included
-            (None: no limit).
-        deadline: seconds for the whole run (None: no limit).
-        on_chunk: called with k after chunk k is written.
-        retries: times Dask runs a chunk again after an error of its own
-            (as ``Client.submit``; a chunk of a lost worker is rerun anyway).
+    ``model`` is a Keras model (workers rebuild it from its config); the other
+    arguments are as in :func:`jacutil.chunked_jacobian` (default method
+    ``"rules"``), with ``timeout`` (seconds for the next chunk, the first one
+    included), ``deadline`` (seconds for the whole run), ``on_chunk`` (called
+    with k after chunk k is written) and ``retries`` (times Dask reruns a chunk
+    after an error of its own, as ``Client.submit``'s).
 
     Returns:
         An array of shape (n, l, m): ``out``, the ``.npy`` opened read-only,
         or, for a folder, a lazy ``dask.array`` of its chunk files
         (:func:`jacutil.scale.chunk_files.read_chunks` reads one back).
-
-    Raises:
-        ChunkTimeoutError: a clock passed (the chunks that arrived are kept).
-        WorkersLostError: every worker was lost (the same).
     """
     chunk_size = check_chunk_size(chunk_size)  # the stages' check and words
     options = {
@@ -515,10 +499,8 @@ class DistributedLeastSquares(LeastSquaresProblem):
     the single-process sums to rounding (relative 1e-16 where they differ),
     not bit for bit. Introduced in ``10-beyond-one-machine``.
 
-    Args:
-        model, x, y, chunk_size, training: as in
-            :func:`jacutil.least_squares_problem` (a Keras model).
-        workers: a :class:`LocalWorkers` or a ``dask.distributed.Client``.
+    ``workers``: a :class:`LocalWorkers` or a ``dask.distributed.Client``; the
+    other arguments as in :func:`jacutil.least_squares_problem` (a Keras model).
     """
 
     def __init__(self, model, x, y, workers, *, chunk_size=None, training=False):

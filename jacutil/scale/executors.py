@@ -72,11 +72,9 @@ VERSIONS = f"tuple(__import__(name).__version__ for name in {PACKAGES!r})"
 def check_workers(client):
     """Ask every worker of ``client`` (a ``dask.distributed.Client``) for its
     versions of ``PACKAGES`` before a run, and refuse a cluster where one
-    differs from the driver. Introduced in ``10-beyond-one-machine``.
-
-    Raises:
-        WorkerMismatchError: naming each worker that cannot import them, or
-            has other versions, and what it has.
+    differs from the driver (:class:`WorkerMismatchError`, naming each worker
+    that cannot import them or has other versions, and what it has).
+    Introduced in ``10-beyond-one-machine``.
     """
     mine = eval(VERSIONS)  # noqa: S307 - our own constant expression
     found = client.run(eval, VERSIONS, on_error="return")
@@ -105,17 +103,14 @@ class WorkersLostError(_StoppedRun, RuntimeError):
 
 
 class DaskExecutor:
-    """Chunks as tasks on a Dask cluster.
+    """Chunks as tasks on the Dask cluster of ``client`` (a
+    ``dask.distributed.Client``), each rerun up to ``retries`` times after an
+    error of its own (``Client.submit``'s; a lost worker's chunks are rerun
+    anyway).
 
     Tasks carry readable keys (``jacobian-chunk-000017-<run>``), so Dask's
     dashboard and its logs say what runs. Introduced in
     ``10-beyond-one-machine``.
-
-    Args:
-        client: a ``dask.distributed.Client``.
-        retries: times Dask runs a chunk again after an error of its own
-            (``Client.submit``'s ``retries``; a lost worker's chunks are rerun
-            anyway).
     """
 
     def __init__(self, client, retries=0):
@@ -173,17 +168,12 @@ class DaskExecutor:
 class ProcessExecutor:
     """Chunks in a ``concurrent.futures.ProcessPoolExecutor`` on this machine.
 
-    Processes are started with ``spawn`` (a forked TensorFlow is not safe),
-    each with ``threads`` TensorFlow threads; the first chunk in each imports
-    TensorFlow (seconds). Use it as a context manager, or call
+    ``max_workers`` processes (default: one per 2 cores) are started with
+    ``spawn`` (a forked TensorFlow is not safe), each with ``threads``
+    TensorFlow threads (default: the cores shared out); the first chunk in each
+    imports TensorFlow (seconds). An existing ``pool`` is used as it is, and
+    left open by :meth:`close`. Use it as a context manager, or call
     :meth:`close`. Introduced in ``10-beyond-one-machine``.
-
-    Args:
-        max_workers: processes (default: one per 2 cores, at least 1).
-        threads: TensorFlow threads per process (default: the cores shared out).
-        pool: an existing ``ProcessPoolExecutor`` to use instead (then
-            ``max_workers`` and ``threads`` are its own, and :meth:`close`
-            leaves it open).
     """
 
     def __init__(self, max_workers=None, *, threads=None, pool=None):
@@ -298,21 +288,14 @@ def result_in_file(folder, fn, *args):
 
 
 def executor_for(workers, *, retries=0):
-    """The executor behind ``workers``.
-
-    Args:
-        workers: a :class:`jacutil.LocalWorkers`, a ``dask.distributed.Client``
-            (None: the current client, :func:`~jacutil.scale.workers.client_of`),
-            a ``concurrent.futures.ProcessPoolExecutor``, or an executor:
-            :class:`DaskExecutor`, :class:`ProcessExecutor`, or any object
-            with the methods in ``INTERFACE`` (``threads()`` optional).
-        retries: times a chunk that fails is run again (Dask only).
-
-    Raises:
-        TypeError: ``workers`` is none of these (or is closed).
-        ValueError: ``retries`` for an executor that cannot rerun a chunk.
-        WorkerMismatchError: a Dask worker cannot run this driver's chunks
-            (:func:`check_workers`).
+    """The executor behind ``workers``: a :class:`jacutil.LocalWorkers`, a
+    ``dask.distributed.Client`` (None: the current client,
+    :func:`~jacutil.scale.workers.client_of`), a
+    ``concurrent.futures.ProcessPoolExecutor``, or an executor (ours, or any
+    object with the methods in ``INTERFACE``; ``threads()`` optional); else
+    ``TypeError``. ``retries``: times a failed chunk is run again (Dask only:
+    a ``ValueError`` for other executors). A Dask cluster is checked by
+    :func:`check_workers`.
     """
     retries = check_retries(retries)
     if isinstance(workers, DaskExecutor):
@@ -367,13 +350,9 @@ def as_arrived(executor, futures, *, timeout=None, deadline=None):
     ``FETCH_SECONDS`` (doubled at each try of the same chunk; less where a
     clock ends sooner), because a Dask future can be finished on a worker
     that has just died (Dask then runs it again); a fetch that runs out puts
-    the chunk back among those still to come.
-
-    Raises:
-        ChunkTimeoutError: a clock passed (the caller adds what arrived).
-        WorkersLostError: no worker for ``WORKERS_LOST_AFTER`` seconds, or a
-            process of a pool died.
-        Exception: a chunk's own error, as the worker raised it.
+    the chunk back among those still to come. A chunk's own error is raised
+    as the worker raised it; a pool's process that died is a
+    :class:`WorkersLostError` too (the caller adds what arrived).
     """
     pending = set(futures)
     tries = dict.fromkeys(pending, 0)

@@ -30,9 +30,6 @@ then stop when it ends as well.
 Dask alone does not do this: ``--idle-timeout`` counts tasks, not clients;
 ``--death-timeout`` bounds a worker's first connection only; the scheduler
 knows nothing of the process that started it.
-
-A scheduler or worker that does not come up within ``start_timeout`` seconds,
-or a port that is taken, is an error that says which and shows its log.
 """
 
 import gc
@@ -117,7 +114,11 @@ def _stop_all(processes, logs=None, pipe=()):
 
 
 class LocalWorkers:
-    """A Dask scheduler and ``n_workers`` worker processes on this machine.
+    """A Dask scheduler on ``port`` (default: a free one) and ``n_workers``
+    worker processes on this machine, each with ``threads`` TensorFlow threads
+    (default: the cores shared out), run by ``python``; each must start within
+    ``start_timeout`` seconds (else :class:`WorkerStartError`, with the tail of
+    its log).
 
     ``client`` is the connected ``dask.distributed.Client``; ``address`` the scheduler's
     (``tls://127.0.0.1:PORT``); ``security`` the ``distributed.Security``
@@ -131,20 +132,6 @@ class LocalWorkers:
     process that made it ends without either (a normal exit, ``SIGTERM``,
     ``SIGKILL``), its processes stop and its folder is removed within
     ``STOP_BOUND`` seconds (the module docstring says how).
-
-    Args:
-        n_workers: the worker processes (at least 1).
-        threads: TensorFlow threads per worker (default: the cores shared out).
-        port: the scheduler's port (default: a free one).
-        start_timeout: seconds to wait for the scheduler and each worker.
-        python: the interpreter that runs them.
-        dashboard: open Dask's dashboard on 127.0.0.1 (default: none).
-
-    Raises:
-        ValueError: ``n_workers`` is below 1.
-        ImportError: ``dashboard=True`` and ``bokeh`` is not installed.
-        jacutil.scale.workers.WorkerStartError: the scheduler or a worker
-            did not start (the message holds the tail of its log).
     """
 
     def __init__(

@@ -11,16 +11,8 @@ import time
 def kill_part_way(script, progress, at_least=1, timeout=120.0):
     """A drill: run ``script`` in a fresh Python and ``SIGKILL`` it - no
     clean-up, as a lost machine - once ``progress()`` (chunks finished) reaches
-    ``at_least``. Returns ``progress()`` after the kill.
-
-    Args:
-        script: Python source run with ``python -c``.
-        progress: a function returning the chunks finished so far.
-        at_least: the chunks finished before the kill.
-        timeout: seconds to wait at the most.
-
-    Returns:
-        ``progress()`` after the kill (int).
+    ``at_least``, waiting ``timeout`` seconds at the most. Returns
+    ``progress()`` after the kill (int).
     """
     process = subprocess.Popen(
         [sys.executable, "-c", script],

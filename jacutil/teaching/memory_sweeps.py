@@ -75,16 +75,8 @@ def fresh_python(arguments, failure):
     """Run ``python ARGUMENTS`` in a new process; the JSON it printed last.
 
     A new process starts with an empty memory pool: what it grows is its own.
-
-    Args:
-        arguments: the command line after ``python``, a list of ``str``.
-        failure: the error's first words, e.g. "the measuring process failed".
-
-    Returns:
-        The value of the last line the process printed, read as JSON.
-
-    Raises:
-        RuntimeError: the process failed (its stderr's end is in the message).
+    A process that fails is a ``RuntimeError`` that starts with ``failure``
+    and ends with the end of its stderr.
     """
     command = [sys.executable, *arguments]
     done = subprocess.run(command, capture_output=True, text=True, check=False)

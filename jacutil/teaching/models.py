@@ -12,15 +12,10 @@ def question_mlp(n_inputs=10, n_outputs=2, hidden=(64, 32), *, seed=0, dtype="fl
     model in every run. With the defaults it has 2,850 parameters.
     Introduced in ``00-welcome``.
 
-    Args:
-        n_inputs: features per sample.
-        n_outputs: l, outputs per sample.
-        hidden: the widths of the hidden ReLU layers.
-        seed: the initializers' seed.
-        dtype: the layers' dtype.
-
-    Returns:
-        A built ``keras.Sequential`` named ``question_mlp``.
+    Returns a built ``keras.Sequential`` named ``question_mlp``: ``n_inputs``
+    features per sample, ReLU layers of widths ``hidden``, ``n_outputs`` (l)
+    outputs. In every builder here, ``seed`` seeds the initializers (or the
+    generator) and ``dtype`` is the layers' (or the arrays').
     """
     layers = [keras.Input((n_inputs,), dtype=dtype)]
     for i, width in enumerate((*hidden, n_outputs)):
@@ -45,18 +40,9 @@ def regression_data(
 ):
     """Seeded synthetic regression data ``(x, y)`` for the question's network.
 
-    ``x`` is standard normal; ``y`` a smooth function of ``x`` plus Gaussian noise.
-
-    Args:
-        n_samples: n.
-        n_inputs: features per sample.
-        n_outputs: l, targets per sample.
-        seed: the generator's seed.
-        noise: the standard deviation of the noise on ``y``.
-        dtype: the arrays' dtype.
-
-    Returns:
-        ``(x, y)``: arrays of shape (n, n_inputs) and (n, l).
+    ``x`` is standard normal, shape (n_samples, n_inputs); ``y`` a smooth
+    function of ``x`` plus Gaussian noise of standard deviation ``noise``,
+    shape (n_samples, n_outputs).
     """
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((n_samples, n_inputs))
@@ -72,19 +58,9 @@ def sequence_lstm(
 ):
     """A recurrent model: LSTM(units) -> Dense(n_outputs) on sequences.
 
-    With the defaults: 16 steps of 4 features, 1,378 parameters, seeded.
-    Introduced in ``08-your-own-model``.
-
-    Args:
-        n_steps: time steps per sequence.
-        n_features: features per time step.
-        units: the LSTM's units.
-        n_outputs: l, outputs per sample.
-        seed: the initializers' seed.
-        dtype: the layers' dtype.
-
-    Returns:
-        A built ``keras.Sequential`` named ``sequence_lstm``.
+    A built ``keras.Sequential`` named ``sequence_lstm``, taking ``n_steps``
+    time steps of ``n_features`` features. With the defaults: 16 steps of 4
+    features, 1,378 parameters, seeded. Introduced in ``08-your-own-model``.
     """
     return keras.Sequential(
         [
@@ -111,18 +87,7 @@ def sequence_lstm(
 
 
 def sequence_data(n_samples, n_steps=16, n_features=4, *, seed=0, dtype="float32"):
-    """Seeded sequences, shape (n_samples, n_steps, n_features): a noisy sine.
-
-    Args:
-        n_samples: n.
-        n_steps: time steps per sequence.
-        n_features: features per time step.
-        seed: the generator's seed.
-        dtype: the array's dtype.
-
-    Returns:
-        An array of shape (n, n_steps, n_features).
-    """
+    """Seeded sequences, shape (n_samples, n_steps, n_features): a noisy sine."""
     rng = np.random.default_rng(seed)
     phase = rng.uniform(0, 2 * np.pi, (n_samples, 1, n_features))
     steps = np.arange(n_steps)[None, :, None]
@@ -139,16 +104,8 @@ def small_cnn(size=12, channels=8, n_outputs=4, *, seed=0, dtype="float32"):
     10 x 10 and 8 x 8) that outweigh one sample's Jacobian rows.
     Introduced in ``08-your-own-model``.
 
-    Args:
-        size: the images' height and width.
-        channels: the feature maps of each convolution.
-        n_outputs: l, outputs per sample.
-        seed: the initializers' seed.
-        dtype: the layers' dtype.
-
-    Returns:
-        A built ``keras.Sequential`` named ``small_cnn``, taking images of
-        shape (size, size, 1).
+    A built ``keras.Sequential`` named ``small_cnn``, taking images of shape
+    (size, size, 1), with ``channels`` feature maps in each convolution.
     """
     conv = {"dtype": dtype}
     return keras.Sequential(
@@ -180,17 +137,7 @@ def small_cnn(size=12, channels=8, n_outputs=4, *, seed=0, dtype="float32"):
 
 
 def image_data(n_samples, size=12, *, seed=0, dtype="float32"):
-    """Seeded images, shape (n_samples, size, size, 1): smooth blobs and noise.
-
-    Args:
-        n_samples: n.
-        size: the images' height and width.
-        seed: the generator's seed.
-        dtype: the array's dtype.
-
-    Returns:
-        An array of shape (n, size, size, 1).
-    """
+    """Seeded images, shape (n_samples, size, size, 1): smooth blobs and noise."""
     rng = np.random.default_rng(seed)
     grid = np.linspace(-1, 1, size)
     centres = rng.uniform(-0.5, 0.5, (n_samples, 2, 1, 1))

@@ -9,9 +9,7 @@ def show_source(obj):
     """Display the source of a ``jacutil`` function as a highlighted code block.
 
     The notebooks show the code that the package runs - not a second copy.
-
-    Args:
-        obj: a function, class or method whose source ``inspect`` can find.
+    ``obj``: a function, class or method whose source ``inspect`` can find.
     """
     from IPython.display import Markdown, display
 

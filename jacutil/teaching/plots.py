@@ -6,14 +6,8 @@ SLOPES_FROM = 3  # a slope fitted to two points says nothing about the shape
 
 
 def fitted_slope(sizes, values):
-    """Slope of log(values) against log(sizes): 1 is linear, 2 is quadratic.
-
-    Args:
-        sizes: positive sizes, shape (k,), k >= 2.
-        values: positive measurements at each size, shape (k,).
-
-    Returns:
-        A ``float``: the least-squares slope.
+    """Least-squares slope (a ``float``) of log(values) against log(sizes), both
+    positive, shape (k,), k >= 2: 1 is linear, 2 is quadratic.
 
     >>> round(fitted_slope([1, 2, 4], [3, 12, 48]), 6)
     2.0
@@ -36,19 +30,9 @@ def loglog_scaling(
     A slope is fitted only to a curve measured at ``slopes_from`` (three)
     sizes or more (two points always fit a line exactly). ``slopes=False``
     for curves that are not power laws (a V-shaped time against chunk size):
-    a slope fitted to them would mislead.
-
-    Args:
-        sizes: the x values (positive), shape (k,).
-        series: a dict from label to k values (``None`` or NaN where missing).
-        ylabel: the y axis's label.
-        xlabel: the x axis's label.
-        ax: the matplotlib axes to draw on (default: a new figure's).
-        slopes: add each fitted slope to its label.
-        slopes_from: the fewest sizes for a fitted slope.
-
-    Returns:
-        The matplotlib ``Axes``.
+    a slope fitted to them would mislead. ``series`` maps a label to k values
+    (``None`` or NaN where missing); drawn on ``ax`` (default: a new figure's),
+    which is returned.
     """
     import matplotlib.pyplot as plt
 

@@ -8,12 +8,8 @@ import numpy as np
 
 @dataclass
 class Timing:
-    """``first``: the first call (trace, compile); ``median`` of the rest.
-
-    Args:
-        first: seconds of the first call.
-        times: seconds of each later call, a list of ``float``.
-    """
+    """``first``: seconds of the first call (trace, compile); ``times``: seconds
+    of each later call, a list of ``float``; ``median`` of those."""
 
     first: float
     times: list
@@ -29,52 +25,22 @@ class Timing:
 
 
 def first_call(fn, *args, **kwargs):
-    """``(value, seconds)`` of one call ``fn(*args, **kwargs)``.
-
-    Args:
-        fn: the function to call.
-        *args: its positional arguments.
-        **kwargs: its keyword arguments.
-
-    Returns:
-        A tuple: what ``fn`` returned, and the call's wall-clock seconds.
-    """
+    """``(value, seconds)`` of one call ``fn(*args, **kwargs)``: what ``fn``
+    returned, and the call's wall-clock seconds."""
     start = time.perf_counter()
     value = fn(*args, **kwargs)
     return value, time.perf_counter() - start
 
 
 def repeat_times(fn, *args, repeats=5, **kwargs):
-    """Wall-clock seconds of ``repeats`` calls ``fn(*args, **kwargs)``, in order.
-
-    Args:
-        fn: the function to time.
-        *args: its positional arguments.
-        repeats: how many timed calls.
-        **kwargs: its keyword arguments.
-
-    Returns:
-        A list of ``repeats`` floats, in call order.
-    """
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn(*args, **kwargs)
-        times.append(time.perf_counter() - start)
-    return times
+    """Wall-clock seconds of ``repeats`` calls ``fn(*args, **kwargs)``, a list
+    of floats in call order."""
+    return [first_call(fn, *args, **kwargs)[1] for _ in range(repeats)]
 
 
 def time_call(fn, *args, repeats=5, **kwargs):
-    """Time ``fn(*args, **kwargs)``: the first call apart, then ``repeats`` more.
-
-    Args:
-        fn: the function to time.
-        *args: its positional arguments.
-        repeats: the calls timed after the first.
-        **kwargs: its keyword arguments.
-
-    Returns:
-        A :class:`Timing`.
+    """Time ``fn(*args, **kwargs)``: the first call apart, then ``repeats`` more,
+    as a :class:`Timing`.
 
     >>> timing = time_call(sum, [1, 2, 3], repeats=3)
     >>> len(timing.times), timing.median >= 0

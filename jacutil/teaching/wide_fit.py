@@ -28,17 +28,9 @@ from .timing import time_call
 
 
 def fit_lsmr(problem, max_nfev, lsmr_iterations):
-    """``least_squares`` with lsmr on the operator; (seconds, MSE) per evaluation.
-
-    Args:
-        problem: a :class:`jacutil.LeastSquaresProblem` with
-            ``jacobian="operator"``.
-        max_nfev: the most evaluations of the residuals.
-        lsmr_iterations: lsmr's iterations per step.
-
-    Returns:
-        A list of ``(seconds, mse)`` pairs, one per evaluation.
-    """
+    """``least_squares`` with lsmr (``lsmr_iterations`` a step) on the operator
+    of ``problem`` (``jacobian="operator"``), for at most ``max_nfev``
+    evaluations: a list of ``(seconds, mse)`` pairs, one per evaluation."""
     from scipy.optimize import least_squares
 
     history, start = [], time.perf_counter()
@@ -61,18 +53,9 @@ def fit_lsmr(problem, max_nfev, lsmr_iterations):
 
 
 def fit_adam(model, x, y, seconds, learning_rate=1e-3):
-    """Full-batch Adam on the MSE for ``seconds`` after its first (tracing) step.
-
-    Args:
-        model: the Keras model to fit (its weights change).
-        x: the inputs, shape (n, ...).
-        y: the targets, shape (n, l).
-        seconds: how long to run, after the first step.
-        learning_rate: Adam's learning rate.
-
-    Returns:
-        A list of ``(seconds, mse)`` pairs, one per step.
-    """
+    """Full-batch Adam on the MSE for ``seconds`` after its first (tracing) step,
+    fitting ``model`` (its weights change) to ``x`` (n, ...) and ``y`` (n, l):
+    a list of ``(seconds, mse)`` pairs, one per step."""
     optimizer = keras.optimizers.Adam(learning_rate)
     x, y = tf.constant(x), tf.constant(y, model.dtype)
 
@@ -93,18 +76,12 @@ def fit_adam(model, x, y, seconds, learning_rate=1e-3):
 
 
 def run(n_samples=2000, width=512, depth=3, max_nfev=8, lsmr_iterations=10, seed=0):
-    """Both fits from one start; a dict of plain numbers (JSON-ready).
-
-    Args:
-        n_samples: n.
-        width: the hidden layers' width.
-        depth: the number of hidden layers.
-        max_nfev: the least-squares fit's most evaluations.
-        lsmr_iterations: lsmr's iterations per step.
-        seed: the seed of the model and the data.
+    """Both fits from one start, on ``depth`` hidden layers of ``width``
+    (``max_nfev`` and ``lsmr_iterations`` as in :func:`fit_lsmr`).
 
     Returns:
-        A dict: ``n_samples``, ``n_params`` (m), ``n_outputs`` (l),
+        A dict of plain numbers (JSON-ready): ``n_samples``, ``n_params`` (m),
+        ``n_outputs`` (l),
         ``jacobian_bytes_float64`` (n * l * m * 8), ``fit_peak_bytes``,
         ``process_peak_bytes``, ``forward_seconds``, ``pair_seconds`` (a
         ``matvec`` and an ``rmatvec``), and the ``(seconds, mse)`` histories
@@ -139,17 +116,8 @@ def run(n_samples=2000, width=512, depth=3, max_nfev=8, lsmr_iterations=10, seed
 
 
 def run_in_fresh_process(**parameters):
-    """:func:`run` in a new Python process; its dict.
-
-    Args:
-        **parameters: keyword arguments for :func:`run`.
-
-    Returns:
-        The dict that :func:`run` returns (pairs as lists).
-
-    Raises:
-        RuntimeError: the process failed (the message holds its stderr's tail).
-    """
+    """:func:`run` in a new Python process (:func:`fresh_python`); its dict,
+    pairs as lists."""
     arguments = ["-m", "jacutil.teaching.wide_fit", json.dumps(parameters)]
     return fresh_python(arguments, "the fit's process failed")
 

@@ -31,14 +31,9 @@ _CHECKS = {}
 
 @dataclass(frozen=True)
 class Verdict:
-    """The judgement of one answer: ``correct`` and a line for the learner.
-
-    Args:
-        key: the exercise, ``"NN-k"``.
-        correct: whether the answer is right.
-        message: the hint, or what to put in ``answer`` (empty when correct).
-        answered: False while the answer is still None.
-    """
+    """The judgement of one answer to exercise ``key`` (``"NN-k"``): ``correct``,
+    and ``message``, the hint or what to put in ``answer`` (empty when correct);
+    ``answered`` is False while the answer is still None."""
 
     key: str
     correct: bool
@@ -69,15 +64,8 @@ def checks(*names):
     objects the check needs (its model, its inputs ``x``, ...); it returns
     when the answer is right, raises ``NoAnswer`` when ``answer`` is None and
     ``Hint`` when it is wrong, with a message that says why (never the answer).
-
-    Args:
-        *names: the exercises it checks, each ``"NN-k"``.
-
-    Returns:
-        A decorator that registers the function and returns it unchanged.
-
-    Raises:
-        ValueError: an exercise already has a check.
+    ``names`` are the exercises it checks, each ``"NN-k"``; the decorator
+    returns the function unchanged (``ValueError`` if an exercise has a check).
     """
 
     def register(function):
@@ -97,28 +85,14 @@ def _load():
 
 
 def keys():
-    """Every exercise that has a check, sorted ("00-1", "00-2", ...).
-
-    Returns:
-        A list of ``str``.
-    """
+    """Every exercise that has a check, a sorted list ("00-1", "00-2", ...)."""
     _load()
     return sorted(_CHECKS)
 
 
 def verdict(key, answer, **context):
-    """Judge ``answer`` to exercise ``key`` (see ``exercise``); nothing printed.
-
-    Args:
-        key: the exercise, ``"NN-k"``.
-        answer: the learner's answer (None when not answered yet).
-        **context: the notebook's objects the check needs.
-
-    Returns:
-        A :class:`Verdict`.
-
-    Raises:
-        KeyError: no exercise ``key``.
+    """Judge ``answer`` to exercise ``key`` as :func:`exercise` does, nothing
+    printed: a :class:`Verdict` (``KeyError``: no exercise ``key``).
 
     >>> verdict("00-1", None).answered
     False
@@ -140,12 +114,8 @@ def exercise(key, answer, **context):
 
     ``key`` is "NN-k", exercise k of notebook NN. ``context``: the notebook's
     objects the check needs (its model, its data); the exercise's cell names
-    them. Never raises for a wrong answer: it teaches and the notebook runs on.
-
-    Args:
-        key: the exercise, ``"NN-k"``.
-        answer: the learner's answer (None when not answered yet).
-        **context: the notebook's objects the check needs.
+    them. ``answer`` is None while not answered yet. Never raises for a wrong
+    answer: it teaches and the notebook runs on.
     """
     print(verdict(key, answer, **context))
 
@@ -154,38 +124,16 @@ def exercise(key, answer, **context):
 
 
 def answered(answer, what):
-    """Raise NoAnswer if ``answer`` is None; ``what`` says what to put there.
-
-    Args:
-        answer: the learner's answer.
-        what: what the answer should be, in words.
-
-    Returns:
-        ``answer``, unchanged.
-
-    Raises:
-        NoAnswer: ``answer`` is None.
-    """
+    """``answer`` unchanged, or NoAnswer if it is None; ``what`` says, in
+    words, what to put there (as in every helper below)."""
     if answer is None:
         raise NoAnswer(f"Put {what} in `answer` and run this cell again.")
     return answer
 
 
 def as_number(answer, what, finite=True):
-    """``answer`` as a float, or a Hint that says a number was expected.
-
-    Args:
-        answer: the learner's answer.
-        what: what the answer should be, in words.
-        finite: whether NaN and inf are refused too.
-
-    Returns:
-        A ``float``, finite when ``finite``.
-
-    Raises:
-        NoAnswer: ``answer`` is None.
-        Hint: it is not one number (one finite number, when ``finite``).
-    """
+    """``answer`` as a float, or a Hint that says one number (finite, when
+    ``finite``: NaN and inf refused) was expected; NoAnswer for None."""
     answered(answer, what)
     try:
         value = float(np.asarray(answer).item())
@@ -202,17 +150,8 @@ NEAR_MISS = 1.5  # within this factor, a hint gives the gap, not the factor
 
 def close_number(value, expected, rel, what):
     """A Hint with the order of magnitude if ``value`` is not within ``rel``;
-    for a near miss (within a factor ``NEAR_MISS``), how far off it is.
-
-    Args:
-        value: the learner's number.
-        expected: the right number.
-        rel: the relative tolerance.
-        what: what the number is, in words.
-
-    Raises:
-        Hint: ``value`` is too large, too small, of the wrong sign or zero.
-    """
+    for a near miss (within a factor ``NEAR_MISS``), how far off it is; or
+    that it has the wrong sign or is zero."""
     if abs(value - expected) <= rel * abs(expected):
         return
     if expected and value and np.sign(value) == np.sign(expected):
@@ -235,20 +174,7 @@ def as_array(answer, what, shape, shape_words):
 
     ``shape_words`` names the axes, e.g. "(n samples, l outputs, m parameters)".
     A tf.Tensor or a memmap is accepted; None, a list of tensors or a ragged
-    answer are not.
-
-    Args:
-        answer: the learner's answer.
-        what: what the answer should be, in words.
-        shape: the expected shape, a tuple.
-        shape_words: the axes named, for the hint.
-
-    Returns:
-        A float64 array of shape ``shape``, every entry finite.
-
-    Raises:
-        NoAnswer: ``answer`` is None.
-        Hint: it is not an array of that shape, or holds NaN or inf.
+    answer are not (NoAnswer; a Hint for another shape, or NaN or inf).
     """
     answered(answer, what)
     if isinstance(answer, (list, tuple)) and any(a is None for a in answer):
@@ -274,37 +200,19 @@ FLOAT32 = {"rtol": 1e-5, "atol": 1e-6}  # a float32 J against the loop's, say
 
 
 def same(array, candidate, tolerance=FLOAT32):
-    """Whether ``array`` equals ``candidate``, by default within float32's error.
-
-    Args:
-        array: the learner's array.
-        candidate: a right answer, or a known wrong one.
-        tolerance: ``{"rtol": ..., "atol": ...}`` for ``np.allclose``.
-    """
+    """Whether ``array`` equals ``candidate`` (a right answer, or a known wrong
+    one) within ``tolerance`` (``np.allclose``'s; by default float32's error)."""
     return np.allclose(array, candidate, **tolerance)
 
 
 def flat(arrays):
-    """The arrays (gradients, say) flattened and joined, in float64.
-
-    Args:
-        arrays: a list of arrays or tensors.
-
-    Returns:
-        A 1-D float64 array.
-    """
+    """The arrays or tensors (gradients, say) flattened and joined: a 1-D
+    float64 array."""
     return np.concatenate([np.asarray(a, "float64").ravel() for a in arrays])
 
 
 def shape_of(answer):
-    """The answer's shape, or None for a ragged list (``as_array`` says why).
-
-    Args:
-        answer: the learner's answer.
-
-    Returns:
-        A tuple, or None.
-    """
+    """The answer's shape, or None for a ragged list (``as_array`` says why)."""
     try:
         return np.shape(answer)
     except ValueError:
@@ -314,18 +222,8 @@ def shape_of(answer):
 def close_array(array, expected, what, rtol, atol, wrong):
     """A Hint (``wrong``) if ``array`` is not ``expected`` within tolerance.
 
-    An all-zero answer gets the classic hint (a disconnected tape) first.
-
-    Args:
-        array: the learner's array.
-        expected: the right array, of the same shape.
-        what: what the array is, in words.
-        rtol: the relative tolerance, as for ``np.allclose``.
-        atol: the absolute tolerance, as for ``np.allclose``.
-        wrong: the hint when it is not close (and not all zeros).
-
-    Raises:
-        Hint: ``array`` is not close to ``expected``.
+    ``rtol`` and ``atol`` as for ``np.allclose``. An all-zero answer gets the
+    classic hint (a disconnected tape) first.
     """
     if np.allclose(array, expected, rtol=rtol, atol=atol):
         return

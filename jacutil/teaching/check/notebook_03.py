@@ -8,15 +8,8 @@ from . import Hint, answered, as_number, checks, close_number
 
 
 def xla_shapes(sizes, block_size):
-    """The batch shapes XLA compiles for ``sizes``, by compiled_jacobian's rule.
-
-    Args:
-        sizes: batch sizes, each an ``int``.
-        block_size: the compiled Jacobian's ``block_size``.
-
-    Returns:
-        A set of ``int``: the padded batch shapes.
-    """
+    """The padded batch shapes (a set of ``int``) XLA compiles for the batch
+    sizes ``sizes``, by compiled_jacobian's rule for its ``block_size``."""
     shapes = set()
     for n in sizes:
         for start in range(0, n, block_size):  # blocks; one when n <= block_size
