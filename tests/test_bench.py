@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -67,26 +68,37 @@ def test_each_model_has_its_sizes_and_the_paths_that_apply():
     assert "dense" not in cnn and {"compiled", "jax", "torch"} <= set(cnn)
 
 
-def test_a_slow_path_is_skipped_with_its_prediction(tmp_path):
+def test_a_slow_path_is_skipped_with_its_prediction(tmp_path, monkeypatch):
     # A path is skipped at n = 2000 when 1000 x its time at n = 2, times
-    # (repeats + 1) calls, passes max_seconds: here above 5 ms at n = 2. The
-    # loop takes about 28 ms there and the compiled path about 1 ms; the median
-    # of 3 calls keeps one slow call (a busy machine) from skipping it.
+    # (repeats + 1) calls, passes max_seconds: here above 25 ms at n = 2. The
+    # slow path sleeps 50 ms a call, so it is over that on any machine; the
+    # compiled path takes about 1 ms, 25x below it. (With the loop's 28 ms
+    # the limit had to be 5 ms, and a busy machine once pushed compiled over.)
+    def slow(model):
+        jac = bench.PATHS["compiled"].build(model)
+
+        def asleep(x):
+            time.sleep(0.05)
+            return jac(x)
+
+        return asleep
+
+    monkeypatch.setitem(bench.PATHS, "slow", bench.Path_("50 ms asleep", slow))
     results = bench.run_bench(
         [2, 2000],
         repeats=3,
-        max_seconds=20,
+        max_seconds=100,
         memory_mode="inline",
-        paths=["loop", "compiled"],
+        paths=["slow", "compiled"],
         log=lambda *a: None,
     )
-    loop = [r for r in results["results"] if r["path"] == "loop"]
-    assert loop[0]["median"] is not None
-    assert loop[1]["median"] is None and "predicted" in loop[1]["skipped"]
-    assert loop[1]["predicted"] > loop[0]["median"]
+    skipped = [r for r in results["results"] if r["path"] == "slow"]
+    assert skipped[0]["median"] >= 0.05
+    assert skipped[1]["median"] is None and "predicted" in skipped[1]["skipped"]
+    assert skipped[1]["predicted"] > skipped[0]["median"]
     ran = {(r["path"], r["n"]) for r in results["results"] if r["median"]}
     floors = {(f, n) for f in ("floor", "floor_new") for n in (2, 2000)}
-    assert ran == floors | {("loop", 2), ("compiled", 2), ("compiled", 2000)}
+    assert ran == floors | {("slow", 2), ("compiled", 2), ("compiled", 2000)}
     assert "skipped" in bench.markdown(results)
 
 
