@@ -47,6 +47,7 @@ from ..core.layout import flat_params
 from ..core.outputs import as_rows
 from ..core.planner import DEFAULT_MEMORY_BUDGET, plan_chunks
 from ..core.target import resolve_target, variable_list
+from .dense_last_layer import dense_last_layer
 from .diagonal import ggn_diagonal
 from .kfac import kfac
 from .losses import output_loss
@@ -339,6 +340,11 @@ class Laplace:
         sigma_noise: sigma (1 for a classification).
         ggn: the structure's curvature: G (m, m) for ``"last_layer"``, its
             diagonal (m,) for ``"diagonal"``, the ``KFAC`` for ``"kfac"``.
+        jacobian_form: ``"dense"`` where the variables are one Dense layer's
+            kernel (and bias) and J is used as ``A (phi (x) I)`` from the
+            layer's inputs phi (:mod:`jacutil.curvature.dense_last_layer`,
+            as laplace-torch's last layer), ``"general"`` where J is formed.
+        dense: the ``DenseLastLayer`` of the ``"dense"`` form, or None.
     """
 
     def __init__(
@@ -409,6 +415,9 @@ class Laplace:
         several = len(getattr(self.loss, "heads", ())) > 1  # y: one per head
         self._y = tf.nest.map_structure(np.asarray, y) if several else np.asarray(y)
         self._summed_loss = None
+        self._covariance_kept = None  # (delta, sigma^2, Sigma) of the last predictive
+        self.dense = self._dense_structure(x)
+        self.jacobian_form = "general" if self.dense is None else "dense"
         self._fit(x)
 
     def __repr__(self):
@@ -420,7 +429,8 @@ class Laplace:
         )
         return (
             f"Laplace({self.structure!r}, {self.loss.name!r}, m={self.n_params}, "
-            f"prior_precision={shown}, sigma_noise={self.sigma_noise:.4g})"
+            f"prior_precision={shown}, sigma_noise={self.sigma_noise:.4g}, "
+            f"jacobian={self.jacobian_form!r})"
         )
 
     # -- the prior, per layer ---------------------------------------------------
@@ -511,8 +521,41 @@ class Laplace:
         J = jacobian(self.model, x, variables=self.variables)  # x is one chunk
         return np.asarray(J, dtype=np.float64)
 
+    def _dense_structure(self, x):
+        """The ``DenseLastLayer`` of the variables, or None (the general J)."""
+        if not isinstance(self.model, keras.Model):
+            return None
+        variables = self.variables
+        if variables is None:
+            variables = self.model.trainable_variables
+        owners = _owners(self.model, variables)
+        if not owners or any(o is not owners[0] for o in owners):
+            return None
+        few = min(self.n_data, 8)
+        return dense_last_layer(
+            self.model, variables, owners[0], take(x, 0, few), self.f_train[:few]
+        )
+
+    def _dense_fit(self, x):
+        """G (m, m), or its diagonal, from the Dense layer's inputs."""
+        diagonal = self.structure == "diagonal"
+        G = np.zeros(self.n_params if diagonal else (self.n_params, self.n_params))
+        for start, stop in self._chunks(x):
+            phi, _, A = self.dense.head(take(x, start, stop))
+            y = take(self._y, start, stop)
+            H = self.loss.hessian(self.f_train[start:stop], y)
+            G += (self.dense.ggn_diagonal if diagonal else self.dense.ggn)(phi, A, H)
+        return G
+
     def _fit(self, x):
-        if self.structure == "last_layer":
+        if self.dense is not None and self.structure != "kfac":
+            G = self._dense_fit(x)
+            if self.structure == "diagonal":
+                self.ggn = G
+                return
+            self.ggn = 0.5 * (G + G.T)
+            self._eigenvalues = np.linalg.eigvalsh(self.ggn)
+        elif self.structure == "last_layer":
             G = np.zeros((self.n_params, self.n_params))
             for start, stop in self._chunks(x):
                 J = self._jacobian(take(x, start, stop))
@@ -697,6 +740,11 @@ class Laplace:
         refuse_non_finite(x_test, "x_test")
         n, width = int(n_samples(x_test)), self.n_outputs
         var = np.empty((n, width, width))
+        form = self._dense_form()
+        if form is not None:  # J = A (phi (x) I): never formed
+            for start, stop in self._chunks(x_test):
+                var[start:stop] = self.dense.variance(take(x_test, start, stop), *form)
+            return 0.5 * (var + np.transpose(var, (0, 2, 1)))
         if self.structure == "last_layer":  # P = L L.T: J Sigma J.T = |L^-1 J.T|^2
             L = np.linalg.cholesky(self.posterior_precision())
         for start, stop in self._chunks(x_test):
@@ -711,6 +759,44 @@ class Laplace:
                 SJ = self._covariance_times(J.reshape(c * width, -1).T)
                 var[start:stop] = np.einsum("ckp,pcj->ckj", J, SJ.reshape(-1, c, width))
         return 0.5 * (var + np.transpose(var, (0, 2, 1)))
+
+    def _dense_form(self):
+        """``(form, parts)`` of Sigma for ``DenseLastLayer.variance`` at the
+        stored delta and sigma, or None (the general J)."""
+        if self.dense is None:
+            return None
+        delta, s2 = self._values(None, None)
+        if self.structure == "last_layer":
+            return "full", self._kept_covariance(delta, s2)[1]
+        shape = (self.dense.n_features, self.dense.n_outputs)
+        if self.structure == "diagonal":
+            return "diagonal", ((1.0 / self._precision(delta, s2)).reshape(shape),)
+        if np.ndim(delta) == 0:
+            delta = np.full(self.n_params, delta)
+        rest, blocks = self._kfac_precision(delta, s2)
+        if rest.size or len(blocks) != 1:
+            return None
+        f, QA, QB, p = blocks[0]
+        if (f.bias is not None) != self.dense.with_bias or p.shape != shape:
+            return None
+        return "kronecker", (QA, QB, 1.0 / p)
+
+    def _kept_covariance(self, delta, s2):
+        """``(Sigma, parts)`` of ``"last_layer"`` at delta and sigma^2: Sigma
+        (m, m) and, with the Dense form, its ``DenseLastLayer.full_parts``;
+        kept for the next call with the same values."""
+        kept = self._covariance_kept
+        if (
+            kept is not None
+            and kept[1] == s2
+            and np.array_equal(np.asarray(kept[0]), np.asarray(delta))
+        ):
+            return kept[2]
+        covariance = self._inverse(self._precision(delta, s2))
+        covariance = 0.5 * (covariance + covariance.T)
+        parts = None if self.dense is None else (self.dense.full_parts(covariance),)
+        self._covariance_kept = (np.copy(delta), s2, (covariance, parts))
+        return covariance, parts
 
     def _check_inputs(self, x_test):
         shapes = _per_sample_shapes(x_test)

@@ -1,0 +1,192 @@
+"""The Jacobian of a Dense layer's weights without a general Jacobian
+(notebook 11-curvature-and-uncertainty).
+
+A Dense layer computes ``z = phi W + b`` from its input phi (d features per
+sample). With its kernel flattened row-major and then its bias (the order of
+``flat_params``), the Jacobian of z by (W, b) is, per sample::
+
+    dz_i / d(W, b) = phi_bar_i (x) I_l,        phi_bar_i = [phi_i, 1]
+
+(``phi_bar = phi`` when the bias is not among the variables). Whatever
+follows z on the way to the outputs f (the layer's activation, a Softmax
+layer) enters as ``A_i = df_i / dz_i`` (l' x l), so
+``J_i = A_i (phi_bar_i (x) I_l)`` and nothing of size m per output is ever
+formed. From one forward pass to the layer's input (and A_i, where f is not
+z itself):
+
+* G, the Gauss-Newton matrix: ``sum_i (phi_bar_i phi_bar_i.T) (x) Lambda_i``
+  with ``Lambda_i = A_i.T H_i A_i``;
+* the predictive covariance ``J_i Sigma J_i.T`` for a full Sigma: Sigma
+  reshaped to (d+1, l, d+1, l) and contracted with phi_bar_i twice; for a
+  diagonal Sigma, ``phi_bar_i^2`` against Sigma's diagonal as (d+1, l); for
+  KFAC's ``Sigma = (QA (x) QB) diag(1/p) (QA (x) QB).T``,
+  ``QB diag(((phi_bar_i QA)^2) (1/p)) QB.T``,
+
+each then taken through A_i. This is how laplace-torch's last-layer Laplace
+treats a Linear last layer. :class:`jacutil.curvature.laplace.Laplace` uses
+it whenever its variables are one Dense layer's kernel (and bias) inside a
+functional or Sequential model, and a general Jacobian otherwise.
+"""
+
+import numpy as np
+
+from ..core._tf import keras, tf
+from ..core.formulation import quiet_function
+
+REPLAY_RTOL = 1e-5  # the replayed outputs against model(x), relative
+
+
+class DenseLastLayer:
+    """One Dense layer's features and output Jacobian, compiled.
+
+    Build it with :func:`dense_last_layer`. ``head(x)`` returns
+    ``(phi_bar, f, A)``: the layer's inputs with a column of ones where the
+    bias is a variable (n, d+1) float64, the model's outputs f (n, l')
+    float64, and ``A = df/dz`` (n, l', l) float64, or None where f is z.
+    Introduced in ``11-curvature-and-uncertainty``.
+    """
+
+    def __init__(self, layer, features, tail, with_bias):
+        self.layer = layer
+        self.with_bias = with_bias
+        self.n_outputs = int(layer.units)  # l: z's width
+        self.n_features = int(layer.kernel.shape[0]) + int(with_bias)  # d + 1
+        self._features, self._tail = features, tail
+        self._identity = tail is None and layer.activation is keras.activations.linear
+        self._functions = {}
+
+    def _forward(self, x):
+        """(phi, f, A or None) in the graph; phi without the column of ones."""
+        phi = self._features(x, training=False)
+        z = tf.matmul(phi, self.layer.kernel)
+        if self.layer.use_bias:
+            z = z + self.layer.bias
+        if self._identity:
+            return phi, z, None
+        with tf.GradientTape() as tape:
+            tape.watch(z)
+            f = self.layer.activation(z)
+            if self._tail is not None:
+                f = self._tail(f, training=False)
+        return phi, f, tape.batch_jacobian(f, z)
+
+    def _head(self, x):
+        phi, f, A = self._forward(x)
+        return (phi, f) if A is None else (phi, f, A)
+
+    def _compiled(self, x):
+        """The concrete ``_head`` for x's per-sample shape and dtype."""
+        key = (tuple(x.shape[1:]), x.dtype.name)
+        function = self._functions.get(key)
+        if function is None:
+            spec = tf.TensorSpec([None, *x.shape[1:]], x.dtype)
+            function = quiet_function(self._head).get_concrete_function(spec)
+            self._functions[key] = function
+        return function
+
+    def head(self, x):
+        """``(phi_bar, f, A)`` of a batch x (an array), float64: phi_bar
+        (n, d+1), f (n, l'), A (n, l', l), or None where f is z."""
+        x = tf.convert_to_tensor(np.asarray(x))
+        out = self._compiled(x)(x)
+        phi = np.asarray(out[0], dtype=np.float64)
+        if self.with_bias:
+            phi = np.concatenate([phi, np.ones((len(phi), 1))], axis=1)
+        f = np.asarray(out[1], dtype=np.float64)
+        return phi, f, (np.asarray(out[2], dtype=np.float64) if len(out) == 3 else None)
+
+    # -- the predictive, from phi_bar and A ------------------------------------------
+
+    def full_parts(self, covariance):
+        """Sigma (m, m) as :meth:`variance` takes it: ``S[b, (a, k, j)] =
+        Sigma[a l + k, b l + j]``, (d+1, (d+1) l l)."""
+        d1, width = self.n_features, self.n_outputs
+        S = covariance.reshape(d1, width, d1, width).transpose(2, 0, 1, 3)
+        return np.ascontiguousarray(S).reshape(d1, -1)
+
+    def variance(self, x, form, parts):
+        """``J_i Sigma J_i.T`` (n, l', l') float64 of a batch x (an array):
+        ``form`` ``"full"`` with ``parts = (full_parts(Sigma),)``;
+        ``"diagonal"`` with ``(Sigma's diagonal as (d+1, l),)``;
+        ``"kronecker"`` with ``(QA, QB, 1 / p)`` for
+        ``Sigma = (QA (x) QB) diag(1/p) (QA (x) QB).T``, p (d+1, l)."""
+        phi, _, A = self.head(x)
+        n, d1, width = len(phi), self.n_features, self.n_outputs
+        if form == "full":  # sum_ab phi_a phi_b Sigma[(a, k), (b, j)]
+            T = (phi @ parts[0]).reshape(n, d1, width * width)
+            var = np.matmul(phi[:, None, :], T).reshape(n, width, width)
+        elif form == "diagonal":
+            var = ((phi**2) @ parts[0])[:, :, None] * np.eye(width)
+        else:  # QB diag(c_i) QB.T
+            QA, QB, inverse = parts
+            c = ((phi @ QA) ** 2) @ inverse
+            var = ((QB[None] * c[:, None, :]).reshape(-1, width) @ QB.T).reshape(
+                n, width, width
+            )
+        if A is not None:
+            var = np.matmul(np.matmul(A, var), A.transpose(0, 2, 1))
+        return var
+
+    # -- G from phi_bar and A -----------------------------------------------------
+
+    def ggn(self, phi, A, H):
+        """G of this chunk, (m, m): ``sum_i (phi_i phi_i.T) (x) A_i.T H_i A_i``."""
+        Lam = H if A is None else np.einsum("nka,nkj,njb->nab", A, H, A)
+        d1, width = self.n_features, self.n_outputs
+        weighted = phi[:, :, None, None] * Lam[:, None, :, :]  # (n, d1, l, l)
+        G = np.tensordot(phi, weighted, axes=(0, 0))  # (b, a, k, j)
+        m = d1 * width
+        return G.transpose(1, 2, 0, 3).reshape(m, m)
+
+    def ggn_diagonal(self, phi, A, H):
+        """G's diagonal of this chunk, (m,)."""
+        Lam = H if A is None else np.einsum("nka,nkj,njb->nab", A, H, A)
+        return ((phi**2).T @ np.diagonal(Lam, 0, 1, 2)).reshape(-1)
+
+
+def _single(structure):
+    leaves = tf.nest.flatten(structure)
+    return leaves[0] if len(leaves) == 1 else None
+
+
+def dense_last_layer(model, variables, owner, x, f):
+    """A :class:`DenseLastLayer` when ``variables`` are exactly the kernel
+    (and the bias) of ``owner``, a Dense layer of a functional or Sequential
+    ``model`` called once, on (n, d) inputs, and the replay reproduces
+    ``f = model(x)`` (n, l') on ``x``, a few samples; otherwise None (the
+    general Jacobian applies). Introduced in ``11-curvature-and-uncertainty``.
+    """
+    if not isinstance(model, keras.Model) or not isinstance(owner, keras.layers.Dense):
+        return None
+    variables = list(variables)
+    with_bias = len(variables) == 2
+    expected = [owner.kernel, owner.bias] if with_bias else [owner.kernel]
+    if not isinstance(x, np.ndarray | tf.Tensor):
+        return None  # one input array: several inputs take the general J
+    if len(variables) not in (1, 2) or any(
+        v is not w for v, w in zip(variables, expected, strict=True)
+    ):
+        return None
+    if len(owner.kernel.shape) != 2:
+        return None
+    try:
+        inputs, output = list(model.inputs), _single(model.outputs)
+        layer_input, layer_output = owner.input, owner.output
+        if output is None or len(inputs) != 1 or len(layer_input.shape) != 2:
+            return None
+        features = keras.Model(inputs[0], layer_input)
+        tail = None if output is layer_output else keras.Model(layer_output, output)
+    except (AttributeError, ValueError, TypeError, KeyError, IndexError):
+        return None  # subclassed, nested, shared or multi-output: the general J
+    dense = DenseLastLayer(owner, features, tail, with_bias)
+    try:
+        _, replayed, _ = dense.head(x)
+    except (ValueError, TypeError, tf.errors.OpError):
+        return None
+    f = np.asarray(f, dtype=np.float64)
+    if replayed.shape != f.shape:
+        return None
+    scale = float(np.max(np.abs(f), initial=0.0)) + 1.0
+    if float(np.max(np.abs(replayed - f), initial=0.0)) > REPLAY_RTOL * scale:
+        return None
+    return dense
