@@ -580,6 +580,19 @@ class Laplace:
             self.ggn = kfac(
                 self.model, x, self.loss, y=self._y, variables=self.variables
             )
+            if self.dense is not None and not self._one_kronecker_block():
+                self.dense, self.jacobian_form = None, "general"
+
+    def _one_kronecker_block(self):
+        """Whether KFAC is one Kronecker block over the Dense layer's kernel
+        (and bias), as the Dense form of its predictive needs."""
+        factors = self.ggn.factors
+        return (
+            len(factors) == 1
+            and self.ggn.rest.size == 0
+            and (factors[0].bias is not None) == self.dense.with_bias
+            and factors[0].A.shape[0] == self.dense.n_features
+        )
 
     # -- the posterior --------------------------------------------------------
 
@@ -773,12 +786,7 @@ class Laplace:
             return "diagonal", ((1.0 / self._precision(delta, s2)).reshape(shape),)
         if np.ndim(delta) == 0:
             delta = np.full(self.n_params, delta)
-        rest, blocks = self._kfac_precision(delta, s2)
-        if rest.size or len(blocks) != 1:
-            return None
-        f, QA, QB, p = blocks[0]
-        if (f.bias is not None) != self.dense.with_bias or p.shape != shape:
-            return None
+        _, [(_, QA, QB, p)] = self._kfac_precision(delta, s2)  # one block
         return "kronecker", (QA, QB, 1.0 / p)
 
     def _kept_covariance(self, delta, s2):
