@@ -244,3 +244,16 @@ def test_the_general_form_where_the_dense_form_does_not_apply():
         assert "jacobian='general'" in repr(la)
     la = Laplace(mlp, x, y)
     assert la.jacobian_form == "dense" and "jacobian='dense'" in repr(la)
+
+
+def test_a_repeated_shape_goes_through_xla_with_the_same_answer():
+    """The second batch of a shape runs the features by XLA: same values."""
+    model = model_of("softmax_layer", 3)
+    x, y = data(3, "squared_error")
+    x_test = data(3, "squared_error", N_TEST, seed=5)[0]
+    la = Laplace(model, x, y, prior_precision=0.7, sigma_noise=0.4)
+    first = la.predictive_variance(x_test)  # a new shape: without XLA
+    again = la.predictive_variance(x_test)  # repeated: by XLA
+    assert la.dense.jit_compile
+    assert any(xla for *_, xla in la.dense._functions)  # noqa: SLF001
+    np.testing.assert_allclose(again, first, rtol=1e-12, atol=1e-15)

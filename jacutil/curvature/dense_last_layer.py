@@ -48,12 +48,14 @@ class DenseLastLayer:
 
     def __init__(self, layer, features, tail, with_bias):
         self.layer = layer
+        self.jit_compile = True  # False once XLA failed on it
         self.with_bias = with_bias
         self.n_outputs = int(layer.units)  # l: z's width
         self.n_features = int(layer.kernel.shape[0]) + int(with_bias)  # d + 1
         self._features, self._tail = features, tail
         self._identity = tail is None and layer.activation is keras.activations.linear
         self._functions = {}
+        self._seen = set()  # (shape, dtype) of the batches given so far
 
     def _forward(self, x):
         """(phi, f, A or None) in the graph; phi without the column of ones."""
@@ -74,21 +76,36 @@ class DenseLastLayer:
         phi, f, A = self._forward(x)
         return (phi, f) if A is None else (phi, f, A)
 
-    def _compiled(self, x):
-        """The concrete ``_head`` for x's per-sample shape and dtype."""
-        key = (tuple(x.shape[1:]), x.dtype.name)
+    def _compiled(self, x, xla):
+        """The concrete ``_head`` for x's per-sample shape and dtype, with XLA
+        or without."""
+        key = (tuple(x.shape[1:]), x.dtype.name, xla)
         function = self._functions.get(key)
         if function is None:
             spec = tf.TensorSpec([None, *x.shape[1:]], x.dtype)
-            function = quiet_function(self._head).get_concrete_function(spec)
+            function = quiet_function(self._head, jit_compile=xla)
+            function = function.get_concrete_function(spec)
             self._functions[key] = function
         return function
+
+    def _call(self, x):
+        """``_head(x)``: by XLA once x's shape repeats (XLA compiles for each
+        shape, so a shape seen once is not worth it), without otherwise and
+        for good where XLA fails."""
+        shape = (tuple(x.shape), x.dtype.name)
+        if self.jit_compile and shape in self._seen:
+            try:
+                return self._compiled(x, True)(x)
+            except tf.errors.OpError:  # an op XLA cannot compile
+                self.jit_compile = False
+        self._seen.add(shape)
+        return self._compiled(x, False)(x)
 
     def head(self, x):
         """``(phi_bar, f, A)`` of a batch x (an array), float64: phi_bar
         (n, d+1), f (n, l'), A (n, l', l), or None where f is z."""
         x = tf.convert_to_tensor(np.asarray(x))
-        out = self._compiled(x)(x)
+        out = self._call(x)
         phi = np.asarray(out[0], dtype=np.float64)
         if self.with_bias:
             phi = np.concatenate([phi, np.ones((len(phi), 1))], axis=1)
