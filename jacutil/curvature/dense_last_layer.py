@@ -122,12 +122,13 @@ class DenseLastLayer:
         return np.ascontiguousarray(S).reshape(d1, -1)
 
     def variance(self, x, form, parts):
-        """``J_i Sigma J_i.T`` (n, l', l') float64 of a batch x (an array):
+        """``(J_i Sigma J_i.T (n, l', l'), f (n, l'))`` float64 of a batch x
+        (an array), from one pass:
         ``form`` ``"full"`` with ``parts = (full_parts(Sigma),)``;
         ``"diagonal"`` with ``(Sigma's diagonal as (d+1, l),)``;
         ``"kronecker"`` with ``(QA, QB, 1 / p)`` for
         ``Sigma = (QA (x) QB) diag(1/p) (QA (x) QB).T``, p (d+1, l)."""
-        phi, _, A = self.head(x)
+        phi, f, A = self.head(x)
         n, d1, width = len(phi), self.n_features, self.n_outputs
         if form == "full":  # sum_ab phi_a phi_b Sigma[(a, k), (b, j)]
             T = (phi @ parts[0]).reshape(n, d1, width * width)
@@ -142,7 +143,7 @@ class DenseLastLayer:
             )
         if A is not None:
             var = np.matmul(np.matmul(A, var), A.transpose(0, 2, 1))
-        return var
+        return var, f
 
     # -- G from phi_bar and A -----------------------------------------------------
 

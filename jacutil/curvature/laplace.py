@@ -742,22 +742,31 @@ class Laplace:
         ``x_test``: test inputs shaped like the training inputs. Returns an
         array (n_test, l, l), without observation noise. J* is taken in
         chunks that fit the memory budget; for ``"diagonal"`` and ``"kfac"``
-        no m x m matrix is formed. Introduced in
+        no m x m matrix is formed, and over one Dense layer
+        (``jacobian_form == "dense"``) J* is never formed. Introduced in
         ``11-curvature-and-uncertainty``.
 
         Raises:
             ValueError: x_test's per-sample shape differs from the training
                 inputs', or x_test holds NaN or infinity.
         """
+        return self._variance_and_outputs(x_test)[0]
+
+    def _variance_and_outputs(self, x_test):
+        """(J* Sigma J*.T (n, l, l), f(x_test) (n, l) from the same pass
+        with the Dense form, or None)."""
         self._check_inputs(x_test)
         refuse_non_finite(x_test, "x_test")
         n, width = int(n_samples(x_test)), self.n_outputs
         var = np.empty((n, width, width))
         form = self._dense_form()
         if form is not None:  # J = A (phi (x) I): never formed
+            f = np.empty((n, width))
             for start, stop in self._chunks(x_test):
-                var[start:stop] = self.dense.variance(take(x_test, start, stop), *form)
-            return 0.5 * (var + np.transpose(var, (0, 2, 1)))
+                var[start:stop], f[start:stop] = self.dense.variance(
+                    take(x_test, start, stop), *form
+                )
+            return 0.5 * (var + np.transpose(var, (0, 2, 1))), f
         if self.structure == "last_layer":  # P = L L.T: J Sigma J.T = |L^-1 J.T|^2
             L = np.linalg.cholesky(self.posterior_precision())
         for start, stop in self._chunks(x_test):
@@ -771,7 +780,7 @@ class Laplace:
             else:
                 SJ = self._covariance_times(J.reshape(c * width, -1).T)
                 var[start:stop] = np.einsum("ckp,pcj->ckj", J, SJ.reshape(-1, c, width))
-        return 0.5 * (var + np.transpose(var, (0, 2, 1)))
+        return 0.5 * (var + np.transpose(var, (0, 2, 1))), None
 
     def _dense_form(self):
         """``(form, parts)`` of Sigma for ``DenseLastLayer.variance`` at the
@@ -851,8 +860,9 @@ class Laplace:
                 "samples= draws class probabilities for a classification; a "
                 "regression's predictive is Gaussian already: (mean, covariance)."
             )
-        var = self.predictive_variance(x_test)
-        f = self._outputs(x_test)
+        var, f = self._variance_and_outputs(x_test)
+        if f is None:
+            f = self._outputs(x_test)
         if self.regression:
             if observation_noise:
                 var = var + self.sigma_noise**2 * np.eye(self.n_outputs)
