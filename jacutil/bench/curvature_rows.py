@@ -8,8 +8,9 @@ jacutil / peer (below 1: jacutil is faster): the exact diagonal of G
 (``ggn_operator(...).matvec``), the empirical NTK J J.T
 (``jacutil.curvature.ntk.empirical_ntk``) and the predictive covariance
 J* Sigma J*.T of a last-layer Laplace posterior, prior precision and noise
-fixed (``Laplace(...).predictive_variance``); operators and posteriors are
-built once, outside the clock.
+fixed (``Laplace(...).predictive_variance``, whose last layer is a Dense:
+J = A (phi (x) I) from the layer's inputs, never formed, as laplace-torch
+does); operators and posteriors are built once, outside the clock.
 
 The MLP is the question's (``jacutil.question_mlp``) with the squared error
 0.5 |f - y|^2; the CNN is ``jacutil.small_cnn``, whose last Dense has no
@@ -58,7 +59,7 @@ ROWS = [
     Row("ggn", "mlp", 1000, "curvlinops GGNLinearOperator", "curvlinops", 1.0),
     Row("ggn", "cnn", 1000, "curvlinops GGNLinearOperator", "curvlinops", 1.0),
     Row("ntk", "mlp", 1000, "JAX jit(vmap(jacrev)) + einsum", "jax", 1.0),
-    Row("laplace", "mlp", 1000, "laplace-torch FullLLLaplace", "laplace"),
+    Row("laplace", "mlp", 1000, "laplace-torch FullLLLaplace", "laplace", 1.0),
 ]
 LABELS = {
     "diag": "diagonal of G",

@@ -56,6 +56,7 @@ class DenseLastLayer:
         self._identity = tail is None and layer.activation is keras.activations.linear
         self._functions = {}
         self._seen = set()  # (shape, dtype) of the batches given so far
+        self._by_xla = {}  # (shape, dtype) seen again -> its XLA function
 
     def _forward(self, x):
         """(phi, f, A or None) in the graph; phi without the column of ones."""
@@ -73,13 +74,18 @@ class DenseLastLayer:
         return phi, f, tape.batch_jacobian(f, z)
 
     def _head(self, x):
+        """``(phi_bar, f[, A])`` as float64, the ones column appended."""
         phi, f, A = self._forward(x)
-        return (phi, f) if A is None else (phi, f, A)
+        phi = tf.cast(phi, tf.float64)
+        if self.with_bias:
+            phi = tf.concat([phi, tf.ones_like(phi[:, :1])], axis=1)
+        out = (phi, tf.cast(f, tf.float64))
+        return out if A is None else (*out, tf.cast(A, tf.float64))
 
     def _compiled(self, x, xla):
         """The concrete ``_head`` for x's per-sample shape and dtype, with XLA
         or without."""
-        key = (tuple(x.shape[1:]), x.dtype.name, xla)
+        key = (x.shape[1:], x.dtype.str, xla)
         function = self._functions.get(key)
         if function is None:
             spec = tf.TensorSpec([None, *x.shape[1:]], x.dtype)
@@ -88,29 +94,29 @@ class DenseLastLayer:
             self._functions[key] = function
         return function
 
-    def _call(self, x):
-        """``_head(x)``: by XLA once x's shape repeats (XLA compiles for each
-        shape, so a shape seen once is not worth it), without otherwise and
-        for good where XLA fails."""
-        shape = (tuple(x.shape), x.dtype.name)
-        if self.jit_compile and shape in self._seen:
-            try:
-                return self._compiled(x, True)(x)
-            except tf.errors.OpError:  # an op XLA cannot compile
-                self.jit_compile = False
-        self._seen.add(shape)
-        return self._compiled(x, False)(x)
-
     def head(self, x):
         """``(phi_bar, f, A)`` of a batch x (an array), float64: phi_bar
-        (n, d+1), f (n, l'), A (n, l', l), or None where f is z."""
-        x = tf.convert_to_tensor(np.asarray(x))
-        out = self._call(x)
-        phi = np.asarray(out[0], dtype=np.float64)
-        if self.with_bias:
-            phi = np.concatenate([phi, np.ones((len(phi), 1))], axis=1)
-        f = np.asarray(out[1], dtype=np.float64)
-        return phi, f, (np.asarray(out[2], dtype=np.float64) if len(out) == 3 else None)
+        (n, d+1), f (n, l'), A (n, l', l), or None where f is z.
+
+        By XLA once x's shape repeats (XLA compiles for each shape, so a
+        shape seen once is not worth it), without otherwise, and without for
+        good where XLA fails."""
+        x = np.asarray(x)
+        shape = (x.shape, x.dtype.str)
+        function = self._by_xla.get(shape)
+        if function is None and self.jit_compile and shape in self._seen:
+            function = self._by_xla[shape] = self._compiled(x, True)
+        try:
+            out = (function or self._compiled(x, False))(tf.convert_to_tensor(x))
+        except tf.errors.OpError:
+            if function is None:
+                raise
+            self.jit_compile = False  # an op XLA cannot compile
+            self._by_xla.clear()
+            out = self._compiled(x, False)(tf.convert_to_tensor(x))
+        self._seen.add(shape)
+        out = [t.numpy() for t in out]
+        return out[0], out[1], (out[2] if len(out) == 3 else None)
 
     # -- the predictive, from phi_bar and A ------------------------------------------
 
