@@ -121,11 +121,13 @@ class DenseLastLayer:
     # -- the predictive, from phi_bar and A ------------------------------------------
 
     def full_parts(self, covariance):
-        """Sigma (m, m) as :meth:`variance` takes it: ``S[b, (a, k, j)] =
-        Sigma[a l + k, b l + j]``, (d+1, (d+1) l l)."""
+        """Sigma (m, m) as :meth:`variance` takes it: for each pair k <= j of
+        outputs (``np.triu_indices(l)``) the block ``Sigma[(a, k), (b, j)]``,
+        laid out ``S[a, (pair, b)]``, (d+1, pairs (d+1))."""
         d1, width = self.n_features, self.n_outputs
-        S = covariance.reshape(d1, width, d1, width).transpose(2, 0, 1, 3)
-        return np.ascontiguousarray(S).reshape(d1, -1)
+        k, j = np.triu_indices(width)
+        blocks = covariance.reshape(d1, width, d1, width)[:, k, :, j]  # (pair, a, b)
+        return np.ascontiguousarray(blocks.transpose(1, 0, 2)).reshape(d1, -1)
 
     def variance(self, x, form, parts):
         """``(J_i Sigma J_i.T (n, l', l'), f (n, l'))`` float64 of a batch x
@@ -136,9 +138,11 @@ class DenseLastLayer:
         ``Sigma = (QA (x) QB) diag(1/p) (QA (x) QB).T``, p (d+1, l)."""
         phi, f, A = self.head(x)
         n, d1, width = len(phi), self.n_features, self.n_outputs
-        if form == "full":  # sum_ab phi_a phi_b Sigma[(a, k), (b, j)]
-            T = (phi @ parts[0]).reshape(n, d1, width * width)
-            var = np.matmul(phi[:, None, :], T).reshape(n, width, width)
+        if form == "full":  # sum_ab phi_a phi_b Sigma[(a, k), (b, j)], k <= j
+            k, j = np.triu_indices(width)
+            T = (phi @ parts[0]).reshape(n, len(k), d1)
+            var = np.empty((n, width, width))
+            var[:, k, j] = var[:, j, k] = np.einsum("npb,nb->np", T, phi)
         elif form == "diagonal":
             var = ((phi**2) @ parts[0])[:, :, None] * np.eye(width)
         else:  # QB diag(c_i) QB.T

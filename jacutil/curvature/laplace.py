@@ -29,6 +29,14 @@ Three structures of P, as in laplace-torch:
 The predictive (:meth:`Laplace.predict`) is that of the linearized model,
 and the maximum of the marginal likelihood
 (:meth:`Laplace.log_marginal_likelihood`) chooses the prior.
+
+When the posterior covers one Dense layer's kernel (and bias), as the last
+layer of a Sequential or functional model does, J is never formed: it is
+``A (phi (x) I)`` from the layer's inputs phi and ``A = df/dz`` of what
+follows it (:mod:`jacutil.curvature.dense_last_layer`, as laplace-torch
+treats a Linear last layer), for G and for the predictive of all three
+structures (KFAC's when it is one Kronecker block over that layer);
+:attr:`Laplace.jacobian_form` says which.
 """
 
 import math
