@@ -246,14 +246,57 @@ def test_the_general_form_where_the_dense_form_does_not_apply():
     assert la.jacobian_form == "dense" and "jacobian='dense'" in repr(la)
 
 
-def test_a_repeated_shape_goes_through_xla_with_the_same_answer():
-    """The second batch of a shape runs the features by XLA: same values."""
+def test_the_features_run_by_xla_and_repeat_bit_for_bit():
+    """XLA compiles once per batch shape: the same call, the same bits."""
     model = model_of("softmax_layer", 3)
     x, y = data(3, "squared_error")
     x_test = data(3, "squared_error", N_TEST, seed=5)[0]
     la = Laplace(model, x, y, prior_precision=0.7, sigma_noise=0.4)
-    first = la.predictive_variance(x_test)  # a new shape: without XLA
-    again = la.predictive_variance(x_test)  # repeated: by XLA
+    first = la.predictive_variance(x_test)
     assert la.dense.jit_compile
-    assert any(xla for *_, xla in la.dense._functions)  # noqa: SLF001
-    np.testing.assert_allclose(again, first, rtol=1e-12, atol=1e-15)
+    np.testing.assert_array_equal(la.predictive_variance(x_test), first)
+    other = Laplace(model, x, y, prior_precision=0.7, sigma_noise=0.4)
+    np.testing.assert_array_equal(other.predictive_variance(x_test), first)
+
+
+def test_the_kept_dense_form_does_not_keep_the_model():
+    """The Dense form is kept per model (jacutil.core.cache), weakly."""
+    import gc
+    import weakref
+
+    def fitted_once():
+        model = model_of("softmax_layer", 2)
+        x, y = data(2, "squared_error")
+        la = Laplace(model, x, y)
+        assert la.jacobian_form == "dense"
+        again = Laplace(model, x, y, prior_precision=2.0)
+        assert again.dense is la.dense  # built once per model and variables
+        la.predictive_variance(x)
+        return weakref.ref(model)
+
+    model = fitted_once()
+    gc.collect()
+    assert model() is None
+
+
+def test_without_xla_for_good_where_xla_fails(monkeypatch):
+    from jacutil.curvature import dense_last_layer as module
+
+    model = model_of("softmax_inside", 2)
+    x, y = data(2, "squared_error")
+    x_test = data(2, "squared_error", N_TEST, seed=5)[0]
+    expected = Laplace(model, x, y).predictive_variance(x_test)
+    compiled = module.DenseLastLayer._compiled
+
+    def no_xla(self, batch, xla):
+        if xla:
+            raise tf.errors.UnimplementedError(None, None, "XLA cannot compile it")
+        return compiled(self, batch, xla)
+
+    monkeypatch.setattr(module.DenseLastLayer, "_compiled", no_xla)
+    model = model_of("softmax_inside", 2)  # a new model: a new Dense form
+    la = Laplace(model, x, y)
+    assert la.jacobian_form == "dense" and not la.dense.jit_compile
+    np.testing.assert_allclose(
+        la.predictive_variance(x_test), expected, rtol=1e-12, atol=1e-15
+    )

@@ -30,6 +30,7 @@ functional or Sequential model, and a general Jacobian otherwise.
 
 import numpy as np
 
+from ..core import cache
 from ..core._tf import keras, tf
 from ..core.formulation import quiet_function
 
@@ -55,8 +56,6 @@ class DenseLastLayer:
         self._features, self._tail = features, tail
         self._identity = tail is None and layer.activation is keras.activations.linear
         self._functions = {}
-        self._seen = set()  # (shape, dtype) of the batches given so far
-        self._by_xla = {}  # (shape, dtype) seen again -> its XLA function
 
     def _forward(self, x):
         """(phi, f, A or None) in the graph; phi without the column of ones."""
@@ -98,23 +97,17 @@ class DenseLastLayer:
         """``(phi_bar, f, A)`` of a batch x (an array), float64: phi_bar
         (n, d+1), f (n, l'), A (n, l', l), or None where f is z.
 
-        By XLA once x's shape repeats (XLA compiles for each shape, so a
-        shape seen once is not worth it), without otherwise, and without for
-        good where XLA fails."""
+        By XLA (compiled once per batch shape, so the same call gives the
+        same bits every time), or without it for good where XLA fails."""
         x = np.asarray(x)
-        shape = (x.shape, x.dtype.str)
-        function = self._by_xla.get(shape)
-        if function is None and self.jit_compile and shape in self._seen:
-            function = self._by_xla[shape] = self._compiled(x, True)
-        try:
-            out = (function or self._compiled(x, False))(tf.convert_to_tensor(x))
-        except tf.errors.OpError:
-            if function is None:
-                raise
-            self.jit_compile = False  # an op XLA cannot compile
-            self._by_xla.clear()
+        out = None
+        if self.jit_compile:
+            try:
+                out = self._compiled(x, True)(tf.convert_to_tensor(x))
+            except tf.errors.OpError:  # an op XLA cannot compile
+                self.jit_compile = False
+        if out is None:
             out = self._compiled(x, False)(tf.convert_to_tensor(x))
-        self._seen.add(shape)
         out = [t.numpy() for t in out]
         return out[0], out[1], (out[2] if len(out) == 3 else None)
 
@@ -182,15 +175,41 @@ def dense_last_layer(model, variables, owner, x, f):
     (and the bias) of ``owner``, a Dense layer of a functional or Sequential
     ``model`` called once, on (n, d) inputs, and the replay reproduces
     ``f = model(x)`` (n, l') on ``x``, a few samples; otherwise None (the
-    general Jacobian applies). Introduced in ``11-curvature-and-uncertainty``.
+    general Jacobian applies). Built once per model and variables, and kept
+    (:mod:`jacutil.core.cache`) while the model lives. Introduced in
+    ``11-curvature-and-uncertainty``.
     """
-    if not isinstance(model, keras.Model) or not isinstance(owner, keras.layers.Dense):
-        return None
-    variables = list(variables)
-    with_bias = len(variables) == 2
-    expected = [owner.kernel, owner.bias] if with_bias else [owner.kernel]
     if not isinstance(x, np.ndarray | tf.Tensor):
         return None  # one input array: several inputs take the general J
+    variables = list(variables)
+    dense = cache.kept(
+        "dense_last_layer",
+        model,
+        tuple(map(id, variables)),
+        lambda: _built(model, variables, owner),
+    )
+    if dense is None:
+        return None
+    try:
+        _, replayed, _ = dense.head(x)
+    except (ValueError, TypeError, tf.errors.OpError):
+        return None
+    f = np.asarray(f, dtype=np.float64)
+    if replayed.shape != f.shape:
+        return None
+    scale = float(np.max(np.abs(f), initial=0.0)) + 1.0
+    if float(np.max(np.abs(replayed - f), initial=0.0)) > REPLAY_RTOL * scale:
+        return None
+    return dense
+
+
+def _built(model, variables, owner):
+    """The :class:`DenseLastLayer` of ``owner`` in ``model``, or None where
+    the variables or the graph do not fit (see :func:`dense_last_layer`)."""
+    if not isinstance(model, keras.Model) or not isinstance(owner, keras.layers.Dense):
+        return None
+    with_bias = len(variables) == 2
+    expected = [owner.kernel, owner.bias] if with_bias else [owner.kernel]
     if len(variables) not in (1, 2) or any(
         v is not w for v, w in zip(variables, expected, strict=True)
     ):
@@ -206,15 +225,4 @@ def dense_last_layer(model, variables, owner, x, f):
         tail = None if output is layer_output else keras.Model(layer_output, output)
     except (AttributeError, ValueError, TypeError, KeyError, IndexError):
         return None  # subclassed, nested, shared or multi-output: the general J
-    dense = DenseLastLayer(owner, features, tail, with_bias)
-    try:
-        _, replayed, _ = dense.head(x)
-    except (ValueError, TypeError, tf.errors.OpError):
-        return None
-    f = np.asarray(f, dtype=np.float64)
-    if replayed.shape != f.shape:
-        return None
-    scale = float(np.max(np.abs(f), initial=0.0)) + 1.0
-    if float(np.max(np.abs(replayed - f), initial=0.0)) > REPLAY_RTOL * scale:
-        return None
-    return dense
+    return DenseLastLayer(owner, features, tail, with_bias)
