@@ -52,6 +52,7 @@ class DenseLastLayer:
         self.jit_compile = True  # False once XLA failed on it
         self.with_bias = with_bias
         self.n_outputs = int(layer.units)  # l: z's width
+        self._upper = np.triu_indices(self.n_outputs)  # the pairs k <= j
         self.n_features = int(layer.kernel.shape[0]) + int(with_bias)  # d + 1
         self._features, self._tail = features, tail
         self._identity = tail is None and layer.activation is keras.activations.linear
@@ -115,10 +116,11 @@ class DenseLastLayer:
 
     def full_parts(self, covariance):
         """Sigma (m, m) as :meth:`variance` takes it: for each pair k <= j of
-        outputs (``np.triu_indices(l)``) the block ``Sigma[(a, k), (b, j)]``,
-        laid out ``S[a, (pair, b)]``, (d+1, pairs (d+1))."""
+        outputs (``np.triu_indices(l)``, in that order) the block
+        ``Sigma[(a, k), (b, j)]``, laid out ``S[a, (pair, b)]``,
+        (d+1, pairs (d+1))."""
         d1, width = self.n_features, self.n_outputs
-        k, j = np.triu_indices(width)
+        k, j = self._upper
         blocks = covariance.reshape(d1, width, d1, width)[:, k, :, j]  # (pair, a, b)
         return np.ascontiguousarray(blocks.transpose(1, 0, 2)).reshape(d1, -1)
 
@@ -132,7 +134,7 @@ class DenseLastLayer:
         phi, f, A = self.head(x)
         n, d1, width = len(phi), self.n_features, self.n_outputs
         if form == "full":  # sum_ab phi_a phi_b Sigma[(a, k), (b, j)], k <= j
-            k, j = np.triu_indices(width)
+            k, j = self._upper
             T = (phi @ parts[0]).reshape(n, len(k), d1)
             var = np.empty((n, width, width))
             var[:, k, j] = var[:, j, k] = np.einsum("npb,nb->np", T, phi)
