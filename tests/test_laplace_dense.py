@@ -300,3 +300,16 @@ def test_without_xla_for_good_where_xla_fails(monkeypatch):
     np.testing.assert_allclose(
         la.predictive_variance(x_test), expected, rtol=1e-12, atol=1e-15
     )
+
+
+@pytest.mark.parametrize("n", [5, 100, 1001])
+def test_products_by_rows_equal_one_product(n):
+    """The Dense form multiplies in blocks of rows (BLAS on the calling
+    thread): the same product, remainder block included."""
+    from jacutil.curvature import dense_last_layer as module
+
+    rng = np.random.default_rng(n)
+    a, b = rng.standard_normal((n, 33)), rng.standard_normal((33, 99))
+    rows = module.SERIAL_WORK // (33 * 99)
+    assert module.FEWEST_ROWS <= rows < 1001  # n = 1001 takes several blocks
+    np.testing.assert_allclose(module._by_rows(a, b), a @ b, rtol=1e-13, atol=1e-13)  # noqa: SLF001
