@@ -508,10 +508,48 @@ def check_curvature_losses(case):
             lambda: laplace.laplace(model, x, y, loss, "diagonal",
                                     **options).posterior_precision(),
             diagonal_sum + 1.0, np.abs(diagonal_sum) + 1.0)  # fmt: skip
+        entries.update(last_layer_entries(ns, J, H_sum))
     for entry, (call, expected, bound) in entries.items():
         got = run(entry, call, known)
         if got is not None:
             assert_close(entry, got, expected, case.dtype, bound.max(initial=0))
+
+
+def last_layer_entries(ns, J, H_sum):
+    """Laplace over the last layer (over one Dense layer J* is never formed:
+    ``jacobian_form == "dense"``): its posterior precision and predictive
+    variance at the training inputs, against the tape's J restricted to the
+    last layer's columns, ``P = J.T H J + I`` and ``J P^-1 J.T`` in float64.
+    A model with several heads has no one last layer: no entries."""
+    from jacutil.curvature import laplace
+
+    model, x, y, loss = ns["model"], ns["x"], ns["y"], ns["loss"]
+    options, variables = ns["options"], ns["variables"]
+    try:
+        last = options.get("variables") or laplace.last_layer_variables(model, x)
+    except ValueError:  # several heads: laplace() asks for last_layer=
+        return {}
+    starts = np.cumsum([0] + [int(np.prod(v.shape)) for v in variables])
+    at = {id(v): k for k, v in enumerate(variables)}
+    columns = np.concatenate(
+        [np.arange(starts[at[id(v)]], starts[at[id(v)] + 1]) for v in last]
+    )
+    J_last = J[:, :, columns]
+    P = np.einsum("nkp,nkj,njq->pq", J_last, H_sum, J_last) + np.eye(len(columns))
+    variance = np.einsum("nkp,pq,njq->nkj", J_last, np.linalg.inv(P), J_last)
+
+    def fitted():
+        posterior = laplace.laplace(model, x, y, loss, "last_layer", **options)
+        event(f"laplace(last_layer): J* {posterior.jacobian_form}")
+        return posterior
+
+    return {
+        "laplace(last_layer).posterior_precision": (
+            lambda: fitted().posterior_precision(), P, np.abs(P)),
+        "laplace(last_layer).predictive_variance": (
+            lambda: fitted().predictive_variance(x), variance,
+            np.abs(variance) + 1.0),
+    }  # fmt: skip
 
 
 @budget("curvature")
