@@ -7,9 +7,14 @@ the backward pass walks the steps from the last, carrying the signal at the
 state for every sample and output at once, and writes each step's signal at
 ``x_t @ K`` and at ``h_{t-1} @ R``. The blocks are then the outer-product
 rule summed over the steps (``jacutil.rules.blocks``): K from the inputs
-x_t, R (and a bias after it) from the previous states h_{t-1}. The loop over
-steps is unrolled while traced, so the sequence length must be known (it is,
-per input shape).
+x_t, R (and a bias after it) from the previous states h_{t-1}. Each block
+``sum_t a_t^T delta_t`` is one batched matrix product over the time axis,
+the signal laid out (n, l, T, q) as J's rows want it: no step's block is
+formed, and nothing is transposed. Their squared norms (DP clipping) take
+the Gram route ``sum_{t,s} (a_t . a_s)(delta_t . delta_s)`` where the cost
+model of ``jacutil.rules.blocks.gram_is_cheaper`` says it is cheaper than
+the block. The loop over steps is unrolled while traced, so the sequence
+length must be known (it is, per input shape).
 
 Keras's steps, with ``s = recurrent_activation`` and ``a = activation``:
 
@@ -22,13 +27,24 @@ Keras's steps, with ``s = recurrent_activation`` and ``a = activation``:
 
 from ..core._tf import keras, tf
 from .activations import Activation
-from .blocks import kernel_and_bias, times_transpose
-from .registry import NoRule, Rule, register
+from .blocks import gram_is_cheaper, gram_norms, times_transpose
+from .registry import Blocks, NoRule, Rule, register
 
 
 def _with_slope(activation, z):
     y, slope = activation.forward(z)
     return y, (tf.ones_like(z) if slope is None else slope)
+
+
+def _with_ones(a):
+    """``a`` (n, T, p) with a column of ones appended: a bias's rows."""
+    return tf.concat([a, tf.ones_like(a[..., :1])], -1)
+
+
+def _summed_outer(a, delta):
+    """(n, l, p, q): ``sum_t a[i, t]^T delta[i, k, t]``, one batched matrix
+    product over the time axis from ``a`` (n, T, p) and ``delta`` (n, l, T, q)."""
+    return tf.matmul(a[:, None], delta, transpose_a=True)
 
 
 class _Recurrent(Rule):
@@ -73,7 +89,11 @@ class _Recurrent(Rule):
         y = tf.stack(outputs, 1) if self.layer.return_sequences else state[0]
         return y, (a, saved)
 
-    def _backward(self, kept, delta, wanted, need_signal):
+    def _signals(self, kept, delta):
+        """The backward recursion: ``(a, states, by_input, by_state)``, the
+        input (n, T, features), the states before each step (n, T, u) and the
+        signal at the gates from the input and from the state, (n, l, T, g * u)
+        each (one tensor when the cell's two signals are the same)."""
         a, saved = kept
         sequences = self.layer.return_sequences
         carry = self.initial(0.0 if sequences else delta)
@@ -83,13 +103,62 @@ class _Recurrent(Rule):
                 carry = (carry[0] + delta[:, :, t], *carry[1:])
             kept_t = tuple(k[:, None] for k in saved[t][1])
             by_input[t], by_state[t], carry = self.step_back(kept_t, carry)
-        inputs = tf.stack(by_input, 1)  # (n, T, l, gates): steps first
+        shared = all(s is i for s, i in zip(by_state, by_input, strict=True))
+        by_input = tf.stack(by_input, 2)  # (n, l, T, gates): J's rows first
+        by_state = by_input if shared else tf.stack(by_state, 2)
         states = tf.stack([s[0] for s in saved], 1)  # h_{t-1}: (n, T, u)
-        blocks = self.blocks(a, states, inputs, tf.stack(by_state, 1), wanted)
-        below = None
-        if need_signal:
-            below = times_transpose(tf.stack(by_input, 2), self.cell.kernel)
-        return blocks, below
+        return a, states, by_input, by_state
+
+    def _backward(self, kept, delta, wanted, need_signal):
+        a, states, by_input, by_state = self._signals(kept, delta)
+        blocks = Blocks()
+        for inputs, signal, kernel, bias in self.products(
+            a, states, by_input, by_state
+        ):
+            with_kernel = kernel in wanted
+            with_bias = bias is not None and bias in wanted
+            n_samples, n_outputs = tf.shape(signal)[0], tf.shape(signal)[1]
+            if with_kernel:
+                if with_bias:
+                    inputs = _with_ones(inputs)
+                size = inputs.shape[-1] * signal.shape[-1]
+                block = _summed_outer(inputs, signal)
+                key = (kernel, bias) if with_bias else kernel
+                blocks[key] = tf.reshape(block, [n_samples, n_outputs, size])
+            elif with_bias:
+                blocks[bias] = tf.reduce_sum(signal, 2)
+        blocks.update(self.own_blocks(by_input, by_state, wanted))
+        return blocks, self._below(by_input, need_signal)
+
+    def _backward_norms(self, kept, delta, wanted, need_signal):
+        """Each kernel's squared norm by the Gram matrices of the T steps
+        where ``T (p + q) <= p q`` (:func:`gram_is_cheaper`), from its block
+        otherwise; a bias alone is ``|sum_t delta_t|^2``."""
+        a, states, by_input, by_state = self._signals(kept, delta)
+        squared = tf.zeros(tf.shape(by_input)[:2], by_input.dtype)
+        for inputs, signal, kernel, bias in self.products(
+            a, states, by_input, by_state
+        ):
+            with_kernel = kernel in wanted
+            with_bias = bias is not None and bias in wanted
+            if with_kernel:
+                if with_bias:
+                    inputs = _with_ones(inputs)
+                steps, p, q = inputs.shape[1], inputs.shape[-1], signal.shape[-1]
+                if gram_is_cheaper(steps, p, q):
+                    squared += gram_norms(inputs, signal)
+                else:
+                    block = _summed_outer(inputs, signal)
+                    squared += tf.reduce_sum(tf.square(block), [2, 3])
+            elif with_bias:
+                squared += tf.reduce_sum(tf.square(tf.reduce_sum(signal, 2)), -1)
+        for _, block in self.own_blocks(by_input, by_state, wanted).items():
+            squared += tf.reduce_sum(tf.square(block), -1)
+        return squared, self._below(by_input, need_signal)
+
+    def _below(self, by_input, need_signal):
+        """The signal at the layer's input, (n, l, T, features), or None."""
+        return times_transpose(by_input, self.cell.kernel) if need_signal else None
 
     def step(self, x_k, state):
         """One step forward: from ``x_k``, the step's input times the kernel
@@ -106,18 +175,21 @@ class _Recurrent(Rule):
         state, (n, l, gates * u) each, and the signal at the state before it."""
         raise NotImplementedError
 
-    def blocks(self, a, states, by_input, by_state, wanted, bias_after_r=True):
-        """:class:`jacutil.rules.registry.Blocks` (n, l, size) of K, R and the
-        bias after R (LSTM, SimpleRNN; ``bias_after_r=False``: the caller writes
-        it), from the input ``a`` (n, T, features), the ``states`` before each
-        step (n, T, u) and the signal at the gates from the input and from the
-        state, ``by_input`` and ``by_state`` (n, T, l, g * u) each."""
-        cell, bias = self.cell, self.bias if bias_after_r else None
-        blocks = kernel_and_bias(a, by_input, cell.kernel, None, wanted, True)
-        blocks.update(
-            kernel_and_bias(states, by_state, cell.recurrent_kernel, bias, wanted, True)
-        )
-        return blocks
+    def products(self, a, states, by_input, by_state):
+        """``(inputs, signal, kernel, bias)`` for each block that is a sum over
+        the steps of outer products: K from the input ``a`` (n, T, features)
+        and the signal from it, R (and the bias after it: LSTM, SimpleRNN)
+        from the ``states`` before each step (n, T, u) and the signal from
+        the state; signals (n, l, T, g * u)."""
+        cell = self.cell
+        return [
+            (a, by_input, cell.kernel, None),
+            (states, by_state, cell.recurrent_kernel, self.bias),
+        ]
+
+    def own_blocks(self, by_input, by_state, wanted):
+        """Blocks that are not an outer product (a GRU's two-row bias)."""
+        return Blocks()
 
     def input_bias(self):
         """The bias added to every step's input, (gates * u,), or None."""
@@ -200,12 +272,19 @@ class GRURule(_Recurrent):
         dh = dh * z + times_transpose(by_state, self.cell.recurrent_kernel)
         return by_input, by_state, (dh,)
 
-    def blocks(self, a, states, by_input, by_state, wanted):
-        """K and R apart; the bias (2, 3u) is its input row, then its recurrent
-        row (arguments and result as :meth:`_Recurrent.blocks`, g = 3)."""
-        blocks = super().blocks(a, states, by_input, by_state, wanted, False)
+    def products(self, a, states, by_input, by_state):
+        """K and R apart (the bias is :meth:`own_blocks`)."""
+        cell = self.cell
+        return [
+            (a, by_input, cell.kernel, None),
+            (states, by_state, cell.recurrent_kernel, None),
+        ]
+
+    def own_blocks(self, by_input, by_state, wanted):
+        """The bias (2, 3u): its input row, then its recurrent row."""
+        blocks = Blocks()
         if self.bias is not None and self.bias in wanted:
-            sums = [tf.reduce_sum(by_input, 1), tf.reduce_sum(by_state, 1)]
+            sums = [tf.reduce_sum(by_input, 2), tf.reduce_sum(by_state, 2)]
             blocks[self.bias] = tf.concat(sums, -1)
         return blocks
 
