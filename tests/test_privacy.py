@@ -92,6 +92,30 @@ def test_fit_trains_privately_with_callbacks_and_validation_data(tmp_path):
     assert history.history["val_loss"][-1] < history.history["val_loss"][0]
 
 
+def test_epsilon_per_epoch_is_accounted_before_training_not_in_it(monkeypatch):
+    """fit's logs show epsilon after each epoch without asking the accountant
+    during the fit; each is what dp-accounting gives for that many steps;
+    asked mid-epoch, the accountant answers (it is not in the table)."""
+    from jacutil.privacy import keras_fit
+
+    x, y = data()
+    model = compiled()
+    training = private(model, epochs=2)
+    asked = []
+    real = keras_fit.epsilon_of
+    monkeypatch.setattr(keras_fit, "epsilon_of", lambda *a: asked.append(a) or real(*a))
+    history = model.fit(x, y, epochs=2, verbose=0)
+    assert asked == []
+    per_epoch = round(N / BATCH)
+    for epoch, spent in enumerate(history.history["epsilon"], 1):
+        direct = direct_epsilon(
+            training.noise_multiplier, BATCH / N, epoch * per_epoch, 1e-4, "pld"
+        )
+        assert spent == pytest.approx(direct, rel=1e-9)
+    training.dpsgd.sampled_step(x, y, BATCH)  # one step past the table
+    assert training.epsilon() > history.history["epsilon"][-1] and len(asked) == 1
+
+
 def test_the_loss_in_the_logs_is_the_mean_of_the_sampled_rows():
     x, y = data()
     model = compiled(learning_rate=0.0)  # the model stays: every step sees it

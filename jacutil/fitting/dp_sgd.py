@@ -239,6 +239,12 @@ class DPSGD:
         """The steps taken so far (what the accountant composes)."""
         return sum(self._steps_at.values())
 
+    @property
+    def steps_at(self):
+        """``{sampling rate: steps taken at it}``, a copy: what
+        :func:`epsilon_of` composes."""
+        return dict(self._steps_at)
+
     # -- one step ---------------------------------------------------------------
 
     def clipped_noisy_update(self, x, y, weights, denominator):
