@@ -128,8 +128,10 @@ bench: setup
 # and their norms (MLP, CNN, LSTM; n = 1,000, 10,000), and the Jacobian of the
 # MLP (n = 100), a residual MLP and a two-head model (n = 2,000), each against
 # jit(vmap(grad/jacrev)) and torch.func on the same weights, with its proof.
-# Then the curvature rows (notebook 11): G's diagonal against BackPACK's
-# DiagGGNExact, G v against curvlinops, the NTK against JAX, a last-layer
+# Then issue 38's rows again, each library in its own process (interleaved
+# rounds, medians) beside one process, with each ratio to the fastest peer and
+# whether the aim holds in both (fair.md). Then the curvature rows (notebook
+# 11): G's diagonal against BackPACK's DiagGGNExact, G v against curvlinops, the NTK against JAX, a last-layer
 # Laplace predictive against laplace-torch. Those peers go in with --no-deps:
 # their requirements would pull torchvision, whose build does not load beside
 # torch+cpu. PyTorch runs on one thread (its default threads vary tenfold here).
@@ -141,6 +143,7 @@ bench-peers: setup
 		einconv==0.1.0 asdfghjkl==0.1a4 torchmetrics==1.9.0 lightning-utilities==0.15.3 \
 		linear_operator==0.6.1
 	$(BIN)/python -m jacutil.bench --model mlp cnn lstm --peer-rows $(BENCH_ARGS)
+	$(BIN)/python -m jacutil.bench.isolated
 	$(BIN)/python -m jacutil.bench.curvature_rows --torch-threads 1
 
 clean:
