@@ -70,3 +70,8 @@ def test_the_table_gives_both_ratios_and_says_where_the_aim_holds_in_both():
     assert lines[0].split("|")[5:10] == [" 0.40 ", " 450.0 ms ", " 0.45 ", " <= 0.5 ",
                                          " yes "]  # fmt: skip
     assert lines[1].split("|")[-3:-1] == [" <= 1 ", " no "]  # 2.0x apart
+
+
+def test_the_one_process_row_runs_in_a_new_process():
+    row = isolated.one_process("jacobian-mlp", 4, 2, 0)
+    assert row["task"] == "jacobian-mlp" and len(row["jacutil"]["times"]) == 2

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import peers
+from ..teaching.memory_sweeps import fresh_python
 from ..teaching.timing import first_call, repeat_times
 from .machine import machine_summary
 from .paths import MODELS, PEER_NAMES
@@ -45,7 +46,10 @@ AIMS = {
     ("norms-cnn", 1000): 0.5,
 }
 LIBRARIES = ("jacutil", *PEER_NAMES)
-TORCH_FIRST = "try:\n    import triton\nexcept ImportError:\n    pass\nimport torch\n"
+# PyPI's torch loads triton, which crashes (SIGSEGV) when TensorFlow was
+# loaded first: a process that may use PyTorch imports them first
+TORCH_FIRST = "try:\n    import triton, torch\nexcept ImportError:\n    pass\n"
+MAIN = "from jacutil.bench.isolated import main\nmain()"
 WAIT = 900  # seconds a child may take to answer (a first call compiles)
 
 
@@ -118,10 +122,7 @@ class Child:
         self.log = Path(folder) / f"{library}.stderr"
         arguments = [task_name, str(n), library, str(reference)]
         arguments += ["--repeats", str(repeats), "--seed", str(seed)]
-        # PyPI's torch loads triton, which crashes (SIGSEGV) when TensorFlow
-        # was loaded first: a PyTorch process imports triton and torch first
-        first = TORCH_FIRST if library == "torch" else ""
-        code = f"{first}from jacutil.bench.isolated import main\nmain()"
+        code = (TORCH_FIRST if library == "torch" else "") + MAIN
         with open(self.log, "w") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-c", code, "--child", *arguments],
@@ -219,6 +220,16 @@ def run_separately(task_name, n, *, rounds=7, repeats=3, seed=0, log=print):
     return row
 
 
+def one_process(task_name, n, repeats, seed):
+    """:func:`~.peer_rows.run_task`'s row: every library in one process (a
+    new one, which may import PyTorch first)."""
+    return fresh_python(
+        ["-c", TORCH_FIRST + MAIN, "--one-process", task_name, str(n),
+         "--repeats", str(repeats), "--seed", str(seed)],
+        f"the one-process run of {task_name} at n = {n} failed",
+    )  # fmt: skip
+
+
 def ratio_to_fastest(row):
     """jacutil's median over the fastest peer's, or None without a peer."""
     medians = [timing["median"] for timing in row["peers"].values()]
@@ -235,8 +246,8 @@ def fair_rows(rows=None, *, rounds=7, repeats=3, seed=0, log=print):
         separate = run_separately(
             task_name, n, rounds=rounds, repeats=repeats, seed=seed, log=log
         )
-        [one] = run_task(task_name, [n], repeats=rounds * repeats, seed=seed, log=log)
-        both.append({"one_process": one, "separate": separate})
+        both.append({"one_process": one_process(task_name, n, rounds * repeats, seed),
+                     "separate": separate})  # fmt: skip
     return {"machine": machine_summary(), "rounds": rounds, "repeats": repeats,
             "rows": both}  # fmt: skip
 
@@ -323,6 +334,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="python -m jacutil.bench.isolated")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--one-process", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
@@ -332,6 +344,12 @@ def main(argv=None):
         task_name, n, library, reference = args.child
         child(task_name, int(n), library, reference, repeats=args.repeats,
               seed=args.seed)  # fmt: skip
+        return
+    if args.one_process:
+        task_name, n = args.one_process
+        [row] = run_task(task_name, [int(n)], repeats=args.repeats, seed=args.seed,
+                         log=lambda _: None)  # fmt: skip
+        print(json.dumps(row))
         return
     results = fair_rows(rounds=args.rounds, repeats=args.repeats, seed=args.seed)
     out = Path(args.out)
