@@ -7,8 +7,10 @@ PyTorch) builds the row's model, from the same seed, in a Python process of
 its own; the processes wait side by side, and the parent asks each in turn
 for one round of timed calls, round after round, starting each round with a
 different library, so that a drift in the machine's load falls on all
-alike. A row's time is the median of its rounds' medians. Before any timing,
-each peer's result is checked against jacutil's (saved by jacutil's process).
+alike; each round starts after a fifth of a second of quiet, so that the
+threads the last library left spinning have gone to sleep. A row's time
+is the median of its rounds' medians. Before any timing, each peer's result
+is checked against jacutil's (saved by jacutil's process).
 
 ``python -m jacutil.bench.isolated`` times the rows of issue 38's table both
 ways and prints them side by side with each ratio to the fastest peer and
@@ -23,6 +25,7 @@ import selectors
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +53,7 @@ LIBRARIES = ("jacutil", *PEER_NAMES)
 # loaded first: a process that may use PyTorch imports them first
 TORCH_FIRST = "try:\n    import triton, torch\nexcept ImportError:\n    pass\n"
 MAIN = "from jacutil.bench.isolated import main\nmain()"
+SETTLE = 0.2  # seconds of quiet before each library's round
 WAIT = 900  # seconds a child may take to answer (a first call compiles)
 
 
@@ -192,6 +196,7 @@ def run_separately(task_name, n, *, rounds=7, repeats=3, seed=0, log=print):
             for k in range(rounds):
                 turn = libraries[k % len(libraries) :] + libraries[: k % len(libraries)]
                 for library in turn:
+                    time.sleep(SETTLE)  # the last library's spinning threads stop
                     rounds_of[library].append(
                         float(np.median(children[library].round()))
                     )
