@@ -35,7 +35,7 @@ from ..teaching.memory_sweeps import fresh_python
 from ..teaching.timing import first_call, repeat_times
 from .machine import machine_summary
 from .paths import MODELS, PEER_NAMES
-from .peer_rows import KINDS, SHORT_MODELS, TASKS, _inputs, run_task
+from .peer_rows import KINDS, SHORT_MODELS, TASKS, _inputs, peer_ratio, run_task
 from .runner import agree
 from .skipping import format_seconds
 
@@ -235,12 +235,6 @@ def one_process(task_name, n, repeats, seed):
     )  # fmt: skip
 
 
-def ratio_to_fastest(row):
-    """jacutil's median over the fastest peer's, or None without a peer."""
-    medians = [timing["median"] for timing in row["peers"].values()]
-    return row["jacutil"]["median"] / min(medians) if medians else None
-
-
 def fair_rows(rows=None, *, rounds=7, repeats=3, seed=0, log=print):
     """Each of ``rows`` (``[(task, n)]``, default :data:`AIMS`'s) timed in
     one process (:func:`~.peer_rows.run_task`) and in separate processes
@@ -258,7 +252,7 @@ def fair_rows(rows=None, *, rounds=7, repeats=3, seed=0, log=print):
 
 
 def _cell(row):
-    ratio = ratio_to_fastest(row)
+    ratio = peer_ratio(row)
     time = format_seconds(row["jacutil"]["median"])
     return f"{time} | {'-' if ratio is None else f'{ratio:.2f}'}"
 
@@ -275,7 +269,7 @@ def fair_table(results):
     for pair in results["rows"]:
         one, separate = pair["one_process"], pair["separate"]
         aim = AIMS.get((one["task"], one["n"]))
-        ratios = [ratio_to_fastest(one), ratio_to_fastest(separate)]
+        ratios = [peer_ratio(one), peer_ratio(separate)]
         if aim is None or None in ratios:
             met = "-"
         else:
