@@ -27,6 +27,7 @@ installs with ``requirements.lock`` by pip's resolver (see
 
 import logging
 import math
+import os
 import warnings
 from contextlib import contextmanager
 
@@ -54,6 +55,45 @@ INSTALL_HINT = (
 )
 
 ACCOUNTANTS = ("rdp", "pld")
+
+
+class SecureRandom:
+    """Uniform and Gaussian draws from ``os.urandom`` (``secure_mode``).
+
+    ``random(n)``: n uniforms in [0, 1), each from 53 secure bits (the float64
+    mantissa). ``normal(shape, dtype)``: Box-Muller in float64 on those
+    uniforms, in a graph through ``tf.numpy_function``. As Opacus's secure
+    mode does (Holohan and Braghin's attack on floating-point Gaussian noise:
+    a single float64 draw leaks through the gaps between representable
+    values), each noise value is the sum of two independent draws divided
+    by sqrt(2), which keeps N(0, 1) and blurs those gaps. Introduced in
+    ``09-matrix-free``.
+    """
+
+    def random(self, n):
+        bits = np.frombuffer(os.urandom(8 * int(n)), dtype=np.uint64) >> np.uint64(11)
+        return bits.astype(np.float64) * 2.0**-53
+
+    def _normal(self, size):
+        u1 = 1.0 - self.random(size)  # (0, 1]: log stays finite
+        u2 = self.random(size)
+        return np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
+
+    def standard_normal(self, size):
+        """``size`` N(0, 1) float64 values, each a sum of two draws / sqrt(2)."""
+        size = int(size)
+        return (self._normal(size) + self._normal(size)) / math.sqrt(2.0)
+
+    def normal(self, shape, dtype=tf.float32):
+        """A tensor of N(0, 1) values of ``shape`` (graph or eager)."""
+        dtype = tf.as_dtype(dtype)
+        size = math.prod(shape)
+
+        def draw():
+            return self.standard_normal(size).astype(dtype.as_numpy_dtype)
+
+        values = tf.numpy_function(draw, [], dtype, stateful=True)
+        return tf.reshape(values, shape)
 
 
 def dp_accounting_module():
@@ -178,7 +218,11 @@ class DPSGD:
         noise_multiplier: sigma, the noise's standard deviation in units of C
             (>= 0; 0 clips without noise and gives no privacy).
         seed: seeds the noise and :meth:`fit`'s sampling: the same seed, model
-            and data give the same steps.
+            and data give the same steps (None: 0, unless ``secure_mode``).
+        secure_mode: draw the sampling and the noise from the operating
+            system's secure source (:class:`SecureRandom`) instead of seeded
+            generators; slower (the noise leaves the graph for NumPy), and
+            refuses a seed, since a seeded run can be replayed.
 
     Examples:
         >>> import numpy as np
@@ -196,8 +240,22 @@ class DPSGD:
     """
 
     def __init__(
-        self, model, loss_fn, optimizer, *, l2_norm_clip, noise_multiplier, seed=0
+        self,
+        model,
+        loss_fn,
+        optimizer,
+        *,
+        l2_norm_clip,
+        noise_multiplier,
+        seed=None,
+        secure_mode=False,
     ):
+        if secure_mode and seed is not None:
+            raise ValueError(
+                f"seed is {seed!r} with secure_mode=True; leave seed out: secure "
+                "mode draws from the operating system's secure source, which a "
+                "seed would make repeatable (and an attacker able to replay it)."
+            )
         if not l2_norm_clip > 0 or not math.isfinite(l2_norm_clip):
             raise ValueError(
                 f"l2_norm_clip is {l2_norm_clip!r}; it must be a finite number "
@@ -224,8 +282,13 @@ class DPSGD:
         self.skipped = 0  # samples whose gradient was not finite
         if not optimizer.built:  # a compiled model's optimizer may be built already
             optimizer.build(self.variables)
-        self._noise = tf.random.Generator.from_seed(seed)
-        self._sampler = np.random.default_rng([seed, 1])
+        self.secure_mode = bool(secure_mode)
+        if self.secure_mode:
+            self._noise = self._sampler = SecureRandom()
+        else:
+            seed = 0 if seed is None else seed
+            self._noise = tf.random.Generator.from_seed(seed)
+            self._sampler = np.random.default_rng([seed, 1])
         self._steps_at = {}  # sampling rate -> steps taken at it
         self._checked_losses = False
         self.trace_count = 0

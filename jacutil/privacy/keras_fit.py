@@ -290,7 +290,8 @@ def make_private(
     epochs,
     train_size,
     accountant="pld",
-    seed=0,
+    seed=None,
+    secure_mode=False,
     verbose=True,
 ):
     """Make ``model.fit`` train by DP-SGD with at most ``epsilon`` spent.
@@ -321,7 +322,12 @@ def make_private(
         epochs: the epochs the budget covers; ``fit`` refuses more.
         train_size: the number of training samples ``fit`` will get.
         accountant: "pld" (tight; the default) or "rdp".
-        seed: seeds the sampling and the noise.
+        seed: seeds the sampling and the noise (None: 0, unless secure_mode).
+        secure_mode: draw the sampling and the noise from ``os.urandom``
+            (:class:`jacutil.fitting.dp_sgd.SecureRandom`: Box-Muller in
+            float64, each noise value the sum of two draws / sqrt(2), as
+            Opacus's secure mode); a seed is refused with it. It costs a trip
+            out of the compiled step for the noise each step.
         verbose: print the calibrated sigma once.
 
     Returns:
@@ -364,6 +370,7 @@ def make_private(
         l2_norm_clip=l2_norm_clip,
         noise_multiplier=sigma,
         seed=seed,
+        secure_mode=secure_mode,
     )
     training = PrivateTraining(
         model,
