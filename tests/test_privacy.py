@@ -161,6 +161,50 @@ def test_the_clip_invariant_holds_inside_fit():
     assert clipped > 0  # the bound was tested where it binds
 
 
+def test_per_layer_clipping_and_accumulation_inside_fit(capsys):
+    """make_private with a clip norm per layer and passes of at most 8 rows:
+    fit's steps equal those of one pass (the same seed); at learning rate 0,
+    each group's weight is min(1, C_g / |g_ig|) of a tape per sample, so its
+    clipped contribution is at most C_g; the printed line names the groups."""
+    x, y = data()
+    clips = {"hidden": 0.05, "head": 0.1}
+    runs = []
+    for rows, learning_rate in ((None, 0.5), (8, 0.5), (8, 0.0)):
+        keras.utils.set_random_seed(0)  # the layer draws its seed when made
+        hidden = [keras.layers.Dense(8, activation="tanh", name="hidden")]
+        model = compiled(learning_rate, hidden=hidden)
+        model.layers[-1].name = "head"
+        training = private(model, l2_norm_clip=clips, epochs=1, verbose=True,
+                           max_physical_batch_size=rows, seed=4)  # fmt: skip
+        assert training.dpsgd.l2_norm_clip == pytest.approx((0.05**2 + 0.1**2) ** 0.5)
+        model.fit(x, y, epochs=1, verbose=0)
+        dp = training.dpsgd
+        runs.append((model, dp.last_index, dp.last_weights))
+    assert "per-layer clip norms hidden: 0.05, head: 0.1" in capsys.readouterr().out
+    (model, index, weights), (model_acc, index_acc, weights_acc) = runs[:2]
+    assert weights.shape[1] == 2 and len(index_acc) % 8 == 0 and len(index_acc) > 8
+    valid = int((weights > 0).any(axis=1).sum())
+    np.testing.assert_array_equal(index[:valid], index_acc[:valid])
+    np.testing.assert_allclose(weights_acc[:valid], weights[:valid], rtol=1e-5)
+    for a, b in zip(model_acc.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
+    model, index, weights = runs[2]  # learning rate 0: the model did not move
+    loss_fn = per_sample_loss(model.loss)
+    groups = [model.get_layer(name).trainable_variables for name in clips]
+    clipped = 0
+    for i, w in zip(index, weights, strict=True):
+        if not w.any():  # padding
+            continue
+        with tf.GradientTape(persistent=True) as tape:
+            loss = tf.reduce_sum(loss_fn(y[i : i + 1], model(x[i : i + 1])))
+        for group, clip, w_g in zip(groups, clips.values(), w, strict=True):
+            norm = float(tf.linalg.global_norm(tape.gradient(loss, group)))
+            assert w_g == pytest.approx(min(1.0, clip / norm), rel=1e-4)
+            assert w_g * norm <= clip * (1 + 1e-5)
+            clipped += norm > clip
+    assert clipped > 0  # the bound was tested where it binds
+
+
 @pytest.mark.parametrize(
     "loss",
     [

@@ -30,12 +30,14 @@ import math
 import os
 import warnings
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import numpy as np
 
 from ..core._tf import keras, tf
 from ..core.batch import n_samples, take
 from ..core.internals import layers_within
+from .clip_groups import ClipGroups
 from .loss_gradients import (
     gradients_for,
     losses_per_sample,
@@ -129,6 +131,14 @@ def clip_weights(norms, l2_norm_clip):
     return weights
 
 
+def added(sums, found):
+    """``found`` added to ``sums`` (None: nothing yet), variable by variable:
+    the clipped sums of gradient accumulation's passes."""
+    if sums is None:
+        return list(found)
+    return [a + b for a, b in zip(sums, found, strict=True)]
+
+
 def _take(data, index):
     return tf.nest.map_structure(lambda a: tf.gather(a, index), data)
 
@@ -214,7 +224,11 @@ class DPSGD:
         loss_fn: ``loss_fn(y, prediction)`` returning one loss per sample,
             shape (n,), e.g. ``keras.losses.sparse_categorical_crossentropy``.
         optimizer: a Keras 3 optimizer, e.g. ``keras.optimizers.SGD(0.1)``.
-        l2_norm_clip: C, the largest norm a sample's gradient may keep (> 0).
+        l2_norm_clip: C, the largest norm a sample's gradient may keep (> 0);
+            or ``{layer name: C_g}`` for per-layer clipping
+            (:class:`jacutil.fitting.clip_groups.ClipGroups`), when
+            ``l2_norm_clip`` the attribute is ``sqrt(sum C_g^2)``, the noise's
+            scale.
         noise_multiplier: sigma, the noise's standard deviation in units of C
             (>= 0; 0 clips without noise and gives no privacy).
         seed: seeds the noise and :meth:`fit`'s sampling: the same seed, model
@@ -223,6 +237,10 @@ class DPSGD:
             system's secure source (:class:`SecureRandom`) instead of seeded
             generators; slower (the noise leaves the graph for NumPy), and
             refuses a seed, since a seeded run can be replayed.
+        max_physical_batch_size: the most rows a pass holds: a larger batch
+            is taken in passes whose clipped sums are added before the noise
+            (gradient accumulation, the same step in less memory). None:
+            the whole batch in one pass.
 
     Examples:
         >>> import numpy as np
@@ -249,19 +267,13 @@ class DPSGD:
         noise_multiplier,
         seed=None,
         secure_mode=False,
+        max_physical_batch_size=None,
     ):
         if secure_mode and seed is not None:
             raise ValueError(
                 f"seed is {seed!r} with secure_mode=True; leave seed out: secure "
                 "mode draws from the operating system's secure source, which a "
                 "seed would make repeatable (and an attacker able to replay it)."
-            )
-        if not l2_norm_clip > 0 or not math.isfinite(l2_norm_clip):
-            raise ValueError(
-                f"l2_norm_clip is {l2_norm_clip!r}; it must be a finite number "
-                "> 0: each sample's gradient is scaled down to at most this norm "
-                "(a common start: about the median gradient norm early in "
-                "training, e.g. 1.0)."
             )
         if not noise_multiplier >= 0 or not math.isfinite(noise_multiplier):
             raise ValueError(
@@ -272,11 +284,21 @@ class DPSGD:
         self.model = model
         self.loss_fn = loss_fn
         self.optimizer = optimizer
-        self.l2_norm_clip = float(l2_norm_clip)
         self.noise_multiplier = float(noise_multiplier)
         self.variables = list(model.trainable_variables)
         if not self.variables:
             raise ValueError("the model has no trainable variables to train.")
+        self.clip = ClipGroups(model, self.variables, l2_norm_clip)
+        self.l2_norm_clip = self.clip.total  # the noise's scale
+        if max_physical_batch_size is not None and not (
+            int(max_physical_batch_size) == max_physical_batch_size
+            and max_physical_batch_size >= 1
+        ):
+            raise ValueError(
+                f"max_physical_batch_size is {max_physical_batch_size!r}; a whole "
+                "number >= 1 (the most rows one pass holds), or None."
+            )
+        self.max_physical_batch_size = max_physical_batch_size
         self.dtype = tf.as_dtype(self.variables[0].dtype)
         refuse_activity_regularizers(model)
         self.skipped = 0  # samples whose gradient was not finite
@@ -292,8 +314,9 @@ class DPSGD:
         self._steps_at = {}  # sampling rate -> steps taken at it
         self._checked_losses = False
         self.trace_count = 0
-        self._compiled_step = tf.function(self.clipped_noisy_update, autograph=False)
-        self._fused = None  # (x, y, the compiled sampled step or None)
+        self._compiled_sum = tf.function(self.clipped_sum, autograph=False)
+        self._compiled_update = tf.function(self.noisy_update, autograph=False)
+        self._fused = None  # (x, y, the compiled sampled steps or None)
         self.last_weights = None  # the clip weights of the last step, row by row
         self.last_index = None  # which samples of x its rows were (padding too)
 
@@ -315,13 +338,41 @@ class DPSGD:
 
         ``weights`` are each sample's ``min(1, C / |g_i|)`` from the norms, so that
         one backward pass of the weighted loss gives the sum of the clipped
-        gradients. ``step`` calls it compiled; notebook 09 shows it."""
+        gradients (:meth:`clipped_sum`); :meth:`noisy_update` adds the noise and
+        applies it. Notebook 09 shows it."""
+        sums, losses, prediction = self.clipped_sum(x, y, weights)
+        self.noisy_update(sums, denominator)
+        return losses, prediction
+
+    def clipped_sum(self, x, y, weights):
+        """``(sums, losses, prediction)``: ``sum_i w_i g_i`` per variable by one
+        backward pass of ``sum_i w_i L_i``, and the losses and predictions of
+        its forward pass. With per-layer clipping, ``weights`` has a column
+        per group (``w_ig = min(1, C_g / |g_ig|)``) and each group's variables
+        take the gradient of their own weighted sum, from the same forward
+        pass. Gradient accumulation adds the sums of several batches."""
         self.trace_count += 1
-        with tf.GradientTape() as tape:
+        groups = self.clip.groups
+        with tf.GradientTape(persistent=len(groups) > 1) as tape:
             prediction = self.model(x, training=False)
             losses = losses_per_sample(self.loss_fn, y, prediction, n_samples(x))
-            weighted = tf.reduce_sum(tf.cast(weights, losses.dtype) * losses)
-        sums = tape.gradient(weighted, self.variables)
+            weights = tf.reshape(tf.cast(weights, losses.dtype), [-1, len(groups)])
+            weighted = [tf.reduce_sum(w * losses) for w in tf.unstack(weights, axis=1)]
+        sums = [None] * len(self.variables)
+        for total, (_, indices, _) in zip(weighted, groups, strict=True):
+            found = tape.gradient(total, [self.variables[i] for i in indices])
+            for i, gradient in zip(indices, found, strict=True):
+                sums[i] = gradient
+        sums = [  # None: the loss does not depend on this variable
+            tf.zeros(v.shape, v.dtype) if s is None else s
+            for s, v in zip(sums, self.variables, strict=True)
+        ]
+        return sums, losses, prediction
+
+    def noisy_update(self, sums, denominator):
+        """The clipped ``sums`` plus Gaussian noise of standard deviation
+        ``noise_multiplier * l2_norm_clip``, divided by ``denominator``, plus
+        the weight penalties' gradient, applied by the optimizer."""
         penalties = self.penalty_gradients()  # no sample in it: not clipped
         std = self.noise_multiplier * self.l2_norm_clip
         updates = []
@@ -329,14 +380,12 @@ class DPSGD:
             sums, penalties, self.variables, strict=True
         ):
             dtype = tf.as_dtype(variable.dtype)
-            if total is None:  # the loss does not depend on this variable
-                total = tf.zeros(variable.shape, dtype)
             if std > 0:
                 total = total + std * self._noise.normal(variable.shape, dtype=dtype)
             update = total / tf.cast(denominator, dtype)
             updates.append(update if penalty is None else update + penalty)
         self.optimizer.apply_gradients(zip(updates, self.variables, strict=True))
-        return losses, prediction
+        return tf.constant(True)
 
     def penalty_gradients(self):
         """The gradient of the weight regularizers' ``sum(model.losses)``, per
@@ -371,46 +420,74 @@ class DPSGD:
 
     def clip_weights(self, x, y):
         """The clip weights ``min(1, C / |g_i|)`` of a batch ``x``, ``y``, from
-        its norms: a float64 NumPy array of shape (n,). Introduced in
+        its norms: a float64 NumPy array of shape (n,), or (n, groups) with
+        per-layer clipping (``min(1, C_g / |g_ig|)``). Introduced in
         ``09-matrix-free``."""
         x, y = self.as_inputs(x, y)
-        self._check_losses(x, y)
-        norms = per_sample_gradient_norms(self.model, self.loss_fn, x, y)
-        return clip_weights(norms, self.l2_norm_clip)
+        weights, _ = self._weights(x, y, np.ones(n_samples(x)))
+        return self.clip.as_shown(weights)
 
-    def padded_step(self, x, y, valid, *, denominator, sampling_rate):
+    def _weights(self, x, y, valid):
+        """``(weights (rows, groups), skipped (rows,))`` of a batch from its
+        norms, one call of the norms per clip group (NumPy arrays)."""
+        self._check_losses(x, y)
+        norms = [
+            per_sample_gradient_norms(
+                self.model,
+                self.loss_fn,
+                x,
+                y,
+                variables=None if self.clip.flat else group,
+            )  # fmt: skip
+            for group in self.clip.variables_of(self.variables)
+        ]
+        weights, skipped = self.clip.weights(
+            tf.constant(np.stack(norms, axis=1), tf.float64),
+            tf.constant(np.asarray(valid), tf.float64),
+        )
+        return weights.numpy(), skipped.numpy()
+
+    def padded_step(self, x, y, valid, *, denominator, sampling_rate, rows=None):
         """One DP-SGD step on a batch ``x``, ``y`` padded to a fixed size (tensors,
         cast as :meth:`step` casts them): the rows whose ``valid`` (shape
         (rows,)) is 0 are padding and weigh nothing. The noisy sum is divided
         by ``denominator``; ``sampling_rate`` is the Poisson rate that drew the
-        batch (for the accountant). :meth:`sampled_step` and :meth:`step` take
-        their steps here. Introduced in ``09-matrix-free``.
+        batch (for the accountant). With ``rows``, the clipped sum is
+        accumulated over slices of that many rows (gradient accumulation).
+        :meth:`sampled_step` and :meth:`step` take their steps here, where
+        the norms are off the layer rules. Introduced in ``09-matrix-free``.
 
         Returns:
             ``(losses, prediction)``: the per-sample losses before the step
             (NaN where a sample's gradient was not finite) and the model's
             predictions, tensors with one row per padded row.
         """
-        weights = self.clip_weights(x, y) * np.asarray(valid)
-        self.last_weights = weights
-        skipped = (weights == 0) & (np.asarray(valid) > 0)  # non-finite gradients
-        if skipped.any():
-            x, y = self._without(skipped, weights, x, y)
-        losses, prediction = self._compiled_step(
-            x, y, tf.constant(weights, self.dtype), tf.constant(denominator, tf.float64)
-        )
+        total = n_samples(x)
+        rows = rows or total
+        weights, skipped = self._weights(x, y, valid)
+        self.last_weights = self.clip.as_shown(weights)
+        kept = (weights > 0).any(axis=1)
+        self._count_skipped(skipped, any_kept=bool(kept.any()) or not skipped.any())
+        index = np.where(skipped, np.argmax(kept), np.arange(total))
+        sums, losses, predictions = None, [], []
+        for start in range(0, total, rows):
+            part = index[start : start + rows]
+            found, loss, prediction = self._compiled_sum(
+                _take(x, part), tf.gather(y, part),
+                tf.constant(weights[start : start + rows], self.dtype),
+            )  # fmt: skip
+            sums = added(sums, found)
+            losses.append(loss)
+            predictions.append(prediction)
+        self._compiled_update(sums, tf.constant(denominator, tf.float64))
         self._steps_at[sampling_rate] = self._steps_at.get(sampling_rate, 0) + 1
+        losses = tf.concat(losses, 0) if len(losses) > 1 else losses[0]
+        prediction = tf.nest.map_structure(
+            lambda *parts: tf.concat(parts, 0), *predictions
+        )
         if skipped.any():
             losses = tf.where(skipped, tf.constant(np.nan, losses.dtype), losses)
         return losses, prediction
-
-    def _without(self, skipped, weights, x, y):
-        """The batch with each sample of non-finite gradient replaced by a
-        kept sample of weight 0: its NaN never reaches the backward pass."""
-        kept = np.flatnonzero(weights > 0)
-        self._count_skipped(skipped, any_kept=bool(kept.size))
-        index = np.where(skipped, kept[0], np.arange(len(weights)))
-        return _take(x, index), tf.gather(y, index)
 
     def _count_skipped(self, skipped, any_kept):
         """Count and report the samples of non-finite gradient in a step; a
@@ -434,14 +511,15 @@ class DPSGD:
         )
 
     def largest_clipped_norm(self, x, y):
-        """The largest ``|w_i g_i| / C`` over the batch: at most 1 (to
+        """The largest ``|w_i g_i| / C`` over the batch (with per-layer
+        clipping, over groups too: ``|w_ig g_ig| / C_g``): at most 1 (to
         rounding) is what DP-SGD's guarantee rests on.
 
         ``g_i`` from a tape per sample, independent of the step's norms: a
         check for a new model or loss (n backward passes), not for each step.
         Takes a batch ``x``, ``y``. Introduced in ``09-matrix-free``.
         """
-        weights = self.clip_weights(x, y)
+        weights = np.reshape(self.clip_weights(x, y), (n_samples(x), -1))
         x, y = self.as_inputs(x, y)
         largest = 0.0
         for i in range(n_samples(x)):
@@ -449,9 +527,14 @@ class DPSGD:
                 prediction = self.model(take(x, i, i + 1), training=False)
                 loss = tf.reduce_sum(self.loss_fn(y[i : i + 1], prediction))
             grads = tape.gradient(loss, self.variables)
-            squares = [tf.reduce_sum(tf.square(g)) for g in grads if g is not None]
-            norm = float(tf.sqrt(tf.add_n(squares))) if squares else 0.0
-            largest = max(largest, weights[i] * norm / self.l2_norm_clip)
+            for g, (_, indices, clip) in enumerate(self.clip.groups):
+                squares = [
+                    tf.reduce_sum(tf.square(grads[j]))
+                    for j in indices
+                    if grads[j] is not None
+                ]
+                norm = float(tf.sqrt(tf.add_n(squares))) if squares else 0.0
+                largest = max(largest, weights[i, g] * norm / clip)
         return largest
 
     def step(self, x, y, *, sampling_rate=1.0, denominator=None):
@@ -484,6 +567,7 @@ class DPSGD:
             np.ones(n),
             denominator=n if denominator is None else denominator,
             sampling_rate=sampling_rate,
+            rows=self.max_physical_batch_size,
         )
         return losses.numpy()
 
@@ -517,8 +601,11 @@ class DPSGD:
         physical = physical_batch_size or batch_size + math.ceil(
             2 * math.sqrt(batch_size * (1 - rate))
         )
+        if self.max_physical_batch_size:
+            physical = min(physical, self.max_physical_batch_size)
         chosen = np.flatnonzero(self._sampler.random(n) < rate)
         size = physical * max(1, math.ceil(len(chosen) / physical))
+        rows = physical if self.max_physical_batch_size else size  # rows a pass
         index = np.zeros(size, dtype=np.int64)  # padding: sample 0, weight 0
         index[: len(chosen)] = chosen
         valid = np.arange(size) < len(chosen)
@@ -526,83 +613,134 @@ class DPSGD:
         if fused is None:
             losses, prediction = self.padded_step(
                 _take(x, index), batch_y, valid, denominator=batch_size,
-                sampling_rate=rate,
+                sampling_rate=rate, rows=rows,
             )  # fmt: skip
         else:
-            losses, prediction, skipped, applied, weights = fused(
-                x, y, tf.constant(index), tf.constant(valid, tf.float64),
-                tf.constant(batch_size, tf.float64),
-            )  # fmt: skip
-            self.last_weights = weights.numpy()
-            self._count_skipped(skipped.numpy(), any_kept=bool(applied))
+            losses, prediction = self._run_fused(
+                fused, x, y, index, valid, batch_size, rows
+            )
             self._steps_at[rate] = self._steps_at.get(rate, 0) + 1
         self.last_index = index
         return losses, batch_y, prediction, tf.constant(valid, losses.dtype)
 
+    def _run_fused(self, fused, x, y, index, valid, denominator, rows):
+        """The compiled sampled step: one call when the batch is one pass,
+        else the clipped sums of each pass of ``rows`` rows added up, then
+        one noisy update (gradient accumulation: the same step, in less
+        memory)."""
+        denominator = tf.constant(denominator, tf.float64)
+        valid = tf.constant(valid, tf.float64)
+        if rows == len(index):
+            losses, prediction, skipped, applied, weights = fused.step(
+                x, y, tf.constant(index), valid, denominator
+            )
+            self.last_weights = self.clip.as_shown(weights.numpy())
+            self._count_skipped(skipped.numpy(), any_kept=bool(applied))
+            return losses, prediction
+        sums, parts = None, []
+        for start in range(0, len(index), rows):
+            found, *part = fused.chunk(
+                x, y, tf.constant(index[start : start + rows]),
+                valid[start : start + rows],
+            )  # fmt: skip
+            sums = added(sums, found)
+            parts.append(part)
+        losses, prediction, skipped, any_kept, weights = (
+            tf.nest.map_structure(lambda *p: tf.concat(p, 0), *[
+                [part[0], part[1], part[2], tf.reshape(part[3], [1]), part[4]]
+                for part in parts
+            ])
+        )  # fmt: skip
+        skipped = skipped.numpy()
+        applied = bool(any_kept.numpy().any()) or not skipped.any()
+        self.last_weights = self.clip.as_shown(weights.numpy())
+        self._count_skipped(skipped, any_kept=applied)
+        fused.update(sums, denominator)
+        return losses, prediction
+
     def _fused_step(self, x, y):
-        """``(step, x, y)``: one compiled sampled step on ``(x, y)`` (rows,
-        norms, weights, :meth:`clipped_noisy_update`, no NumPy between), or
-        None where the norms are off the layer rules (then :meth:`padded_step`);
-        ``x``, ``y`` as tensors. Kept for the same arrays."""
+        """``(steps, x, y)``: the compiled sampled steps on ``(x, y)`` (rows,
+        norms, weights, the clipped sum and the noisy update, no NumPy
+        between: ``steps.step`` in one call, or ``steps.chunk`` per pass and
+        ``steps.update``), or None where the norms are off the layer rules
+        (then :meth:`padded_step`); ``x``, ``y`` as tensors. Kept for the
+        same arrays."""
         leaves = [id(a) for a in tf.nest.flatten((x, y))]
         if self._fused is not None and self._fused[0] == leaves:
             return self._fused[2:]
         source = (x, y)  # held, so that the ids above stay theirs
         x, y = self.as_inputs(x, y)
-        job = gradients_for(self.model, self.loss_fn, None, False, x)
         rows = min(2, n_samples(x))
-        few = prepared(job, take(x, 0, rows), y[:rows])
-        job(*few, "norms")  # an eager call chooses the mode for this signature
-        graph = job.norms_graph(*few)
-        step = None
-        if graph is not None:
-            batch_all, targets_all = prepared(job, x, y)
+        graphs = []
+        for group in self.clip.variables_of(self.variables):
+            variables = None if self.clip.flat else group
+            job = gradients_for(self.model, self.loss_fn, variables, False, x)
+            few = prepared(job, take(x, 0, rows), y[:rows])
+            job(*few, "norms")  # an eager call chooses the mode for this signature
+            graphs.append(job.norms_graph(*few))
+        steps = None
+        if all(graph is not None for graph in graphs):
+            data = prepared(job, x, y)
 
-            def step_on(x, y, index, valid, denominator):
-                return self._sampled_update(
-                    graph, batch_all, targets_all, x, y, index, valid, denominator
+            def chunk(x, y, index, valid):
+                return self._clipped_rows(graphs, data, x, y, index, valid)
+
+            def step(x, y, index, valid, denominator):
+                sums, losses, prediction, skipped, any_kept, weights = chunk(
+                    x, y, index, valid
                 )
+                # nothing to apply only when samples were skipped and none is
+                # kept (an empty Poisson batch still takes its step: the noise)
+                applied = any_kept | tf.logical_not(tf.reduce_any(skipped))
+                tf.cond(
+                    applied,
+                    lambda: self.noisy_update(sums, denominator),
+                    lambda: tf.constant(False),
+                )
+                return losses, prediction, skipped, applied, weights
 
-            step = tf.function(step_on, autograph=False)
-        self._fused = (leaves, source, step, x, y)
-        return step, x, y
+            steps = SimpleNamespace(
+                step=tf.function(step, autograph=False),
+                chunk=tf.function(chunk, autograph=False),
+                update=self._compiled_update,
+            )
+        self._fused = (leaves, source, steps, x, y)
+        return steps, x, y
 
-    def _sampled_update(
-        self, norms_of, batch_all, targets_all, x_all, y_all, index, valid, denominator
-    ):
-        """Compiled (in :meth:`_fused_step`): what :meth:`padded_step` does,
-        in one graph. The weights are :func:`clip_weights` of the norms in
-        float64; a sample of non-finite gradient weighs 0 and its rows are
-        replaced by a kept sample's, so that its NaN never reaches the
-        backward pass; with no kept sample nothing is applied."""
-        norms = tf.cast(norms_of(_take(batch_all, index), _take(targets_all, index)),
-                        tf.float64)  # fmt: skip
-        clip = tf.constant(self.l2_norm_clip, tf.float64)
-        finite = tf.math.is_finite(norms)
-        one = tf.where(finite, tf.ones_like(norms), tf.zeros_like(norms))
-        weights = tf.where(finite & (norms > clip), clip / norms, one) * valid
-        skipped = tf.logical_not(finite) & (valid > 0)
-        kept = weights > 0
-        # nothing to apply only when samples were skipped and none is kept (an
-        # empty Poisson batch still takes its step: the noise alone)
-        applied = tf.reduce_any(kept) | tf.logical_not(tf.reduce_any(skipped))
+    def _clipped_rows(self, norms_of, data, x_all, y_all, index, valid):
+        """Compiled (in :meth:`_fused_step`): the rows ``index`` of the data,
+        their norms (one graph per clip group), weights
+        (:meth:`ClipGroups.weights`, float64) and :meth:`clipped_sum`. A sample
+        of non-finite gradient weighs 0 and its rows are replaced by a kept
+        sample's, so that its NaN never reaches the backward pass; with no
+        kept sample the sums are zeros. Returns ``(sums, losses, prediction,
+        skipped, any_kept, weights)``."""
+        batch, targets = (_take(part, index) for part in data)
+        norms = tf.stack(
+            [tf.cast(group(batch, targets), tf.float64) for group in norms_of], axis=1
+        )
+        weights, skipped = self.clip.weights(norms, valid)
+        kept = tf.reduce_any(weights > 0, axis=1)
+        any_kept = tf.reduce_any(kept)
         first_kept = tf.gather(index, tf.argmax(tf.cast(kept, tf.int32)))
         index = tf.where(skipped, first_kept, index)
         x, y = _take(x_all, index), tf.gather(y_all, index)
 
-        def apply():
-            return self.clipped_noisy_update(x, y, weights, denominator)
+        def clipped():
+            return self.clipped_sum(x, y, weights)
 
-        def nothing():  # every sampled row skipped: the caller raises
+        def nothing():  # every sampled row skipped: no sum
             prediction = self.model(x, training=False)
             losses = losses_per_sample(self.loss_fn, y, prediction, n_samples(x))
-            return tf.fill(tf.shape(losses), tf.constant(np.nan, losses.dtype)), (
-                prediction
+            return (
+                [tf.zeros(v.shape, v.dtype) for v in self.variables],
+                losses,
+                (prediction),
             )
 
-        losses, prediction = tf.cond(applied, apply, nothing)
+        sums, losses, prediction = tf.cond(any_kept, clipped, nothing)
         losses = tf.where(skipped, tf.constant(np.nan, losses.dtype), losses)
-        return losses, prediction, skipped, applied, weights
+        return sums, losses, prediction, skipped, any_kept, weights
 
     def fit(
         self,

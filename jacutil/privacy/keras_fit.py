@@ -292,6 +292,7 @@ def make_private(
     accountant="pld",
     seed=None,
     secure_mode=False,
+    max_physical_batch_size=None,
     verbose=True,
 ):
     """Make ``model.fit`` train by DP-SGD with at most ``epsilon`` spent.
@@ -317,7 +318,12 @@ def make_private(
         model: a compiled, built Keras 3 model.
         epsilon: the target epsilon, > 0.
         delta: the delta of the guarantee, in (0, 1); below 1 / train_size.
-        l2_norm_clip: C, the largest norm a sample's gradient keeps.
+        l2_norm_clip: C, the largest norm a sample's gradient keeps; or a
+            dict ``{layer name: C_g}`` (a key may be a tuple of names) for
+            per-layer clipping: each sample's gradient on each group's
+            variables keeps at most C_g, every trainable variable in one
+            group, and the noise scales with ``sqrt(sum C_g^2)``
+            (:class:`jacutil.fitting.clip_groups.ClipGroups`).
         batch_size: the expected batch size.
         epochs: the epochs the budget covers; ``fit`` refuses more.
         train_size: the number of training samples ``fit`` will get.
@@ -328,6 +334,11 @@ def make_private(
             float64, each noise value the sum of two draws / sqrt(2), as
             Opacus's secure mode); a seed is refused with it. It costs a trip
             out of the compiled step for the noise each step.
+        max_physical_batch_size: the most rows one pass holds (Opacus's
+            name). A Poisson batch larger than it is split into passes whose
+            clipped sums are added up before the noise (gradient
+            accumulation): the same step in less memory, for logical batches
+            that do not fit. None: one pass per step.
         verbose: print the calibrated sigma once.
 
     Returns:
@@ -371,6 +382,7 @@ def make_private(
         noise_multiplier=sigma,
         seed=seed,
         secure_mode=secure_mode,
+        max_physical_batch_size=max_physical_batch_size,
     )
     training = PrivateTraining(
         model,
@@ -386,7 +398,7 @@ def make_private(
     if verbose:
         print(
             f"make_private: noise multiplier {sigma:.4f} (in units of "
-            f"l2_norm_clip = {l2_norm_clip:g}), so that {steps} steps ({epochs} "
+            f"{dpsgd.clip.describe()}), so that {steps} steps ({epochs} "
             f"epochs of {training.steps_per_epoch}), each batch Poisson-sampled "
             f"at rate {rate:.4g}, spend epsilon <= {epsilon:g} at delta = "
             f"{delta:g} ({accountant.upper()} accountant)."
