@@ -414,6 +414,7 @@ def check_dp_step(case, ns, G):
             f"{clip:.6g}: the clip bound is broken"
         )
     check_private_fit(case, ns, G, clip)
+    check_per_layer_step(case, ns, G)
     before = np.concatenate([np.ravel(v.numpy()) for v in model.trainable_variables])
     if run("DPSGD.step", lambda: dp.step(x, y), known) is None:
         return
@@ -422,6 +423,91 @@ def check_dp_step(case, ns, G):
     expected = (reference[:, None] * G).sum(axis=0) / len(G)
     scale = np.abs(G).max(initial=0)
     assert_close("DPSGD.step", before - after, expected, case.dtype, scale)
+
+
+def clip_groups_of(model):
+    """Two groups of the layers that own the trainable variables (each
+    variable's smallest owning layer), as ``l2_norm_clip`` keys, and each
+    group's columns of G; None where those layers' variables overlap."""
+    from jacutil.core.internals import layers_within
+
+    variables = model.trainable_variables
+    owners = [layer for layer in layers_within(model, include_self=False)
+              if layer.trainable_variables]  # fmt: skip
+    owner_of = {}
+    for v in variables:
+        having = [layer for layer in owners
+                  if any(w is v for w in layer.trainable_variables)]  # fmt: skip
+        if not having:
+            return None
+        owner_of[id(v)] = min(having, key=lambda layer: len(layer.trainable_variables))
+    named = list({id(layer): layer for layer in owner_of.values()}.values())
+    if sum(len(layer.trainable_variables) for layer in named) != len(variables):
+        return None  # an owner holds another's variables too
+    if len({layer.name for layer in named}) != len(named):
+        return None
+    halves = [named[: (len(named) + 1) // 2], named[(len(named) + 1) // 2 :]]
+    sizes = np.cumsum([0] + [int(np.prod(v.shape)) for v in variables])
+    groups = []
+    for half in filter(None, halves):
+        ids = {id(w) for layer in half for w in layer.trainable_variables}
+        spans = [np.arange(sizes[j], sizes[j + 1])
+                 for j, v in enumerate(variables) if id(v) in ids]  # fmt: skip
+        columns = np.concatenate(spans)
+        groups.append((tuple(layer.name for layer in half), columns))
+    return groups
+
+
+def check_per_layer_step(case, ns, G):
+    """DPSGD with a clip norm per group of layers (each C_g the median of
+    its group's norms) and passes of about half the batch (gradient
+    accumulation): with no noise and SGD(1.0) the update is
+    ``sum_i sum_g min(1, C_g / |g_ig|) g_ig / n`` from the tape's G, and
+    each group's clipped contribution is at most C_g. The weights are put
+    back afterwards."""
+    from jacutil.fitting.dp_sgd import DPSGD
+
+    model, x, y, loss, known = ns["model"], ns["x"], ns["y"], ns["loss"], ns["known"]
+    groups = clip_groups_of(model)
+    if groups is None:
+        event("per-layer DPSGD: owning layers overlap, not drawn")
+        return
+    clips, expected = {}, np.zeros(G.shape[1])
+    for names, columns in groups:
+        norms = np.linalg.norm(G[:, columns], axis=1)
+        clips[names] = float(np.median(norms))
+        if not clips[names] > 0:
+            return
+        scale = np.minimum(1.0, clips[names] / np.maximum(norms, 1e-300))
+        expected[columns] = (scale[:, None] * G[:, columns]).sum(axis=0) / len(G)
+    rows = max(1, len(G) // 2)
+    entry = "DPSGD(per-layer, accumulated)"
+    dp = run(entry, lambda: DPSGD(model, loss, ju.keras.optimizers.SGD(1.0),
+                                  l2_norm_clip=clips, noise_multiplier=0.0,
+                                  max_physical_batch_size=rows), known)  # fmt: skip
+    if dp is None:
+        return
+    saved = model.get_weights()
+    before = np.concatenate([np.ravel(v.numpy()) for v in model.trainable_variables])
+    try:
+        # rate 1: every sample, in passes of ``rows`` (fused where it can)
+        if run(entry, lambda: dp.sampled_step(x, y, len(G)), known) is None:
+            return
+        after = np.concatenate([np.ravel(v.numpy()) for v in model.trainable_variables])
+    finally:
+        model.set_weights(saved)
+    np.testing.assert_array_equal(dp.last_index[: len(G)], np.arange(len(G)))
+    weights = np.asarray(dp.last_weights).reshape(-1, len(groups))[: len(G)]
+    for g, (names, columns) in enumerate(groups):
+        contribution = np.linalg.norm(weights[:, g : g + 1] * G[:, columns], axis=1)
+        if not contribution.max() <= clips[names] * (1 + TOLERANCE[case.dtype]):
+            raise failure(entry, "clip")(
+                f"{entry}: group {names}'s clipped contribution has norm "
+                f"{contribution.max():.6g} > C_g = {clips[names]:.6g}"
+            )
+    assert_close(entry, before - after, expected, case.dtype, np.abs(G).max(initial=0))
+    fused = "fused" if dp._fused[2] is not None else "eager"
+    event(f"per-layer DPSGD ({fused}): {len(groups)} group(s), passes of {rows} row(s)")
 
 
 def check_private_fit(case, ns, G, clip):

@@ -363,8 +363,9 @@ class DPSGD:
             found = tape.gradient(total, [self.variables[i] for i in indices])
             for i, gradient in zip(indices, found, strict=True):
                 sums[i] = gradient
-        sums = [  # None: the loss does not depend on this variable
-            tf.zeros(v.shape, v.dtype) if s is None else s
+        sums = [  # None: the loss does not depend on this variable; an
+            # embedding's IndexedSlices made dense (the noise is dense anyway)
+            tf.zeros(v.shape, v.dtype) if s is None else tf.convert_to_tensor(s)
             for s, v in zip(sums, self.variables, strict=True)
         ]
         return sums, losses, prediction
