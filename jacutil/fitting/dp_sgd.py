@@ -37,9 +37,11 @@ import numpy as np
 from ..core._tf import keras, tf
 from ..core.batch import n_samples, take
 from ..core.internals import layers_within
+from ..rules.walk import Weighing
 from .clip_groups import ClipGroups
 from .loss_gradients import (
     gradients_for,
+    loss_signal,
     losses_per_sample,
     per_sample_gradient_norms,
     prepared,
@@ -319,6 +321,10 @@ class DPSGD:
         self._fused = None  # (x, y, the compiled sampled steps or None)
         self.last_weights = None  # the clip weights of the last step, row by row
         self.last_index = None  # which samples of x its rows were (padding too)
+        # the fused step's clipped sum from the norms' pass where the rules
+        # can (book-keeping); False: always a second, weighted pass
+        self.bookkeeping = True
+        self.bookkept = False  # whether the last fused step was built so
 
     @property
     def steps(self):
@@ -682,8 +688,12 @@ class DPSGD:
         steps = None
         if all(graph is not None for graph in graphs):
             data = prepared(job, x, y)
+            plan = job.jac.plan
+            bookkept = self.clip.flat and plan.weighs_sums() and self.bookkeeping
 
             def chunk(x, y, index, valid):
+                if bookkept:
+                    return self._bookkept_rows(plan, data, x, y, index, valid)
                 return self._clipped_rows(graphs, data, x, y, index, valid)
 
             def step(x, y, index, valid, denominator):
@@ -705,8 +715,49 @@ class DPSGD:
                 chunk=tf.function(chunk, autograph=False),
                 update=self._compiled_update,
             )
+        self.bookkept = steps is not None and bookkept
         self._fused = (leaves, source, steps, x, y)
         return steps, x, y
+
+    def _bookkept_rows(self, plan, data, x_all, y_all, index, valid):
+        """What :meth:`_clipped_rows` returns, from one forward and one
+        backward pass: where every layer's rule writes weighted sums
+        (:meth:`jacutil.rules.plan.Plan.weighted_sums`, Dense's
+        ``a.T @ (w * delta)``), the clipped sum comes from the signals the
+        norms' pass already holds ("book-keeping", Bu et al., 2023) instead
+        of a second forward and backward pass of the weighted loss. Flat
+        clipping only; the weights are :meth:`ClipGroups.weights` of the same
+        norms, so the step is the two-pass one, to rounding."""
+        self.trace_count += 1
+        batch, targets = (_take(part, index) for part in data)
+        y = tf.gather(y_all, index)
+        seen = {}
+        signal_of = loss_signal(self.loss_fn, targets)
+
+        def signal(prediction):
+            seen["prediction"] = prediction
+            return signal_of(prediction)
+
+        def weigh(squared):
+            norms = tf.cast(tf.sqrt(squared), tf.float64)[:, None]
+            seen["weights"], seen["skipped"] = self.clip.weights(norms, valid)
+            return tf.cast(seen["weights"][:, 0], squared.dtype)
+
+        found = plan.weighted_sums(batch, Weighing(signal, weigh))
+        by_id = dict(zip(map(id, plan.variables), found, strict=True))
+        sums = [
+            tf.zeros(v.shape, v.dtype) if by_id.get(id(v)) is None else by_id[id(v)]
+            for v in self.variables
+        ]
+        prediction, weights, skipped = (
+            seen["prediction"],
+            seen["weights"],
+            seen["skipped"],
+        )
+        losses = losses_per_sample(self.loss_fn, y, prediction, n_samples(y))
+        losses = tf.where(skipped, tf.constant(np.nan, losses.dtype), losses)
+        any_kept = tf.reduce_any(weights > 0)
+        return sums, losses, prediction, skipped, any_kept, weights
 
     def _clipped_rows(self, norms_of, data, x_all, y_all, index, valid):
         """Compiled (in :meth:`_fused_step`): the rows ``index`` of the data,

@@ -68,7 +68,7 @@ def losses_per_sample(loss_fn, y, prediction, n):
     return losses
 
 
-def _signal(loss_fn, y):
+def loss_signal(loss_fn, y):
     """``prediction -> dL_i / d prediction_i``, shaped (n, 1, *output); or,
     when the loss reads the logits, ``dL_i / d logits_i`` as a LogitsSignal.
 
@@ -237,7 +237,7 @@ class LossGradients:
 
         def traced(x, y):
             self.trace_count += 1  # Python side effect: runs once per trace
-            signal = _signal(self.loss_fn, y)
+            signal = loss_signal(self.loss_fn, y)
             if mode == Ladder.RULES and what == "norms":
                 return tf.sqrt(plan.squared_norms(x, signal)[:, 0])
             if mode == Ladder.RULES:

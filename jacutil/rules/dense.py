@@ -70,6 +70,7 @@ class DenseRule(KernelRule):
     or quantized Dense raises :class:`NoRule`."""
 
     name = "dense"
+    weighs_sums = True
     fast_under_xla = True  # its norms: |a|^2 |delta|^2, fused by XLA
 
     def __init__(self, layer):
@@ -124,6 +125,27 @@ class DenseRule(KernelRule):
         if self.bias is not None and self.bias in wanted:
             squares[self.bias] = tf.reduce_sum(by_unit, axis=0)
         return squares, (self._below(a, delta) if need_signal else None)
+
+    def _weighted_sums(self, saved, delta, wanted, weights):
+        """The kernel's ``a.T @ (w * delta)`` and the bias's ``sum_i w_i delta_i``
+        over samples (and positions, for an input of higher rank): one
+        product, as the ordinary backward pass's. Rows of weight 0 are
+        zeroed first, so that a NaN in a skipped sample stays out."""
+        a, slope = saved
+        delta = self._at_z(slope, delta)[:, 0]  # (n, ..., q): one signal row
+        shape = [-1] + [1] * (delta.shape.rank - 1)
+        keep = tf.reshape(weights > 0, shape)
+        weighted = tf.where(keep, tf.reshape(weights, shape) * delta, 0.0)
+        weighted = tf.reshape(weighted, [-1, weighted.shape[-1]])
+        sums = Blocks()
+        if self.layer.kernel in wanted:
+            a = tf.reshape(tf.where(keep, a, tf.zeros_like(a)), [-1, a.shape[-1]])
+            sums[self.layer.kernel] = tf.reshape(
+                tf.matmul(a, weighted, transpose_a=True), [-1]
+            )
+        if self.bias is not None and self.bias in wanted:
+            sums[self.bias] = tf.reduce_sum(weighted, axis=0)
+        return sums
 
     def _below(self, a, delta):
         return times_transpose(delta, self.layer.kernel)

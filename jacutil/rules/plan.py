@@ -16,7 +16,12 @@ from .graph import NotAGraph, Wiring, chain_nodes, graph_nodes, is_exact_keras
 from .merge import MERGE_RULES
 from .registry import Wanted, rule_for
 from .verify import disagreement
-from .walk import rules_squared_columns, rules_squared_norms, rules_tensor
+from .walk import (
+    rules_squared_columns,
+    rules_squared_norms,
+    rules_tensor,
+    rules_weighted_sums,
+)
 
 # Left to the compiled per-sample stage: pfor unrolls their time loop
 # (jacutil.core.formulation), and attention's products need XLA in TF 2.21.
@@ -125,6 +130,16 @@ class Plan:
     tensor = _on_checked_inputs(rules_tensor, "(n, l, m), or (n, r, m) with ``signal``")
     squared_norms = _on_checked_inputs(rules_squared_norms, "(n, r)")
     squared_columns = _on_checked_inputs(rules_squared_columns, "(m,)")
+    weighted_sums = _on_checked_inputs(rules_weighted_sums, "one per variable (a list)")
+
+    def weighs_sums(self):
+        """Whether every step holding a wanted variable writes weighted sums
+        (:meth:`jacutil.rules.registry.Rule.weighted_sums`)."""
+        return all(
+            step.weighs_sums
+            for step, wanted in zip(self.steps, self.wanted, strict=True)
+            if list(wanted)
+        )
 
 
 def plan_for(model, variables, training=False):

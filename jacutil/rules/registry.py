@@ -233,6 +233,7 @@ class Rule(abc.ABC):
     """
 
     name: str = "rule"
+    weighs_sums: bool = False  # writes _weighted_sums (DP-SGD's book-keeping)
     shared_signal: bool = False
     runs_user_code: bool = False
     takes_logits_signal: bool = False
@@ -340,6 +341,23 @@ class Rule(abc.ABC):
         squares, below = self._backward_squares(saved, delta, wanted, need_signal)
         signal = LogitsSignal.unwrapped(delta)
         return Blocks.of(squares), self._checked_below(below, signal, need_signal)
+
+    @final
+    def weighted_sums(self, saved, delta, wanted, weights) -> Blocks:
+        """``sum_i w_i`` of each sample's block, one per wanted variable, of
+        shape (size,), for a signal of one row: with ``w_i`` DP-SGD's clip
+        weights, the clipped sum of the gradients from the norms' own
+        forward and backward pass ("book-keeping", Bu et al., 2023), no
+        second pass. ``weights`` (n,) in the signal's dtype; a row of weight
+        0 contributes nothing, even where its signal is NaN. Only for a rule
+        whose ``weighs_sums`` is true."""
+        if not self.weighs_sums:
+            raise NotImplementedError(f"{self.describe()} has no weighted sums")
+        return Blocks.of(self._weighted_sums(saved, delta, Wanted.of(wanted), weights))
+
+    def _weighted_sums(self, saved, delta, wanted, weights):
+        """:meth:`weighted_sums`' Blocks; written by a rule with ``weighs_sums``."""
+        raise NotImplementedError
 
     def _backward_squares(self, saved, delta, wanted, need_signal):
         """``(squares, below)`` as :meth:`backward_squares` returns them; by

@@ -62,6 +62,46 @@ def rules_squared_norms(plan, x, signal):
     return tf.add_n(total)
 
 
+@dataclass(frozen=True)
+class Weighing:
+    """The signal of :func:`rules_weighted_sums`: ``signal(prediction)`` as
+    :func:`rules_tensor` takes it (one row), and ``weigh(squared)``, the
+    weights (n,) from the squared norms (n,)."""
+
+    signal: object
+    weigh: object
+
+
+def rules_weighted_sums(plan, x, weighing):
+    """``sum_i w_i g_i`` per variable (a list in ``plan.variables`` order,
+    None where no rule wrote one), with ``w = weighing.weigh(|g_i|^2)``: the
+    norms' forward and backward pass, then each step's
+    :meth:`Rule.weighted_sums` from the signals that pass kept - DP-SGD's
+    clipped sum without a second pass. Every step holding a wanted variable
+    must have ``weighs_sums`` (:meth:`Plan.weighs_sums`). Use
+    :meth:`Plan.weighted_sums`, which refuses unchecked inputs."""
+    total, kept = [], []
+
+    def add(step, saved, delta, wanted, need_signal):
+        squared, below = step.backward_norms(saved, delta, wanted, need_signal)
+        if squared is not None:
+            total.append(squared)
+            kept.append((step, saved, delta, wanted))
+        return below
+
+    n_samples, _, dtype = _walk_backward(plan, x, weighing.signal, add)
+    squared = tf.add_n(total)[:, 0] if total else tf.zeros([n_samples], dtype)
+    weights = weighing.weigh(squared)
+    sums = Blocks()
+    for step, saved, delta, wanted in kept:
+        sums.update(step.weighted_sums(saved, delta, wanted, weights))
+    found = {id(key[0]): block for key, block in sums.items()}
+    return [
+        None if id(v) not in found else tf.reshape(found[id(v)], v.shape)
+        for v in plan.variables
+    ]
+
+
 def rules_squared_columns(plan, x, signal):
     """(m,): the squares of ``J_i.T s_ir`` summed over samples i and signal
     rows r - G's exact diagonal when the rows are the columns of a square

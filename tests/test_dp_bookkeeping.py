@@ -1,0 +1,107 @@
+"""DP-SGD's book-keeping (issue 36): the fused step's clipped sum from the
+norms' own pass (Dense's ``a.T @ (w * delta)``) equals the step with a second,
+weighted backward pass, to 1e-12 in float64, and the per-sample tapes."""
+
+import numpy as np
+import pytest
+
+from jacutil import keras, tf
+from jacutil.fitting.dp_sgd import DPSGD
+
+F64 = {"dtype": "float64"}
+
+
+def mlp(seed=0, softmax=False, sequence=False, conv=False):
+    keras.utils.set_random_seed(seed)
+    shape = (4, 5) if sequence else (5,)
+    x = keras.Input(shape, dtype="float64")
+    h = keras.layers.Dense(7, activation="tanh", **F64)(x)
+    if conv:  # a layer without weighted sums: the second pass, bookkept False
+        h = keras.layers.Conv1D(2, 2, **F64)(h)
+    if sequence:
+        h = keras.layers.Flatten(**F64)(h)
+    h = keras.layers.Dense(6, activation="relu", use_bias=False, **F64)(h)
+    outputs = keras.layers.Dense(3, activation="softmax" if softmax else None, **F64)(h)
+    return keras.Model(x, outputs)
+
+
+def flat(model):
+    return np.concatenate([np.ravel(v.numpy()) for v in model.trainable_variables])
+
+
+def cross_entropy(y, p):
+    return keras.losses.sparse_categorical_crossentropy(y, p)
+
+
+CASES = {
+    "mse": (dict(), keras.losses.mean_squared_error),
+    "softmax_logits": (dict(softmax=True), cross_entropy),
+    "sequence": (dict(sequence=True), keras.losses.mean_squared_error),
+    "conv": (dict(sequence=True, conv=True), keras.losses.mean_squared_error),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("rows", [None, 9])
+def test_bookkeeping_equals_the_second_pass(case, rows):
+    options, loss = CASES[case]
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(80, 4, 5) if options.get("sequence") else (80, 5))
+    y = rng.integers(0, 3, 80) if options.get("softmax") else rng.normal(size=(80, 3))
+    runs = []
+    for bookkeeping in (True, False):
+        dp = DPSGD(mlp(**options), loss, keras.optimizers.SGD(0.2),
+                   l2_norm_clip=0.3, noise_multiplier=0.6, seed=7,
+                   max_physical_batch_size=rows)  # fmt: skip
+        dp.bookkeeping = bookkeeping
+        seen = []
+        for _ in range(4):
+            losses, _, _, valid = dp.sampled_step(x, y, 25)
+            kept = np.asarray(valid) > 0
+            seen.append((dp.last_index[kept], dp.last_weights[kept],
+                         np.asarray(losses)[kept]))  # fmt: skip
+        assert dp._fused[2] is not None  # the fused step ran
+        assert dp.bookkept is (bookkeeping and not options.get("conv"))
+        runs.append((flat(dp.model), seen))
+    (theta, seen), (theta_two, seen_two) = runs
+    for (i, w, loss_i), (i2, w2, loss2) in zip(seen, seen_two, strict=True):
+        np.testing.assert_array_equal(i, i2)
+        np.testing.assert_allclose(w, w2, rtol=1e-12)
+        assert (w < 1).any()
+        np.testing.assert_allclose(loss_i, loss2, rtol=1e-12)
+    np.testing.assert_allclose(theta, theta_two, rtol=1e-11, atol=1e-13)
+
+
+def test_bookkeeping_equals_the_tapes_and_skips_a_nan():
+    """No noise, SGD(1.0), rate 1: the update is the mean of the clipped
+    per-sample gradients of float64 tapes; a sample whose gradient is NaN
+    weighs 0 and its NaN stays out of the sums."""
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(10, 5)), np.ones((10, 3))
+    y[6] = 0.0
+
+    def sqrt_loss(y, p):  # finite, but its gradient is NaN where y is 0
+        return tf.reduce_sum(tf.sqrt(y * tf.square(p)), axis=-1)
+
+    model = mlp()
+    grads = []
+    for i in range(10):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(sqrt_loss(y[i : i + 1], model(x[i : i + 1])))
+        g = tape.gradient(loss, model.trainable_variables)
+        grads.append(np.concatenate([np.ravel(t.numpy()) for t in g]))
+    grads = np.array(grads)
+    norms = np.linalg.norm(grads, axis=1)
+    clip = float(np.nanmedian(norms))
+    kept = np.isfinite(norms)
+    scale = np.where(kept, np.minimum(1.0, clip / np.where(kept, norms, 1.0)), 0.0)
+    expected = (scale[kept, None] * grads[kept]).sum(axis=0) / 10
+    dp = DPSGD(model, sqrt_loss, keras.optimizers.SGD(1.0), l2_norm_clip=clip,
+               noise_multiplier=0.0)  # fmt: skip
+    before = flat(model)
+    with pytest.warns(RuntimeWarning, match="non-finite gradient"):
+        dp.sampled_step(x, y, 10)
+    # sample 6, and those whose output is exactly 0 (every ReLU unit off)
+    assert dp.bookkept and not kept[6] and dp.skipped == (~kept).sum()
+    np.testing.assert_array_equal(dp.last_weights[:10] == 0, ~kept)
+    np.testing.assert_allclose(before - flat(model), expected, rtol=1e-10, atol=1e-13)
