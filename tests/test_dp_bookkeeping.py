@@ -11,13 +11,21 @@ from jacutil.fitting.dp_sgd import DPSGD
 F64 = {"dtype": "float64"}
 
 
-def mlp(seed=0, softmax=False, sequence=False, conv=False):
+def mlp(seed=0, softmax=False, sequence=False, conv=False, norm=False, image=False):
     keras.utils.set_random_seed(seed)
-    shape = (4, 5) if sequence else (5,)
+    shape = (6, 6, 2) if image else (4, 5) if sequence else (5,)
     x = keras.Input(shape, dtype="float64")
-    h = keras.layers.Dense(7, activation="tanh", **F64)(x)
-    if conv:  # a layer without weighted sums: the second pass, bookkept False
-        h = keras.layers.Conv1D(2, 2, **F64)(h)
+    h = x
+    if image:
+        h = keras.layers.Conv2D(4, 3, strides=2, padding="same", groups=2,
+                                activation="relu", **F64)(h)  # fmt: skip
+        h = keras.layers.Conv2D(3, 2, dilation_rate=2, **F64)(h)
+        h = keras.layers.Flatten(**F64)(h)
+    h = keras.layers.Dense(7, activation="tanh", **F64)(h)
+    if conv:
+        h = keras.layers.Conv1D(2, 2, padding="causal", activation="tanh", **F64)(h)
+    if norm:  # a layer without weighted sums: the second pass, bookkept False
+        h = keras.layers.LayerNormalization(**F64)(h)
     if sequence:
         h = keras.layers.Flatten(**F64)(h)
     h = keras.layers.Dense(6, activation="relu", use_bias=False, **F64)(h)
@@ -37,7 +45,9 @@ CASES = {
     "mse": (dict(), keras.losses.mean_squared_error),
     "softmax_logits": (dict(softmax=True), cross_entropy),
     "sequence": (dict(sequence=True), keras.losses.mean_squared_error),
-    "conv": (dict(sequence=True, conv=True), keras.losses.mean_squared_error),
+    "conv1d": (dict(sequence=True, conv=True), keras.losses.mean_squared_error),
+    "conv2d": (dict(image=True, softmax=True), cross_entropy),
+    "layer_norm": (dict(norm=True), keras.losses.mean_squared_error),
 }
 
 
@@ -46,7 +56,14 @@ CASES = {
 def test_bookkeeping_equals_the_second_pass(case, rows):
     options, loss = CASES[case]
     rng = np.random.default_rng(2)
-    x = rng.normal(size=(80, 4, 5) if options.get("sequence") else (80, 5))
+    shape = (
+        (6, 6, 2)
+        if options.get("image")
+        else (4, 5)
+        if options.get("sequence")
+        else (5,)
+    )
+    x = rng.normal(size=(80, *shape))
     y = rng.integers(0, 3, 80) if options.get("softmax") else rng.normal(size=(80, 3))
     runs = []
     for bookkeeping in (True, False):
@@ -61,7 +78,7 @@ def test_bookkeeping_equals_the_second_pass(case, rows):
             seen.append((dp.last_index[kept], dp.last_weights[kept],
                          np.asarray(losses)[kept]))  # fmt: skip
         assert dp._fused[2] is not None  # the fused step ran
-        assert dp.bookkept is (bookkeeping and not options.get("conv"))
+        assert dp.bookkept is (bookkeeping and not options.get("norm"))
         runs.append((flat(dp.model), seen))
     (theta, seen), (theta_two, seen_two) = runs
     for (i, w, loss_i), (i2, w2, loss2) in zip(seen, seen_two, strict=True):
