@@ -24,7 +24,7 @@ def mlp(seed=0, softmax=False, sequence=False, conv=False, norm=False, image=Fal
     h = keras.layers.Dense(7, activation="tanh", **F64)(h)
     if conv:
         h = keras.layers.Conv1D(2, 2, padding="causal", activation="tanh", **F64)(h)
-    if norm:  # a layer without weighted sums: the second pass, bookkept False
+    if norm:  # a layer without weighted sums: the second pass
         h = keras.layers.LayerNormalization(**F64)(h)
     if sequence:
         h = keras.layers.Flatten(**F64)(h)
@@ -78,7 +78,10 @@ def test_bookkeeping_equals_the_second_pass(case, rows):
             seen.append((dp.last_index[kept], dp.last_weights[kept],
                          np.asarray(losses)[kept]))  # fmt: skip
         assert dp._fused[2] is not None  # the fused step ran
-        assert dp.bookkept is (bookkeeping and not options.get("norm"))
+        # a convolution's weighted sums by a filter gradient were slower than
+        # the second pass in make_private's epoch (3.4x against 2.8x): none
+        second_pass = options.get("norm") or options.get("conv") or options.get("image")
+        assert dp.bookkept is (bookkeeping and not second_pass)
         runs.append((flat(dp.model), seen))
     (theta, seen), (theta_two, seen_two) = runs
     for (i, w, loss_i), (i2, w2, loss2) in zip(seen, seen_two, strict=True):

@@ -33,7 +33,6 @@ class ConvRule(KernelRule):
     a channels_first, LoRA or quantized convolution raises :class:`NoRule`."""
 
     name = "conv"
-    weighs_sums = True
 
     def __init__(self, layer):
         super().__init__(layer, "convolution")
@@ -103,26 +102,6 @@ class ConvRule(KernelRule):
             for key in per_group[0].keys()
         )
         return blocks, (self._below(image, delta) if need_signal else None)
-
-    def _weighted_sums(self, saved, delta, wanted, weights):
-        """The kernel's ``sum_i w_i`` of each sample's gradient as one
-        gradient of the convolution with ``w * delta`` at its output (a
-        filter backprop, as the ordinary backward pass's), the bias's
-        ``sum_i w_i delta_i`` over positions; rows of weight 0 zeroed first."""
-        image, slope = saved
-        delta = self._at_z(slope, delta)[:, 0]  # (n, h', w', c_out)
-        keep = tf.reshape(weights > 0, [-1, 1, 1, 1])
-        weighted = tf.where(keep, tf.reshape(weights, [-1, 1, 1, 1]) * delta, 0.0)
-        sums = Blocks()
-        if self.layer.kernel in wanted:
-            image = tf.where(keep, image, tf.zeros_like(image))
-            with tf.GradientTape() as tape:
-                z = self._convolve(image)
-            kernel = tape.gradient(z, self.layer.kernel, output_gradients=weighted)
-            sums[self.layer.kernel] = tf.reshape(kernel, [-1])
-        if self.bias is not None and self.bias in wanted:
-            sums[self.bias] = tf.reduce_sum(weighted, axis=[0, 1, 2])
-        return sums
 
     def _gram_sizes(self, image, signal):
         """T output positions, and a group's (p, q) = (kh * kw * c_in / g,
