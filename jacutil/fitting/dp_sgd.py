@@ -325,6 +325,11 @@ class DPSGD:
         # can (book-keeping); False: always a second, weighted pass
         self.bookkeeping = True
         self.bookkept = False  # whether the last fused step was built so
+        # traced into the fused one-pass step: on_step(losses, y, prediction,
+        # valid) -> logs, kept in last_logs (make_private's metrics: one graph
+        # call a step, not two); None elsewhere
+        self.on_step = None
+        self.last_logs = None
 
     @property
     def steps(self):
@@ -616,14 +621,15 @@ class DPSGD:
         index = np.zeros(size, dtype=np.int64)  # padding: sample 0, weight 0
         index[: len(chosen)] = chosen
         valid = np.arange(size) < len(chosen)
-        batch_y = tf.gather(y, index)
+        self.last_logs = None
         if fused is None:
+            batch_y = tf.gather(y, index)
             losses, prediction = self.padded_step(
                 _take(x, index), batch_y, valid, denominator=batch_size,
                 sampling_rate=rate, rows=rows,
             )  # fmt: skip
         else:
-            losses, prediction = self._run_fused(
+            losses, prediction, batch_y = self._run_fused(
                 fused, x, y, index, valid, batch_size, rows
             )
             self._steps_at[rate] = self._steps_at.get(rate, 0) + 1
@@ -638,12 +644,13 @@ class DPSGD:
         denominator = tf.constant(denominator, tf.float64)
         valid = tf.constant(valid, tf.float64)
         if rows == len(index):
-            losses, prediction, skipped, applied, weights = fused.step(
+            losses, prediction, skipped, applied, weights, batch_y, logs = fused.step(
                 x, y, tf.constant(index), valid, denominator
             )
             self.last_weights = self.clip.as_shown(weights.numpy())
             self._count_skipped(skipped.numpy(), any_kept=bool(applied))
-            return losses, prediction
+            self.last_logs = logs if self.on_step is not None else None
+            return losses, prediction, batch_y
         sums, parts = None, []
         for start in range(0, len(index), rows):
             found, *part = fused.chunk(
@@ -663,7 +670,7 @@ class DPSGD:
         self.last_weights = self.clip.as_shown(weights.numpy())
         self._count_skipped(skipped, any_kept=applied)
         fused.update(sums, denominator)
-        return losses, prediction
+        return losses, prediction, tf.gather(y, index)
 
     def _fused_step(self, x, y):
         """``(steps, x, y)``: the compiled sampled steps on ``(x, y)`` (rows,
@@ -673,8 +680,12 @@ class DPSGD:
         (then :meth:`padded_step`); ``x``, ``y`` as tensors. Kept for the
         same arrays."""
         leaves = [id(a) for a in tf.nest.flatten((x, y))]
-        if self._fused is not None and self._fused[0] == leaves:
-            return self._fused[2:]
+        if (
+            self._fused is not None
+            and self._fused[0] == leaves
+            and self._fused[5] is self.on_step
+        ):
+            return self._fused[2:5]
         source = (x, y)  # held, so that the ids above stay theirs
         x, y = self.as_inputs(x, y)
         rows = min(2, n_samples(x))
@@ -689,6 +700,7 @@ class DPSGD:
         if all(graph is not None for graph in graphs):
             data = prepared(job, x, y)
             plan = job.jac.plan
+            on_step = self.on_step
             bookkept = self.clip.flat and plan.weighs_sums() and self.bookkeeping
 
             def chunk(x, y, index, valid):
@@ -708,7 +720,12 @@ class DPSGD:
                     lambda: self.noisy_update(sums, denominator),
                     lambda: tf.constant(False),
                 )
-                return losses, prediction, skipped, applied, weights
+                batch_y = tf.gather(y, index)
+                logs = {}
+                if on_step is not None:
+                    logs = on_step(losses, batch_y, prediction,
+                                   tf.cast(valid, losses.dtype))  # fmt: skip
+                return losses, prediction, skipped, applied, weights, batch_y, logs
 
             steps = SimpleNamespace(
                 step=tf.function(step, autograph=False),
@@ -716,7 +733,7 @@ class DPSGD:
                 update=self._compiled_update,
             )
         self.bookkept = steps is not None and bookkept
-        self._fused = (leaves, source, steps, x, y)
+        self._fused = (leaves, source, steps, x, y, self.on_step)
         return steps, x, y
 
     def _bookkept_rows(self, plan, data, x_all, y_all, index, valid):

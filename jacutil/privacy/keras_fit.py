@@ -262,9 +262,11 @@ class PrivateTraining:
         iterator.get_next()  # the step's token: Keras counts the steps
         x, y = self._data
         step = self.dpsgd.sampled_step(x, y, self.batch_size)
-        if self._record is None:
-            self._record = tf.function(self.record, autograph=False)
-        logs = self._record(*step)
+        logs = self.dpsgd.last_logs  # recorded inside the fused step
+        if logs is None:  # the step ran in passes, or off the layer rules
+            if self._record is None:
+                self._record = tf.function(self.record, autograph=False)
+            logs = self._record(*step)
         self._in_epoch += 1
         if self._in_epoch == self.steps_per_epoch:
             self._epsilon = self.epsilon()
@@ -403,6 +405,7 @@ def make_private(
             f"at rate {rate:.4g}, spend epsilon <= {epsilon:g} at delta = "
             f"{delta:g} ({accountant.upper()} accountant)."
         )
+    dpsgd.on_step = training.record  # one graph call a step (the fused step)
     model.fit = training.fit  # this model only: nothing is patched elsewhere
     model.make_train_function = training.make_train_function
     model.train_function = None
