@@ -415,13 +415,24 @@ def check_dp_step(case, ns, G):
         )
     check_private_fit(case, ns, G, clip)
     check_per_layer_step(case, ns, G)
-    before = np.concatenate([np.ravel(v.numpy()) for v in model.trainable_variables])
-    if run("DPSGD.step", lambda: dp.step(x, y), known) is None:
-        return
-    after = np.concatenate([np.ravel(v.numpy()) for v in model.trainable_variables])
     reference = np.minimum(1.0, clip / np.maximum(norms, 1e-300))
     expected = (reference[:, None] * G).sum(axis=0) / len(G)
     scale = np.abs(G).max(initial=0)
+    saved = model.get_weights()
+    # rate 1: every sample, in the fused step (book-keeping where the layers
+    # allow), then put back for DPSGD.step (the eager path) from the same point
+    entry = "DPSGD.sampled_step"
+    before = np.concatenate([np.ravel(v.numpy()) for v in model.trainable_variables])
+    if run(entry, lambda: dp.sampled_step(x, y, len(G)), known) is None:
+        return
+    after = np.concatenate([np.ravel(v.numpy()) for v in model.trainable_variables])
+    model.set_weights(saved)
+    way = "bookkept" if dp.bookkept else "fused" if dp._fused[2] else "eager"
+    assert_close(f"{entry} ({way})", before - after, expected, case.dtype, scale)
+    event(f"DPSGD.sampled_step checked ({way})")
+    if run("DPSGD.step", lambda: dp.step(x, y), known) is None:
+        return
+    after = np.concatenate([np.ravel(v.numpy()) for v in model.trainable_variables])
     assert_close("DPSGD.step", before - after, expected, case.dtype, scale)
 
 
