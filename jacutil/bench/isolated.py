@@ -35,7 +35,7 @@ from ..teaching.memory_sweeps import fresh_python
 from ..teaching.timing import first_call, repeat_times
 from .machine import machine_summary
 from .paths import MODELS, PEER_NAMES
-from .peer_rows import KINDS, SHORT_MODELS, TASKS, _inputs, peer_ratio, run_task
+from .peer_rows import KINDS, SHORT_MODELS, TASKS, inputs_for, peer_ratio, run_task
 from .runner import agree
 from .skipping import format_seconds
 
@@ -95,7 +95,7 @@ def child(task_name, n, library, reference, *, repeats, seed, commands=None):
         function = kind.ours(network)
     else:
         function = kind.peers[library][1](network)
-    x, y = _inputs(task, network, n, seed)
+    x, y = inputs_for(task, network, n, seed)
     value, first = first_call(function, x, y)
     difference = 0.0
     if not Path(reference).exists():

@@ -116,7 +116,7 @@ TASKS = {
 }
 
 
-def _inputs(task, network, n, seed):
+def inputs_for(task, network, n, seed):
     """(x, y) of n samples: the model's inputs and targets for its loss."""
     bench_model = MODELS[task.model]
     x = bench_model.inputs(n, seed)
@@ -151,7 +151,7 @@ def run_task(name, sizes=None, *, repeats=5, seed=0, log=print):
         theirs[peer] = function
     rows = []
     for n in sorted(sizes or task.sizes):
-        x, y = _inputs(task, network, n, seed)
+        x, y = inputs_for(task, network, n, seed)
         expected, first = first_call(ours, x, y)
         times = repeat_times(ours, x, y, repeats=repeats)
         row = {

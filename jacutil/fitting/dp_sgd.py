@@ -9,7 +9,10 @@ gradient clipping", Li et al., 2022) never forms the per-sample gradients:
 2. the weights ``w_i = min(1, C / |g_i|)``, so that ``w_i g_i`` is ``g_i``
    clipped to norm C;
 3. one ordinary backward pass of ``sum_i w_i L_i``, whose gradient is
-   ``sum_i w_i g_i``, the clipped sum, in a compiled ``tf.function``;
+   ``sum_i w_i g_i``, the clipped sum, in a compiled ``tf.function`` - or,
+   in the fused sampled step where every layer holding a variable is a
+   Dense, ``a.T @ (w * delta)`` from the signals the norms' pass already
+   holds ("book-keeping", Bu et al., 2023: no second pass);
 4. the noise from a seeded ``tf.random.Generator``, then
    ``optimizer.apply_gradients``.
 
@@ -209,7 +212,9 @@ class DPSGD:
     the batch); ``steps`` the steps taken. ``last_weights`` holds the clip
     weights of the last step, one per row of its (padded) batch, and
     ``last_index`` which samples those rows were: what a test checks the clip
-    invariant on, whichever way the step ran.
+    invariant on, whichever way the step ran. ``bookkept`` says whether the
+    fused step took its clipped sum by book-keeping (set ``bookkeeping =
+    False`` before the first step for the second pass instead).
 
     Weight regularizers (``kernel_regularizer=...``) depend on no sample: the
     gradient of ``sum(model.losses)`` is added once to each update, outside
