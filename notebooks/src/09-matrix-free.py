@@ -409,16 +409,11 @@ def plain_dp_sgd_step(model, loss, optimizer, x, y, clip, sigma, rng):
 # from its own seeded generator, divides by the batch size it was told (the
 # accountant's, under Poisson sampling: below), and adds the gradient of
 # any weight penalty unclipped, since no sample is in it. This is its
-# compiled part:
+# compiled part, then its two halves: the clipped sum by one backward pass
+# of the weighted loss, and the noise and the update:
 
 # %%
 ju.teaching.notebook.show_source(ju.DPSGD.clipped_noisy_update)
-
-# %% [markdown]
-# Its two parts: the clipped sum by one backward pass of the weighted loss,
-# and the noise and the update:
-
-# %%
 ju.teaching.notebook.show_source(ju.DPSGD.clipped_sum)
 ju.teaching.notebook.show_source(ju.DPSGD.noisy_update)
 
