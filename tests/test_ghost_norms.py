@@ -178,7 +178,30 @@ def test_layer_norm_over_two_axes_has_its_rule():
 
 
 def _count_backward(monkeypatch, rule):
+    """The layers whose norms took the route off the Gram matrices: a
+    Dense's and an Embedding's through their blocks (``_backward``), a
+    convolution's through its products per kernel offset (``_offset_groups``
+    called directly, not for the patches of ``_groups``)."""
     calls = []
+    if rule is ConvRule:
+        inside = []
+        groups, offsets = rule._groups, rule._offset_groups
+
+        def counted_groups(self, *args):
+            inside.append(True)
+            try:
+                return list(groups(self, *args))
+            finally:
+                inside.pop()
+
+        def counted_offsets(self, *args):
+            if not inside:
+                calls.append(self.layer.name)
+            return offsets(self, *args)
+
+        monkeypatch.setattr(rule, "_groups", counted_groups)
+        monkeypatch.setattr(rule, "_offset_groups", counted_offsets)
+        return calls
     original = rule._backward
 
     def counted(self, *args):

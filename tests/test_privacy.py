@@ -129,6 +129,28 @@ def test_the_loss_in_the_logs_is_the_mean_of_the_sampled_rows():
     assert history.history["loss"][0] == pytest.approx(losses.mean(), rel=0.25)
 
 
+def test_a_second_fit_on_new_arrays_takes_no_new_trace():
+    """Each model.fit call converts x and y again, so the step sees new
+    tensors: the compiled step takes them as arguments (it traces in the
+    first fit - twice there, as the compiled metrics build their variables -
+    and never again), and trains on the new values."""
+    x, y = data()
+    model = compiled()
+    training = private(model, epochs=3)
+    model.fit(x, y, epochs=1, verbose=0)
+    traces = training.dpsgd.trace_count
+    model.fit(x.copy(), y.copy(), epochs=1, verbose=0)
+    assert training.dpsgd.trace_count == traces
+    x_test, y_test = data(seed=1)
+    before = model.evaluate(x_test, y_test, verbose=0, return_dict=True)
+    x_new, y_new = data(seed=2)
+    model.fit(x_new, y_new, epochs=1, verbose=0)
+    assert training.dpsgd.trace_count == traces
+    np.testing.assert_array_equal(training.dpsgd._fused[3], x_new)
+    after = model.evaluate(x_test, y_test, verbose=0, return_dict=True)
+    assert after["loss"] != before["loss"]
+
+
 def test_the_clip_invariant_holds_inside_fit():
     """Each step's weights are min(1, C / |g_i|) of a tape per sample, so
     every sample's contribution has norm at most C."""

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jacutil as ju
-from jacutil import keras, rules
+from jacutil import keras, rules, tf
 from tests.architectures import build
 
 layers = keras.layers
@@ -429,3 +429,30 @@ def test_a_plan_is_used_only_where_it_was_checked():
         plan.tensor(ju.core.batch.as_batch(x, target)), ju.loop_jacobian(model, x),
         rtol=1e-5, atol=1e-6,
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("padding", ["VALID", "SAME"])
+@pytest.mark.parametrize("static", [True, False])
+def test_kernel_offsets_are_extract_patches(padding, static):
+    """ConvRule's patches (``kernel_offsets``, strided slices) equal
+    ``tf.image.extract_patches`` - same order, strides, dilation and
+    padding - with static and with unknown image sizes."""
+    from jacutil.rules.conv import kernel_offsets
+
+    rng = np.random.default_rng(0)
+    cases = [((5, 6), (1, 1), (1, 1), (1, 1)), ((7, 9), (3, 2), (2, 1), (1, 1)),
+             ((8, 9), (2, 3), (1, 2), (1, 1)), ((8, 7), (3, 3), (1, 1), (2, 2)),
+             ((6, 9), (2, 3), (1, 1), (1, 3))]  # fmt: skip
+    for size, kernel, strides, rates in cases:
+        image = tf.constant(rng.normal(size=(3, *size, 2)))
+        expected = tf.image.extract_patches(
+            image, [1, *kernel, 1], [1, *strides, 1], [1, *rates, 1], padding
+        )
+
+        def patches(image, kernel=kernel, strides=strides, rates=rates):
+            offsets = kernel_offsets(image, kernel, strides, rates, padding)
+            return tf.concat(offsets, -1)
+
+        spec = tf.TensorSpec([None, *(size if static else (None, None)), 2], tf.float64)
+        got = tf.function(patches, input_signature=[spec])(image)
+        np.testing.assert_array_equal(got.numpy(), expected.numpy())

@@ -33,6 +33,7 @@ from ..core.data import read_data
 from ..core.formulation import quiet_function
 from ..core.planner import plan_chunks
 from ..core.target import resolve_target, variable_list
+from ..rules.conv import kernel_offsets
 from .compiled import curvature_for, curvature_inputs
 from .diagonal import ggn_diagonal
 
@@ -174,9 +175,8 @@ def _inputs_as_rows(layer, a):
         kh, kw = layer.kernel_size
         sh, sw = layer.strides
         dh, dw = layer.dilation_rate
-        a = tf.image.extract_patches(
-            a, [1, kh, kw, 1], [1, sh, sw, 1], [1, dh, dw, 1], layer.padding.upper()
-        )
+        offsets = kernel_offsets(a, (kh, kw), (sh, sw), (dh, dw), layer.padding.upper())
+        a = tf.concat(offsets, -1)  # the patches, in the kernel's order
     rows = tf.reshape(a, [-1, a.shape[-1]])
     if layer.use_bias:
         rows = tf.concat([rows, tf.ones_like(rows[:, :1])], axis=1)

@@ -11,7 +11,8 @@ gradient clipping", Li et al., 2022) never forms the per-sample gradients:
 3. one ordinary backward pass of ``sum_i w_i L_i``, whose gradient is
    ``sum_i w_i g_i``, the clipped sum, in a compiled ``tf.function`` - or,
    in the fused sampled step where every layer holding a variable is a
-   Dense, ``a.T @ (w * delta)`` from the signals the norms' pass already
+   Dense or a convolution, ``a.T @ (w * delta)`` (a convolution's filter
+   gradient of ``w * delta``) from the signals the norms' pass already
    holds ("book-keeping", Bu et al., 2023: no second pass);
 4. the noise from a seeded ``tf.random.Generator``, then
    ``optimizer.apply_gradients``.
@@ -33,6 +34,7 @@ import math
 import os
 import warnings
 from contextlib import contextmanager
+from functools import partial
 from types import SimpleNamespace
 
 import numpy as np
@@ -208,8 +210,9 @@ class DPSGD:
     mask drawn twice would make the norms those of other gradients. Neither
     random generator is cryptographically secure (as in Opacus without
     ``secure_mode``): this is for learning and research, not for a release.
-    ``trace_count`` counts the traces of the compiled step (one per shape of
-    the batch); ``steps`` the steps taken. ``last_weights`` holds the clip
+    ``trace_count`` counts the traces of the compiled step (``step``: one
+    per shape of the batch; the fused sampled step: one, whatever the batch's
+    size or the data); ``steps`` the steps taken. ``last_weights`` holds the clip
     weights of the last step, one per row of its (padded) batch, and
     ``last_index`` which samples those rows were: what a test checks the clip
     invariant on, whichever way the step ran. ``bookkept`` says whether the
@@ -683,15 +686,34 @@ class DPSGD:
         between: ``steps.step`` in one call, or ``steps.chunk`` per pass and
         ``steps.update``), or None where the norms are off the layer rules
         (then :meth:`padded_step`); ``x``, ``y`` as tensors. Kept for the
-        same arrays."""
+        same arrays; the compiled steps take the data as an argument, so new
+        arrays (another ``model.fit`` call) cost no new trace."""
         leaves = [id(a) for a in tf.nest.flatten((x, y))]
-        if (
-            self._fused is not None
-            and self._fused[0] == leaves
-            and self._fused[5] is self.on_step
-        ):
-            return self._fused[2:5]
+        key = (self.on_step, self.bookkeeping)
+        if self._fused is not None and self._fused[5] == key:
+            if self._fused[0] == leaves:
+                return self._fused[2:5]
+            compiled, job = self._fused[6]
+        else:
+            compiled, job = self._compiled_steps(x, y)
         source = (x, y)  # held, so that the ids above stay theirs
+        x, y = self.as_inputs(x, y)
+        steps = None
+        if compiled is not None:
+            data = prepared(job, x, y)
+            steps = SimpleNamespace(
+                step=partial(compiled.step, data),
+                chunk=partial(compiled.chunk, data),
+                update=compiled.update,
+            )
+        self._fused = (leaves, source, steps, x, y, key, (compiled, job))
+        return steps, x, y
+
+    def _compiled_steps(self, x, y):
+        """``(steps, job)``: :meth:`_fused_step`'s compiled ``step``, ``chunk``
+        and ``update``, each taking the prepared data first (None where a
+        group's norms are off the layer rules), and the last group's
+        :func:`gradients_for` job; sets :attr:`bookkept`."""
         x, y = self.as_inputs(x, y)
         rows = min(2, n_samples(x))
         graphs = []
@@ -701,51 +723,64 @@ class DPSGD:
             few = prepared(job, take(x, 0, rows), y[:rows])
             job(*few, "norms")  # an eager call chooses the mode for this signature
             graphs.append(job.norms_graph(*few))
-        steps = None
-        if all(graph is not None for graph in graphs):
-            data = prepared(job, x, y)
-            plan = job.jac.plan
-            on_step = self.on_step
-            bookkept = self.clip.flat and plan.weighs_sums() and self.bookkeeping
+        self.bookkept = False
+        if not all(graph is not None for graph in graphs):
+            return None, job
+        plan = job.jac.plan
+        on_step = self.on_step
+        bookkept = self.clip.flat and plan.weighs_sums() and self.bookkeeping
 
-            def chunk(x, y, index, valid):
-                if bookkept:
-                    return self._bookkept_rows(plan, data, x, y, index, valid)
-                return self._clipped_rows(graphs, data, x, y, index, valid)
+        def chunk(data, x, y, index, valid):
+            if bookkept:
+                return self._bookkept_rows(plan, data, x, y, index, valid)
+            return self._clipped_rows(graphs, data, x, y, index, valid)
 
-            def step(x, y, index, valid, denominator):
-                sums, losses, prediction, skipped, any_kept, weights = chunk(
-                    x, y, index, valid
-                )
-                # nothing to apply only when samples were skipped and none is
-                # kept (an empty Poisson batch still takes its step: the noise)
-                applied = any_kept | tf.logical_not(tf.reduce_any(skipped))
-                tf.cond(
-                    applied,
-                    lambda: self.noisy_update(sums, denominator),
-                    lambda: tf.constant(False),
-                )
-                batch_y = tf.gather(y, index)
-                logs = {}
-                if on_step is not None:
-                    logs = on_step(losses, batch_y, prediction,
-                                   tf.cast(valid, losses.dtype))  # fmt: skip
-                return losses, prediction, skipped, applied, weights, batch_y, logs
-
-            steps = SimpleNamespace(
-                step=tf.function(step, autograph=False),
-                chunk=tf.function(chunk, autograph=False),
-                update=self._compiled_update,
+        def step(data, x, y, index, valid, denominator):
+            sums, losses, prediction, skipped, any_kept, weights = chunk(
+                data, x, y, index, valid
             )
-        self.bookkept = steps is not None and bookkept
-        self._fused = (leaves, source, steps, x, y, self.on_step)
-        return steps, x, y
+            # nothing to apply only when samples were skipped and none is
+            # kept (an empty Poisson batch still takes its step: the noise)
+            applied = any_kept | tf.logical_not(tf.reduce_any(skipped))
+            tf.cond(
+                applied,
+                lambda: self.noisy_update(sums, denominator),
+                lambda: tf.constant(False),
+            )
+            batch_y = tf.gather(y, index)
+            logs = {}
+            if on_step is not None:
+                logs = on_step(losses, batch_y, prediction,
+                               tf.cast(valid, losses.dtype))  # fmt: skip
+            return losses, prediction, skipped, applied, weights, batch_y, logs
+
+        # any number of rows, in the data and in a batch: another data set, or
+        # a Poisson batch over the padded size, takes the same graph
+        def rows_of(t):
+            return tf.TensorSpec([None, *t.shape[1:]], t.dtype)
+
+        signature = [
+            *tf.nest.map_structure(rows_of, (prepared(job, x, y), x, y)),
+            tf.TensorSpec([None], tf.int64),
+            tf.TensorSpec([None], tf.float64),
+        ]
+        self.bookkept = bookkept
+        steps = SimpleNamespace(
+            step=tf.function(
+                step,
+                autograph=False,
+                input_signature=[*signature, tf.TensorSpec([], tf.float64)],
+            ),
+            chunk=tf.function(chunk, autograph=False, input_signature=signature),
+            update=self._compiled_update,
+        )
+        return steps, job
 
     def _bookkept_rows(self, plan, data, x_all, y_all, index, valid):
         """What :meth:`_clipped_rows` returns, from one forward and one
         backward pass: where every layer's rule writes weighted sums
         (:meth:`jacutil.rules.plan.Plan.weighted_sums`, Dense's
-        ``a.T @ (w * delta)``), the clipped sum comes from the signals the
+        ``a.T @ (w * delta)``, a convolution's filter gradient), the clipped sum comes from the signals the
         norms' pass already holds ("book-keeping", Bu et al., 2023) instead
         of a second forward and backward pass of the weighted loss. Flat
         clipping only; the weights are :meth:`ClipGroups.weights` of the same

@@ -180,6 +180,23 @@ def gram_norms(a, delta):
     return tf.reduce_sum(delta_gram * a_gram[:, None], [2, 3])
 
 
+def weighted_rows(weights, delta, a):
+    """``(w * delta, a)`` with every row of weight 0 exactly zero in both, even
+    where a skipped sample holds NaN or inf (``tf.math.multiply_no_nan``,
+    cheaper than a ``tf.where``): the inputs of DP-SGD's book-kept sums
+    (``Rule._weighted_sums``, notebook 09-matrix-free). ``weights`` is (n,),
+    ``delta`` and ``a`` (n, ...)."""
+
+    def by_row(values, tensor):
+        shape = [-1] + [1] * (tensor.shape.rank - 1)
+        return tf.reshape(tf.cast(values, tensor.dtype), shape)
+
+    return (
+        tf.math.multiply_no_nan(delta, by_row(weights, delta)),
+        tf.math.multiply_no_nan(a, by_row(weights > 0, a)),
+    )
+
+
 def sum_norms(delta):
     """(n, r): the squared norm of each bias block, ``|sum_t delta[t]|^2``, of
     the signal ``delta`` (n, r, *positions, q) at ``z``."""

@@ -1,9 +1,10 @@
 """Conv1D and Conv2D: patches and one matrix product per layer.
 
 A convolution is a Dense layer applied at every output position to the
-patch of input under the kernel: with ``tf.image.extract_patches`` (the same
-strides, padding and dilation) the kernel's block is the outer-product rule
-of ``jacutil.rules.blocks`` summed over positions, for every sample at once.
+patch of input under the kernel: with the patches (:func:`kernel_offsets`,
+strided slices, what ``tf.image.extract_patches`` gives, faster) the
+kernel's block is the outer-product rule of ``jacutil.rules.blocks`` summed
+over positions, for every sample at once.
 Conv1D runs as a Conv2D of height 1. The signal below is the transposed
 convolution of the signal, by autodiff of the (linear) convolution.
 
@@ -12,8 +13,9 @@ from its slice of the input channels to its slice of the output channels:
 the same patches and product per group, its columns interleaved in the
 kernel's (kh, kw, c_in / g, c_out) order.
 
-The squared norms per sample need no block where the T output positions
-are few: the Gram matrices of the patches and of the signal, per group,
+The squared norms per sample need no patches: a kernel block holds one small
+product per kernel offset, side by side, and its squared norm is the sum of
+theirs. Nor any block where the T output positions are few: the Gram matrices of the patches and of the signal, per group,
 where ``T (p + q) <= p q`` for its (p, q) = (kh * kw * c_in / g, c_out / g)
 block (``jacutil.rules.blocks.gram_norms``; BackPACK's ``BatchL2ConvND``,
 ``einsum("nmi,nki,nmj,nkj->n", ...)`` on the unfolded input, and the ghost
@@ -22,7 +24,13 @@ norms of Opacus's ``GradSampleModuleFastGradientClipping``).
 
 from ..core._shared import size_of
 from ..core._tf import keras, tf
-from .blocks import kernel_and_bias, positions_of
+from .blocks import (
+    gram_is_cheaper,
+    kernel_and_bias,
+    positions_of,
+    sum_norms,
+    weighted_rows,
+)
 from .dense import KernelRule
 from .registry import Blocks, LogitsSignal, NoRule, per_output, register, rows
 
@@ -33,6 +41,7 @@ class ConvRule(KernelRule):
     a channels_first, LoRA or quantized convolution raises :class:`NoRule`."""
 
     name = "conv"
+    weighs_sums = True
 
     def __init__(self, layer):
         super().__init__(layer, "convolution")
@@ -103,6 +112,24 @@ class ConvRule(KernelRule):
         )
         return blocks, (self._below(image, delta) if need_signal else None)
 
+    def _weighted_sums(self, saved, delta, wanted, weights):
+        """The kernel's ``sum_i w_i`` of each sample's gradient as one
+        gradient of the convolution with ``w * delta`` at its output (a
+        filter backprop, as the ordinary backward pass's), the bias's
+        ``sum_i w_i delta_i`` over positions; rows of weight 0 zeroed first."""
+        image, slope = saved
+        delta = self._at_z(slope, delta)[:, 0]  # (n, h', w', c_out)
+        weighted, image = weighted_rows(weights, delta, image)
+        sums = Blocks()
+        if self.layer.kernel in wanted:
+            with tf.GradientTape() as tape:
+                z = self._convolve(image)
+            kernel = tape.gradient(z, self.layer.kernel, output_gradients=weighted)
+            sums[self.layer.kernel] = tf.reshape(kernel, [-1])
+        if self.bias is not None and self.bias in wanted:
+            sums[self.bias] = tf.reduce_sum(weighted, axis=[0, 1, 2])
+        return sums
+
     def _gram_sizes(self, image, signal):
         """T output positions, and a group's (p, q) = (kh * kw * c_in / g,
         c_out / g): ghost norms per group (:meth:`KernelRule._backward_norms`)."""
@@ -121,17 +148,47 @@ class ConvRule(KernelRule):
     def _groups(self, image, delta):
         """Per group: its patches (n, h', w', kh * kw * c_in / g), in the
         kernel's (kh, kw, c) order, and its signal (n, l, h', w', c_out / g)."""
-        kh, kw = self._kernel().shape[:2]
+        for offsets, signal in self._offset_groups(image, delta):
+            yield tf.concat(offsets, -1), signal
+
+    def _offset_groups(self, image, delta):
+        """Per group: the list of :func:`kernel_offsets` of its input channels
+        and its signal (n, l, h', w', c_out / g)."""
+        kernel_size = self._kernel().shape[:2]
         pairs = zip(
             tf.split(image, self.groups, -1),
             tf.split(delta, self.groups, -1),
             strict=True,
         )
         for group, signal in pairs:
-            patches = tf.image.extract_patches(
-                group, [1, kh, kw, 1], self.strides, self.rates, self.padding
-            )
-            yield patches, signal
+            offsets = kernel_offsets(group, kernel_size, self.strides[1:3],
+                                     self.rates[1:3], self.padding)  # fmt: skip
+            yield offsets, signal
+
+    def _backward_norms(self, saved, delta, wanted, need_signal):
+        """The blocks' squared norms without the patches where the Gram route
+        is dearer: a kernel block holds, for each kernel offset o, the
+        product ``x_o.T @ delta`` (c_in / g, c_out / g) of the input under o
+        with the signal, so its squared norm is the sum of theirs - kh * kw
+        small products per sample, no (n, T, kh * kw * c_in) patches written."""
+        image, slope = saved
+        with_kernel = self.layer.kernel in wanted
+        signal = LogitsSignal.unwrapped(delta)
+        if not with_kernel or gram_is_cheaper(*self._gram_sizes(image, signal)):
+            return super()._backward_norms(saved, delta, wanted, need_signal)
+        delta = self._at_z(slope, delta)
+        n_samples, n_rows = tf.shape(delta)[0], tf.shape(delta)[1]
+        squared = tf.zeros([n_samples, n_rows], delta.dtype)
+        for offsets, group_signal in self._offset_groups(image, delta):
+            width = group_signal.shape[-1]
+            by_row = tf.reshape(group_signal, [n_samples, n_rows, -1, width])
+            for x in offsets:  # (n, h', w', c) -> (n, 1, T, c)
+                x = tf.reshape(x, [n_samples, 1, -1, x.shape[-1]])
+                block = tf.matmul(x, by_row, transpose_a=True)  # (n, r, c, q)
+                squared += tf.reduce_sum(tf.square(block), [2, 3])
+        if self.bias is not None and self.bias in wanted:
+            squared += sum_norms(delta)
+        return squared, (self._below(image, delta) if need_signal else None)
 
     def _below(self, image, delta):
         """The transposed convolution of the signal (by autodiff: the
@@ -146,6 +203,43 @@ class ConvRule(KernelRule):
         if self.causal:
             below = below[:, :, :, self.left :]
         return below[:, :, 0] if self.flat else below
+
+
+def kernel_offsets(image, kernel_size, strides, rates, padding):
+    """The input under each kernel position at every output position: a list
+    of kh * kw tensors (n, h', w', c), in the kernel's (kh, kw) order - strided
+    slices of the (``"SAME"``-padded) image. Concatenated on the last axis they
+    are ``tf.image.extract_patches`` with the same arguments, which is slower
+    on CPU (``python -m jacutil.bench.privacy_rows``; notebook 08-your-own-model).
+
+    Args:
+        image: (n, h, w, c), channels last.
+        kernel_size, strides, rates: (kh, kw), (sh, sw), (dh, dw).
+        padding: ``"VALID"`` or ``"SAME"`` (TensorFlow's split: the odd pixel
+            after).
+    """
+    sizes = []
+    for axis, (k, s, r) in enumerate(zip(kernel_size, strides, rates, strict=True)):
+        size = image.shape[axis + 1]
+        size = tf.shape(image)[axis + 1] if size is None else size
+        span = (k - 1) * r + 1
+        if padding == "SAME":
+            out = -(-size // s)  # ceil
+            total = (out - 1) * s + span - size
+            total = max(total, 0) if isinstance(total, int) else tf.maximum(total, 0)
+            sizes.append((out, [total // 2, total - total // 2]))
+        else:
+            sizes.append(((size - span) // s + 1, [0, 0]))
+    if padding == "SAME":
+        image = tf.pad(image, [[0, 0], sizes[0][1], sizes[1][1], [0, 0]])
+    (out_h, _), (out_w, _) = sizes
+    (kh, kw), (sh, sw), (dh, dw) = kernel_size, strides, rates
+    return [
+        image[:, i * dh : i * dh + (out_h - 1) * sh + 1 : sh,
+              j * dw : j * dw + (out_w - 1) * sw + 1 : sw]
+        for i in range(kh)
+        for j in range(kw)
+    ]  # fmt: skip
 
 
 def _interleave(blocks, width):

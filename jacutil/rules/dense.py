@@ -15,6 +15,7 @@ from .blocks import (
     positions_of,
     sum_norms,
     times_transpose,
+    weighted_rows,
 )
 from .registry import Blocks, LogitsSignal, NoRule, Rule, register
 
@@ -133,13 +134,11 @@ class DenseRule(KernelRule):
         zeroed first, so that a NaN in a skipped sample stays out."""
         a, slope = saved
         delta = self._at_z(slope, delta)[:, 0]  # (n, ..., q): one signal row
-        shape = [-1] + [1] * (delta.shape.rank - 1)
-        keep = tf.reshape(weights > 0, shape)
-        weighted = tf.where(keep, tf.reshape(weights, shape) * delta, 0.0)
+        weighted, a = weighted_rows(weights, delta, a)
         weighted = tf.reshape(weighted, [-1, weighted.shape[-1]])
         sums = Blocks()
         if self.layer.kernel in wanted:
-            a = tf.reshape(tf.where(keep, a, tf.zeros_like(a)), [-1, a.shape[-1]])
+            a = tf.reshape(a, [-1, a.shape[-1]])
             sums[self.layer.kernel] = tf.reshape(
                 tf.matmul(a, weighted, transpose_a=True), [-1]
             )
