@@ -303,7 +303,7 @@ def test_the_fused_sampled_step_equals_the_step_through_numpy():
         runs.append((flat(dp.model), weights, dp.steps))
         if fused:
             assert dp._fused[2] is not None, "the fused step did not run"
-            assert dp.trace_count == 1  # any batch size, one trace
+            assert dp.trace_count <= 2  # one padded shape (rarely twice it)
     (theta, weights, steps), (theta_np, weights_np, steps_np) = runs
     assert steps == steps_np == 6
     for (i, w), (i_np, w_np) in zip(weights, weights_np, strict=True):
@@ -313,11 +313,11 @@ def test_the_fused_sampled_step_equals_the_step_through_numpy():
     np.testing.assert_allclose(theta, theta_np, rtol=1e-12, atol=1e-14)
 
 
-def test_the_fused_step_traces_once_for_any_batch_and_new_arrays():
-    """The compiled sampled step takes the data and the batch's rows as
-    tensors of any length: Poisson batches over the padded size (twice or
-    three times it) and new arrays of another size run the one trace - on
-    the new values: the step equals a fresh DPSGD's from the same weights."""
+def test_the_fused_step_traces_per_batch_size_not_per_array():
+    """The compiled sampled step takes the data as an argument: each padded
+    batch size traces once, and new arrays of the same shapes (another
+    ``model.fit`` call) run the same trace - on their own values: the step
+    equals a fresh DPSGD's from the same weights."""
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(60, 5)), rng.normal(size=(60, 3))
     dp = DPSGD(dense_model(), mse, keras.optimizers.SGD(0.3),
@@ -326,15 +326,17 @@ def test_the_fused_step_traces_once_for_any_batch_and_new_arrays():
     for _ in range(8):
         dp.sampled_step(x, y, 12, physical_batch_size=4)
         sizes.add(len(dp.last_index))
-    assert len(sizes) > 1 and dp.trace_count == 1
-    x2, y2 = rng.normal(size=(40, 5)), rng.normal(size=(40, 3))
+    assert len(sizes) > 1 and dp.trace_count == len(sizes)
+    dp.sampled_step(x, y, 60)  # rate 1: every row, no noise
+    traces = dp.trace_count
+    x2, y2 = rng.normal(size=(60, 5)), rng.normal(size=(60, 3))
     theta = [v.numpy() for v in dp.model.trainable_variables]
-    dp.sampled_step(x2, y2, 40)  # rate 1: every row, no noise
-    assert dp.trace_count == 1
+    dp.sampled_step(x2, y2, 60)
+    assert dp.trace_count == traces
     fresh = DPSGD(dense_model(seed=1), mse, keras.optimizers.SGD(0.3),
                   l2_norm_clip=0.5, noise_multiplier=0.0)  # fmt: skip
     restore(fresh.model, theta)
-    fresh.sampled_step(x2, y2, 40)
+    fresh.sampled_step(x2, y2, 60)
     moved = flat(fresh.model)
     assert not np.allclose(moved, np.concatenate([t.ravel() for t in theta]))
     np.testing.assert_allclose(flat(dp.model), moved, rtol=1e-12, atol=1e-15)

@@ -1,11 +1,14 @@
-"""Opacus's private epoch on notebook 09's classifier (a peer row).
+"""Opacus's private epochs on the models of the privacy bench (peer rows).
 
-``/tmp/pv/bin/python -m jacutil.peers.privacy_peers opacus`` trains the
-classifier of ``jacutil.bench.privacy_rows`` (10 features, Dense 32 tanh,
-3 classes; the same data, batch 256, epsilon 3, C = 1, delta 1/(10 n)) under
-Opacus ``make_private_with_epsilon`` with ghost clipping and prints one JSON
-line: median epoch after the first, test accuracy, torch threads. Runs in a
-separate interpreter beside the lock; imports no TensorFlow. Weights are
+``python -m jacutil.peers.privacy_peers opacus [--cnn-data FILE]`` trains
+the models of ``jacutil.bench.privacy_rows`` under Opacus
+``make_private_with_epsilon`` with ghost clipping (batch 256, epsilon 3,
+C = 1, delta 1/(10 n), the same learning rates) and prints one JSON line per
+model: median epoch after the first, test accuracy, torch threads.
+Notebook 09's classifier draws its own data (the same draw as the bench);
+the small CNN's images and a Keras teacher's labels come from ``FILE``, an
+``.npz`` that ``privacy_rows --peer`` writes (this process imports no
+TensorFlow). Runs in a separate interpreter beside the lock. Weights are
 torch's own initialisation, not copied from Keras.
 Introduced in ``09-matrix-free``.
 """
@@ -16,7 +19,12 @@ import time
 
 import numpy as np
 
-BATCH, EPSILON, CLIP, N, EPOCHS, RATE = 256, 3.0, 1.0, 10240, 4, 0.5
+BATCH, EPSILON, CLIP, EPOCHS = 256, 3.0, 1.0, 4
+# name: (in words, samples, SGD's learning rate), as privacy_rows.MODELS
+MODELS = {
+    "classifier": ("notebook 09's classifier", 10240, 0.5),
+    "cnn": ("small CNN", 5120, 0.05),
+}
 
 
 def _classifier_data(n, seed):  # the same draw as privacy_rows._classifier_data
@@ -27,24 +35,55 @@ def _classifier_data(n, seed):  # the same draw as privacy_rows._classifier_data
     return x, labels
 
 
-def opacus_row(seed=0):
-    """Train under Opacus with ghost clipping; a dict for the table."""
+def _torch_model(name):
+    import torch
+
+    if name == "classifier":
+        return torch.nn.Sequential(
+            torch.nn.Linear(10, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3)
+        )
+    # jacutil.small_cnn: 12 x 12 x 1 images, two 3x3 convolutions of 8
+    # channels (ReLU, tanh), then Dense to 4 classes
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(1, 8, 3), torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 8, 3), torch.nn.Tanh(),
+        torch.nn.Flatten(), torch.nn.Linear(8 * 8 * 8, 4),
+    )  # fmt: skip
+
+
+def _data(name, seed, cnn_data):
+    """``(x, y, x_test, y_test)`` as NumPy arrays, images channels first."""
+    if name == "classifier":
+        return (*_classifier_data(MODELS[name][1], seed),
+                *_classifier_data(2048, seed + 1))  # fmt: skip
+    if cnn_data is None:
+        raise SystemExit(
+            "the CNN's data come from a Keras teacher: run it through "
+            "python -m jacutil.bench.privacy_rows --peer PYTHON, which writes them"
+        )
+    with np.load(cnn_data) as found:
+        arrays = [found[k] for k in ("x", "y", "x_test", "y_test")]
+    arrays[0], arrays[2] = (np.transpose(a, (0, 3, 1, 2)) for a in arrays[::2])
+    return tuple(arrays)
+
+
+def opacus_row(name="classifier", seed=0, cnn_data=None):
+    """Train one model under Opacus with ghost clipping; a dict for the table."""
     import torch
     from opacus import PrivacyEngine
 
+    words, n, rate = MODELS[name]
+    x, y, x_test, y_test = _data(name, seed, cnn_data)
+    assert len(x) == n, (len(x), n)
     torch.manual_seed(seed)
-    x, y = _classifier_data(N, seed)
-    x_test, y_test = _classifier_data(2048, seed + 1)
     data = torch.utils.data.TensorDataset(torch.tensor(x), torch.tensor(y))
     loader = torch.utils.data.DataLoader(data, batch_size=BATCH)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(10, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3)
-    )
-    optimizer = torch.optim.SGD(model.parameters(), lr=RATE)
+    model = _torch_model(name)
+    optimizer = torch.optim.SGD(model.parameters(), lr=rate)
     criterion = torch.nn.CrossEntropyLoss()
     model, optimizer, criterion, loader = PrivacyEngine().make_private_with_epsilon(
         module=model, optimizer=optimizer, data_loader=loader, criterion=criterion,
-        target_epsilon=EPSILON, target_delta=1 / (10 * N), epochs=EPOCHS,
+        target_epsilon=EPSILON, target_delta=1 / (10 * n), epochs=EPOCHS,
         max_grad_norm=CLIP, grad_sample_mode="ghost",
     )  # fmt: skip
     seconds = []
@@ -61,7 +100,7 @@ def opacus_row(seed=0):
     accuracy = float((logits.argmax(1).numpy() == y_test).mean())
     return {
         "peer": "Opacus (ghost clipping)",
-        "model": "notebook 09's classifier",
+        "model": words,
         "private_s": float(np.median(seconds[1:])),
         "private_accuracy": accuracy,
         "torch_threads": torch.get_num_threads(),
@@ -69,11 +108,16 @@ def opacus_row(seed=0):
 
 
 def main(argv=None):
-    """Print the named peer's row as one JSON line."""
+    """Print each model's row as one JSON line (the CNN's with ``--cnn-data``)."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] != ["opacus"]:
-        raise SystemExit("usage: python -m jacutil.peers.privacy_peers opacus")
-    print(json.dumps(opacus_row()))
+    known = len(argv) in (1, 3) and argv[0] == "opacus"
+    if not known or argv[1:2] not in ([], ["--cnn-data"]):
+        raise SystemExit(
+            "usage: python -m jacutil.peers.privacy_peers opacus [--cnn-data FILE]"
+        )
+    cnn_data = argv[2] if len(argv) == 3 else None
+    for name in ["classifier"] + ["cnn"] * (cnn_data is not None):
+        print(json.dumps(opacus_row(name, cnn_data=cnn_data)), flush=True)
 
 
 if __name__ == "__main__":

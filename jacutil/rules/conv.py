@@ -15,9 +15,10 @@ kernel's (kh, kw, c_in / g, c_out) order.
 
 The squared norms per sample need no patches: a kernel block holds one small
 product per kernel offset, side by side, and its squared norm is the sum of
-theirs. Nor any block where the T output positions are few: the Gram matrices of the patches and of the signal, per group,
-where ``T (p + q) <= p q`` for its (p, q) = (kh * kw * c_in / g, c_out / g)
-block (``jacutil.rules.blocks.gram_norms``; BackPACK's ``BatchL2ConvND``,
+theirs. Nor any block where the T output positions are few: the Gram matrices
+of the patches and of the signal, per group, where ``T (p + q) <= p q`` for
+its (p, q) = (kh * kw * c_in / g, c_out / g) block
+(``jacutil.rules.blocks.gram_norms``; BackPACK's ``BatchL2ConvND``,
 ``einsum("nmi,nki,nmj,nkj->n", ...)`` on the unfolded input, and the ghost
 norms of Opacus's ``GradSampleModuleFastGradientClipping``).
 """
