@@ -134,7 +134,10 @@ bench: setup
 # 11): G's diagonal against BackPACK's DiagGGNExact, G v against curvlinops, the NTK against JAX, a last-layer
 # Laplace predictive against laplace-torch. Those peers go in with --no-deps:
 # their requirements would pull torchvision, whose build does not load beside
-# torch+cpu. PyTorch runs on one thread (its default threads vary tenfold here).
+# torch+cpu. PyTorch runs on one thread (its default threads vary tenfold here),
+# except under Opacus: the private epochs (privacy_rows --peer: Opacus with
+# ghost clipping in its own process, the classifier and the small CNN) take
+# its default threads, which that table prints.
 bench-peers: setup
 	$(BIN)/python -m pip install --quiet -c requirements.lock jax "torch==2.13.0" \
 		--extra-index-url https://download.pytorch.org/whl/cpu
@@ -145,7 +148,7 @@ bench-peers: setup
 	$(BIN)/python -m jacutil.bench --model mlp cnn lstm --peer-rows $(BENCH_ARGS)
 	$(BIN)/python -m jacutil.bench.isolated
 	$(BIN)/python -m jacutil.bench.curvature_rows --torch-threads 1
-	$(BIN)/python -m jacutil.peers.privacy_peers opacus
+	$(BIN)/python -m jacutil.bench.privacy_rows --peer $(BIN)/python
 
 clean:
 	rm -rf build .pytest_cache .hypothesis

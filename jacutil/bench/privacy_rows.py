@@ -12,11 +12,22 @@ each after the same epochs. The private epoch includes what
 in the logs after the epoch. The models: notebook 09's classifier (10
 features, Dense 32 tanh, 3 classes) and ``jacutil.small_cnn`` on
 ``jacutil.image_data`` (4 classes from a fixed teacher network).
+
+With ``--peer PYTHON`` (an interpreter that has Opacus; ``make bench-peers``)
+the same models and data train under Opacus with ghost clipping in that
+interpreter's own process (``jacutil.peers.privacy_peers``; the CNN's data
+go to it in a temporary ``.npz``), and a second table sets its private epoch
+and accuracy beside ours.
 Introduced in ``09-matrix-free``.
 """
 
 import argparse
+import json
+import os
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -58,7 +69,10 @@ MODELS = {  # name: (in words, model, data, n, SGD's learning rate)
         10240,
         0.5,
     ),
-    "cnn": ("small CNN", lambda seed: small_cnn(seed=seed), _cnn_data, 5120, 0.05),
+    # SGD at 0.2: both fits learn (at 0.05 the private CNN at epsilon 3 gave
+    # every image the majority class, 74% of the labels; at 0.5 plain SGD
+    # diverged)
+    "cnn": ("small CNN", lambda seed: small_cnn(seed=seed), _cnn_data, 5120, 0.2),
 }
 
 
@@ -123,6 +137,57 @@ def run_row(name, epochs=4, seed=0):
     }
 
 
+def peer_rows(python, seed=0, timeout=1200):
+    """Opacus's rows, from ``python -m jacutil.peers.privacy_peers`` in its own
+    process: a list of dicts (its JSON lines). The CNN's images and teacher
+    labels are drawn here, as :func:`_train` draws them, and passed in a
+    temporary ``.npz`` that is removed however the run ends; a failed or
+    timed-out peer raises RuntimeError with the end of its stderr."""
+    _, _, data, n, _ = MODELS["cnn"]
+    x, y = data(n, seed)
+    x_test, y_test = data(2048, seed + 1)
+    command = [python, "-m", "jacutil.peers.privacy_peers", "opacus", "--cnn-data"]
+    with tempfile.TemporaryDirectory(prefix="privacy-peer-") as folder:
+        path = os.path.join(folder, "cnn.npz")
+        np.savez(path, x=x, y=y, x_test=x_test, y_test=y_test)
+        try:
+            done = subprocess.run(
+                [*command, path],
+                cwd=Path(__file__).resolve().parents[2],  # jacutil importable
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                check=False,
+            )
+        except subprocess.TimeoutExpired as error:
+            raise RuntimeError(
+                f"the peer ({python}) ran past {timeout} s and was stopped"
+            ) from error
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"the peer ({' '.join(command)} ...) failed with exit code "
+            f"{done.returncode}:\n{done.stderr[-2000:]}"
+        )
+    return [json.loads(line) for line in done.stdout.splitlines() if line[:1] == "{"]
+
+
+def _print_peer_table(rows, peers):
+    ours = {r["model"]: r for r in rows}
+    print(
+        "\n| model | peer | its private epoch | ours | ours / its "
+        "| accuracy: its / ours | torch threads |"
+    )
+    print("|---|---|---:|---:|---:|---|---:|")
+    for p in peers:
+        mine = ours.get(p["model"])
+        if mine is None:
+            continue
+        print(f"| {p['model']} | {p['peer']} | {p['private_s']:.3f} s | "
+              f"{mine['private_s']:.3f} s | {mine['private_s'] / p['private_s']:.2f} | "
+              f"{p['private_accuracy']:.3f} / {mine['private_accuracy']:.3f} | "
+              f"{p['torch_threads']} |")  # fmt: skip
+
+
 def main(argv=None):
     """``python -m jacutil.bench.privacy_rows``: run the rows, print the table.
 
@@ -135,8 +200,11 @@ def main(argv=None):
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS),
                         default=sorted(MODELS))  # fmt: skip
     parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--peer", metavar="PYTHON",
+                        help="a Python with Opacus: its rows beside ours")  # fmt: skip
     args = parser.parse_args(argv)
     rows = [run_row(name, args.epochs) for name in args.models]
+    peers = peer_rows(args.peer) if args.peer else []
     m = machine_summary()
     print(f"\n{m['date']}, {m['cpu_count']} CPUs, load average {m['load_average']}. "
           f"Batch {BATCH}, epsilon {EPSILON:g}, C = {CLIP:g}; median epoch of "
@@ -152,10 +220,19 @@ def main(argv=None):
               f"{r['private_s']:.3f} s | {r['accounting_s']:.3f} s | "
               f"{r['ratio']:.2f} | {r['steps_ratio']:.2f} | "
               f"{r['plain_accuracy']:.3f} | {r['private_accuracy']:.3f} |")  # fmt: skip
-    print(
-        "\nOpacus (PyTorch) and jax_privacy's Keras API (JAX backend) are not "
-        "in this table: neither is installed next to the lock."
-    )
+    if peers:
+        _print_peer_table(rows, peers)
+        print(
+            "\nThe peer ran in its own process, after ours, on the same data; "
+            "its weights are torch's own initialisation. jax_privacy's Keras API "
+            "(JAX backend) is not here: it is not installed."
+        )
+    else:
+        print(
+            "\nOpacus (PyTorch) and jax_privacy's Keras API (JAX backend) are not "
+            "in this table: run with --peer PYTHON, an interpreter that has "
+            "Opacus (make bench-peers)."
+        )
     return rows
 
 

@@ -23,7 +23,7 @@ BATCH, EPSILON, CLIP, EPOCHS = 256, 3.0, 1.0, 4
 # name: (in words, samples, SGD's learning rate), as privacy_rows.MODELS
 MODELS = {
     "classifier": ("notebook 09's classifier", 10240, 0.5),
-    "cnn": ("small CNN", 5120, 0.05),
+    "cnn": ("small CNN", 5120, 0.2),
 }
 
 
