@@ -43,15 +43,20 @@ def test_the_cnn_data_go_to_the_peer_in_a_file_removed_after(tmp_path, capsys):
         "with np.load(path) as found:\n"
         "    shapes = {k: list(found[k].shape) for k in found.files}\n"
         "print('a line of the peer that is not JSON')\n"
-        "print(json.dumps({'path': path, 'shapes': shapes, 'argv': sys.argv[1:-1]}))\n"
+        "import os\n"
+        "print(json.dumps({'path': path, 'shapes': shapes, 'argv': sys.argv[1:-1],\n"
+        "                  'backend': os.environ.get('KERAS_BACKEND')}))\n"
     )
     peer.chmod(0o755)
     _, _, _, n, _ = privacy_rows.MODELS["cnn"]
     (row,) = privacy_rows.peer_rows(str(peer))
     assert row["argv"] == ["-m", "jacutil.peers.privacy_peers", "opacus", "--cnn-data"]
+    assert row["backend"] == os.environ.get("KERAS_BACKEND")  # unchanged
     assert row["shapes"] == {"x": [n, 12, 12, 1], "y": [n], "x_test": [2048, 12, 12, 1],
                              "y_test": [2048]}  # fmt: skip
     assert not os.path.exists(row["path"])
+    (row,) = privacy_rows.peer_rows(str(peer), "jax_privacy")
+    assert row["argv"][2] == "jax_privacy" and row["backend"] == "jax"
 
 
 def test_a_failing_peer_raises_with_its_stderr(tmp_path):
@@ -80,3 +85,17 @@ def test_peer_trains_each_model_as_the_bench_does():
     for name, (words, n, rate) in privacy_peers.MODELS.items():
         bench_words, _, _, bench_n, bench_rate = privacy_rows.MODELS[name]
         assert (words, n, rate) == (bench_words, bench_n, bench_rate)
+
+
+def test_main_without_a_peer_interpreter_says_how_to_add_one(monkeypatch, capsys):
+    name, build, make_data, _, rate = privacy_rows.MODELS["classifier"]
+    monkeypatch.setitem(privacy_rows.MODELS, "classifier",
+                        (name, build, make_data, 512, rate))  # fmt: skip
+    privacy_rows.main(["--models", "classifier", "--epochs", "2"])
+    assert "--peer PYTHON" in capsys.readouterr().out
+
+
+def test_jax_privacy_row_needs_the_jax_backend(monkeypatch):
+    monkeypatch.setenv("KERAS_BACKEND", "tensorflow")
+    with pytest.raises(SystemExit, match="KERAS_BACKEND=jax"):
+        privacy_peers.jax_privacy_row()

@@ -98,12 +98,12 @@ def _train(name, private, epochs, seed):
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
     )
-    options, accounting = {"batch_size": BATCH}, []
+    options, accounting, sigma = {"batch_size": BATCH}, [], None
     if private:
         training = make_private(model, epsilon=EPSILON, delta=1 / (10 * n),
                                 l2_norm_clip=CLIP, batch_size=BATCH, epochs=epochs,
                                 train_size=n, seed=seed, verbose=False)  # fmt: skip
-        epsilon = training.epsilon
+        epsilon, sigma = training.epsilon, training.noise_multiplier
 
         def timed_epsilon():  # the accountant's share of each epoch
             start = time.perf_counter()
@@ -117,13 +117,14 @@ def _train(name, private, epochs, seed):
     model.fit(x, y, epochs=epochs, verbose=0, callbacks=[clock], **options)
     accuracy = model.evaluate(x_test, y_test, verbose=0, return_dict=True)["accuracy"]
     epoch = float(np.median(clock.seconds[1:]))
-    return epoch, float(np.median(accounting[1:])) if accounting else 0.0, accuracy
+    accounting = float(np.median(accounting[1:])) if accounting else 0.0
+    return epoch, accounting, accuracy, sigma
 
 
 def run_row(name, epochs=4, seed=0):
     """Time one model's plain and private epochs; a dict for the table."""
-    plain, _, plain_accuracy = _train(name, False, epochs, seed)
-    private, accounting, private_accuracy = _train(name, True, epochs, seed)
+    plain, _, plain_accuracy, _ = _train(name, False, epochs, seed)
+    private, accounting, private_accuracy, sigma = _train(name, True, epochs, seed)
     return {
         "model": MODELS[name][0],
         "n": MODELS[name][3],
@@ -134,19 +135,26 @@ def run_row(name, epochs=4, seed=0):
         "steps_ratio": (private - accounting) / plain,
         "plain_accuracy": plain_accuracy,
         "private_accuracy": private_accuracy,
+        "noise_multiplier": sigma,
     }
 
 
-def peer_rows(python, seed=0, timeout=1200):
-    """Opacus's rows, from ``python -m jacutil.peers.privacy_peers`` in its own
-    process: a list of dicts (its JSON lines). The CNN's images and teacher
-    labels are drawn here, as :func:`_train` draws them, and passed in a
-    temporary ``.npz`` that is removed however the run ends; a failed or
-    timed-out peer raises RuntimeError with the end of its stderr."""
+PEERS = ("opacus", "jax_privacy")  # jacutil.peers.privacy_peers.ROWS
+
+
+def peer_rows(python, peer="opacus", seed=0, timeout=1200):
+    """One peer's rows, from ``python -m jacutil.peers.privacy_peers PEER`` in
+    its own process (jax_privacy's with ``KERAS_BACKEND=jax``): a list of
+    dicts (its JSON lines). The CNN's images and teacher labels are drawn
+    here, as :func:`_train` draws them, and passed in a temporary ``.npz``
+    that is removed however the run ends; a failed or timed-out peer raises
+    RuntimeError with the end of its stderr."""
     _, _, data, n, _ = MODELS["cnn"]
     x, y = data(n, seed)
     x_test, y_test = data(2048, seed + 1)
-    command = [python, "-m", "jacutil.peers.privacy_peers", "opacus", "--cnn-data"]
+    command = [python, "-m", "jacutil.peers.privacy_peers", peer, "--cnn-data"]
+    jax = peer == "jax_privacy"
+    environment = {**os.environ, "KERAS_BACKEND": "jax"} if jax else None
     with tempfile.TemporaryDirectory(prefix="privacy-peer-") as folder:
         path = os.path.join(folder, "cnn.npz")
         np.savez(path, x=x, y=y, x_test=x_test, y_test=y_test)
@@ -154,6 +162,7 @@ def peer_rows(python, seed=0, timeout=1200):
             done = subprocess.run(
                 [*command, path],
                 cwd=Path(__file__).resolve().parents[2],  # jacutil importable
+                env=environment,
                 capture_output=True,
                 text=True,
                 timeout=timeout,
@@ -161,7 +170,7 @@ def peer_rows(python, seed=0, timeout=1200):
             )
         except subprocess.TimeoutExpired as error:
             raise RuntimeError(
-                f"the peer ({python}) ran past {timeout} s and was stopped"
+                f"the peer ({python}, {peer}) ran past {timeout} s and was stopped"
             ) from error
     if done.returncode != 0:
         raise RuntimeError(
@@ -171,13 +180,19 @@ def peer_rows(python, seed=0, timeout=1200):
     return [json.loads(line) for line in done.stdout.splitlines() if line[:1] == "{"]
 
 
+def _threads_or_sigma(peer):
+    if "torch_threads" in peer:
+        return f"{peer['torch_threads']} torch threads"
+    return f"sigma {peer['noise_multiplier']:.3f}"
+
+
 def _print_peer_table(rows, peers):
     ours = {r["model"]: r for r in rows}
     print(
         "\n| model | peer | its private epoch | ours | ours / its "
-        "| accuracy: its / ours | torch threads |"
+        "| accuracy: its / ours | threads or sigma |"
     )
-    print("|---|---|---:|---:|---:|---|---:|")
+    print("|---|---|---:|---:|---:|---|---|")
     for p in peers:
         mine = ours.get(p["model"])
         if mine is None:
@@ -185,7 +200,7 @@ def _print_peer_table(rows, peers):
         print(f"| {p['model']} | {p['peer']} | {p['private_s']:.3f} s | "
               f"{mine['private_s']:.3f} s | {mine['private_s'] / p['private_s']:.2f} | "
               f"{p['private_accuracy']:.3f} / {mine['private_accuracy']:.3f} | "
-              f"{p['torch_threads']} |")  # fmt: skip
+              f"{_threads_or_sigma(p)} |")  # fmt: skip
 
 
 def main(argv=None):
@@ -204,7 +219,12 @@ def main(argv=None):
                         help="a Python with Opacus: its rows beside ours")  # fmt: skip
     args = parser.parse_args(argv)
     rows = [run_row(name, args.epochs) for name in args.models]
-    peers = peer_rows(args.peer) if args.peer else []
+    peers, missing = [], []
+    for peer in PEERS if args.peer else ():
+        try:
+            peers += peer_rows(args.peer, peer)
+        except RuntimeError as error:  # one peer missing: the others still run
+            missing.append(f"{peer}: {str(error).strip().splitlines()[-1]}")
     m = machine_summary()
     print(f"\n{m['date']}, {m['cpu_count']} CPUs, load average {m['load_average']}. "
           f"Batch {BATCH}, epsilon {EPSILON:g}, C = {CLIP:g}; median epoch of "
@@ -220,13 +240,17 @@ def main(argv=None):
               f"{r['private_s']:.3f} s | {r['accounting_s']:.3f} s | "
               f"{r['ratio']:.2f} | {r['steps_ratio']:.2f} | "
               f"{r['plain_accuracy']:.3f} | {r['private_accuracy']:.3f} |")  # fmt: skip
-    if peers:
+    if args.peer:
         _print_peer_table(rows, peers)
         print(
-            "\nThe peer ran in its own process, after ours, on the same data; "
-            "its weights are torch's own initialisation. jax_privacy's Keras API "
-            "(JAX backend) is not here: it is not installed."
+            "\nEach peer ran in its own process, after ours, on the same data "
+            "and SGD rates, with its own initial weights and its own accountant "
+            f"for epsilon {EPSILON:g} (jax_privacy's sigma beside it; make_private's: "
+            + ", ".join(f"{r['model']} {r['noise_multiplier']:.3f}" for r in rows)
+            + ")."
         )
+        for line in missing:
+            print(f"- not run: {line}")
     else:
         print(
             "\nOpacus (PyTorch) and jax_privacy's Keras API (JAX backend) are not "
