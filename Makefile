@@ -110,7 +110,7 @@ site: setup
 # Benchmark peers (make bench-peers) are not part of the lock.
 lock:
 	$(BIN)/python -m pip freeze --exclude-editable \
-		| grep -v -i -E '^(jacutil|jax|jaxlib|torch|sympy|mpmath|networkx|filelock|dp-accounting|asdfghjkl|backpack-for-pytorch|curvlinops-for-pytorch|einconv|einops|laplace-torch|lightning-utilities|linear-operator|linear_operator|opacus|torchmetrics|unfoldnd)==' \
+		| grep -v -i -E '^(jacutil|jax|jaxlib|torch|sympy|mpmath|networkx|filelock|dp-accounting|asdfghjkl|backpack-for-pytorch|curvlinops-for-pytorch|einconv|einops|laplace-torch|lightning-utilities|linear-operator|linear_operator|opacus|torchmetrics|unfoldnd|chex|optax|pydantic|pydantic-core|pydantic_core|annotated-types|typing-inspection|jax-privacy|jax_privacy)==' \
 		> requirements.lock
 
 # Every path on the question's MLP (n = 100, 1,000, 10,000), the CNN and the LSTM
@@ -136,15 +136,16 @@ bench: setup
 # their requirements would pull torchvision, whose build does not load beside
 # torch+cpu. PyTorch runs on one thread (its default threads vary tenfold here),
 # except under Opacus: the private epochs (privacy_rows --peer: Opacus with
-# ghost clipping in its own process, the classifier and the small CNN) take
-# its default threads, which that table prints.
+# ghost clipping and jax_privacy's Keras API on the JAX backend, each in its
+# own process, on the classifier and the small CNN) take its default threads,
+# which that table prints.
 bench-peers: setup
 	$(BIN)/python -m pip install --quiet -c requirements.lock jax "torch==2.13.0" \
-		--extra-index-url https://download.pytorch.org/whl/cpu
+		chex optax pydantic --extra-index-url https://download.pytorch.org/whl/cpu
 	$(BIN)/python -m pip install --quiet --no-deps backpack-for-pytorch==1.7.1 \
 		curvlinops-for-pytorch==3.0.1 laplace-torch==0.3 einops==0.8.2 unfoldNd==0.2.3 \
 		einconv==0.1.0 asdfghjkl==0.1a4 torchmetrics==1.9.0 lightning-utilities==0.15.3 \
-		linear_operator==0.6.1 opacus==1.6.0
+		linear_operator==0.6.1 opacus==1.6.0 jax-privacy==2.0.0
 	$(BIN)/python -m jacutil.bench --model mlp cnn lstm --peer-rows $(BENCH_ARGS)
 	$(BIN)/python -m jacutil.bench.isolated
 	$(BIN)/python -m jacutil.bench.curvature_rows --torch-threads 1

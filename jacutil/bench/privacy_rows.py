@@ -189,16 +189,19 @@ def _threads_or_sigma(peer):
 def _print_peer_table(rows, peers):
     ours = {r["model"]: r for r in rows}
     print(
-        "\n| model | peer | its private epoch | ours | ours / its "
-        "| accuracy: its / ours | threads or sigma |"
+        "\n| model | peer | its plain epoch | its private epoch | its private / "
+        "plain | our private / plain | our private epoch / its | accuracy: its "
+        "/ ours | threads or sigma |"
     )
-    print("|---|---|---:|---:|---:|---|---|")
+    print("|---|---|---:|---:|---:|---:|---:|---|---|")
     for p in peers:
         mine = ours.get(p["model"])
         if mine is None:
             continue
-        print(f"| {p['model']} | {p['peer']} | {p['private_s']:.3f} s | "
-              f"{mine['private_s']:.3f} s | {mine['private_s'] / p['private_s']:.2f} | "
+        print(f"| {p['model']} | {p['peer']} | {p['plain_s']:.3f} s | "
+              f"{p['private_s']:.3f} s | {p['private_s'] / p['plain_s']:.2f} | "
+              f"{mine['private_s'] / mine['plain_s']:.2f} | "
+              f"{mine['private_s'] / p['private_s']:.2f} | "
               f"{p['private_accuracy']:.3f} / {mine['private_accuracy']:.3f} | "
               f"{_threads_or_sigma(p)} |")  # fmt: skip
 

@@ -4,7 +4,8 @@
 the models of ``jacutil.bench.privacy_rows`` under Opacus
 ``make_private_with_epsilon`` with ghost clipping (batch 256, epsilon 3,
 C = 1, delta 1/(10 n), the same learning rates) and prints one JSON line per
-model: median epoch after the first, test accuracy, torch threads.
+model: median epoch after the first of a plain fit (the same loop without
+privacy) and of the private one, test accuracy, torch threads.
 ``KERAS_BACKEND=jax python -m jacutil.peers.privacy_peers jax_privacy ...``
 does the same with jax_privacy's Keras API (``make_private`` and
 ``model.fit`` with Poisson sampling, on the JAX backend).
@@ -79,33 +80,42 @@ def opacus_row(name="classifier", seed=0, cnn_data=None):
     words, n, rate = MODELS[name]
     x, y, x_test, y_test = _data(name, seed, cnn_data)
     assert len(x) == n, (len(x), n)
-    torch.manual_seed(seed)
     data = torch.utils.data.TensorDataset(torch.tensor(x), torch.tensor(y))
-    loader = torch.utils.data.DataLoader(data, batch_size=BATCH)
+    loader = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=True)
+    criterion = torch.nn.CrossEntropyLoss()
+
+    def epochs(model, optimizer, loader, criterion):
+        seconds = []
+        for _ in range(EPOCHS):
+            start = time.perf_counter()
+            for xb, yb in loader:
+                optimizer.zero_grad()
+                criterion(model(xb), yb).backward()
+                optimizer.step()
+            seconds.append(time.perf_counter() - start)
+        return float(np.median(seconds[1:]))
+
+    torch.manual_seed(seed)
+    model = _torch_model(name)  # a plain epoch first, the same loop
+    plain = epochs(model, torch.optim.SGD(model.parameters(), lr=rate), loader,
+                   criterion)  # fmt: skip
+    torch.manual_seed(seed)
     model = _torch_model(name)
     optimizer = torch.optim.SGD(model.parameters(), lr=rate)
-    criterion = torch.nn.CrossEntropyLoss()
     model, optimizer, criterion, loader = PrivacyEngine().make_private_with_epsilon(
         module=model, optimizer=optimizer, data_loader=loader, criterion=criterion,
         target_epsilon=EPSILON, target_delta=1 / (10 * n), epochs=EPOCHS,
         max_grad_norm=CLIP, grad_sample_mode="ghost",
     )  # fmt: skip
-    seconds = []
-    for _ in range(EPOCHS):
-        start = time.perf_counter()
-        for xb, yb in loader:
-            optimizer.zero_grad()
-            loss = criterion(model(xb), yb)
-            loss.backward()
-            optimizer.step()
-        seconds.append(time.perf_counter() - start)
+    private = epochs(model, optimizer, loader, criterion)
     with torch.no_grad():
         logits = model(torch.tensor(x_test))
     accuracy = float((logits.argmax(1).numpy() == y_test).mean())
     return {
         "peer": "Opacus (ghost clipping)",
         "model": words,
-        "private_s": float(np.median(seconds[1:])),
+        "plain_s": plain,
+        "private_s": private,
         "private_accuracy": accuracy,
         "torch_threads": torch.get_num_threads(),
     }
@@ -142,20 +152,6 @@ def jax_privacy_row(name="classifier", seed=0, cnn_data=None):
     x, y, x_test, y_test = _data(name, seed, cnn_data)
     if x.ndim == 4:  # back to channels last, as Keras takes images
         x, x_test = (np.transpose(a, (0, 2, 3, 1)) for a in (x, x_test))
-    keras.utils.set_random_seed(seed)
-    model = _keras_model(name)
-    model.compile(
-        keras.optimizers.SGD(rate),
-        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    config = keras_api.DPKerasConfig(
-        epsilon=EPSILON, delta=1 / (10 * n), clipping_norm=CLIP, batch_size=BATCH,
-        gradient_accumulation_steps=1, train_steps=EPOCHS * (n // BATCH),
-        train_size=n, poisson_sampling_in_fit=True, rescale_to_unit_norm=False,
-        seed=seed,
-    )  # fmt: skip
-    model = keras_api.make_private(model, config)
     seconds = []
 
     class Clock(keras.callbacks.Callback):
@@ -165,11 +161,33 @@ def jax_privacy_row(name="classifier", seed=0, cnn_data=None):
         def on_epoch_end(self, epoch, logs=None):
             seconds.append(time.perf_counter() - self.start)
 
+    def compiled():
+        keras.utils.set_random_seed(seed)
+        model = _keras_model(name)
+        model.compile(
+            keras.optimizers.SGD(rate),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+        return model
+
+    compiled().fit(x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0,
+                   callbacks=[Clock()])  # fmt: skip
+    plain, seconds = float(np.median(seconds[1:])), []
+    model = compiled()
+    config = keras_api.DPKerasConfig(
+        epsilon=EPSILON, delta=1 / (10 * n), clipping_norm=CLIP, batch_size=BATCH,
+        gradient_accumulation_steps=1, train_steps=EPOCHS * (n // BATCH),
+        train_size=n, poisson_sampling_in_fit=True, rescale_to_unit_norm=False,
+        seed=seed,
+    )  # fmt: skip
+    model = keras_api.make_private(model, config)
     model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0, callbacks=[Clock()])
     logits = np.asarray(model.predict(x_test, batch_size=1024, verbose=0))
     return {
         "peer": "jax_privacy Keras API (JAX backend)",
         "model": words,
+        "plain_s": plain,
         "private_s": float(np.median(seconds[1:])),
         "private_accuracy": float((logits.argmax(1) == y_test).mean()),
         "noise_multiplier": float(model.get_noise_multiplier()),
