@@ -38,6 +38,24 @@ def flat(model):
     return np.concatenate([np.ravel(v.numpy()) for v in model.trainable_variables])
 
 
+def tapes_clipped_mean(model, loss, x, y):
+    """The float64 reference: one tape per sample, C the median of the finite
+    norms, and the sum of the finite samples' gradients clipped to C over n;
+    ``(expected update of SGD(1.0), kept, C)``."""
+    grads = []
+    for i in range(len(x)):
+        with tf.GradientTape() as tape:
+            value = tf.reduce_sum(loss(y[i : i + 1], model(x[i : i + 1])))
+        g = tape.gradient(value, model.trainable_variables)
+        grads.append(np.concatenate([np.ravel(t.numpy()) for t in g]))
+    grads = np.array(grads)
+    norms = np.linalg.norm(grads, axis=1)
+    kept = np.isfinite(norms)
+    clip = float(np.median(norms[kept]))
+    scale = np.minimum(1.0, clip / norms[kept])
+    return (scale[:, None] * grads[kept]).sum(axis=0) / len(x), kept, clip
+
+
 def cross_entropy(y, p):
     return keras.losses.sparse_categorical_crossentropy(y, p)
 
@@ -102,18 +120,7 @@ def test_bookkeeping_equals_the_tapes_and_skips_a_nan():
         return tf.reduce_sum(tf.sqrt(y * tf.square(p)), axis=-1)
 
     model = mlp()
-    grads = []
-    for i in range(10):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(sqrt_loss(y[i : i + 1], model(x[i : i + 1])))
-        g = tape.gradient(loss, model.trainable_variables)
-        grads.append(np.concatenate([np.ravel(t.numpy()) for t in g]))
-    grads = np.array(grads)
-    norms = np.linalg.norm(grads, axis=1)
-    clip = float(np.nanmedian(norms))
-    kept = np.isfinite(norms)
-    scale = np.where(kept, np.minimum(1.0, clip / np.where(kept, norms, 1.0)), 0.0)
-    expected = (scale[kept, None] * grads[kept]).sum(axis=0) / 10
+    expected, kept, clip = tapes_clipped_mean(model, sqrt_loss, x, y)
     dp = DPSGD(model, sqrt_loss, keras.optimizers.SGD(1.0), l2_norm_clip=clip,
                noise_multiplier=0.0)  # fmt: skip
     before = flat(model)
@@ -140,19 +147,8 @@ def test_bookkeeping_keeps_an_overflowing_sample_out():
     model = mlp(seed=1, **options)
     kernel = model.layers[1].kernel
     kernel.assign(kernel * 100)
-    grads = []
-    for i in range(10):
-        with tf.GradientTape() as tape:
-            value = tf.reduce_sum(loss(y[i : i + 1], model(x[i : i + 1])))
-        g = tape.gradient(value, model.trainable_variables)
-        grads.append(np.concatenate([np.ravel(t.numpy()) for t in g]))
-    grads = np.array(grads)
-    norms = np.linalg.norm(grads, axis=1)
-    kept = np.isfinite(norms)
+    expected, kept, clip = tapes_clipped_mean(model, loss, x, y)
     assert not kept[4] and kept.sum() == 9
-    clip = float(np.median(norms[kept]))
-    scale = np.minimum(1.0, clip / norms[kept])
-    expected = (scale[:, None] * grads[kept]).sum(axis=0) / 10
     dp = DPSGD(model, loss, keras.optimizers.SGD(1.0), l2_norm_clip=clip,
                noise_multiplier=0.0)  # fmt: skip
     before = flat(model)
