@@ -772,9 +772,9 @@ class DPSGD:
         ``a.T @ (w * delta)``, a convolution's filter gradient), the clipped
         sum comes from the signals the norms' pass already holds
         ("book-keeping", Bu et al., 2023) instead of a second forward and
-        backward pass of the weighted loss. Flat
-        clipping only; the weights are :meth:`ClipGroups.weights` of the same
-        norms, so the step is the two-pass one, to rounding."""
+        backward pass of the weighted loss. Flat clipping only; the weights
+        are :meth:`ClipGroups.weights` of the same norms, so the step is the
+        two-pass one, to rounding."""
         self.trace_count += 1
         batch, targets = (_take(part, index) for part in data)
         y = tf.gather(y_all, index)
