@@ -600,12 +600,13 @@ class DPSGD:
         ``q = batch_size / n``; the noisy sum is divided by ``batch_size``
         (the expected size, as Opacus does), and the accountant records one
         step at rate q: exactly the mechanism it accounts for. The batch is
-        padded with weight-0 rows to ``physical_batch_size`` (or a multiple of
-        it when larger), so the compiled step traces once or twice, not once
-        per batch size. :meth:`fit` and ``jacutil.privacy.make_private``'s
-        ``model.fit`` take their steps here; ``x``, ``y`` are all n training
-        samples and targets, and the other arguments are :meth:`fit`'s.
-        Introduced in ``09-matrix-free``.
+        padded with weight-0 rows to ``physical_batch_size``, or to a multiple
+        of it when larger, taken in passes of ``physical_batch_size`` rows
+        (gradient accumulation: the same step), so the compiled step traces
+        once, not once per batch size. :meth:`fit` and
+        ``jacutil.privacy.make_private``'s ``model.fit`` take their steps
+        here; ``x``, ``y`` are all n training samples and targets, and the
+        other arguments are :meth:`fit`'s. Introduced in ``09-matrix-free``.
 
         Returns:
             ``(losses, y, prediction, valid)``, one row per row of the padded
@@ -625,7 +626,6 @@ class DPSGD:
             physical = min(physical, self.max_physical_batch_size)
         chosen = np.flatnonzero(self._sampler.random(n) < rate)
         size = physical * max(1, math.ceil(len(chosen) / physical))
-        rows = physical if self.max_physical_batch_size else size  # rows a pass
         index = np.zeros(size, dtype=np.int64)  # padding: sample 0, weight 0
         index[: len(chosen)] = chosen
         valid = np.arange(size) < len(chosen)
@@ -634,60 +634,55 @@ class DPSGD:
             batch_y = tf.gather(y, index)
             losses, prediction = self.padded_step(
                 _take(x, index), batch_y, valid, denominator=batch_size,
-                sampling_rate=rate, rows=rows,
+                sampling_rate=rate, rows=physical,
             )  # fmt: skip
         else:
             losses, prediction, batch_y = self._run_fused(
-                fused, x, y, index, valid, batch_size, rows
+                fused, x, y, index, valid, batch_size, physical
             )
             self._steps_at[rate] = self._steps_at.get(rate, 0) + 1
         self.last_index = index
         return losses, batch_y, prediction, tf.constant(valid, losses.dtype)
 
     def _run_fused(self, fused, x, y, index, valid, denominator, rows):
-        """The compiled sampled step: one call when the batch is one pass,
-        else the clipped sums of each pass of ``rows`` rows added up, then
-        one noisy update (gradient accumulation: the same step, in less
-        memory)."""
+        """The compiled sampled step, one call per pass of ``rows`` rows: each
+        pass adds its clipped sum to the passes' before it, and the last one
+        adds the noise and applies the update (one call when the batch is
+        one pass; gradient accumulation, the same step, in less memory,
+        when it is larger). Every pass is the same graph, so a Poisson batch
+        larger than the padded size traces nothing new."""
         denominator = tf.constant(denominator, tf.float64)
-        valid = tf.constant(valid, tf.float64)
-        if rows == len(index):
-            losses, prediction, skipped, applied, weights, batch_y, logs = fused.step(
-                x, y, tf.constant(index), valid, denominator
-            )
-            self.last_weights = self.clip.as_shown(weights.numpy())
-            self._count_skipped(skipped.numpy(), any_kept=bool(applied))
-            self.last_logs = logs if self.on_step is not None else None
-            return losses, prediction, batch_y
-        sums, parts = None, []
+        sums, kept, skipped = fused.nothing
+        parts = []
         for start in range(0, len(index), rows):
-            found, *part = fused.chunk(
+            last = tf.constant(start + rows >= len(index))
+            *part, batch_y, logs, sums, kept, skipped = fused.step(
                 x, y, tf.constant(index[start : start + rows]),
-                valid[start : start + rows],
+                tf.constant(valid[start : start + rows], tf.float64),
+                denominator, sums, kept, skipped, last,
             )  # fmt: skip
-            sums = added(sums, found)
-            parts.append(part)
-        losses, prediction, skipped, any_kept, weights = (
-            tf.nest.map_structure(lambda *p: tf.concat(p, 0), *[
-                [part[0], part[1], part[2], tf.reshape(part[3], [1]), part[4]]
-                for part in parts
-            ])
+            parts.append((*part, batch_y))
+        losses, prediction, skipped_rows, weights, batch_y = (
+            parts[0] if len(parts) == 1 else tf.nest.map_structure(
+                lambda *p: tf.concat(p, 0), *parts
+            )
         )  # fmt: skip
-        skipped = skipped.numpy()
-        applied = bool(any_kept.numpy().any()) or not skipped.any()
         self.last_weights = self.clip.as_shown(weights.numpy())
-        self._count_skipped(skipped, any_kept=applied)
-        fused.update(sums, denominator)
-        return losses, prediction, tf.gather(y, index)
+        self._count_skipped(
+            skipped_rows.numpy(), any_kept=bool(kept) or not bool(skipped)
+        )
+        self.last_logs = logs if self.on_step is not None else None
+        return losses, prediction, batch_y
 
     def _fused_step(self, x, y):
-        """``(steps, x, y)``: the compiled sampled steps on ``(x, y)`` (rows,
-        norms, weights, the clipped sum and the noisy update, no NumPy
-        between: ``steps.step`` in one call, or ``steps.chunk`` per pass and
-        ``steps.update``), or None where the norms are off the layer rules
-        (then :meth:`padded_step`); ``x``, ``y`` as tensors. Kept for the
-        same arrays; the compiled steps take the data as an argument, so new
-        arrays (another ``model.fit`` call) cost no new trace."""
+        """``(steps, x, y)``: the compiled sampled step on ``(x, y)`` (rows,
+        norms, weights, the clipped sum and, on a batch's last pass, the
+        noisy update, no NumPy between: ``steps.step``, with ``steps.nothing``
+        the sums and flags a batch's first pass starts from), or None where
+        the norms are off the layer rules (then :meth:`padded_step`); ``x``,
+        ``y`` as tensors. Kept for the same arrays; the compiled step takes
+        the data as an argument, so new arrays (another ``model.fit`` call)
+        cost no new trace."""
         leaves = [id(a) for a in tf.nest.flatten((x, y))]
         key = (self.on_step, self.bookkeeping)
         if self._fused is not None and self._fused[5] == key:
@@ -702,18 +697,16 @@ class DPSGD:
         if compiled is not None:
             data = prepared(job, x, y)
             steps = SimpleNamespace(
-                step=partial(compiled.step, data),
-                chunk=partial(compiled.chunk, data),
-                update=compiled.update,
+                step=partial(compiled.step, data), nothing=compiled.nothing
             )
         self._fused = (leaves, source, steps, x, y, key, (compiled, job))
         return steps, x, y
 
     def _compiled_steps(self, x, y):
-        """``(steps, job)``: :meth:`_fused_step`'s compiled ``step``, ``chunk``
-        and ``update``, each taking the prepared data first (None where a
-        group's norms are off the layer rules), and the last group's
-        :func:`gradients_for` job; sets :attr:`bookkept`."""
+        """``(steps, job)``: :meth:`_fused_step`'s compiled ``step``, taking
+        the prepared data first, and ``nothing`` (None where a group's norms
+        are off the layer rules), and the last group's :func:`gradients_for`
+        job; sets :attr:`bookkept`."""
         x, y = self.as_inputs(x, y)
         rows = min(2, n_samples(x))
         graphs = []
@@ -730,20 +723,24 @@ class DPSGD:
         on_step = self.on_step
         bookkept = self.clip.flat and plan.weighs_sums() and self.bookkeeping
 
-        def chunk(data, x, y, index, valid):
+        def step(data, x, y, index, valid, denominator, before, kept, skipped, last):
+            """One pass of a step: its rows' clipped sum added to ``before``
+            (the batch's earlier passes'), ``kept``/``skipped`` whether any
+            sample so far was kept/skipped; on the ``last`` pass the noise and
+            the update. The metrics (``on_step``) record every pass's rows."""
             if bookkept:
-                return self._bookkept_rows(plan, data, x, y, index, valid)
-            return self._clipped_rows(graphs, data, x, y, index, valid)
-
-        def step(data, x, y, index, valid, denominator):
-            sums, losses, prediction, skipped, any_kept, weights = chunk(
-                data, x, y, index, valid
-            )
+                found = self._bookkept_rows(plan, data, x, y, index, valid)
+            else:
+                found = self._clipped_rows(graphs, data, x, y, index, valid)
+            sums, losses, prediction, skipped_rows, any_kept, weights = found
+            sums = [a + b for a, b in zip(before, sums, strict=True)]
+            kept = kept | any_kept
+            skipped = skipped | tf.reduce_any(skipped_rows)
             # nothing to apply only when samples were skipped and none is
             # kept (an empty Poisson batch still takes its step: the noise)
-            applied = any_kept | tf.logical_not(tf.reduce_any(skipped))
+            applied = kept | tf.logical_not(skipped)
             tf.cond(
-                applied,
+                last & applied,
                 lambda: self.noisy_update(sums, denominator),
                 lambda: tf.constant(False),
             )
@@ -752,16 +749,20 @@ class DPSGD:
             if on_step is not None:
                 logs = on_step(losses, batch_y, prediction,
                                tf.cast(valid, losses.dtype))  # fmt: skip
-            return losses, prediction, skipped, applied, weights, batch_y, logs
+            return (losses, prediction, skipped_rows, weights, batch_y, logs,
+                    sums, kept, skipped)  # fmt: skip
 
         self.bookkept = bookkept
         steps = SimpleNamespace(
             # static shapes (a graph of unknown batch size is slower: 1.0 ms
             # against 0.7 ms a step of notebook 09's classifier): one trace
-            # per padded batch size, and per size of the data
+            # per pass's size, and per size of the data
             step=tf.function(step, autograph=False),
-            chunk=tf.function(chunk, autograph=False),
-            update=self._compiled_update,
+            nothing=(
+                [tf.zeros(v.shape, v.dtype) for v in self.variables],
+                tf.constant(False),
+                tf.constant(False),
+            ),
         )
         return steps, job
 

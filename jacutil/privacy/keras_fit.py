@@ -263,7 +263,7 @@ class PrivateTraining:
         x, y = self._data
         step = self.dpsgd.sampled_step(x, y, self.batch_size)
         logs = self.dpsgd.last_logs  # recorded inside the fused step
-        if logs is None:  # the step ran in passes, or off the layer rules
+        if logs is None:  # the step ran off the layer rules (padded_step)
             if self._record is None:
                 self._record = tf.function(self.record, autograph=False)
             logs = self._record(*step)
