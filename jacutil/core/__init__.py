@@ -8,6 +8,7 @@
 - ``planner``      budget -> chunk size -> chunks -> output, checked once
 - ``resume``       the file and ledger that let a killed run resume
 - ``cache``        one compiled Jacobian per model, owned weakly
+- ``graph_calls``  a repeated ``tf.function`` call without its per-call lookup
 - ``guards``       the checks that turn the classic mistakes into errors
 - ``formulation``  which formulation traces: pfor, map_fn, XLA, and their logs
 - ``second_order`` ``ensure_second_order``: gradients of gradient ops TF lacks
@@ -21,6 +22,6 @@ from .lazy import lazy_face
 
 __all__, __getattr__, __dir__ = lazy_face(
     __name__,
-    modules="batch cache formulation guards layout memory outputs planner resume "
-    "second_order target",
+    modules="batch cache formulation graph_calls guards layout memory outputs "
+    "planner resume second_order target",
 )

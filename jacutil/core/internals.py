@@ -110,3 +110,21 @@ def loss_tracker(model):
     if not isinstance(tracker, keras.metrics.Mean):
         _moved("Model._loss_tracker (Keras's running mean of the loss)")
     return tracker
+
+
+def flat_caller(concrete):
+    """``call(tensors)``: run a ``ConcreteFunction`` on its flat tensor
+    inputs (``ConcreteFunction._call_flat``), without the public call's
+    argument binding and signature check: on notebook 09's classifier those
+    take 0.2 ms of a 0.5 ms private step. The caller guarantees that the
+    tensors are the traced signature's, in order (:class:`jacutil.core.
+    graph_calls.SignatureCalls` keys on their shapes and dtypes); the
+    result is the function's structured output, as a public call returns."""
+    call = getattr(concrete, "_call_flat", None)
+    if call is None or not hasattr(concrete, "captured_inputs"):
+        _moved("ConcreteFunction._call_flat(tensor_inputs, captured_inputs)")
+
+    def run(tensors):
+        return call(tensors, concrete.captured_inputs)
+
+    return run

@@ -41,6 +41,7 @@ import numpy as np
 
 from ..core._tf import keras, tf
 from ..core.batch import n_samples, take
+from ..core.graph_calls import SignatureCalls
 from ..core.internals import layers_within
 from ..rules.walk import Weighing
 from .clip_groups import ClipGroups
@@ -655,7 +656,7 @@ class DPSGD:
         sums, kept, skipped = fused.nothing
         parts = []
         for start in range(0, len(index), rows):
-            last = tf.constant(start + rows >= len(index))
+            last = fused.last[start + rows >= len(index)]
             *part, batch_y, logs, sums, kept, skipped = fused.step(
                 x, y, tf.constant(index[start : start + rows]),
                 tf.constant(valid[start : start + rows], tf.float64),
@@ -678,7 +679,8 @@ class DPSGD:
         """``(steps, x, y)``: the compiled sampled step on ``(x, y)`` (rows,
         norms, weights, the clipped sum and, on a batch's last pass, the
         noisy update, no NumPy between: ``steps.step``, with ``steps.nothing``
-        the sums and flags a batch's first pass starts from), or None where
+        the sums and flags a batch's first pass starts from and
+        ``steps.last[is_last]`` its ``last`` argument), or None where
         the norms are off the layer rules (then :meth:`padded_step`); ``x``,
         ``y`` as tensors. Kept for the same arrays; the compiled step takes
         the data as an argument, so new arrays (another ``model.fit`` call)
@@ -697,7 +699,9 @@ class DPSGD:
         if compiled is not None:
             data = prepared(job, x, y)
             steps = SimpleNamespace(
-                step=partial(compiled.step, data), nothing=compiled.nothing
+                step=partial(compiled.step, data),
+                nothing=compiled.nothing,
+                last=compiled.last,
             )
         self._fused = (leaves, source, steps, x, y, key, (compiled, job))
         return steps, x, y
@@ -757,12 +761,13 @@ class DPSGD:
             # static shapes (a graph of unknown batch size is slower: 1.0 ms
             # against 0.7 ms a step of notebook 09's classifier): one trace
             # per pass's size, and per size of the data
-            step=tf.function(step, autograph=False),
+            step=SignatureCalls(tf.function(step, autograph=False)),
             nothing=(
                 [tf.zeros(v.shape, v.dtype) for v in self.variables],
                 tf.constant(False),
                 tf.constant(False),
             ),
+            last=(tf.constant(False), tf.constant(True)),  # by a pass's lastness
         )
         return steps, job
 
