@@ -61,6 +61,35 @@ def test_sigma_is_the_smallest_that_keeps_epsilon_under_the_target(accountant):
     assert direct_epsilon(sigma * 0.99, rate, steps, delta, accountant) > 2.0
 
 
+def test_a_coarse_search_the_accountant_refuses_is_searched_again(monkeypatch):
+    """PLD's search runs on a coarser grid, then the accountant checks its
+    sigma; where it would not keep epsilon under the target, the search runs
+    again on the accountant's own grid, and the sigma is still the smallest."""
+    from jacutil.privacy import accounting
+
+    rate, steps, delta = 0.05, 60, 1e-5
+    checks, epsilon_of = [], accounting.epsilon_of
+
+    def refusing(sigma, steps_at, *args):  # the check of sigma says "over"
+        if steps_at != {rate: steps}:  # the arguments' check
+            return epsilon_of(sigma, steps_at, *args)
+        checks.append(sigma)
+        return np.inf
+
+    fine, new_accountant = [], accounting.new_accountant
+
+    def counted(name):  # the accountant's own grid
+        fine.append(name)
+        return new_accountant(name)
+
+    monkeypatch.setattr(accounting, "epsilon_of", refusing)
+    monkeypatch.setattr(accounting, "new_accountant", counted)
+    sigma = noise_multiplier_for(2.0, delta, rate, steps)
+    assert len(checks) == 1 and fine  # searched again, on the fine grid
+    assert direct_epsilon(sigma, rate, steps, delta, "pld") <= 2.0
+    assert direct_epsilon(sigma * 0.99, rate, steps, delta, "pld") > 2.0
+
+
 def test_fit_trains_privately_with_callbacks_and_validation_data(tmp_path):
     x, y = data()
     xv, yv = data(100, seed=1)

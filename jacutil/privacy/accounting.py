@@ -17,6 +17,9 @@ from ..fitting.dp_sgd import (
 )
 
 TOLERANCE = 1e-4  # sigma is found to within this; epsilon never exceeds the target
+# the PLD grid of the search: 10x coarser than the accountant's (1e-4), about
+# 10x faster, and its epsilon differs by ~1e-5 (notebook 09's budgets)
+SEARCH_GRID = 1e-3
 
 
 def noise_multiplier_for(epsilon, delta, sampling_rate, steps, accountant="pld"):
@@ -37,6 +40,12 @@ def noise_multiplier_for(epsilon, delta, sampling_rate, steps, accountant="pld")
             (0, 1].
         steps: how many steps the training takes, >= 1.
 
+    With PLD the search runs on a 10x coarser grid of privacy losses
+    (``SEARCH_GRID``; a PLD accountant's epsilon is an upper bound at any
+    grid, the coarse one within about 1e-5 of the fine one here), about 10x
+    faster, and one call of the accountant itself then checks that sigma
+    keeps epsilon under the target (else the search runs again on its grid).
+
     Returns:
         sigma, a float; an ImportError says how to install dp-accounting.
     """
@@ -55,13 +64,23 @@ def noise_multiplier_for(epsilon, delta, sampling_rate, steps, accountant="pld")
     def event(sigma):
         return dp_event(sigma, {sampling_rate: int(steps)})
 
-    with quiet_absl():
-        sigma = dpa.calibrate_dp_mechanism(
-            lambda: new_accountant(accountant),
-            event,
-            epsilon,
-            delta,
-            dpa.LowerEndpointAndGuess(0.0, 1.0),
-            tol=TOLERANCE,
+    def search(make_accountant):
+        with quiet_absl():
+            return float(
+                dpa.calibrate_dp_mechanism(
+                    make_accountant,
+                    event,
+                    epsilon,
+                    delta,
+                    dpa.LowerEndpointAndGuess(0.0, 1.0),
+                    tol=TOLERANCE,
+                )
+            )
+
+    if accountant == "pld":
+        sigma = search(
+            lambda: dpa.pld.PLDAccountant(value_discretization_interval=SEARCH_GRID)
         )
-    return float(sigma)
+        if epsilon_of(sigma, {sampling_rate: int(steps)}, delta, "pld") <= epsilon:
+            return sigma
+    return search(lambda: new_accountant(accountant))
