@@ -17,8 +17,9 @@ from ..fitting.dp_sgd import (
 )
 
 TOLERANCE = 1e-4  # sigma is found to within this; epsilon never exceeds the target
-# the PLD grid of the search: 10x coarser than the accountant's (1e-4), about
-# 10x faster, and its epsilon differs by ~1e-5 (notebook 09's budgets)
+# the PLD grid of the search: 10x coarser than the accountant's (1e-4) and
+# about 10x faster; its sigma is at most 0.05% above the fine grid's (notebook
+# 09's budgets, epsilon 0.5 to 8: 2.4570 against 2.4558 at 0.5)
 SEARCH_GRID = 1e-3
 
 
@@ -42,9 +43,10 @@ def noise_multiplier_for(epsilon, delta, sampling_rate, steps, accountant="pld")
 
     With PLD the search runs on a 10x coarser grid of privacy losses
     (``SEARCH_GRID``; a PLD accountant's epsilon is an upper bound at any
-    grid, the coarse one within about 1e-5 of the fine one here), about 10x
-    faster, and one call of the accountant itself then checks that sigma
-    keeps epsilon under the target (else the search runs again on its grid).
+    grid), about 10x faster, and one call of the accountant itself then
+    checks that sigma keeps epsilon under the target (else the search runs
+    again on its grid). The sigma found so is at most about 0.05% above the
+    smallest on the accountant's own grid.
 
     Returns:
         sigma, a float; an ImportError says how to install dp-accounting.
