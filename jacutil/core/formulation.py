@@ -36,6 +36,7 @@ import logging
 import warnings
 
 from ._tf import keras, tf
+from .graph_calls import SignatureCalls
 from .guards import JacobianError
 from .target import stack_columns
 
@@ -376,9 +377,13 @@ class Ladder:
         return self.VECTORIZED if self.pfor and not self.pfor_failed else self.MAP_FN
 
     def function(self, key, mode, xla, args):
-        """The ``tf.function`` for ``key`` in ``mode``, built once."""
+        """The ``tf.function`` for ``key`` in ``mode``, built once, called by
+        the concrete function of each input signature
+        (:class:`jacutil.core.graph_calls.SignatureCalls`: the call a loop
+        repeats pays no lookup)."""
         if (key, mode, xla) not in self.functions:
-            self.functions[key, mode, xla] = self.build(key, mode, xla, *args)
+            built = self.build(key, mode, xla, *args)
+            self.functions[key, mode, xla] = SignatureCalls(built)
         return self.functions[key, mode, xla]
 
     def restart(self):
