@@ -362,7 +362,7 @@ class Ladder:
         self.build, self.checked_plan = build, checked_plan
         self.pfor, self.not_on_rules = pfor, not_on_rules
         self.modes = {}  # key -> the mode that works
-        self.functions = {}  # (key, mode, xla) -> tf.function
+        self.functions = {}  # (key, mode, xla) -> SignatureCalls of a tf.function
         self.without_xla = set()  # the keys that XLA cannot compile
         self.pfor_failed = None  # why pfor failed, once it has
 

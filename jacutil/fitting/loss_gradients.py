@@ -217,7 +217,7 @@ class LossGradients:
         key = ("norms", signature_key(x), signature_key(y))
         if self.ladder.modes.get(key) != Ladder.RULES or int(n_samples(x)) < 2:
             return None
-        return self.ladder.function(key, Ladder.RULES, False, (x, y))
+        return self.ladder.function(key, Ladder.RULES, False, (x, y)).function
 
     def _norms_under_xla(self, key, x, rows):
         return (
