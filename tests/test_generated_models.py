@@ -25,7 +25,9 @@ float64, and checks each public entry against ``tape_jacobian`` /
   options, from probabilities or logits, and custom losses that read the
   probabilities, Keras's cached logits or both), and a ``DPSGD`` step with
   no noise: the clip bound on every sample's contribution, and the update
-  against the tape's clipped mean.
+  against the tape's clipped mean; the per-layer step and ``make_private``'s
+  ``model.fit`` draw their sampling and noise in ``secure_mode`` for half
+  the programs (:func:`secure_case`).
 
 An entry may refuse a model, with a clear error that names the feature
 (:func:`clear_refusal`); anything else is a failure, named after the entry
@@ -52,6 +54,7 @@ failure found so far is a named test in ``tests/test_generated_regressions.py``.
 import os
 import re
 import warnings
+import zlib
 
 import numpy as np
 import pytest
@@ -469,6 +472,14 @@ def clip_groups_of(model):
     return groups
 
 
+def secure_case(case):
+    """Whether a drawn program's DP checks run in ``secure_mode`` (sampling
+    and noise from ``os.urandom``, through ``tf.numpy_function`` in the
+    graph): half the programs, chosen by the program's text, so that a
+    printed failure repeats in the same mode."""
+    return zlib.crc32(case.source.encode()) % 2 == 1
+
+
 def check_per_layer_step(case, ns, G):
     """DPSGD with a clip norm per group of layers (each C_g the median of
     its group's norms) and passes of about half the batch (gradient
@@ -492,10 +503,12 @@ def check_per_layer_step(case, ns, G):
         scale = np.minimum(1.0, clips[names] / np.maximum(norms, 1e-300))
         expected[columns] = (scale[:, None] * G[:, columns]).sum(axis=0) / len(G)
     rows = max(1, len(G) // 2)
-    entry = "DPSGD(per-layer, accumulated)"
+    secure = secure_case(case)
+    entry = "DPSGD(per-layer, accumulated" + (", secure_mode)" if secure else ")")
     dp = run(entry, lambda: DPSGD(model, loss, ju.keras.optimizers.SGD(1.0),
                                   l2_norm_clip=clips, noise_multiplier=0.0,
-                                  max_physical_batch_size=rows), known)  # fmt: skip
+                                  max_physical_batch_size=rows,
+                                  secure_mode=secure), known)  # fmt: skip
     if dp is None:
         return
     saved = model.get_weights()
@@ -518,23 +531,28 @@ def check_per_layer_step(case, ns, G):
             )
     assert_close(entry, before - after, expected, case.dtype, np.abs(G).max(initial=0))
     fused = "fused" if dp._fused[2] is not None else "eager"
-    event(f"per-layer DPSGD ({fused}): {len(groups)} group(s), passes of {rows} row(s)")
+    event(f"per-layer DPSGD ({fused}{', secure_mode' if secure else ''}): "
+          f"{len(groups)} group(s), passes of {rows} row(s)")
 
 
 def check_private_fit(case, ns, G, clip):
     """make_private's ``model.fit`` (issue 36): one epoch of one step at
     rate 1 (every sample in its batch), learning rate 0 (the model stays).
     The clip weights its step used are ``min(1, C / |g_i|)`` of the tape's
-    gradients: the clip invariant inside Keras's fit."""
+    gradients: the clip invariant inside Keras's fit. In ``secure_mode``
+    (:func:`secure_case`) the sampling and the noise come from ``os.urandom``
+    inside the same step; at rate 1 every sample is still drawn."""
     from jacutil.privacy import make_private
 
     model, x, y, loss, known = ns["model"], ns["x"], ns["y"], ns["loss"], ns["known"]
     n = len(G)
     model.compile(ju.keras.optimizers.SGD(0.0), loss)
-    entry = "make_private"
+    secure = secure_case(case)
+    entry = "make_private" + ("(secure_mode)" if secure else "")
     training = run(entry, lambda: make_private(
         model, epsilon=8.0, delta=0.1 / n, l2_norm_clip=clip, batch_size=n,
-        epochs=1, train_size=n, accountant="rdp", verbose=False), known)  # fmt: skip
+        epochs=1, train_size=n, accountant="rdp", verbose=False,
+        secure_mode=secure), known)  # fmt: skip
     if training is None:
         return
     if run("model.fit (private)", lambda: model.fit(x, y, verbose=0), known) is None:
@@ -551,8 +569,10 @@ def check_private_fit(case, ns, G, clip):
             f"{largest:.6g} > C = {clip:.6g}: the clip bound is broken"
         )
     assert training.steps == 1
+    assert training.dpsgd.secure_mode == secure
     fused = training.dpsgd._fused[2] is not None
-    event(f"make_private: fit's clip weights checked ({'fused' if fused else 'eager'})")
+    way = ("fused" if fused else "eager") + (", secure_mode" if secure else "")
+    event(f"make_private: fit's clip weights checked ({way})")
 
 
 def check_curvature_losses(case):

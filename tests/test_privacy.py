@@ -2,6 +2,8 @@
 way, checked against dp-accounting called directly, Keras's own fit and a tape
 per sample."""
 
+import math
+
 import numpy as np
 import pytest
 
@@ -51,6 +53,26 @@ def direct_epsilon(sigma, rate, steps, delta, accountant):
     return ledger.compose(dp_accounting.SelfComposedDpEvent(event, steps)).get_epsilon(
         delta
     )
+
+
+def test_pld_epsilon_equals_the_accountant_with_each_step_built_once():
+    """epsilon_of composes the PLD accountant's own distributions, each
+    sampled step's built once per (sigma, q) and composed for every count:
+    the same floats as the accountant given dp_event's events, for one rate
+    and for two, asked again or for other counts."""
+    from jacutil.fitting import dp_sgd
+
+    dp_sgd.sampled_gaussian_pld.cache_clear()
+    for sigma, steps_at in [(1.1, {0.05: 20}), (1.1, {0.05: 45}),
+                            (1.1, {0.05: 20}), (0.8, {0.02: 7, 0.05: 12})]:  # fmt: skip
+        ledger = dp_accounting.pld.PLDAccountant()
+        ledger.compose(dp_sgd.dp_event(sigma, steps_at))
+        assert dp_sgd.epsilon_of(sigma, steps_at, 1e-5, "pld") == ledger.get_epsilon(
+            1e-5
+        )
+    built = dp_sgd.sampled_gaussian_pld.cache_info()
+    # built: (1.1, .05) once for three calls, (.8, .02) and (.8, .05)
+    assert (built.misses, built.hits) == (3, 2)
 
 
 @pytest.mark.parametrize("accountant", ["pld", "rdp"])
@@ -119,6 +141,29 @@ def test_fit_trains_privately_with_callbacks_and_validation_data(tmp_path):
     # the compiled metrics are Keras's own, on the sampled rows
     assert 0 <= history.history["accuracy"][-1] <= 1
     assert history.history["val_loss"][-1] < history.history["val_loss"][0]
+
+
+def test_validation_runs_in_batches_of_the_calibrated_size_or_the_one_given():
+    """Keras evaluates validation_data at fit's batch size unless told; the
+    private fit runs Keras's loop one token a step (batch size 1), so without
+    this the 100 validation rows took 100 evaluation steps an epoch."""
+    x, y = data()
+    xv, yv = data(100, seed=1)
+    class Counted(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def on_test_batch_end(self, batch, logs=None):
+            self.seen.append(batch)
+
+    for given, batches in [(None, math.ceil(100 / BATCH)), (50, 2)]:
+        model = compiled()
+        private(model, epochs=1)
+        counted = Counted()
+        model.fit(x, y, epochs=1, validation_data=(xv, yv), verbose=0,
+                  validation_batch_size=given, callbacks=[counted])  # fmt: skip
+        assert len(counted.seen) == batches, (given, counted.seen)
 
 
 def test_epsilon_per_epoch_is_accounted_before_training_not_in_it(monkeypatch):

@@ -34,7 +34,7 @@ import math
 import os
 import warnings
 from contextlib import contextmanager
-from functools import partial
+from functools import lru_cache, partial
 from types import SimpleNamespace
 
 import numpy as np
@@ -65,6 +65,7 @@ INSTALL_HINT = (
 )
 
 ACCOUNTANTS = ("rdp", "pld")
+PLD_GRID = 1e-4  # the PLD accountant's grid of privacy losses (its default)
 
 
 class SecureRandom:
@@ -955,12 +956,43 @@ def dp_event(noise_multiplier, steps_at):
     )
 
 
-def new_accountant(accountant):
-    """A fresh ``dp-accounting`` accountant: "rdp" or "pld"."""
+def check_accounting(delta, accountant):
+    """Refuse a ``delta`` outside (0, 1) or an accountant that is neither
+    "rdp" nor "pld", saying which values are allowed."""
+    if not 0 < delta < 1:
+        raise ValueError(f"delta is {delta!r}; it must be in (0, 1).")
     if accountant not in ACCOUNTANTS:
         raise ValueError(f"accountant is {accountant!r}; one of {ACCOUNTANTS}.")
+
+
+def new_accountant(accountant):
+    """A fresh ``dp-accounting`` accountant: "rdp" or "pld"."""
+    check_accounting(0.5, accountant)
     dpa = dp_accounting_module()
-    return dpa.rdp.RdpAccountant() if accountant == "rdp" else dpa.pld.PLDAccountant()
+    if accountant == "rdp":
+        return dpa.rdp.RdpAccountant()
+    return dpa.pld.PLDAccountant(value_discretization_interval=PLD_GRID)
+
+
+@lru_cache(maxsize=16)
+def sampled_gaussian_pld(noise_multiplier, sampling_rate):
+    """One Poisson-sampled Gaussian step's privacy loss distribution, built
+    as dp-accounting's ``PLDAccountant`` builds it (its grid, one sample
+    added or removed), once per (sigma, q).
+
+    Building it is the slow part of a PLD epsilon (about 0.5 s on the grid of
+    1e-4); composing it k times is about 10x faster. So epsilon after each
+    epoch of one training (``make_private``), after a calibration's check,
+    or after one more step, builds it once. The result is immutable: every
+    composition returns a new distribution.
+    """
+    dpa = dp_accounting_module()
+    return dpa.pld.privacy_loss_distribution.from_gaussian_mechanism(
+        standard_deviation=noise_multiplier,
+        value_discretization_interval=PLD_GRID,
+        sampling_prob=sampling_rate,
+        neighboring_relation=dpa.NeighboringRelation.ADD_OR_REMOVE_ONE,
+    )
 
 
 def epsilon_of(noise_multiplier, steps_at, delta, accountant="rdp"):
@@ -983,13 +1015,24 @@ def epsilon_of(noise_multiplier, steps_at, delta, accountant="rdp"):
     Raises:
         ImportError: dp-accounting is not installed (the message says how).
     """
-    if not 0 < delta < 1:
-        raise ValueError(f"delta is {delta!r}; it must be in (0, 1).")
-    ledger = new_accountant(accountant)
+    check_accounting(delta, accountant)
+    dpa = dp_accounting_module()
     if not sum(steps_at.values()):
         return 0.0
     if noise_multiplier == 0:
         return math.inf
     with quiet_absl():
+        if accountant == "pld" and all(
+            0 < q < 1 and count >= 1 for q, count in steps_at.items()
+        ):
+            # what the PLD accountant composes for dp_event's events, in
+            # their order, from its identity, each step's distribution built
+            # once (the tests compare with the accountant itself)
+            pld = dpa.pld.privacy_loss_distribution.identity(PLD_GRID)
+            for q, count in sorted(steps_at.items()):
+                step = sampled_gaussian_pld(float(noise_multiplier), float(q))
+                pld = pld.compose(step.self_compose(int(count)))
+            return float(pld.get_epsilon_for_delta(delta))
+        ledger = new_accountant(accountant)
         ledger.compose(dp_event(noise_multiplier, steps_at))
         return float(ledger.get_epsilon(delta))

@@ -9,6 +9,7 @@ most the target, by Google's ``dp-accounting`` (its
 """
 
 from ..fitting.dp_sgd import (
+    check_accounting,
     dp_accounting_module,
     dp_event,
     epsilon_of,
@@ -60,7 +61,7 @@ def noise_multiplier_for(epsilon, delta, sampling_rate, steps, accountant="pld")
         raise ValueError(f"sampling_rate is {sampling_rate!r}; it is in (0, 1].")
     if int(steps) != steps or steps < 1:
         raise ValueError(f"steps is {steps!r}; a whole number >= 1.")
-    epsilon_of(1.0, {sampling_rate: 1}, delta, accountant)  # checks delta, accountant
+    check_accounting(delta, accountant)
     dpa = dp_accounting_module()
 
     def event(sigma):

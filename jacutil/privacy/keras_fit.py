@@ -157,6 +157,10 @@ class PrivateTraining:
                 )
         options = {k: v for k, v in options.items() if k not in REFUSED}
         options.pop("shuffle", None)
+        # Keras evaluates validation_data at fit's batch size unless told:
+        # here that is 1 (one token a step), so say the calibrated one
+        if options.get("validation_batch_size") is None:
+            options["validation_batch_size"] = self.batch_size
         self._check_data(x, y)
         if batch_size not in (None, self.batch_size):
             raise ValueError(
