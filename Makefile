@@ -34,12 +34,15 @@ $(STAMP): pyproject.toml requirements.lock
 run: setup
 	$(BIN)/python scripts/run_notebooks.py $(NOTEBOOKS)
 
-# Lint, unit tests, papermill with small parameters, then nbval (strict) over the
-# stored outputs.
-# Nothing can hold CI to its hard limit (90 min; the whole run takes about 23):
+# Lint, then one pytest run: the unit tests, papermill with small parameters and
+# nbval (strict) over the stored outputs. One run, not two, so that the two
+# workers stay busy to the end: xdist hands out the largest groups first (a
+# notebook's nbval cells are one group, notebooks/conftest.py) and the single
+# tests fill the gaps.
+# Nothing can hold CI to its hard limit (90 min; the whole run takes about 35):
 # a test fails after pytest-timeout's limit (pyproject.toml), a crashed worker
 # ends the run instead of being replaced (--max-worker-restart 0: a replaced
-# worker can wait forever under --dist loadgroup), and each pytest run is
+# worker can wait forever under --dist loadgroup), and the pytest run is
 # interrupted (SIGINT: pytest still prints its report) after $(1) seconds
 # (--foreground: Ctrl-C still reaches pytest).
 bounded = timeout --foreground --signal=INT --kill-after=60 $(1)
@@ -47,11 +50,9 @@ bounded = timeout --foreground --signal=INT --kill-after=60 $(1)
 # run killed earlier on this machine may have left its own.
 test: setup lint
 	@mkdir -p build && touch build/.test-started
-	$(call bounded,2400) $(BIN)/python -m pytest tests -n 2 --dist loadgroup --max-worker-restart 0 \
-		--durations=20
-	$(call bounded,1200) $(BIN)/python -m pytest notebooks --nbval --nbval-current-env \
+	$(call bounded,3600) $(BIN)/python -m pytest notebooks tests --nbval --nbval-current-env \
 		--nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout 600 \
-		-n 2 --dist loadfile --max-worker-restart 0
+		-n 2 --dist loadgroup --max-worker-restart 0 --durations=20
 	$(BIN)/python -c "import os; \
 		from jacutil.scale.workers import leftovers as l, leftover_folders as f; \
 		since = os.path.getmtime('build/.test-started'); \

@@ -37,9 +37,25 @@ def _version(package):
     return tuple(int(part) for part in version(package).split(".")[:2])
 
 
+class NotebookGroups:
+    """nbval runs a notebook's cells in one kernel, in order: in `make test`'s
+    one pytest run (``--dist loadgroup``) each notebook's cells are one xdist
+    group, so that one worker takes them all, in order."""
+
+    @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which names groups
+    def pytest_collection_modifyitems(self, config, items):
+        for item in items:
+            path, _, cell = item.nodeid.partition("::")
+            if path.endswith(".ipynb") and cell.startswith("Cell "):
+                name = f"nbval:{path.rsplit('/', 1)[-1]}"
+                item.add_marker(pytest.mark.xdist_group(name))
+
+
 def pytest_configure(config):
-    """Refuse, before any test, the versions whose --dist loadgroup does not
-    group (see pytest_collection_modifyitems below)."""
+    """Group each notebook's nbval cells (:class:`NotebookGroups`); refuse,
+    before any test, the versions whose --dist loadgroup does not group (see
+    pytest_collection_modifyitems below)."""
+    config.pluginmanager.register(NotebookGroups(), "jacutil-notebook-groups")
     if getattr(config.option, "dist", None) != "loadgroup":
         return
     if _version("pytest") >= (9, 2) and _version("pytest-xdist") <= (3, 8):

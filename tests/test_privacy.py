@@ -159,7 +159,7 @@ def test_validation_runs_in_batches_of_the_calibrated_size_or_the_one_given():
 
     for given, batches in [(None, math.ceil(100 / BATCH)), (50, 2)]:
         model = compiled()
-        private(model, epochs=1)
+        private(model, epochs=1, accountant="rdp")  # not what is tested here
         counted = Counted()
         model.fit(x, y, epochs=1, validation_data=(xv, yv), verbose=0,
                   validation_batch_size=given, callbacks=[counted])  # fmt: skip
