@@ -37,8 +37,8 @@ run: setup
 # Lint, then one pytest run: the unit tests, papermill with small parameters and
 # nbval (strict) over the stored outputs. One run, not two, so that the two
 # workers stay busy to the end: xdist hands out the largest groups first (a
-# notebook's nbval cells are one group, notebooks/conftest.py) and the single
-# tests fill the gaps.
+# notebook's nbval cells are one group: NotebookGroups in conftest.py) and the
+# single tests fill the gaps.
 # Nothing can hold CI to its hard limit (90 min; the whole run takes about 35):
 # a test fails after pytest-timeout's limit (pyproject.toml), a crashed worker
 # ends the run instead of being replaced (--max-worker-restart 0: a replaced

@@ -957,9 +957,9 @@ def dp_event(noise_multiplier, steps_at):
 
 
 def check_accounting(delta, accountant):
-    """Refuse a ``delta`` outside (0, 1) or an accountant that is neither
-    "rdp" nor "pld", saying which values are allowed."""
-    if not 0 < delta < 1:
+    """Refuse a ``delta`` outside (0, 1) (None: not checked) or an accountant
+    that is neither "rdp" nor "pld", saying which values are allowed."""
+    if delta is not None and not 0 < delta < 1:
         raise ValueError(f"delta is {delta!r}; it must be in (0, 1).")
     if accountant not in ACCOUNTANTS:
         raise ValueError(f"accountant is {accountant!r}; one of {ACCOUNTANTS}.")
@@ -967,7 +967,7 @@ def check_accounting(delta, accountant):
 
 def new_accountant(accountant):
     """A fresh ``dp-accounting`` accountant: "rdp" or "pld"."""
-    check_accounting(0.5, accountant)
+    check_accounting(None, accountant)
     dpa = dp_accounting_module()
     if accountant == "rdp":
         return dpa.rdp.RdpAccountant()
