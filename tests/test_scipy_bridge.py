@@ -291,3 +291,105 @@ def test_levenberg_marquardt_cg_on_a_formed_problem():
     step = np.linalg.solve(J.T @ J + damping * np.eye(problem.n_params), -J.T @ r)
     assert np.linalg.norm(step) > 0.01  # not trivially zero
     np.testing.assert_allclose(fit["theta"] - theta, step, rtol=1e-4, atol=1e-6)
+
+
+def test_the_preconditioners_curvature_is_that_of_the_formed_j():
+    """diag(JtJ) from ``ggn_diagonal`` is the formed J's column norms; KFAC of
+    the residuals is JtJ itself where it is exact (one sample, one layer)."""
+    problem, formed = fit_problem(1, jacobian="operator"), fit_problem(1)
+    theta = problem.theta0 + 0.05  # not the model's weights: written first
+    J = formed.jac(theta)
+    np.testing.assert_allclose(
+        problem.gauss_newton_diagonal(theta), np.sum(J**2, axis=0), rtol=1e-10
+    )
+    keras = ju.keras
+    model = keras.Sequential(
+        [keras.Input((4,), dtype="float64"), keras.layers.Dense(3, dtype="float64")]
+    )
+    x, y = ju.regression_data(1, n_inputs=4, n_outputs=3, dtype="float64")
+    one = ju.least_squares_problem(model, x, y, jacobian="operator")
+    theta = one.theta0 + 0.1
+    J = ju.least_squares_problem(model, x, y).jac(theta)
+    kfac = one.gauss_newton_kfac(theta).to_dense()
+    np.testing.assert_allclose(kfac, J.T @ J, atol=1e-12)
+
+
+def exact_step(problem, theta, damping, scale):
+    J, r = problem.jac(theta), problem.fun(theta)
+    return np.linalg.solve(J.T @ J + damping * np.diag(scale), -J.T @ r)
+
+
+def damped_residual(J, r, damping, scale, step):
+    """``|(JtJ + damping D) step + Jtr| / |Jtr|``: what CG's rtol bounds."""
+    b = J.T @ r
+    residual = J.T @ (J @ step) + damping * scale * step + b
+    return np.linalg.norm(residual) / np.linalg.norm(b)
+
+
+@pytest.mark.parametrize(
+    "preconditioner, scaling",
+    [("diagonal", "diag"), ("diagonal", "identity"), ("kfac", "diag")],
+)
+def test_preconditioned_cg_solves_the_damped_system(preconditioner, scaling):
+    """With enough iterations the preconditioned CG step solves the LM system
+    of its damping to CG's tolerance (relative residual 1e-5): D = diag(JtJ)
+    under Marquardt scaling with the diagonal preconditioner, D = I otherwise
+    (KFAC's damping); the other D leaves a residual 1,000 times larger."""
+    problem, formed = fit_problem(2, jacobian="operator"), fit_problem(2)
+    theta, damping = problem.theta0, 0.5
+    fit = ju.levenberg_marquardt(
+        problem, max_steps=1, damping=damping, solver="cg", cg_iterations=500,
+        preconditioner=preconditioner, scaling=scaling,
+    )  # fmt: skip
+    assert fit["n_accepted"] == 1
+    J, r = formed.jac(theta), formed.fun(theta)
+    diagonal, ones = np.sum(J**2, axis=0), np.ones(len(theta))
+    scale, other = ones, diagonal
+    if preconditioner == "diagonal" and scaling == "diag":
+        scale, other = diagonal, ones
+    step = fit["theta"] - theta
+    assert damped_residual(J, r, damping, scale, step) <= 1.01e-5
+    assert damped_residual(J, r, damping, other, step) > 1e-2
+
+
+@pytest.mark.parametrize("preconditioner", ["diagonal", "kfac"])
+def test_an_exact_preconditioner_solves_the_step_in_one_iteration(preconditioner):
+    """Where the preconditioner is the damped system's exact inverse, one CG
+    iteration gives the exact step; plain CG's one iteration does not.
+    JtJ is diagonal (not a multiple of I) for one Dense layer without bias
+    on orthogonal inputs; KFAC is JtJ for one Dense layer (its A is the
+    inputs' covariance, its B n I)."""
+    keras = ju.keras
+    kfac = preconditioner == "kfac"
+    if kfac:
+        x, y = ju.regression_data(6, n_inputs=4, n_outputs=3, dtype="float64")
+    else:
+        x, y = np.diag([1.0, 2.0, 3.0]), np.array([[1.0], [-1.0], [0.5]])
+    dense = keras.layers.Dense(y.shape[1], use_bias=kfac, dtype="float64")
+    model = keras.Sequential([keras.Input((x.shape[1],), dtype="float64"), dense])
+    theta, damping = ju.flat_params(model).astype(np.float64), 0.3
+    formed = ju.least_squares_problem(model, x, y)
+    step = exact_step(formed, theta, damping, np.ones(len(theta)))
+    steps = {}
+    for name in (preconditioner, None):
+        fit = ju.levenberg_marquardt(
+            ju.least_squares_problem(model, x, y, jacobian="operator"), theta,
+            max_steps=1, damping=damping, solver="cg", cg_iterations=1,
+            preconditioner=name, scaling="identity",
+        )  # fmt: skip
+        steps[name] = fit["theta"] - theta
+    assert np.linalg.norm(steps[None] - step) > 1e-2 * np.linalg.norm(step)
+    np.testing.assert_allclose(steps[preconditioner], step, rtol=1e-9, atol=1e-12)
+
+
+def test_the_preconditioner_is_checked():
+    problem = fit_problem(0, jacobian="operator")
+    with pytest.raises(ValueError, match='use None, "diagonal" or "kfac"'):
+        ju.levenberg_marquardt(problem, solver="cg", preconditioner="jacobi")
+    with pytest.raises(ValueError, match='is for solver="cg"'):
+        ju.levenberg_marquardt(problem, preconditioner="kfac")
+    model = ju.question_mlp(seed=0, hidden=(8,), dtype="float64")
+    x, y = ju.regression_data(6, dtype="float64")
+    training = ju.least_squares_problem(model, x, y, training=True, jacobian="operator")
+    with pytest.raises(ValueError, match="built with training=True"):
+        ju.levenberg_marquardt(training, solver="cg", preconditioner="diagonal")

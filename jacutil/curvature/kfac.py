@@ -117,7 +117,7 @@ class KFAC:
         out = np.zeros_like(v)
         for f in self.factors:
             V = f.as_matrix(v)
-            f.put(out, np.einsum("ab,bdk,de->aek", f.A, V, f.B))
+            f.put(out, np.einsum("ab,bdk,de->aek", f.A, V, f.B, optimize=True))
         out[self.rest] = self.rest_diagonal[:, None] * v[self.rest]
         return out[:, 0] if flat else out
 
@@ -130,9 +130,9 @@ class KFAC:
         out = np.zeros_like(v)
         for f in self.factors:
             eA, QA, eB, QB = f.eig()
-            V = np.einsum("ba,bdk,de->aek", QA, f.as_matrix(v), QB)
+            V = np.einsum("ba,bdk,de->aek", QA, f.as_matrix(v), QB, optimize=True)
             V /= (eA[:, None] * eB[None, :] + damping)[:, :, None]
-            f.put(out, np.einsum("ab,bdk,ed->aek", QA, V, QB))
+            f.put(out, np.einsum("ab,bdk,ed->aek", QA, V, QB, optimize=True))
         out[self.rest] = v[self.rest] / (self.rest_diagonal[:, None] + damping)
         return out[:, 0] if flat else out
 

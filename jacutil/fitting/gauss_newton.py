@@ -44,24 +44,49 @@ class GaussNewtonProducts:
     (``LeastSquaresProblem.jac``), so ``step`` may be called after a
     rejected trial. ``problem`` and ``theta`` as :class:`NormalEquations`
     takes them; ``iterations``: the most conjugate-gradient iterations per
-    step.
+    step. The preconditioner (notebook 09) is built once per system, from
+    the curvature of notebook 11:
+
+    * ``None``: plain CG, damping ``D = I``;
+    * ``"diagonal"``: diag(JtJ) (``problem.gauss_newton_diagonal``); ``D``
+      as ``scaling`` says, and CG preconditioned by the system's own
+      diagonal ``diag(JtJ) + damping * D`` (Jacobi);
+    * ``"kfac"``: the Kronecker factors of JtJ
+      (``problem.gauss_newton_kfac``); ``D = I``, and CG preconditioned by
+      ``(KFAC + damping I)^-1``, exact through the factors' eigenvectors.
     """
 
-    def __init__(self, problem, theta, iterations):
+    def __init__(self, problem, theta, iterations, preconditioner=None, scaling="diag"):
         self.J = aslinearoperator(problem.jac(theta))  # an array as well
         self.Jtr = self.J.rmatvec(problem.fun(theta))
         self.iterations = iterations
+        m = len(self.Jtr)
+        self.scale, self.inverse = np.ones(m), None  # D, and the preconditioner
+        if preconditioner == "diagonal":
+            diag = problem.gauss_newton_diagonal(theta)
+            diag = np.maximum(diag, 1e-9 * diag.max())  # dead units: not singular
+            if scaling == "diag":
+                self.scale = diag
+            self.inverse = lambda damping: lambda v: v / (diag + damping * self.scale)
+        elif preconditioner == "kfac":
+            factors = problem.gauss_newton_kfac(theta)
+            self.inverse = lambda damping: lambda v: factors.inverse_matvec(v, damping)
 
     def step(self, damping):
         """The step, shape (m,), from ``iterations`` of CG on
-        ``(JtJ + damping I) step = -Jtr`` (``damping`` as in
+        ``(JtJ + damping D) step = -Jtr`` (``damping`` as in
         :meth:`NormalEquations.step`)."""
         m = len(self.Jtr)
-        J = self.J
+        J, scale = self.J, self.scale
         system = LinearOperator(
-            (m, m), matvec=lambda v: J.rmatvec(J.matvec(v)) + damping * v, dtype=float
+            (m, m),
+            matvec=lambda v: J.rmatvec(J.matvec(v)) + damping * scale * v,
+            dtype=float,
         )
-        step, _ = cg(system, -self.Jtr, maxiter=self.iterations)
+        inverse = None
+        if self.inverse is not None:
+            inverse = LinearOperator((m, m), matvec=self.inverse(damping), dtype=float)
+        step, _ = cg(system, -self.Jtr, maxiter=self.iterations, M=inverse)
         return step
 
 
@@ -75,6 +100,7 @@ def levenberg_marquardt(
     scaling="diag",
     solver="cholesky",
     cg_iterations=50,
+    preconditioner=None,
 ):
     """Levenberg-Marquardt on ``problem`` (from ``least_squares_problem``).
 
@@ -83,8 +109,11 @@ def levenberg_marquardt(
     do not make it singular) or ``D = I`` (``scaling="identity"``).
     ``solver="cholesky"`` factors JtJ, summed one chunk of J at a time
     (memory m x m); ``solver="cg"`` runs ``cg_iterations`` of conjugate
-    gradients on products with J (``D = I``; on a ``jacobian="operator"``
-    problem memory is a few vectors of length m, on a formed one J). A step
+    gradients on products with J (on a ``jacobian="operator"`` problem memory
+    is a few vectors of length m, on a formed one J), with ``D = I`` and no
+    preconditioner unless ``preconditioner`` names one
+    (:class:`GaussNewtonProducts`: ``"diagonal"``, with ``D`` as ``scaling``
+    says, or ``"kfac"``; notebook 09 races the KFAC one against Adam). A step
     that lowers the loss is accepted and ``damping /= factor``; otherwise it
     is rejected and ``damping *= factor``, re-using the system. The
     solution is written into the model. Introduced in
@@ -99,6 +128,8 @@ def levenberg_marquardt(
         scaling: ``"diag"`` or ``"identity"``.
         solver: ``"cholesky"`` or ``"cg"``.
         cg_iterations: conjugate-gradient iterations per step.
+        preconditioner: ``None``, ``"diagonal"`` or ``"kfac"`` (``solver="cg"``
+            only).
 
     Returns:
         A dict: ``theta`` (m,), ``history`` (rows of seconds since the start
@@ -121,6 +152,15 @@ def levenberg_marquardt(
         raise ValueError(f'scaling is {scaling!r}; use "diag" or "identity".')
     if solver not in ("cholesky", "cg"):
         raise ValueError(f'solver is {solver!r}; use "cholesky" or "cg".')
+    if preconditioner not in (None, "diagonal", "kfac"):
+        raise ValueError(
+            f'preconditioner is {preconditioner!r}; use None, "diagonal" or "kfac".'
+        )
+    if preconditioner is not None and solver != "cg":
+        raise ValueError(
+            f'preconditioner="{preconditioner}" is for solver="cg"; the Cholesky '
+            "solver factors the system exactly and needs none."
+        )
     start = time.perf_counter()
     theta = np.array(problem.theta0 if theta0 is None else theta0, np.float64)
     loss = np.mean(problem.fun(theta) ** 2)
@@ -130,7 +170,9 @@ def levenberg_marquardt(
     for _ in range(max_steps):
         if fresh:
             if solver == "cg":
-                system = GaussNewtonProducts(problem, theta, cg_iterations)
+                system = GaussNewtonProducts(
+                    problem, theta, cg_iterations, preconditioner, scaling
+                )
             else:
                 system = NormalEquations(problem, theta, scaling)
             n_jev += 1

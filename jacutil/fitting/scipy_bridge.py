@@ -16,6 +16,8 @@ from ..core.outputs import output_layout
 from ..core.planner import chunk_size_for, plan_chunks
 from ..core.resume import SumCheckpoint, fingerprint
 from ..core.target import resolve_target
+from ..curvature.diagonal import ggn_diagonal
+from ..curvature.kfac import kfac
 from ..matrix_free.products import jacobian_operator, products
 from ..stages.chunked import chunked_jacobian
 from ..stages.compiled import compiled_for
@@ -151,6 +153,33 @@ class LeastSquaresProblem:
             rmatmat=pinned(J.rmatmat),
             dtype=J.dtype,
         )
+
+    def gauss_newton_diagonal(self, theta):
+        """diag(J.T @ J) at ``theta``, shape (m,), float64: the exact
+        Gauss-Newton diagonal of the residuals (``ggn_diagonal``, notebook
+        11), without forming J or JtJ; a preconditioner of
+        ``levenberg_marquardt(..., solver="cg")``."""
+        self._at_for_curvature(theta, "gauss_newton_diagonal")
+        return ggn_diagonal(self.model, self.x, variables=self._variables)
+
+    def gauss_newton_kfac(self, theta):
+        """The Kronecker factors of J.T @ J at ``theta`` (``kfac``, notebook
+        11; a ``keras.Sequential`` model): a :class:`~jacutil.curvature.kfac.KFAC`
+        whose ``inverse_matvec`` preconditions ``levenberg_marquardt(...,
+        solver="cg")``."""
+        self._at_for_curvature(theta, "gauss_newton_kfac")
+        return kfac(self.model, self.x, variables=self._variables)
+
+    def _at_for_curvature(self, theta, what):
+        """Write ``theta`` into the model, refusing a problem in training mode:
+        the curvature is computed in inference mode."""
+        if self._target.training:
+            raise ValueError(
+                f"{what} runs the model in inference mode, but this problem was "
+                "built with training=True: build it without training, or use "
+                "levenberg_marquardt without a preconditioner."
+            )
+        self.set_params(theta)
 
     def normal_equations(self, theta, checkpoint=None):
         """``(J.T @ J, J.T @ r)`` at ``theta``, summed chunk by chunk.
