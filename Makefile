@@ -118,9 +118,12 @@ lock:
 # (n = 100, 2,000) in one run (minutes): tables, ratios to the loop, the
 # fastest path, the write floor and the faster peer, and a log-log plot in
 # build/bench/. A quick look: make bench BENCH_ARGS=--quick (n = 100, 1,000).
+# Then a private epoch against a plain one, and Levenberg-Marquardt with
+# preconditioned CG against Adam, time to the same training MSE (second_order).
 bench: setup
 	$(BIN)/python -m jacutil.bench --model mlp cnn lstm $(BENCH_ARGS)
 	$(BIN)/python -m jacutil.bench.privacy_rows
+	$(BIN)/python -m jacutil.bench.second_order
 
 # The same, with JAX and PyTorch (torch==2.13.0, CPU) as peers in the same run.
 # They install next to the locked packages without changing any of them; the

@@ -4,11 +4,14 @@
 512 -> 2 by default, about 530,000 parameters), fits it to seeded data with
 ``scipy.optimize.least_squares(..., tr_solver="lsmr")`` on the Jacobian as a
 ``LinearOperator`` (``least_squares_problem(..., jacobian="operator")``),
-and then, from the same start, with Adam for the same wall-clock time. It
-records both loss curves, the fit's peak memory above the level before it,
-and how long one ``matvec`` + ``rmatvec`` pair takes against one forward
-pass. ``run_in_fresh_process`` runs it in a new Python process, so that the
-memory counted is the fit's alone (``python -m jacutil.teaching.wide_fit``).
+then with Levenberg-Marquardt whose conjugate-gradient steps are
+preconditioned by KFAC (``levenberg_marquardt(..., solver="cg",
+preconditioner="kfac")``), and then, from the same start, with Adam for as
+long as the longer of the two. It records the loss curves, the lsmr fit's
+peak memory above the level before it, and how long one ``matvec`` +
+``rmatvec`` pair takes against one forward pass. ``run_in_fresh_process``
+runs it in a new Python process, so that the memory counted is the fit's
+alone (``python -m jacutil.teaching.wide_fit``).
 Introduced in ``09-matrix-free``.
 """
 
@@ -21,6 +24,7 @@ import numpy as np
 
 from ..core import memory
 from ..core._tf import keras, tf
+from ..fitting.gauss_newton import levenberg_marquardt
 from ..fitting.scipy_bridge import least_squares_problem
 from .memory_sweeps import fresh_python
 from .models import question_mlp, regression_data
@@ -52,32 +56,77 @@ def fit_lsmr(problem, max_nfev, lsmr_iterations):
     return history
 
 
-def fit_adam(model, x, y, seconds, learning_rate=1e-3):
-    """Full-batch Adam on the MSE for ``seconds`` after its first (tracing) step,
+def fit_levenberg_marquardt(
+    problem, max_steps, cg_iterations, preconditioner="kfac", damping=0.1
+):
+    """``levenberg_marquardt`` on ``problem`` from its ``theta0`` with
+    ``cg_iterations`` of CG a step, preconditioned by ``preconditioner``
+    (``"kfac"``, ``"diagonal"`` or None), for ``max_steps`` trial steps: a
+    list of ``(seconds, mse)`` pairs, one per accepted point (the start
+    first). A first, untimed one-step call compiles what the fit uses, as
+    Adam's first step does for Adam."""
+    options = {"solver": "cg", "preconditioner": preconditioner}
+    levenberg_marquardt(problem, max_steps=1, cg_iterations=1, **options)
+    result = levenberg_marquardt(
+        problem, max_steps=max_steps, damping=damping, cg_iterations=cg_iterations,
+        **options,
+    )  # fmt: skip
+    return [tuple(map(float, row)) for row in result["history"]]
+
+
+def fit_adam(model, x, y, seconds, learning_rate=1e-3, batch_size=None, seed=0):
+    """Adam on the MSE for ``seconds`` after its first (tracing) step,
     fitting ``model`` (its weights change) to ``x`` (n, ...) and ``y`` (n, l):
-    a list of ``(seconds, mse)`` pairs, one per step."""
+    a list of ``(seconds, mse)`` pairs. Full-batch (``batch_size`` None): one
+    pair per step. Otherwise mini-batches of ``batch_size`` rows, reshuffled
+    each epoch (``seed``): one pair per epoch, the MSE on all of ``x``,
+    whose evaluation is left out of the seconds."""
     optimizer = keras.optimizers.Adam(learning_rate)
     x, y = tf.constant(x), tf.constant(y, model.dtype)
+    n = int(x.shape[0])
+    size = n if batch_size is None else min(int(batch_size), n)
 
     @tf.function
-    def step():
+    def step(rows):
+        xb, yb = tf.gather(x, rows), tf.gather(y, rows)
         with tf.GradientTape() as tape:
-            loss = tf.reduce_mean((model(x) - y) ** 2)
+            loss = tf.reduce_mean((model(xb) - yb) ** 2)
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
         return loss
 
-    step()  # the trace (and a first step): the clock starts after it
-    history, start = [], time.perf_counter()
+    @tf.function
+    def mse():
+        return tf.reduce_mean((model(x) - y) ** 2)
+
+    rng = np.random.default_rng(seed)
+    every = tf.range(n)
+    step(every[:size])  # the trace (and a first step): the clock starts after it
+    mse()
+    history, spent = [], 0.0
     while not history or history[-1][0] < seconds:
-        loss = float(step())
-        history.append((time.perf_counter() - start, loss))
+        started = time.perf_counter()
+        if batch_size is None:
+            loss = float(step(every))
+            spent += time.perf_counter() - started
+        else:  # one epoch of whole batches (one shape: one trace)
+            order = tf.constant(rng.permutation(n)[: n - n % size].reshape(-1, size))
+            for rows in order:
+                step(rows)
+            spent += time.perf_counter() - started
+            loss = float(mse())
+        history.append((spent, loss))
     return history
 
 
-def run(n_samples=2000, width=512, depth=3, max_nfev=8, lsmr_iterations=10, seed=0):
-    """Both fits from one start, on ``depth`` hidden layers of ``width``
-    (``max_nfev`` and ``lsmr_iterations`` as in :func:`fit_lsmr`).
+def run(
+    n_samples=2000, width=512, depth=3, max_nfev=8, lsmr_iterations=10,
+    lm_steps=12, cg_iterations=3, seed=0,
+):  # fmt: skip
+    """The three fits from one start, on ``depth`` hidden layers of ``width``
+    (``max_nfev`` and ``lsmr_iterations`` as in :func:`fit_lsmr`,
+    ``lm_steps`` and ``cg_iterations`` as in
+    :func:`fit_levenberg_marquardt`).
 
     Returns:
         A dict of plain numbers (JSON-ready): ``n_samples``, ``n_params`` (m),
@@ -85,7 +134,7 @@ def run(n_samples=2000, width=512, depth=3, max_nfev=8, lsmr_iterations=10, seed
         ``jacobian_bytes_float64`` (n * l * m * 8), ``fit_peak_bytes``,
         ``process_peak_bytes``, ``forward_seconds``, ``pair_seconds`` (a
         ``matvec`` and an ``rmatvec``), and the ``(seconds, mse)`` histories
-        ``lsmr`` and ``adam``.
+        ``lsmr``, ``lm_kfac`` and ``adam``.
     """
     model = question_mlp(hidden=(width,) * depth, seed=seed)
     x, y = regression_data(n_samples, seed=seed)
@@ -99,8 +148,9 @@ def run(n_samples=2000, width=512, depth=3, max_nfev=8, lsmr_iterations=10, seed
     pair = pair.median
     use = memory.peak_memory(fit_lsmr, problem, max_nfev, lsmr_iterations)
     lsmr = use.result
+    lm_kfac = fit_levenberg_marquardt(problem, lm_steps, cg_iterations)
     model.set_weights(start_weights)
-    adam = fit_adam(model, x, y, seconds=lsmr[-1][0])
+    adam = fit_adam(model, x, y, seconds=max(lsmr[-1][0], lm_kfac[-1][0]))
     return {
         "n_samples": n_samples,
         "n_params": n_params,
@@ -111,6 +161,7 @@ def run(n_samples=2000, width=512, depth=3, max_nfev=8, lsmr_iterations=10, seed
         "forward_seconds": forward,
         "pair_seconds": pair,
         "lsmr": lsmr,
+        "lm_kfac": lm_kfac,
         "adam": adam,
     }
 
