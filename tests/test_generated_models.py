@@ -285,6 +285,46 @@ def check_curvature(case, ns, J):
         if got is not None:
             scale = np.abs(expected).max(initial=0)
             assert_close(entry, got, expected, case.dtype, scale)
+    if isinstance(model, ju.keras.Sequential):  # KFAC's models
+        check_kfac_step(case, ns, rows)
+
+
+def check_kfac_step(case, ns, rows):
+    """Levenberg-Marquardt's KFAC-preconditioned CG step solves the damped
+    Gauss-Newton system of the tape's J, ``(J.T J + damping I) s = -J.T r``,
+    to CG's tolerance (relative residual 1e-5; float32 products: 1e-4), with
+    the damping a tenth of the largest diag(J.T J) (conditioning below 11)."""
+    from jacutil.fitting.gauss_newton import GaussNewtonProducts
+
+    model, x, options, known = ns["model"], ns["x"], ns["options"], ns["known"]
+    n = len(x)
+    damping = 0.1 * np.einsum("rp,rp->p", rows, rows).max(initial=0)
+    y = np.zeros((n, rows.shape[0] // n))
+    if not damping > 0:
+        return
+
+    def step():
+        problem = ju.least_squares_problem(
+            model, x, y, jacobian="operator", **options
+        )
+        system = GaussNewtonProducts(problem, problem.theta0, 100, "kfac")
+        return system.step(damping), problem.fun(problem.theta0)
+
+    got = run("levenberg_marquardt_kfac", step, known)
+    if got is None:
+        return
+    s, r = got
+    b = rows.T @ r
+    if not np.linalg.norm(b) > 0:
+        return
+    residual = rows.T @ (rows @ s) + damping * s + b
+    relative = np.linalg.norm(residual) / np.linalg.norm(b)
+    bound = 1.01e-5 if case.dtype == "float64" else 1e-4
+    if not relative <= bound:
+        raise failure("levenberg_marquardt_kfac", "value")(
+            f"the KFAC-preconditioned step leaves a relative residual {relative:.2e} "
+            f"of the damped system (bound {bound:g})"
+        )
 
 
 @budget("reverse")

@@ -30,7 +30,7 @@
 #   `model.fit` after `make_private` for three target ε, and plot accuracy
 #   against the privacy spent.
 #
-# *Teaching: 49 min · Exercises: 26 min*
+# *Teaching: 51 min · Exercises: 26 min*
 
 # %% [markdown]
 # ## Setup
@@ -225,10 +225,10 @@ print(f"Finding: to the MSE both reached, {same:.2e}: " + ", ".join(
 # Read the memory line above: the fit's memory is that of a few forward
 # and backward passes, not of J. The Finding line compares the fits at
 # equal loss: the seconds each took to reach the lowest MSE that both the
-# KFAC fit and Adam reached. Unpreconditioned, a few products a step leave
-# each step far from the Gauss-Newton step, and Adam's cheap steps win;
-# preconditioned by KFAC, three CG iterations come close to it. How much
-# closer depends on the problem: `make bench` races the same fits, plain
+# KFAC fit and Adam reached. Least squares' steps, each from a few
+# unpreconditioned products, make slow progress, and Adam's cheap steps
+# beat them; KFAC's preconditioner lets a few CG iterations a step do far
+# more. Who wins depends on the problem: `make bench` races the same fits, plain
 # CG and G's diagonal as preconditioner included, on this network and on
 # the question's network at 10,000 samples, and prints who wins where.
 # A training MSE below the noise in `y` (standard deviation 0.05, so
