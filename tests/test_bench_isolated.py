@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from jacutil.bench import isolated
+from jacutil.bench import fair_tasks, isolated
 
 
 def test_a_row_in_separate_processes_gives_rounds_and_medians():
@@ -40,7 +40,7 @@ def test_a_result_unlike_the_reference_is_refused_before_timing(tmp_path, capsys
 def test_a_child_that_dies_is_an_error_with_its_stderr(tmp_path):
     with isolated.Child("no-such-task", 3, "jacutil", tmp_path / "r.npy", tmp_path,
                         1, 0) as child:  # fmt: skip
-        with pytest.raises(RuntimeError, match="KeyError: 'no-such-task'"):
+        with pytest.raises(RuntimeError, match="KeyError.*'no-such-task': no such row"):
             child.answer()
 
 
@@ -75,3 +75,55 @@ def test_the_table_gives_both_ratios_and_says_where_the_aim_holds_in_both():
 def test_the_one_process_row_runs_in_a_new_process():
     row = isolated.one_process("jacobian-mlp", 4, 2, 0)
     assert row["task"] == "jacobian-mlp" and len(row["jacutil"]["times"]) == 2
+
+
+def test_an_unknown_row_is_a_key_error_that_lists_the_rows():
+    with pytest.raises(KeyError, match="no such row.*floor-cnn.*laplace-mlp"):
+        fair_tasks.libraries("floor-mlp")
+
+
+def test_the_floor_row_fills_an_array_of_the_jacobians_shape():
+    ours = fair_tasks.prepare("floor-lstm", 3, "jacutil", 0)
+    floor = fair_tasks.prepare("floor-lstm", 3, "floor", 0)
+    J = np.asarray(ours.function(*ours.args))
+    [out] = floor.args
+    assert out.shape == J.shape and out.dtype == J.dtype
+    assert floor.function(*floor.args) is out and np.all(out == 1.0)
+    assert floor.check(out, J) is None  # the floor computes nothing to compare
+
+
+def test_the_floor_row_in_one_process_times_both_and_compares_nothing():
+    row = isolated.in_one_process("floor-cnn", 2, repeats=2, seed=0)
+    assert fair_tasks.libraries("floor-cnn") == ["jacutil", "floor"]
+    floor = row["peers"]["floor"]
+    assert len(row["jacutil"]["times"]) == 2 and len(floor["times"]) == 2
+    assert floor["max_abs_diff"] is None
+    assert "(computes nothing: not compared)" in isolated._checked(floor)
+
+
+def test_the_laplace_row_is_the_curvature_tables_and_refuses_a_wrong_covariance():
+    prepared = fair_tasks.prepare("laplace-mlp", 5, "jacutil", 0)
+    value = np.asarray(prepared.function(*prepared.args), np.float64)
+    assert value.shape[0] == 5  # the predictive covariance of 5 test inputs
+    assert prepared.check(value + 5e-5, value) == pytest.approx(5e-5)
+    with pytest.raises(AssertionError, match="laplace-torch FullLLLaplace disagrees"):
+        prepared.check(value + 2e-4, value)  # beyond LAPLACE_ATOL, 1e-4
+
+
+def test_the_table_names_the_new_rows_and_their_aims():
+    def row(task, ours, theirs, peer):
+        n = 2000 if task == "floor-cnn" else 1000
+        return {"task": task, "model": "-", "n": n, "jacutil": {"median": ours},
+                "peers": {peer: {"median": theirs, "max_abs_diff": None}}}  # fmt: skip
+
+    results = {"rows": [
+        {"one_process": row("floor-cnn", 3.0, 1.0, "floor"),
+         "separate": row("floor-cnn", 5.0, 1.0, "floor")},
+        {"one_process": row("laplace-mlp", 0.9, 1.0, "laplace"),
+         "separate": row("laplace-mlp", 0.8, 1.0, "laplace")},
+    ]}  # fmt: skip
+    floor, laplace = isolated.fair_table(results).splitlines()[2:]
+    assert "per-sample Jacobian, x the write floor | CNN" in floor
+    assert floor.split("|")[-3:-1] == [" <= 4 ", " no "]  # 5.0x in one of the two
+    assert "last-layer Laplace predictive" in laplace
+    assert laplace.split("|")[-3:-1] == [" <= 1 ", " yes "]

@@ -74,7 +74,7 @@ MODELS = {
 LOSS_LABELS = {"squared_error": "squared error", "softmax_cross_entropy": "softmax CE"}
 
 
-def _inputs(name, n, seed):
+def row_inputs(name, n, seed):
     """(x, y): the bench model's n inputs, and its targets (None for the CNN)."""
     bench_model = paths.MODELS[name]
     y = bench_model.targets(n, seed) if bench_model.targets else None
@@ -85,7 +85,7 @@ class NotAvailable(Exception):
     """A row's function is missing (not written yet) or its peer not installed."""
 
 
-def _ours(row, model, x, y, seed):
+def jacutil_function(row, model, x, y, seed):
     """jacutil's function of the row, ``f()``, with its setup done."""
     loss = MODELS[row.model][1]
     try:
@@ -115,7 +115,7 @@ def _ours(row, model, x, y, seed):
         raise NotAvailable(f"jacutil's function is not available ({error})") from error
 
 
-def _theirs(row, model, x, y, seed):
+def peer_function(row, model, x, y, seed):
     """The peer's function of the row, ``f()``, with its setup done."""
     missing = [
         name
@@ -150,7 +150,7 @@ def _vector(m, seed):
 
 
 def _test_inputs(row, seed):
-    return _inputs(row.model, row.n, seed + 1)[0]
+    return row_inputs(row.model, row.n, seed + 1)[0]
 
 
 def check_row(row, theirs, ours):
@@ -187,17 +187,17 @@ def run_row(row, *, repeats=5, seed=0, log=print):
     Introduced in ``11-curvature-and-uncertainty``.
     """
     model = paths.MODELS[row.model].build(seed)
-    x, y = _inputs(row.model, row.n, seed)
+    x, y = row_inputs(row.model, row.n, seed)
     result = {"row": row, "jacutil": None, "peer": None, "max_abs_diff": None}
     result["note"] = ""
     side = "jacutil"
     try:
-        ours = _ours(row, model, x, y, seed)
+        ours = jacutil_function(row, model, x, y, seed)
         value, first = first_call(ours)
         expected = np.asarray(value).astype(np.float64)
         result["jacutil"] = Timing(first, repeat_times(ours, repeats=repeats)).as_dict()
         side = row.peer
-        peer = _theirs(row, model, x, y, seed)
+        peer = peer_function(row, model, x, y, seed)
     except NotAvailable as error:
         result["note"] = f"{side}: {error}"
         log(f"{row.kind}-{row.model}: {result['note']}")

@@ -1,6 +1,6 @@
 """The peer rows with each library in its own process, beside one process.
 
-In one process (:func:`~.peer_rows.run_task`) the libraries take turns, and
+In one process (:func:`in_one_process`) the libraries take turns, and
 one library's thread pools, still spinning after its call, slow the next
 library's (JAX's slow TensorFlow's). Here each library (jacutil, JAX,
 PyTorch) builds the row's model, from the same seed, in a Python process of
@@ -14,7 +14,10 @@ is checked against jacutil's (saved by jacutil's process).
 
 ``python -m jacutil.bench.isolated`` times the rows of issue 38's table both
 ways and prints them side by side with each ratio to the fastest peer and
-whether the aim holds in both (``make bench-peers``). Introduced in
+whether the aim holds in both (``make bench-peers``). What each library
+computes in each row is in :mod:`.fair_tasks`: the peer rows' gradients,
+norms and Jacobian, the last-layer Laplace predictive against laplace-torch,
+and the J of the CNN and the LSTM against the write floor. Introduced in
 ``07-benchmark``.
 """
 
@@ -30,13 +33,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import peers
 from ..teaching.memory_sweeps import fresh_python
-from ..teaching.timing import first_call, repeat_times
+from ..teaching.timing import Timing, first_call, repeat_times
+from .fair_tasks import NAMES, describe, libraries, model_name, prepare
 from .machine import machine_summary
-from .paths import MODELS, PEER_NAMES
-from .peer_rows import KINDS, SHORT_MODELS, TASKS, inputs_for, peer_ratio, run_task
-from .runner import agree
+from .peer_rows import peer_ratio
 from .skipping import format_seconds
 
 # issue 38's rows: (task, n) -> the aim, jacutil's time over the fastest peer's
@@ -47,8 +48,10 @@ AIMS = {
     ("norms-mlp", 1000): 0.5,
     ("norms-lstm", 1000): 0.5,
     ("norms-cnn", 1000): 0.5,
+    ("floor-cnn", 2000): 4.0,
+    ("floor-lstm", 2000): 4.0,
+    ("laplace-mlp", 1000): 1.0,
 }
-LIBRARIES = ("jacutil", *PEER_NAMES)
 # PyPI's torch loads triton, which crashes (SIGSEGV) when TensorFlow was
 # loaded first: a process that may use PyTorch imports them first
 TORCH_FIRST = "try:\n    import triton, torch\nexcept ImportError:\n    pass\n"
@@ -88,30 +91,19 @@ def child(task_name, n, library, reference, *, repeats, seed, commands=None):
     every later one is compared to it before it is timed), say it is ready,
     then time ``repeats`` calls for each ``go`` line of ``commands`` (stdin),
     until any other line or their end (the parent is gone)."""
-    task = TASKS[task_name]
-    kind = KINDS[task.kind]
-    network = MODELS[task.model].build(seed)
-    if library == "jacutil":
-        function = kind.ours(network)
-    else:
-        function = kind.peers[library][1](network)
-    x, y = inputs_for(task, network, n, seed)
-    value, first = first_call(function, x, y)
+    prepared = prepare(task_name, n, library, seed)
+    value, first = first_call(prepared.function, *prepared.args)
     difference = 0.0
     if not Path(reference).exists():
         np.save(reference, np.asarray(value))
     else:
-        expected = np.load(reference)
-        difference = agree(
-            value,
-            expected,
-            f"{library}'s result differs from jacutil's on {task_name} at n = {n}",
-        )
+        difference = prepared.check(np.asarray(value), np.load(reference))
     _say({"first": first, "max_abs_diff": difference, "threads": thread_settings()})
     for line in sys.stdin if commands is None else commands:
         if line.strip() != "go":
             break
-        _say({"times": repeat_times(function, x, y, repeats=repeats)})
+        times = repeat_times(prepared.function, *prepared.args, repeats=repeats)
+        _say({"times": times})
 
 
 # -- the parent ---------------------------------------------------------------------
@@ -126,7 +118,7 @@ class Child:
         self.log = Path(folder) / f"{library}.stderr"
         arguments = [task_name, str(n), library, str(reference)]
         arguments += ["--repeats", str(repeats), "--seed", str(seed)]
-        code = (TORCH_FIRST if library == "torch" else "") + MAIN
+        code = (TORCH_FIRST if library in ("torch", "laplace") else "") + MAIN
         with open(self.log, "w") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-c", code, "--child", *arguments],
@@ -177,24 +169,23 @@ class Child:
 def run_separately(task_name, n, *, rounds=7, repeats=3, seed=0, log=print):
     """Time one row with each installed library in its own process.
 
-    Returns a row dict as :func:`~.peer_rows.run_task`'s (``jacutil``, and
-    ``peers`` with ``max_abs_diff``), each timing with ``first``, ``times``
+    Returns a row dict: ``task``, ``model``, ``n``, ``jacutil``, and
+    ``peers`` with ``max_abs_diff``, each timing with ``first``, ``times``
     (the medians of its ``rounds`` rounds of ``repeats`` calls), ``median``
     and ``threads``; AssertionError when a peer's result differs."""
-    task = TASKS[task_name]
-    libraries = ["jacutil"] + [p for p in KINDS[task.kind].peers if peers.available(p)]
+    names = libraries(task_name)
     with tempfile.TemporaryDirectory(prefix="jacutil-isolated-") as folder:
         reference = Path(folder) / "reference.npy"
         children, ready = {}, {}
         try:
-            for library in libraries:  # jacutil first: the reference
+            for library in names:  # jacutil first: the reference
                 children[library] = Child(
                     task_name, n, library, reference, folder, repeats, seed
                 )
                 ready[library] = children[library].answer()
-            rounds_of = {library: [] for library in libraries}
+            rounds_of = {library: [] for library in names}
             for k in range(rounds):
-                turn = libraries[k % len(libraries) :] + libraries[: k % len(libraries)]
+                turn = names[k % len(names) :] + names[: k % len(names)]
                 for library in turn:
                     time.sleep(SETTLE)  # the last library's spinning threads stop
                     rounds_of[library].append(
@@ -210,24 +201,47 @@ def run_separately(task_name, n, *, rounds=7, repeats=3, seed=0, log=print):
             "median": float(np.median(rounds_of[library])),
             "threads": ready[library]["threads"],
         }
-        for library in libraries
+        for library in names
     }
-    row = {"task": task_name, "kind": task.kind, "model": task.model, "n": n}
+    row = {"task": task_name, "model": model_name(task_name), "n": n}
     row["jacutil"] = timings.pop("jacutil")
     row["peers"] = {
         peer: timing | {"max_abs_diff": ready[peer]["max_abs_diff"]}
         for peer, timing in timings.items()
     }
     log(f"separate processes: {task_name} n = {n:,}: " + ", ".join(
-        f"{library} {format_seconds(t['median'])}"
+        f"{NAMES.get(library, library)} {format_seconds(t['median'])}"
         for library, t in [("jacutil", row["jacutil"]), *row["peers"].items()]
     ))  # fmt: skip
     return row
 
 
+def in_one_process(task_name, n, *, repeats, seed):
+    """The row with its libraries in turn in this process: each prepared,
+    called once, checked against jacutil's result, then timed ``repeats``
+    calls; a row dict as :func:`run_separately`'s."""
+    row = {"task": task_name, "model": model_name(task_name), "n": n, "peers": {}}
+    expected = None
+    for library in libraries(task_name):
+        prepared = prepare(task_name, n, library, seed)
+        value, first = first_call(prepared.function, *prepared.args)
+        difference = 0.0
+        if expected is None:
+            expected = np.asarray(value)
+        else:
+            difference = prepared.check(np.asarray(value), expected)
+        times = repeat_times(prepared.function, *prepared.args, repeats=repeats)
+        timing = Timing(first, times).as_dict()
+        if library == "jacutil":
+            row["jacutil"] = timing
+        else:
+            row["peers"][library] = timing | {"max_abs_diff": difference}
+    return row
+
+
 def one_process(task_name, n, repeats, seed):
-    """:func:`~.peer_rows.run_task`'s row: every library in one process (a
-    new one, which may import PyTorch first)."""
+    """:func:`in_one_process`'s row, run in a new Python process (which
+    imports PyTorch first)."""
     return fresh_python(
         ["-c", TORCH_FIRST + MAIN, "--one-process", task_name, str(n),
          "--repeats", str(repeats), "--seed", str(seed)],
@@ -237,7 +251,7 @@ def one_process(task_name, n, repeats, seed):
 
 def fair_rows(rows=None, *, rounds=7, repeats=3, seed=0, log=print):
     """Each of ``rows`` (``[(task, n)]``, default :data:`AIMS`'s) timed in
-    one process (:func:`~.peer_rows.run_task`) and in separate processes
+    one process (:func:`one_process`) and in separate processes
     (:func:`run_separately`); the results as a dict (``fair.json``)."""
     rows = list(rows or AIMS)
     both = []
@@ -275,11 +289,18 @@ def fair_table(results):
         else:
             met = "yes" if max(ratios) <= aim else "no"
         lines.append(
-            f"| {KINDS[one['kind']].label} | {SHORT_MODELS.get(one['model'])} | "
+            f"| {' | '.join(describe(one['task']))} | "
             f"{one['n']:,} | {_cell(one)} | {_cell(separate)} | "
             f"{'-' if aim is None else f'<= {aim:g}'} | {met} |"
         )
     return "\n".join(lines)
+
+
+def _checked(timing):
+    difference = timing["max_abs_diff"]
+    if difference is None:
+        return "(computes nothing: not compared)"
+    return f"(max |peer - jacutil| {difference:.1e})"
 
 
 def fair_markdown(results):
@@ -292,14 +313,15 @@ def fair_markdown(results):
         f"{results['rounds']} interleaved rounds of {results['repeats']} calls, "
         "the median of the rounds' medians. One process: the libraries in turn, "
         f"{results['rounds'] * results['repeats']} calls each. `x fastest`: "
-        "jacutil's time over the fastest peer's (below 1: jacutil is faster)."
+        "jacutil's time over the fastest peer's (below 1: jacutil is faster); "
+        "on a `x the write floor` row, over the time to fill a preallocated "
+        "array of J's shape."
     )
     peers_lines = []
     for pair in results["rows"]:
         for way, row in pair.items():
             said = ", ".join(
-                f"{PEER_NAMES[p]} {format_seconds(t['median'])} "
-                f"(max |peer - jacutil| {t['max_abs_diff']:.1e})"
+                f"{NAMES[p]} {format_seconds(t['median'])} " + _checked(t)
                 for p, t in row["peers"].items()
             )
             peers_lines.append(
@@ -346,8 +368,7 @@ def main(argv=None):
         return
     if args.one_process:
         task_name, n = args.one_process
-        [row] = run_task(task_name, [int(n)], repeats=args.repeats, seed=args.seed,
-                         log=lambda _: None)  # fmt: skip
+        row = in_one_process(task_name, int(n), repeats=args.repeats, seed=args.seed)
         print(json.dumps(row))
         return
     results = fair_rows(rounds=args.rounds, repeats=args.repeats, seed=args.seed)
