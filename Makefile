@@ -134,7 +134,8 @@ bench: setup
 # jit(vmap(grad/jacrev)) and torch.func on the same weights, with its proof.
 # Then issue 38's rows again, each library in its own process (interleaved
 # rounds, medians) beside one process, with each ratio to the fastest peer and
-# whether the aim holds in both (fair.md). Then the curvature rows (notebook
+# whether the aim holds in both (fair.md); there also the J of the CNN and the
+# LSTM against the write floor and the last-layer Laplace predictive. Then the curvature rows (notebook
 # 11): G's diagonal against BackPACK's DiagGGNExact, G v against curvlinops, the NTK against JAX, a last-layer
 # Laplace predictive against laplace-torch. Those peers go in with --no-deps:
 # their requirements would pull torchvision, whose build does not load beside
