@@ -456,3 +456,55 @@ def test_kernel_offsets_are_extract_patches(padding, static):
         spec = tf.TensorSpec([None, *(size if static else (None, None)), 2], tf.float64)
         got = tf.function(patches, input_signature=[spec])(image)
         np.testing.assert_array_equal(got.numpy(), expected.numpy())
+
+
+@pytest.mark.parametrize(
+    "kind, options",
+    [
+        ("Conv2D", dict(kernel_size=(3, 2), padding="valid")),
+        ("Conv2D", dict(kernel_size=(3, 2), padding="same")),
+        ("Conv2D", dict(kernel_size=(2, 3), padding="same", dilation_rate=(2, 1))),
+        ("Conv2D", dict(kernel_size=4, padding="same")),  # the odd pad after
+        ("Conv1D", dict(kernel_size=3, padding="causal", dilation_rate=2)),
+        ("Conv1D", dict(kernel_size=2, padding="same")),
+    ],
+)
+def test_the_signal_below_a_convolution_is_one_grouped_convolution(kind, options):
+    """ConvRule's signal below for every row at once (one convolution of l
+    groups, ``_below_by_rows``) equals the input gradient by autodiff of
+    each row, in float64; strides and groups take autodiff."""
+    from jacutil.rules.conv import ConvRule
+
+    rng = np.random.default_rng(0)
+    layer = getattr(layers, kind)(3, dtype="float64", **options)
+    size = (7,) if layer.rank == 1 else (7, 6)
+    layer.build((None, *size, 2))
+    layer.kernel.assign(rng.normal(size=layer.kernel.shape))
+    rule = ConvRule(layer)
+    image = rule._as_image(tf.constant(rng.normal(size=(5, *size, 2))))
+    z_shape = rule._convolve(image).shape[1:]
+    delta = tf.constant(rng.normal(size=(5, 3, *z_shape)))  # (n, l, h', w', c_out)
+    by_rows = rule._below_by_rows(image, delta)
+    assert by_rows is not None
+    for k in range(3):
+        with tf.GradientTape() as tape:
+            tape.watch(image)
+            z = rule._convolve(image)
+        expected = tape.gradient(z, image, delta[:, k])
+        np.testing.assert_allclose(by_rows[:, k], expected, rtol=1e-12, atol=1e-12)
+    traced = []  # traced with unknown sizes: the channels stay known
+
+    def below(image, delta):
+        traced.append(rule._below_by_rows(image, delta).shape)
+        return traced[-1].rank
+
+    unknown = [
+        tf.TensorSpec([None] * 3 + [2], tf.float64),
+        tf.TensorSpec([None, 3, None, None, delta.shape[-1]], tf.float64),
+    ]
+    tf.function(below, input_signature=unknown)(image, delta)  # fmt: skip
+    assert traced == [tf.TensorShape([None, 3, None, None, 2])]
+    for other in (dict(strides=2), dict(groups=2)):
+        layer = layers.Conv2D(4, 2, dtype="float64", **other)
+        layer.build((None, 7, 6, 2))
+        assert ConvRule(layer)._below_by_rows(image, delta) is None, other
