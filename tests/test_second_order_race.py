@@ -70,3 +70,12 @@ def test_a_race_runs_every_fit_from_one_start():
     starts = {name: history[0][1] for name, history in fits.items()}
     lm = [starts[name] for name, _ in second_order.PRECONDITIONERS]
     assert lm == [lm[0]] * len(lm)  # the same start (Adam records after a step)
+
+
+def test_the_wide_fit_without_levenberg_marquardt_runs_adam_as_long_as_least_squares():
+    """``lm_steps=0`` (notebook 09's exercise 1): no KFAC fit, and Adam's
+    clock runs to the least-squares fit's last second."""
+    fit = wide_fit.run(n_samples=64, width=8, depth=1, max_nfev=2, lsmr_iterations=2,
+                       lm_steps=0)  # fmt: skip
+    assert fit["lm_kfac"] == []
+    assert fit["adam"][-1][0] >= fit["lsmr"][-1][0] > fit["adam"][-2][0]

@@ -126,7 +126,8 @@ def run(
     """The three fits from one start, on ``depth`` hidden layers of ``width``
     (``max_nfev`` and ``lsmr_iterations`` as in :func:`fit_lsmr`,
     ``lm_steps`` and ``cg_iterations`` as in
-    :func:`fit_levenberg_marquardt`).
+    :func:`fit_levenberg_marquardt`; ``lm_steps=0`` leaves that fit out, and
+    Adam then runs as long as the least-squares fit).
 
     Returns:
         A dict of plain numbers (JSON-ready): ``n_samples``, ``n_params`` (m),
@@ -148,9 +149,12 @@ def run(
     pair = pair.median
     use = memory.peak_memory(fit_lsmr, problem, max_nfev, lsmr_iterations)
     lsmr = use.result
-    lm_kfac = fit_levenberg_marquardt(problem, lm_steps, cg_iterations)
+    lm_kfac = []  # lm_steps 0: no Levenberg-Marquardt fit
+    if lm_steps:
+        lm_kfac = fit_levenberg_marquardt(problem, lm_steps, cg_iterations)
     model.set_weights(start_weights)
-    adam = fit_adam(model, x, y, seconds=max(lsmr[-1][0], lm_kfac[-1][0]))
+    longest = max(lsmr[-1][0], lm_kfac[-1][0] if lm_kfac else 0.0)
+    adam = fit_adam(model, x, y, seconds=longest)
     return {
         "n_samples": n_samples,
         "n_params": n_params,

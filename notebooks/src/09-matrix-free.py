@@ -720,7 +720,7 @@ def adam_seconds_to_catch_up(run):
 answer = adam_seconds_to_catch_up(fit)
 more = wide_fit.run_in_fresh_process(
     n_samples=min(n_samples, 500), width=min(width, 128), depth=depth,
-    max_nfev=4, lsmr_iterations=40, seed=seed)
+    max_nfev=4, lsmr_iterations=40, lm_steps=0, seed=seed)
 print(f"Adam caught up after {answer:.2f} s of the fit's {lsmr[-1, 0]:.1f} s; "
       f"with 40 products a step after {adam_seconds_to_catch_up(more):.2f} s "
       f"of {more['lsmr'][-1][0]:.1f} s")
