@@ -94,8 +94,9 @@ def outer_blocks(a, delta):
     n_samples, n_outputs = tf.shape(delta)[0], tf.shape(delta)[1]
     p, q = a.shape[-1], delta.shape[-1]
     if a.shape.rank == 2:  # one position: a batch of (p, 1) @ (1, q) products
-        column = tf.broadcast_to(a[:, None, :, None], [n_samples, n_outputs, p, 1])
-        product = tf.matmul(column, delta[:, :, None, :])  # (n, l, p, q)
+        # a's batch of n broadcast over the l rows by the product itself: no
+        # (n, l, p, 1) copy (a broadcast multiply was slower at every n)
+        product = tf.matmul(a[:, None, :, None], delta[:, :, None, :])  # (n, l, p, q)
         return tf.reshape(product, [n_samples, n_outputs, p * q])
     delta = tf.reshape(delta, [n_samples, n_outputs, -1, q])  # (n, l, t, q)
     return outer_by_position(a, tf.transpose(delta, [0, 2, 1, 3]))
