@@ -58,7 +58,9 @@ def _classifier_data(n, seed):
 def _cnn_data(n, seed):
     x = image_data(n, seed=seed)
     teacher = small_cnn(seed=99)
-    return x, np.argmax(teacher.predict(x, batch_size=1024, verbose=0), axis=1)
+    # one eager call: each new teacher's predict() would trace a function, and
+    # TensorFlow warns about the retracing
+    return x, np.argmax(np.asarray(teacher(x, training=False)), axis=1)
 
 
 MODELS = {  # name: (in words, model, data, n, SGD's learning rate)
