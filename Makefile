@@ -32,7 +32,7 @@ $(STAMP): pyproject.toml requirements.lock
 # Execute every notebook headless into build/executed/, export HTML to build/html/,
 # and print a one-screen summary.
 run: setup
-	$(BIN)/python scripts/run_notebooks.py $(NOTEBOOKS)
+	@$(call scratch) $(BIN)/python scripts/run_notebooks.py $(NOTEBOOKS)
 
 # Lint, then one pytest run: the unit tests, papermill with small parameters and
 # nbval (strict) over the stored outputs. One run, not two, so that the two
@@ -46,13 +46,24 @@ run: setup
 # interrupted (SIGINT: pytest still prints its report) after $(1) seconds
 # (--foreground: Ctrl-C still reaches pytest).
 bounded = timeout --foreground --signal=INT --kill-after=60 $(1)
+# The start of a recipe line whose processes keep their temporary files in a
+# folder of their own (TMPDIR), removed however the line ends (but SIGKILL).
+scratch = scratch=$$(mktemp -d -t jacutil-scratch.XXXXXX) && \
+	trap 'rm -rf "$$scratch"' EXIT && trap 'exit 130' INT TERM && \
+	export TMPDIR="$$scratch" &&
 # The last check judges only the folders of this run (build/.test-started): a
 # run killed earlier on this machine may have left its own.
+# Every process of the run (pytest, its workers, the notebooks' kernels, the
+# JupyterLab server) writes its temporary files in one folder of its own
+# (TMPDIR), removed when the run ends, passed or failed or interrupted: a
+# kernel that is stopped, not asked to exit, leaves autograph's generated
+# modules behind (about 1,000 files a run in /tmp before).
 test: setup lint
 	@mkdir -p build && touch build/.test-started
+	@$(call scratch) \
 	$(call bounded,3600) $(BIN)/python -m pytest notebooks tests --nbval --nbval-current-env \
 		--nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout 600 \
-		-n 2 --dist loadgroup --max-worker-restart 0 --durations=20
+		-n 2 --dist loadgroup --max-worker-restart 0 --durations=20 && \
 	$(BIN)/python -c "import os; \
 		from jacutil.scale.workers import leftovers as l, leftover_folders as f; \
 		since = os.path.getmtime('build/.test-started'); \
