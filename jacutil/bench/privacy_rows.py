@@ -102,9 +102,10 @@ def _train(name, private, epochs, seed):
     )
     options, accounting, sigma = {"batch_size": BATCH}, [], None
     if private:
+        # the noise and sampling from fresh entropy, as users run it
         training = make_private(model, epsilon=EPSILON, delta=1 / (10 * n),
                                 l2_norm_clip=CLIP, batch_size=BATCH, epochs=epochs,
-                                train_size=n, seed=seed, verbose=False)  # fmt: skip
+                                train_size=n, verbose=False).privacy  # fmt: skip
         epsilon, sigma = training.epsilon, training.noise_multiplier
 
         def timed_epsilon():  # the accountant's share of each epoch

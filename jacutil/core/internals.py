@@ -128,3 +128,48 @@ def flat_caller(concrete):
         return call(tensors, concrete.captured_inputs)
 
     return run
+
+
+def compile_loss(model):
+    """The loss ``model.compile`` built (``model._compile_loss``, Keras's
+    ``CompileLoss``: every output's loss with its ``loss_weights``), or
+    None when the model was compiled without a loss: what Keras's own
+    ``compute_loss`` adds ``model.losses`` to."""
+    if not hasattr(model, "_compile_loss"):
+        _moved("Model._compile_loss (the loss model.compile built)")
+    found = model._compile_loss
+    if found is not None and not callable(found):
+        _moved("Model._compile_loss as a callable CompileLoss")
+    return found
+
+
+def compute_loss(model, x, y, prediction, training):
+    """Keras's own loss of a batch (``Model._compute_loss``: the user's
+    ``compute_loss``, with or without its ``training`` argument): the
+    compiled loss of every output plus ``model.losses``, or what a model's
+    own ``compute_loss`` returns."""
+    call = getattr(model, "_compute_loss", None)
+    if call is None:
+        _moved("Model._compute_loss (compute_loss, with or without training)")
+    return call(x=x, y=y, y_pred=prediction, training=training)
+
+
+def keras_train_step():
+    """The ``train_step`` of Keras's TensorFlow trainer: a model whose class
+    defines another runs code of its own in each step."""
+    try:
+        from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    except ImportError:
+        _moved("keras.src.backend.tensorflow.trainer.TensorFlowTrainer")
+    return TensorFlowTrainer.train_step
+
+
+def keras_saveable():
+    """Keras's ``KerasSaveable``: an object that ``model.save`` walks to,
+    from a model's attributes, and whose ``save_own_variables`` /
+    ``load_own_variables`` write and read its entries of the weights file."""
+    try:
+        from keras.src.saving.keras_saveable import KerasSaveable
+    except ImportError:
+        _moved("keras.src.saving.keras_saveable.KerasSaveable")
+    return KerasSaveable

@@ -47,6 +47,7 @@ class ClipGroups:
     """
 
     def __init__(self, model, variables, l2_norm_clip):
+        self.clips = l2_norm_clip  # as given: what a rebuilt DPSGD takes again
         if not isinstance(l2_norm_clip, dict):
             clip = _clip_value(l2_norm_clip, "l2_norm_clip")
             self.groups = [((), list(range(len(variables))), clip)]

@@ -50,6 +50,7 @@ from .loss_gradients import (
     loss_signal,
     losses_per_sample,
     per_sample_gradient_norms,
+    per_sample_gradients,
     prepared,
 )
 
@@ -187,7 +188,10 @@ def quiet_absl():
 
 def refuse_activity_regularizers(model):
     """An activity regularizer's loss depends on the samples, so adding its
-    gradient unclipped would break the privacy guarantee: refuse it."""
+    gradient unclipped would break the privacy guarantee: refuse it where the
+    loss reads the output alone (a loss function of ``(y, prediction)``;
+    ``make_private``'s :class:`jacutil.privacy.keras_loss.KerasLoss` clips
+    it with each sample's loss instead)."""
     for layer in layers_within(model, include_self=False):
         if getattr(layer, "activity_regularizer", None) is not None:
             raise ValueError(
@@ -244,7 +248,10 @@ class DPSGD:
         noise_multiplier: sigma, the noise's standard deviation in units of C
             (>= 0; 0 clips without noise and gives no privacy).
         seed: seeds the noise and :meth:`fit`'s sampling: the same seed, model
-            and data give the same steps (None: 0, unless ``secure_mode``).
+            and data give the same steps - and anyone who knows the seed can
+            replay the noise and subtract it, so a seeded run is for
+            teaching and tests, never private. None (the default): a fresh
+            state from the operating system's entropy each run.
         secure_mode: draw the sampling and the noise from the operating
             system's secure source (:class:`SecureRandom`) instead of seeded
             generators; slower (the noise leaves the graph for NumPy), and
@@ -312,17 +319,22 @@ class DPSGD:
             )
         self.max_physical_batch_size = max_physical_batch_size
         self.dtype = tf.as_dtype(self.variables[0].dtype)
-        refuse_activity_regularizers(model)
+        if not hasattr(loss_fn, "of_sample"):  # a loss of the output alone
+            refuse_activity_regularizers(model)
         self.skipped = 0  # samples whose gradient was not finite
         if not optimizer.built:  # a compiled model's optimizer may be built already
             optimizer.build(self.variables)
         self.secure_mode = bool(secure_mode)
         if self.secure_mode:
             self._noise = self._sampler = SecureRandom()
-        else:
-            seed = 0 if seed is None else seed
+        elif seed is None:  # fresh state from the operating system each run
+            self._noise = tf.random.Generator.from_non_deterministic_state()
+            self._sampler = np.random.default_rng()
+        else:  # repeatable: for teaching and tests, not private against
+            # anyone who knows the seed
             self._noise = tf.random.Generator.from_seed(seed)
             self._sampler = np.random.default_rng([seed, 1])
+        self.seeded = seed is not None
         self._steps_at = {}  # sampling rate -> steps taken at it
         self._checked_losses = False
         self.trace_count = 0
@@ -340,6 +352,34 @@ class DPSGD:
         # call a step, not two); None elsewhere
         self.on_step = None
         self.last_logs = None
+        # counts every step by its (sigma, rate) where given
+        # (jacutil.privacy.ledger.PrivacyLedger: the model's)
+        self.ledger = None
+        self.quiet_skips = False  # see _count_skipped
+
+    def rebuilt(self, loss_fn, optimizer):
+        """A DPSGD for the same model with another loss and optimizer (the
+        model compiled again), that carries on this one's noise multiplier,
+        clip norms, random state (never a replayed draw), steps, ledger and
+        settings. Introduced in ``09-matrix-free``."""
+        other = DPSGD(
+            self.model, loss_fn, optimizer,
+            l2_norm_clip=self.clip.clips, noise_multiplier=self.noise_multiplier,
+            max_physical_batch_size=self.max_physical_batch_size,
+        )  # fmt: skip
+        other.secure_mode, other.seeded = self.secure_mode, self.seeded
+        other._noise, other._sampler = self._noise, self._sampler
+        other._steps_at = self._steps_at
+        other.skipped = self.skipped
+        other.ledger, other.quiet_skips = self.ledger, self.quiet_skips
+        other.bookkeeping = self.bookkeeping
+        return other
+
+    def _denominator(self, size):
+        """What the noisy sum is divided by for a batch of expected ``size``:
+        the size, or 1 where the loss's batch value is the sum of its
+        samples' (``loss_fn.aggregation == "sum"``: Keras's reduction="sum")."""
+        return 1 if getattr(self.loss_fn, "aggregation", "mean") == "sum" else size
 
     @property
     def steps(self):
@@ -398,6 +438,7 @@ class DPSGD:
         penalties = self.penalty_gradients()  # no sample in it: not clipped
         std = self.noise_multiplier * self.l2_norm_clip
         updates = []
+        scale = self.optimizer.scale_loss(1.0)  # 1.0 but under loss scaling
         for total, penalty, variable in zip(
             sums, penalties, self.variables, strict=True
         ):
@@ -405,19 +446,33 @@ class DPSGD:
             if std > 0:
                 total = total + std * self._noise.normal(variable.shape, dtype=dtype)
             update = total / tf.cast(denominator, dtype)
-            updates.append(update if penalty is None else update + penalty)
+            update = update if penalty is None else update + penalty
+            # in the loss's scale, as Keras's train_step hands them over: a
+            # LossScaleOptimizer (mixed precision) divides by it again
+            if not (isinstance(scale, float) and scale == 1.0):
+                update = update * tf.cast(scale, dtype)
+            updates.append(update)
         self.optimizer.apply_gradients(zip(updates, self.variables, strict=True))
         return tf.constant(True)
 
     def penalty_gradients(self):
-        """The gradient of the weight regularizers' ``sum(model.losses)``, per
+        """The gradient of the weight regularizers (``v.regularizer(v)`` of
+        each trainable weight, as Keras adds them to ``model.losses``), per
         variable (None where there is none): no sample enters it, so it is
-        added to the update as it is, outside the clipping."""
+        added to the update as it is, outside the clipping - unless the loss
+        clips it with each sample's (``loss_fn.penalty_outside`` False: a
+        model's own ``compute_loss``)."""
+        if not getattr(self.loss_fn, "penalty_outside", True):
+            return [None] * len(self.variables)
         with tf.GradientTape() as tape:
-            penalties = self.model.losses
+            penalties = [
+                tf.cast(v.regularizer(v), self.dtype)
+                for v in self.model.trainable_weights
+                if getattr(v, "regularizer", None) is not None
+            ]
             if not penalties:
                 return [None] * len(self.variables)
-            total = tf.add_n([tf.cast(p, self.dtype) for p in penalties])
+            total = tf.add_n(penalties)
         return tape.gradient(total, self.variables)
 
     def as_inputs(self, x, y):
@@ -428,7 +483,7 @@ class DPSGD:
             a = tf.convert_to_tensor(a)
             return tf.cast(a, self.dtype) if a.dtype.is_floating else a
 
-        return tf.nest.map_structure(cast, x), cast(y)
+        return tf.nest.map_structure(cast, x), tf.nest.map_structure(cast, y)
 
     def _check_losses(self, x, y):
         """Once: the loss gives one loss per sample (a cheap forward pass on
@@ -437,7 +492,7 @@ class DPSGD:
             return
         rows = min(2, n_samples(x))
         prediction = self.model(take(x, 0, rows), training=False)
-        losses_per_sample(self.loss_fn, y[:rows], prediction, rows)
+        losses_per_sample(self.loss_fn, take(y, 0, rows), prediction, rows)
         self._checked_losses = True
 
     def clip_weights(self, x, y):
@@ -486,6 +541,11 @@ class DPSGD:
         """
         total = n_samples(x)
         rows = rows or total
+        if getattr(self.loss_fn, "reads_forward", False):
+            return self._general_step(
+                x, y, valid, denominator=denominator, sampling_rate=sampling_rate,
+                rows=rows,
+            )  # fmt: skip
         weights, skipped = self._weights(x, y, valid)
         self.last_weights = self.clip.as_shown(weights)
         kept = (weights > 0).any(axis=1)
@@ -495,14 +555,14 @@ class DPSGD:
         for start in range(0, total, rows):
             part = index[start : start + rows]
             found, loss, prediction = self._compiled_sum(
-                _take(x, part), tf.gather(y, part),
+                _take(x, part), _take(y, part),
                 tf.constant(weights[start : start + rows], self.dtype),
             )  # fmt: skip
             sums = added(sums, found)
             losses.append(loss)
             predictions.append(prediction)
         self._compiled_update(sums, tf.constant(denominator, tf.float64))
-        self._steps_at[sampling_rate] = self._steps_at.get(sampling_rate, 0) + 1
+        self._count_step(sampling_rate)
         losses = tf.concat(losses, 0) if len(losses) > 1 else losses[0]
         prediction = tf.nest.map_structure(
             lambda *parts: tf.concat(parts, 0), *predictions
@@ -511,9 +571,81 @@ class DPSGD:
             losses = tf.where(skipped, tf.constant(np.nan, losses.dtype), losses)
         return losses, prediction
 
+    def _general_step(self, x, y, valid, *, denominator, sampling_rate, rows):
+        """:meth:`padded_step` where each sample's loss needs its own forward
+        pass (``loss_fn.reads_forward``: a model that adds losses as it runs,
+        or computes its loss itself): each pass of ``rows`` rows forms its
+        per-sample gradients (autodiff, vectorized over samples), their norms
+        per clip group, the weights and the clipped sum ``G.T w``; the noise
+        and the update as everywhere. The general path that the layer rules'
+        fast paths are proved equal to."""
+        total = n_samples(x)
+        sizes = [int(np.prod(v.shape)) for v in self.variables]
+        ends = np.cumsum(sizes)
+        columns = [np.arange(end - size, end) for size, end in zip(sizes, ends)]
+        group_columns = [
+            np.concatenate([columns[i] for i in indices])
+            for _, indices, _ in self.clip.groups
+        ]
+        sums = np.zeros(int(ends[-1]))
+        weights, skipped = [], []
+        for start in range(0, total, rows):
+            part_x, part_y = take(x, start, start + rows), take(y, start, start + rows)
+            G = per_sample_gradients(
+                self.model, self.loss_fn, part_x, part_y, variables=self.variables
+            )
+            norms = np.stack(
+                [np.linalg.norm(G[:, c], axis=1) for c in group_columns], axis=1
+            )
+            w, skip = self.clip.weights(
+                tf.constant(norms, tf.float64),
+                tf.constant(np.asarray(valid[start : start + rows]), tf.float64),
+            )
+            w = w.numpy()
+            finite = np.isfinite(G).all(axis=1)
+            for g, c in enumerate(group_columns):
+                sums[c] += np.where(finite, w[:, g], 0.0) @ np.where(
+                    finite[:, None], G[:, c], 0.0
+                )
+            weights.append(w)
+            skipped.append(skip.numpy() | (~finite & (np.asarray(valid[start : start + rows]) > 0)))
+        weights, skipped = np.concatenate(weights), np.concatenate(skipped)
+        self.last_weights = self.clip.as_shown(weights)
+        kept = (weights > 0).any(axis=1)
+        self._count_skipped(skipped, any_kept=bool(kept.any()) or not skipped.any())
+        split = np.split(sums, ends[:-1])
+        found = [
+            tf.constant(part.reshape(v.shape), v.dtype)
+            for part, v in zip(split, self.variables, strict=True)
+        ]
+        self._compiled_update(found, tf.constant(denominator, tf.float64))
+        self._count_step(sampling_rate)
+        prediction = self.model(x, training=False)
+        if getattr(self.loss_fn, "compiled", True) is not None:
+            losses = losses_per_sample(self.loss_fn, y, prediction, total)
+        else:  # a loss of model.losses alone: none to show per sample
+            losses = tf.zeros([total], self.dtype)
+        if skipped.any():
+            losses = tf.where(skipped, tf.constant(np.nan, losses.dtype), losses)
+        return losses, prediction
+
+    def _count_step(self, rate):
+        """One more step at sampling rate ``rate``, for the accountant (and in
+        :attr:`ledger`, when there is one)."""
+        self._steps_at[rate] = self._steps_at.get(rate, 0) + 1
+        if self.ledger is not None:
+            self.ledger.record(self.noise_multiplier, rate)
+
     def _count_skipped(self, skipped, any_kept):
         """Count and report the samples of non-finite gradient in a step; a
-        FloatingPointError when no sample is left."""
+        FloatingPointError when no sample is left. With ``quiet_skips``
+        (private training: how many of a batch's samples were skipped is a
+        fact about them that no noise covers) nothing is reported: a skipped
+        sample is a zero contribution, and a batch of them all a step of
+        noise alone."""
+        if self.quiet_skips:
+            self.skipped += int(np.sum(skipped))
+            return
         if not any_kept:
             raise FloatingPointError(
                 "every sample of this batch has a non-finite gradient (NaN or "
@@ -587,7 +719,7 @@ class DPSGD:
             x,
             y,
             np.ones(n),
-            denominator=n if denominator is None else denominator,
+            denominator=self._denominator(n) if denominator is None else denominator,
             sampling_rate=sampling_rate,
             rows=self.max_physical_batch_size,
         )
@@ -633,16 +765,17 @@ class DPSGD:
         valid = np.arange(size) < len(chosen)
         self.last_logs = None
         if fused is None:
-            batch_y = tf.gather(y, index)
+            batch_y = _take(y, index)
             losses, prediction = self.padded_step(
-                _take(x, index), batch_y, valid, denominator=batch_size,
+                _take(x, index), batch_y, valid,
+                denominator=self._denominator(batch_size),
                 sampling_rate=rate, rows=physical,
             )  # fmt: skip
         else:
             losses, prediction, batch_y = self._run_fused(
-                fused, x, y, index, valid, batch_size, physical
+                fused, x, y, index, valid, self._denominator(batch_size), physical
             )
-            self._steps_at[rate] = self._steps_at.get(rate, 0) + 1
+            self._count_step(rate)
         self.last_index = index
         return losses, batch_y, prediction, tf.constant(valid, losses.dtype)
 
@@ -718,7 +851,7 @@ class DPSGD:
         for group in self.clip.variables_of(self.variables):
             variables = None if self.clip.flat else group
             job = gradients_for(self.model, self.loss_fn, variables, False, x)
-            few = prepared(job, take(x, 0, rows), y[:rows])
+            few = prepared(job, take(x, 0, rows), take(y, 0, rows))
             job(*few, "norms")  # an eager call chooses the mode for this signature
             graphs.append(job.norms_graph(*few))
         self.bookkept = False
@@ -726,6 +859,7 @@ class DPSGD:
             return None, job
         plan = job.jac.plan
         on_step = self.on_step
+        quiet = tf.constant(self.quiet_skips)
         bookkept = self.clip.flat and plan.weighs_sums() and self.bookkeeping
 
         def step(data, x, y, index, valid, denominator, before, kept, skipped, last):
@@ -743,13 +877,13 @@ class DPSGD:
             skipped = skipped | tf.reduce_any(skipped_rows)
             # nothing to apply only when samples were skipped and none is
             # kept (an empty Poisson batch still takes its step: the noise)
-            applied = kept | tf.logical_not(skipped)
+            applied = kept | tf.logical_not(skipped) | quiet
             tf.cond(
                 last & applied,
                 lambda: self.noisy_update(sums, denominator),
                 lambda: tf.constant(False),
             )
-            batch_y = tf.gather(y, index)
+            batch_y = _take(y, index)
             logs = {}
             if on_step is not None:
                 logs = on_step(losses, batch_y, prediction,
@@ -784,7 +918,7 @@ class DPSGD:
         two-pass one, to rounding."""
         self.trace_count += 1
         batch, targets = (_take(part, index) for part in data)
-        y = tf.gather(y_all, index)
+        y = _take(y_all, index)
         seen = {}
         signal_of = loss_signal(self.loss_fn, targets)
 
@@ -830,7 +964,7 @@ class DPSGD:
         any_kept = tf.reduce_any(kept)
         first_kept = tf.gather(index, tf.argmax(tf.cast(kept, tf.int32)))
         index = tf.where(skipped, first_kept, index)
-        x, y = _take(x_all, index), tf.gather(y_all, index)
+        x, y = _take(x_all, index), _take(y_all, index)
 
         def clipped():
             return self.clipped_sum(x, y, weights)
@@ -939,21 +1073,30 @@ def dp_event(noise_multiplier, steps_at):
     ``dp-accounting`` takes it. Introduced in ``09-matrix-free``.
 
     ``noise_multiplier`` is sigma, ``steps_at`` ``{sampling rate: steps
-    taken at it}`` (rate 1: no sampling). Returns a
+    taken at it}`` (rate 1: no sampling); or ``noise_multiplier`` None and
+    ``steps_at`` ``{(sigma, rate): steps}``, the steps of several sigmas (a
+    model's ledger: :class:`jacutil.privacy.ledger.PrivacyLedger`). Returns a
     ``dp_accounting.ComposedDpEvent``; an ImportError that says how to install
     dp-accounting when it is not.
     """
     dpa = dp_accounting_module()
-    gaussian = dpa.GaussianDpEvent(noise_multiplier)
-    return dpa.ComposedDpEvent(
-        [
-            dpa.SelfComposedDpEvent(
-                gaussian if q == 1 else dpa.PoissonSampledDpEvent(q, gaussian),
-                count,
-            )
-            for q, count in sorted(steps_at.items())
-        ]
-    )
+    events = []
+    for (sigma, q), count in sorted(as_events(noise_multiplier, steps_at).items()):
+        gaussian = dpa.GaussianDpEvent(sigma)
+        step = gaussian if q == 1 else dpa.PoissonSampledDpEvent(q, gaussian)
+        events.append(dpa.SelfComposedDpEvent(step, count))
+    return dpa.ComposedDpEvent(events)
+
+
+def as_events(noise_multiplier, steps_at):
+    """``{(sigma, rate): steps}`` from :func:`dp_event`'s arguments: one
+    sigma and ``{rate: steps}``, or None and already ``{(sigma, rate):
+    steps}``; runs of no step left out."""
+    if noise_multiplier is not None:
+        steps_at = {(float(noise_multiplier), q): c for q, c in steps_at.items()}
+    return {
+        (float(sigma), float(q)): int(c) for (sigma, q), c in steps_at.items() if c
+    }
 
 
 def check_accounting(delta, accountant):
@@ -1002,8 +1145,11 @@ def epsilon_of(noise_multiplier, steps_at, delta, accountant="rdp"):
     ``09-matrix-free``.
 
     Args:
-        noise_multiplier: sigma.
-        steps_at: ``{sampling rate: steps taken at it}``.
+        noise_multiplier: sigma; or None when ``steps_at`` names each run's
+            sigma (:func:`as_events`).
+        steps_at: ``{sampling rate: steps taken at it}``, or with
+            ``noise_multiplier`` None ``{(sigma, rate): steps}``: runs of
+            steps at several noise multipliers, composed.
         delta: the delta of the (epsilon, delta) guarantee, in (0, 1);
             usually below 1 / n.
         accountant: "rdp" (Renyi DP, as TensorFlow Privacy reports) or "pld"
@@ -1017,22 +1163,21 @@ def epsilon_of(noise_multiplier, steps_at, delta, accountant="rdp"):
     """
     check_accounting(delta, accountant)
     dpa = dp_accounting_module()
-    if not sum(steps_at.values()):
+    events = as_events(noise_multiplier, steps_at)
+    if not events:
         return 0.0
-    if noise_multiplier == 0:
+    if any(sigma == 0 for sigma, _ in events):
         return math.inf
     with quiet_absl():
-        if accountant == "pld" and all(
-            0 < q < 1 and count >= 1 for q, count in steps_at.items()
-        ):
+        if accountant == "pld" and all(0 < q < 1 for _, q in events):
             # what the PLD accountant composes for dp_event's events, in
             # their order, from its identity, each step's distribution built
             # once (the tests compare with the accountant itself)
             pld = dpa.pld.privacy_loss_distribution.identity(PLD_GRID)
-            for q, count in sorted(steps_at.items()):
-                step = sampled_gaussian_pld(float(noise_multiplier), float(q))
-                pld = pld.compose(step.self_compose(int(count)))
+            for (sigma, q), count in sorted(events.items()):
+                step = sampled_gaussian_pld(sigma, q)
+                pld = pld.compose(step.self_compose(count))
             return float(pld.get_epsilon_for_delta(delta))
         ledger = new_accountant(accountant)
-        ledger.compose(dp_event(noise_multiplier, steps_at))
+        ledger.compose(dp_event(None, events))
         return float(ledger.get_epsilon(delta))

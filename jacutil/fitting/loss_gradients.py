@@ -84,7 +84,10 @@ def loss_signal(loss_fn, y):
         with tf.GradientTape() as tape:
             tape.watch(watched)
             losses = losses_per_sample(loss_fn, y, prediction, None)
-        at_output, *at_logits = tape.gradient(losses, watched)
+        found = tape.gradient(losses, watched)
+        # a loss that gathers (per sample, in vectorized_map) gives slices
+        at_output, *at_logits = [None if g is None else tf.convert_to_tensor(g)
+                                 for g in found]  # fmt: skip
         at_logits = at_logits[0] if at_logits else None
         if at_logits is None:
             if at_output is None:
@@ -119,11 +122,16 @@ def _autodiff_gradients(target, x, y, loss_fn, vectorize=True, xla=False):
 
     def one(row):
         x_i, y_i = tf.nest.map_structure(lambda t: t[None], row)
+        of_sample = getattr(loss_fn, "of_sample", None)
         with tf.GradientTape() as tape:
             tape.watch(tracked)
-            loss = tf.reduce_sum(losses_per_sample(loss_fn, y_i, target.call(x_i), 1))
+            prediction = target.call(x_i)
+            if getattr(loss_fn, "reads_forward", False):  # model.losses too
+                loss = of_sample(x_i, y_i, prediction)
+            else:
+                loss = tf.reduce_sum(losses_per_sample(loss_fn, y_i, prediction, 1))
         grads = tape.gradient(loss, tracked)
-        return joined_gradients(grads, sizes, loss.dtype)
+        return joined_gradients(grads, sizes, target.dtype)
 
     if not vectorize:
         signature = tf.TensorSpec([sum(sizes)], target.dtype)
@@ -237,6 +245,10 @@ class LossGradients:
 
         def traced(x, y):
             self.trace_count += 1  # Python side effect: runs once per trace
+            if mode == Ladder.RULES and getattr(self.loss_fn, "reads_forward", False):
+                # the rules start from the output: losses added inside the
+                # model (or a loss the model computes itself) need autodiff
+                raise LogitsNotOnRules("each sample's loss reads its forward pass")
             signal = loss_signal(self.loss_fn, y)
             if mode == Ladder.RULES and what == "norms":
                 return tf.sqrt(plan.squared_norms(x, signal)[:, 0])

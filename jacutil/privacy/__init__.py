@@ -14,8 +14,11 @@ _NAMES = {
     "make_private": "keras_fit",
     "noise_multiplier_for": "accounting",
     "per_sample_loss": "keras_fit",
+    "load_model": "ledger",
+    "PrivacyLedger": "ledger",
+    "KerasLoss": "keras_loss",
     "validate_private": "validator",
 }
 __all__, __getattr__, __dir__ = lazy_face(
-    __name__, _NAMES, modules="accounting keras_fit validator"
+    __name__, _NAMES, modules="accounting keras_fit keras_loss ledger validator"
 )

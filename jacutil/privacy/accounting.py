@@ -9,6 +9,7 @@ most the target, by Google's ``dp-accounting`` (its
 """
 
 from ..fitting.dp_sgd import (
+    as_events,
     check_accounting,
     dp_accounting_module,
     dp_event,
@@ -24,7 +25,9 @@ TOLERANCE = 1e-4  # sigma is found to within this; epsilon never exceeds the tar
 SEARCH_GRID = 1e-3
 
 
-def noise_multiplier_for(epsilon, delta, sampling_rate, steps, accountant="pld"):
+def noise_multiplier_for(
+    epsilon, delta, sampling_rate, steps, accountant="pld", spent=None
+):
     """The smallest noise multiplier whose epsilon is at most ``epsilon``.
 
     The steps are Poisson-sampled Gaussian mechanisms at ``sampling_rate``
@@ -41,6 +44,10 @@ def noise_multiplier_for(epsilon, delta, sampling_rate, steps, accountant="pld")
         sampling_rate: q, each sample's probability of joining a batch, in
             (0, 1].
         steps: how many steps the training takes, >= 1.
+        spent: steps already taken, ``{(sigma, rate): steps}`` (a model's
+            :class:`jacutil.privacy.ledger.PrivacyLedger`): the epsilon
+            bounded is that of those and the new steps, composed. A
+            ValueError when they alone spend ``epsilon`` or more.
 
     With PLD the search runs on a 10x coarser grid of privacy losses
     (``SEARCH_GRID``; a PLD accountant's epsilon is an upper bound at any
@@ -63,9 +70,26 @@ def noise_multiplier_for(epsilon, delta, sampling_rate, steps, accountant="pld")
         raise ValueError(f"steps is {steps!r}; a whole number >= 1.")
     check_accounting(delta, accountant)
     dpa = dp_accounting_module()
+    spent = as_events(None, spent or {})
+
+    def planned(sigma):
+        events = dict(spent)
+        key = (float(sigma), float(sampling_rate))
+        events[key] = events.get(key, 0) + int(steps)
+        return events
+
+    already = epsilon_of(None, spent, delta, accountant) if spent else 0.0
+    if already >= epsilon:
+        raise ValueError(
+            f"the steps already taken ({sum(spent.values())} in the model's "
+            f"ledger) spend epsilon = {already:.4g} at delta = {delta:g}: the "
+            f"target epsilon = {epsilon:g} leaves nothing for more steps. This "
+            "model's budget on its data is spent: more training on that data "
+            "would spend more than the target, whatever the noise."
+        )
 
     def event(sigma):
-        return dp_event(sigma, {sampling_rate: int(steps)})
+        return dp_event(None, planned(sigma))
 
     def search(make_accountant):
         with quiet_absl():
@@ -84,6 +108,6 @@ def noise_multiplier_for(epsilon, delta, sampling_rate, steps, accountant="pld")
         sigma = search(
             lambda: dpa.pld.PLDAccountant(value_discretization_interval=SEARCH_GRID)
         )
-        if epsilon_of(sigma, {sampling_rate: int(steps)}, delta, "pld") <= epsilon:
+        if epsilon_of(None, planned(sigma), delta, "pld") <= epsilon:
             return sigma
     return search(lambda: new_accountant(accountant))

@@ -4,13 +4,17 @@ compiled metrics, progress bar and ``validation_data`` stay Keras's while each
 step becomes one step of :class:`jacutil.fitting.dp_sgd.DPSGD`.
 """
 
+import warnings
+
 import numpy as np
 
 from ..core._tf import keras, tf
 from ..core.batch import take
-from ..core.internals import loss_tracker
+from ..core.internals import compile_loss, keras_train_step, loss_tracker
 from ..fitting.dp_sgd import DPSGD, epsilon_of, steps_per_epoch
 from .accounting import noise_multiplier_for
+from .keras_loss import KerasLoss
+from .ledger import ledger_of
 from .validator import validate_private
 
 REFUSED = {  # model.fit's arguments that would break the accounting
@@ -51,14 +55,19 @@ def per_sample_loss(loss):
 
 
 class PrivateTraining:
-    """A model's private training: what :func:`make_private` returns.
+    """A model's private training: ``model.privacy`` after :func:`make_private`.
 
     It holds the configuration the noise was calibrated for and the
-    :class:`DPSGD` that takes the steps. ``model.fit`` calls :meth:`fit`.
-    Introduced in ``09-matrix-free``.
+    :class:`DPSGD` that takes the steps; ``model.fit`` calls :meth:`fit`.
+    The privacy spent is the model's :class:`~jacutil.privacy.ledger.
+    PrivacyLedger`'s, which counts every step of every ``make_private`` on
+    the model (and survives ``model.save`` with
+    :func:`jacutil.privacy.load_model`). Introduced in ``09-matrix-free``.
 
     Attributes:
-        dpsgd: the :class:`DPSGD` (its ``steps``, ``noise_multiplier``).
+        dpsgd: the :class:`DPSGD` (its ``noise_multiplier``, ``last_weights``).
+        loss: the :class:`~jacutil.privacy.keras_loss.KerasLoss` it clips.
+        ledger: the model's ledger.
         noise_multiplier: sigma, calibrated to ``target_epsilon``.
         budget_steps: the steps sigma was calibrated for (``epochs`` epochs
             of ``steps_per_epoch``).
@@ -69,30 +78,40 @@ class PrivateTraining:
         model,
         dpsgd,
         *,
+        ledger,
         target_epsilon,
         delta,
         accountant,
         batch_size,
         train_size,
         epochs,
+        report_training,
     ):
         self.model = model
         self.dpsgd = dpsgd
+        self.ledger = ledger
         self.target_epsilon = target_epsilon
         self.delta = delta
         self.accountant = accountant
         self.batch_size = batch_size
         self.train_size = train_size
         self.epochs = epochs
+        self.report_training = report_training
         self.steps_per_epoch = steps_per_epoch(train_size, batch_size)
         self.budget_steps = epochs * self.steps_per_epoch
         self.sampling_rate = batch_size / train_size
+        self._before = ledger.events  # spent by earlier make_private calls
+        self._start = ledger.steps
         self._keras_fit = type(model).fit  # Keras's own, bound at each call
         self._data = None
         self._record = None  # the compiled record(), made at the first step
         self._in_epoch = 0
         self._epsilon = 0.0
-        self._spent = {}  # steps taken (sorted steps_at items) -> epsilon
+        self._spent = {}  # the ledger's events (sorted items) -> epsilon
+
+    @property
+    def loss(self):
+        return self.dpsgd.loss_fn
 
     @property
     def noise_multiplier(self):
@@ -100,35 +119,39 @@ class PrivateTraining:
 
     @property
     def steps(self):
-        """The DP-SGD steps taken so far."""
-        return self.dpsgd.steps
+        """The DP-SGD steps taken since this ``make_private``."""
+        return self.ledger.steps - self._start
 
     def epsilon(self):
-        """The epsilon spent so far at ``delta``, by the accountant that
-        calibrated sigma (0.0 before the first step). Evaluation
+        """The epsilon spent on the model so far at ``delta``, by the
+        accountant that calibrated sigma: every step of its ledger, earlier
+        ``make_private`` calls' included (0.0 before the first). Evaluation
         (``validation_data``, ``model.evaluate``) is not private and spends
         nothing: it releases its own results. The accountant's answer for
-        each number of steps is kept: asked again, it costs nothing."""
-        steps_at = self.dpsgd.steps_at
-        key = tuple(sorted(steps_at.items()))
+        each ledger is kept: asked again, it costs nothing."""
+        key = tuple(sorted(self.ledger.events.items()))
         if key not in self._spent:
             self._spent[key] = epsilon_of(
-                self.noise_multiplier, steps_at, self.delta, self.accountant
+                None, self.ledger.events, self.delta, self.accountant
             )
         return self._spent[key]
 
     def account_epochs(self):
         """Ask the accountant, once and before training, for the epsilon
-        after each of the budgeted epochs: it depends on sigma, the rate and
-        the steps, not on the data, so ``fit`` shows epsilon per epoch
+        after each of the budgeted epochs (the steps before this
+        ``make_private`` composed with them): it depends on sigma, the rate
+        and the steps, not on the data, so ``fit`` shows epsilon per epoch
         without paying the accountant inside an epoch. The same call as
-        :meth:`epsilon`, so the same values; with PLD the sampled step's
+        :meth:`epsilon`, so the same values; with PLD each sampled step's
         distribution is built once (about 0.5 s) and each epoch's count
-        composes it (about 0.1 s: ``jacutil.fitting.dp_sgd.sampled_gaussian_pld``)."""
+        composes it (about 0.1 s:
+        ``jacutil.fitting.dp_sgd.sampled_gaussian_pld``)."""
         for epoch in range(1, self.epochs + 1):
-            steps_at = {self.sampling_rate: epoch * self.steps_per_epoch}
-            self._spent[tuple(steps_at.items())] = epsilon_of(
-                self.noise_multiplier, steps_at, self.delta, self.accountant
+            events = dict(self._before)
+            key = (float(self.noise_multiplier), float(self.sampling_rate))
+            events[key] = events.get(key, 0) + epoch * self.steps_per_epoch
+            self._spent[tuple(sorted(events.items()))] = epsilon_of(
+                None, events, self.delta, self.accountant
             )
 
     # -- model.fit --------------------------------------------------------------
@@ -148,8 +171,11 @@ class PrivateTraining:
         Takes ``model.fit``'s arguments; refuses, before the first step, those
         that would break the accounting (a dataset or generator, a size or
         batch size other than the calibrated ones, more steps than budgeted,
-        sample or class weights, ``validation_split``, ``steps_per_epoch``).
-        ``shuffle`` is ignored: each step Poisson-samples its batch.
+        sample or class weights, ``validation_split``, ``steps_per_epoch``)
+        and a loss that couples samples. ``shuffle`` is ignored: each step
+        Poisson-samples its batch. A model compiled again since (another
+        loss, ``loss_weights`` or optimizer) trains on what it was compiled
+        with last.
         """
         for name, why in REFUSED.items():
             value = options.get(name)
@@ -170,13 +196,12 @@ class PrivateTraining:
                 f"batch_size={self.batch_size}), which the noise was calibrated "
                 "for: leave batch_size out, or call make_private again with it."
             )
-        if self.model.optimizer is not self.dpsgd.optimizer:
-            raise ValueError(
-                "the model was compiled again after make_private: call "
-                "make_private again, so that its steps use the new optimizer."
-            )
+        self._follow_compile()
         self._check_budget(epochs - initial_epoch)
-        self.dpsgd.clip_weights(take(x, 0, 2), take(y, 0, 2))  # refuse early, clearly
+        few_x, few_y = take(x, 0, 3), take(y, 0, 3)
+        if not self.loss.checked:
+            self.loss.check(*self.dpsgd.as_inputs(few_x, few_y))
+        self.dpsgd.clip_weights(few_x, few_y)  # refuse early, clearly
         self._data = self.dpsgd.as_inputs(x, y)  # once: each step gathers rows
         tokens = np.zeros((self.steps_per_epoch, 1), np.float32)  # one per step
         callbacks = [*(callbacks or []), _EpochStart(self)]
@@ -195,6 +220,24 @@ class PrivateTraining:
         finally:
             self._data = None
 
+    def _follow_compile(self):
+        """After ``model.compile`` again (with the same optimizer or
+        another), the steps use what it set: a new :class:`KerasLoss` and
+        the model's optimizer; sigma, the clip norms, the random state and
+        the ledger carry over."""
+        if (
+            self.model.optimizer is self.dpsgd.optimizer
+            and compile_loss(self.model) is self.loss.compiled
+        ):
+            return
+        refuse_own_train_step(self.model)
+        self.dpsgd = self.dpsgd.rebuilt(
+            KerasLoss(self.model, general=self.loss.general), self.model.optimizer
+        )
+        self.dpsgd.on_step = self.record
+        self.model.train_function = None
+        self._record = None
+
     def _check_data(self, x, y):
         leaves = tf.nest.flatten(x) if x is not None else []
         if (
@@ -211,7 +254,7 @@ class PrivateTraining:
             )
         if y is None:
             raise ValueError("model.fit needs y, the targets, on a private model.")
-        rows = {int(a.shape[0]) for a in leaves + tf.nest.flatten(y)}
+        rows = {int(np.shape(a)[0]) for a in leaves + tf.nest.flatten(y)}
         if rows != {self.train_size}:
             raise ValueError(
                 f"model.fit got {sorted(rows)} rows, and make_private was told "
@@ -229,19 +272,23 @@ class PrivateTraining:
             raise ValueError(
                 f"this fit would take {planned} steps ({epochs} "
                 f"epoch{'s' * (epochs != 1)} of {self.steps_per_epoch}) after "
-                f"the {self.steps} taken: more than "
-                f"the {self.budget_steps} steps (epochs={self.epochs}) that "
-                f"make_private calibrated the noise for, so epsilon = "
-                f"{self.target_epsilon:g} would not hold. Fit at most {left} more "
-                "epoch(s), or call make_private again with more epochs (more "
-                "noise per step)."
+                f"the {self.steps} taken: more than the {self.budget_steps} "
+                f"steps (epochs={self.epochs}) whose noise make_private "
+                f"calibrated so that the model's epsilon stays within "
+                f"{self.target_epsilon:g}. Fit at most {left} more epoch(s). "
+                "Every step taken stays in the model's ledger: a new "
+                "make_private on this model composes them, and can only "
+                "calibrate what is left of the same epsilon."
             )
 
     def record(self, losses, y, prediction, valid):
         """Compiled: the step's mean loss into Keras's loss tracker and its
         predictions into the compiled metrics, padding and samples of
         non-finite loss weighing nothing (an empty Poisson batch changes
-        nothing); Keras's logs."""
+        nothing); Keras's logs. With ``report_training=False``, nothing:
+        the logs hold epsilon (and validation) only."""
+        if not self.report_training:
+            return {}
         finite = tf.math.is_finite(losses) & (valid > 0)
         count = tf.reduce_sum(tf.cast(finite, losses.dtype))
         total = tf.reduce_sum(tf.where(finite, losses, tf.zeros_like(losses)))
@@ -272,7 +319,7 @@ class PrivateTraining:
         if logs is None:  # the step ran off the layer rules (padded_step)
             if self._record is None:
                 self._record = tf.function(self.record, autograph=False)
-            logs = self._record(*step)
+            logs = self._record(*step) if self.report_training else {}
         self._in_epoch += 1
         if self._in_epoch == self.steps_per_epoch:
             self._epsilon = self.epsilon()
@@ -288,6 +335,20 @@ class _EpochStart(keras.callbacks.Callback):
         self.training._in_epoch = 0
 
 
+def refuse_own_train_step(model):
+    """A model whose class defines its own ``train_step`` runs code of its
+    own in each step, which DP-SGD's step would bypass without a word:
+    refuse it, saying what to do."""
+    if type(model).train_step is not keras_train_step():
+        raise ValueError(
+            f"{type(model).__name__} defines its own train_step: make_private "
+            "replaces the training step with DP-SGD's, which would skip that "
+            "code. Put what the step computes into the model's call() or "
+            "compute_loss() (make_private clips each sample's gradient of "
+            "compute_loss), or write the loop with jacutil.DPSGD's step."
+        )
+
+
 def make_private(
     model,
     *,
@@ -301,30 +362,45 @@ def make_private(
     seed=None,
     secure_mode=False,
     max_physical_batch_size=None,
+    report_training=True,
     verbose=True,
 ):
     """Make ``model.fit`` train by DP-SGD with at most ``epsilon`` spent.
 
-    On a compiled model (its optimizer and loss are used): the model is
-    checked (:func:`jacutil.privacy.validator.validate_private`), sigma is
-    calibrated so that ``epochs`` epochs of ``round(train_size / batch_size)``
-    Poisson-sampled steps spend at most ``epsilon`` at ``delta``, and printed
-    once. Then ``model.fit(x, y, epochs=..., validation_data=...,
-    callbacks=[...])`` trains privately: each step is a
-    :meth:`DPSGD.sampled_step` at rate ``batch_size / train_size``, applied by
-    the compiled optimizer. The logs hold ``epsilon``, spent after each epoch.
-    Validation and ``model.evaluate`` are not private and spend nothing: they
-    release their own results (a held-out set's).
+    On a compiled model: the model is checked
+    (:func:`jacutil.privacy.validator.validate_private`), sigma is calibrated
+    so that ``epochs`` epochs of ``round(train_size / batch_size)``
+    Poisson-sampled steps, composed with every step the model took before
+    (its :class:`~jacutil.privacy.ledger.PrivacyLedger`), spend at most
+    ``epsilon`` at ``delta``, and printed once. Then ``model.fit(x, y,
+    epochs=..., validation_data=..., callbacks=[...])`` trains privately:
+    each step clips each sample's gradient of Keras's own loss (what
+    ``model.compile`` set: every output, ``loss_weights``, ``model.losses``;
+    the loss scale of mixed precision: :class:`~jacutil.privacy.keras_loss.
+    KerasLoss`), adds the noise and applies the compiled optimizer. The logs
+    hold ``epsilon``, spent after each epoch.
 
-    The steps run the model in inference mode (dropout off; see
-    :class:`DPSGD`). The model saves and loads as any Keras model; a loaded
-    model is a plain one (call make_private again to train it privately).
-    The random generators are not cryptographically secure: for learning and
-    research, not a release. Introduced in ``09-matrix-free``.
+    What the logs' training loss and metrics leak: they are computed on each
+    step's sampled rows without noise, so they are *not* covered by epsilon
+    (``report_training=False`` leaves them out; validation and
+    ``model.evaluate`` release their own data's results and spend nothing).
+    The number of samples whose gradient was not finite is not reported
+    during the fit either: each contributes nothing, and a batch of them all
+    takes a step of noise alone.
+
+    The noise and the sampling come from the operating system's entropy
+    (``secure_mode``: ``os.urandom`` itself, drawn in float64); a ``seed``
+    makes them repeatable, for teaching and tests: such a run is not private
+    against anyone who knows the seed, and says so. The steps run the model
+    in inference mode (dropout off; see :class:`DPSGD`). A model whose class
+    defines its own ``train_step`` is refused; one whose loss couples the
+    samples of a batch is refused at ``fit``, before the first step.
+    Introduced in ``09-matrix-free``.
 
     Args:
         model: a compiled, built Keras 3 model.
-        epsilon: the target epsilon, > 0.
+        epsilon: the target epsilon, > 0: of the whole model, steps taken
+            before (its ledger) included.
         delta: the delta of the guarantee, in (0, 1); below 1 / train_size.
         l2_norm_clip: C, the largest norm a sample's gradient keeps; or a
             dict ``{layer name: C_g}`` (a key may be a tuple of names) for
@@ -336,7 +412,8 @@ def make_private(
         epochs: the epochs the budget covers; ``fit`` refuses more.
         train_size: the number of training samples ``fit`` will get.
         accountant: "pld" (tight; the default) or "rdp".
-        seed: seeds the sampling and the noise (None: 0, unless secure_mode).
+        seed: seeds the sampling and the noise, for a repeatable run that is
+            not private against whoever knows it (None: fresh entropy).
         secure_mode: draw the sampling and the noise from ``os.urandom``
             (:class:`jacutil.fitting.dp_sgd.SecureRandom`: Box-Muller in
             float64, each noise value the sum of two draws / sqrt(2), as
@@ -347,16 +424,16 @@ def make_private(
             clipped sums are added up before the noise (gradient
             accumulation): the same step in less memory, for logical batches
             that do not fit. None: one pass per step.
+        report_training: keep the training loss and compiled metrics in the
+            logs (computed without noise; see above).
         verbose: print the calibrated sigma once.
 
     Returns:
-        The :class:`PrivateTraining` (``epsilon()``, ``noise_multiplier``,
-        ``steps``).
+        The model, whose ``fit`` now trains privately; ``model.privacy`` is
+        its :class:`PrivateTraining` (``epsilon()``, ``noise_multiplier``,
+        ``steps``, ``ledger``).
     """
-    if (
-        getattr(model, "optimizer", None) is None
-        or getattr(model, "loss", None) is None
-    ):
+    if not getattr(model, "compiled", False) or model.optimizer is None:
         raise ValueError(
             "the model is not compiled: call model.compile(optimizer=..., "
             "loss=..., metrics=[...]) first; make_private uses its optimizer and "
@@ -379,12 +456,17 @@ def make_private(
     if int(epochs) != epochs or epochs < 1:
         raise ValueError(f"epochs is {epochs!r}; a whole number >= 1.")
     validate_private(model)
+    refuse_own_train_step(model)
+    ledger = ledger_of(model, create=True)
     steps = epochs * steps_per_epoch(train_size, batch_size)
     rate = batch_size / train_size
-    sigma = noise_multiplier_for(epsilon, delta, rate, steps, accountant)
+    sigma = noise_multiplier_for(
+        epsilon, delta, rate, steps, accountant, spent=ledger.events
+    )
+    ledger.delta, ledger.accountant = delta, accountant
     dpsgd = DPSGD(
         model,
-        per_sample_loss(model.loss),
+        KerasLoss(model),
         model.optimizer,
         l2_norm_clip=l2_norm_clip,
         noise_multiplier=sigma,
@@ -392,27 +474,54 @@ def make_private(
         secure_mode=secure_mode,
         max_physical_batch_size=max_physical_batch_size,
     )
+    dpsgd.ledger = ledger
+    dpsgd.quiet_skips = True
     training = PrivateTraining(
         model,
         dpsgd,
+        ledger=ledger,
         target_epsilon=epsilon,
         delta=delta,
         accountant=accountant,
         batch_size=batch_size,
         train_size=train_size,
         epochs=epochs,
+        report_training=report_training,
     )
     training.account_epochs()
+    before = (
+        f", after the {ledger.steps} steps the model took before "
+        f"(epsilon {training.epsilon():.3g})"
+        if ledger.steps
+        else ""
+    )
+    seeded = (
+        f" seed={seed}: the noise and the sampling repeat for anyone who knows "
+        "the seed, so this run is NOT private against them (for teaching and "
+        "tests only)."
+        if seed is not None
+        else ""
+    )
     if verbose:
         print(
             f"make_private: noise multiplier {sigma:.4f} (in units of "
             f"{dpsgd.clip.describe()}), so that {steps} steps ({epochs} "
             f"epochs of {training.steps_per_epoch}), each batch Poisson-sampled "
-            f"at rate {rate:.4g}, spend epsilon <= {epsilon:g} at delta = "
-            f"{delta:g} ({accountant.upper()} accountant)."
+            f"at rate {rate:.4g}{before}, spend epsilon <= {epsilon:g} at "
+            f"delta = {delta:g} ({accountant.upper()} accountant)."
+            + (
+                " The training loss and metrics in the logs are computed "
+                "without noise: not covered by epsilon."
+                if report_training
+                else ""
+            )
+            + seeded
         )
+    elif seeded:
+        warnings.warn(seeded.strip(), UserWarning, stacklevel=2)
     dpsgd.on_step = training.record  # one graph call a step (the fused step)
+    model.privacy = training
     model.fit = training.fit  # this model only: nothing is patched elsewhere
     model.make_train_function = training.make_train_function
     model.train_function = None
-    return training
+    return model

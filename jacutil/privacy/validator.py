@@ -1,10 +1,10 @@
 """What a private model may hold (notebook 09-matrix-free), as Opacus's
-``ModuleValidator``: a layer that mixes the samples of a batch, or a loss that
-escapes the clipping, is refused before the first step."""
+``ModuleValidator``: a layer that mixes the samples of a batch is refused
+before the first step (a loss that mixes them is refused by
+:meth:`jacutil.privacy.keras_loss.KerasLoss.check`, at ``fit``)."""
 
 from ..core._tf import keras
 from ..core.internals import layers_within
-from ..fitting.dp_sgd import refuse_activity_regularizers
 
 MIXING = (keras.layers.BatchNormalization,)  # their statistics span the batch
 
@@ -17,8 +17,6 @@ def validate_private(model):
       depends on the others and clipping no longer bounds a sample's
       influence (Opacus refuses it too). DP-SGD's steps run the model in
       inference mode, where it would never learn its statistics either.
-    - An ``activity_regularizer``: its loss depends on the samples and would
-      reach the update unclipped.
     - A model with no trainable variables, or not built.
 
     ``model`` is a Keras 3 model; the ValueError says what is wrong and what
@@ -43,4 +41,3 @@ def validate_private(model):
                 f"or freeze it (model.get_layer({layer.name!r}).trainable = "
                 "False) to keep statistics learned on public data."
             )
-    refuse_activity_regularizers(model)
