@@ -57,6 +57,25 @@ class ClipGroups:
             self.flat = False
         self.norms = np.array([clip for *_, clip in self.groups], np.float64)
         self.total = float(np.sqrt(np.sum(self.norms**2)))
+        self.variable = None  # the clip norm as it adapts (adaptive clipping)
+
+    def adapt(self):
+        """Hold the clip norm in a variable that each step may move (flat
+        clipping only: :class:`jacutil.fitting.adaptive_clip.AdaptiveClip`)."""
+        if not self.flat:
+            raise ValueError(
+                "adaptive clipping follows one quantile of the whole gradient's "
+                "norms: give l2_norm_clip as one number (the starting C), not "
+                "a clip norm per layer."
+            )
+        self.variable = tf.Variable(self.norms, trainable=False, dtype=tf.float64)
+
+    def current(self):
+        """The clip norm now: ``total``, or the adapting variable's value
+        (a scalar tensor) under adaptive clipping."""
+        if self.variable is None:
+            return self.total
+        return self.variable[0]
 
     @staticmethod
     def _read(model, variables, clips):
@@ -114,7 +133,9 @@ class ClipGroups:
         groups) in float64: ``w_ig = min(1, C_g / |g_ig|)``, 0 for a padding
         row (``valid`` 0) and for a sample with a non-finite norm in any group
         (``skipped``, (rows,)), which then contributes nothing."""
-        clip = tf.constant(self.norms, tf.float64)
+        clip = tf.constant(self.norms, tf.float64) if self.variable is None else (
+            tf.convert_to_tensor(self.variable)
+        )  # fmt: skip
         finite = tf.reduce_all(tf.math.is_finite(norms), axis=1)
         scaled = tf.where(norms > clip, clip / norms, tf.ones_like(norms))
         keep = tf.cast(finite, tf.float64) * valid

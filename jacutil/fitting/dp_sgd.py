@@ -287,6 +287,7 @@ class DPSGD:
         seed=None,
         secure_mode=False,
         max_physical_batch_size=None,
+        adaptive_clip=None,
     ):
         if secure_mode and seed is not None:
             raise ValueError(
@@ -303,12 +304,15 @@ class DPSGD:
         self.model = model
         self.loss_fn = loss_fn
         self.optimizer = optimizer
-        self.noise_multiplier = float(noise_multiplier)
         self.variables = list(model.trainable_variables)
         if not self.variables:
             raise ValueError("the model has no trainable variables to train.")
         self.clip = ClipGroups(model, self.variables, l2_norm_clip)
-        self.l2_norm_clip = self.clip.total  # the noise's scale
+        self.l2_norm_clip = self.clip.total  # the noise's scale (at the start)
+        self.adaptive_clip = adaptive_clip
+        if adaptive_clip is not None:
+            self.clip.adapt()
+        self.noise_multiplier = noise_multiplier  # and the gradient's
         if max_physical_batch_size is not None and not (
             int(max_physical_batch_size) == max_physical_batch_size
             and max_physical_batch_size >= 1
@@ -356,6 +360,26 @@ class DPSGD:
         # (jacutil.privacy.ledger.PrivacyLedger: the model's)
         self.ledger = None
         self.quiet_skips = False  # see _count_skipped
+        # an audit's gradient canaries (jacutil.privacy.audit.CanaryAudit):
+        # each step adds the clipped ones its Poisson draw took
+        self.canaries = None
+
+    @property
+    def noise_multiplier(self):
+        """sigma (z), what the accountant composes."""
+        return self._noise_multiplier
+
+    @noise_multiplier.setter
+    def noise_multiplier(self, value):
+        self._noise_multiplier = float(value)
+        adaptive = self.adaptive_clip
+        # the gradient's noise multiplier: z, or under adaptive clipping the
+        # larger z_grad that leaves the count's noise its share of z's privacy
+        self.gradient_noise_multiplier = (
+            self._noise_multiplier
+            if adaptive is None
+            else adaptive.gradient_noise_multiplier(self._noise_multiplier)
+        )
 
     def rebuilt(self, loss_fn, optimizer):
         """A DPSGD for the same model with another loss and optimizer (the
@@ -373,9 +397,12 @@ class DPSGD:
         other.skipped = self.skipped
         other.ledger, other.quiet_skips = self.ledger, self.quiet_skips
         other.bookkeeping = self.bookkeeping
+        other.clip, other.adaptive_clip = self.clip, self.adaptive_clip
+        other.noise_multiplier = self.noise_multiplier
+        other.canaries = self.canaries
         return other
 
-    def _denominator(self, size):
+    def denominator(self, size):
         """What the noisy sum is divided by for a batch of expected ``size``:
         the size, or 1 where the loss's batch value is the sum of its
         samples' (``loss_fn.aggregation == "sum"``: Keras's reduction="sum")."""
@@ -436,14 +463,16 @@ class DPSGD:
         ``noise_multiplier * l2_norm_clip``, divided by ``denominator``, plus
         the weight penalties' gradient, applied by the optimizer."""
         penalties = self.penalty_gradients()  # no sample in it: not clipped
-        std = self.noise_multiplier * self.l2_norm_clip
+        noisy = self.gradient_noise_multiplier > 0
+        std = self.gradient_noise_multiplier * self.clip.current()
         updates = []
         scale = self.optimizer.scale_loss(1.0)  # 1.0 but under loss scaling
         for total, penalty, variable in zip(
             sums, penalties, self.variables, strict=True
         ):
             dtype = tf.as_dtype(variable.dtype)
-            if std > 0:
+            if noisy:
+                std = tf.cast(std, dtype)
                 total = total + std * self._noise.normal(variable.shape, dtype=dtype)
             update = total / tf.cast(denominator, dtype)
             update = update if penalty is None else update + penalty
@@ -524,7 +553,9 @@ class DPSGD:
         )
         return weights.numpy(), skipped.numpy()
 
-    def padded_step(self, x, y, valid, *, denominator, sampling_rate, rows=None):
+    def padded_step(
+        self, x, y, valid, *, denominator, sampling_rate, rows=None, expected=None
+    ):
         """One DP-SGD step on a batch ``x``, ``y`` padded to a fixed size (tensors,
         cast as :meth:`step` casts them): the rows whose ``valid`` (shape
         (rows,)) is 0 are padding and weigh nothing. The noisy sum is divided
@@ -541,17 +572,18 @@ class DPSGD:
         """
         total = n_samples(x)
         rows = rows or total
+        expected = expected or float(np.sum(valid))  # the batch's size, by default
         if getattr(self.loss_fn, "reads_forward", False):
             return self._general_step(
                 x, y, valid, denominator=denominator, sampling_rate=sampling_rate,
-                rows=rows,
+                rows=rows, expected=expected,
             )  # fmt: skip
         weights, skipped = self._weights(x, y, valid)
         self.last_weights = self.clip.as_shown(weights)
         kept = (weights > 0).any(axis=1)
         self._count_skipped(skipped, any_kept=bool(kept.any()) or not skipped.any())
         index = np.where(skipped, np.argmax(kept), np.arange(total))
-        sums, losses, predictions = None, [], []
+        sums, losses, predictions = self._canary_sum(sampling_rate), [], []
         for start in range(0, total, rows):
             part = index[start : start + rows]
             found, loss, prediction = self._compiled_sum(
@@ -562,7 +594,7 @@ class DPSGD:
             losses.append(loss)
             predictions.append(prediction)
         self._compiled_update(sums, tf.constant(denominator, tf.float64))
-        self._count_step(sampling_rate)
+        self._count_step(sampling_rate, expected)
         losses = tf.concat(losses, 0) if len(losses) > 1 else losses[0]
         prediction = tf.nest.map_structure(
             lambda *parts: tf.concat(parts, 0), *predictions
@@ -571,7 +603,9 @@ class DPSGD:
             losses = tf.where(skipped, tf.constant(np.nan, losses.dtype), losses)
         return losses, prediction
 
-    def _general_step(self, x, y, valid, *, denominator, sampling_rate, rows):
+    def _general_step(
+        self, x, y, valid, *, denominator, sampling_rate, rows, expected
+    ):
         """:meth:`padded_step` where each sample's loss needs its own forward
         pass (``loss_fn.reads_forward``: a model that adds losses as it runs,
         or computes its loss itself): each pass of ``rows`` rows forms its
@@ -618,8 +652,9 @@ class DPSGD:
             tf.constant(part.reshape(v.shape), v.dtype)
             for part, v in zip(split, self.variables, strict=True)
         ]
+        found = added(self._canary_sum(sampling_rate), found)
         self._compiled_update(found, tf.constant(denominator, tf.float64))
-        self._count_step(sampling_rate)
+        self._count_step(sampling_rate, expected)
         prediction = self.model(x, training=False)
         if getattr(self.loss_fn, "compiled", True) is not None:
             losses = losses_per_sample(self.loss_fn, y, prediction, total)
@@ -629,12 +664,61 @@ class DPSGD:
             losses = tf.where(skipped, tf.constant(np.nan, losses.dtype), losses)
         return losses, prediction
 
-    def _count_step(self, rate):
-        """One more step at sampling rate ``rate``, for the accountant (and in
-        :attr:`ledger`, when there is one)."""
+    def _columns(self):
+        """Each clip group's columns of the flat gradient (``flat_params``
+        order), and each variable's end column."""
+        ends = np.cumsum([int(np.prod(v.shape)) for v in self.variables])
+        spans = [np.arange(end - int(np.prod(v.shape)), end)
+                 for v, end in zip(self.variables, ends, strict=True)]  # fmt: skip
+        groups = [np.concatenate([spans[i] for i in indices])
+                  for _, indices, _ in self.clip.groups]  # fmt: skip
+        return groups, ends
+
+    def _as_variables(self, flat):
+        """A flat (m,) vector as one tensor per variable."""
+        _, ends = self._columns()
+        return [
+            tf.constant(np.reshape(part, v.shape), v.dtype)
+            for part, v in zip(np.split(flat, ends[:-1]), self.variables, strict=True)
+        ]
+
+    def _canary_sum(self, rate):
+        """The clipped sum of the audit's gradient canaries that this step's
+        Poisson draw took (each included canary joins at ``rate``, as every
+        sample does), clipped by the same weights as the samples', one
+        tensor per variable; None without an audit."""
+        if self.canaries is None:
+            return None
+        drawn = self.canaries.drawn(rate, self._sampler)  # (k, m)
+        groups, _ = self._columns()
+        total = np.zeros(int(sum(len(c) for c in groups)))
+        if len(drawn):
+            norms = np.stack([np.linalg.norm(drawn[:, c], axis=1) for c in groups], 1)
+            weights, _ = self.clip.weights(
+                tf.constant(norms, tf.float64), tf.ones(len(drawn), tf.float64)
+            )
+            for g, c in enumerate(groups):
+                total[c] = weights.numpy()[:, g] @ drawn[:, c]
+        return self._as_variables(total)
+
+    def _count_step(self, rate, expected):
+        """One more step at sampling rate ``rate`` of expected batch size
+        ``expected``, for the accountant (and in :attr:`ledger`, when there
+        is one); under adaptive clipping, C moves for the next step, from
+        this step's noisy count of unclipped samples (a weight of 1)."""
         self._steps_at[rate] = self._steps_at.get(rate, 0) + 1
         if self.ledger is not None:
             self.ledger.record(self.noise_multiplier, rate)
+        adaptive = self.adaptive_clip
+        if adaptive is not None:
+            unclipped = float(np.sum(np.asarray(self.last_weights) == 1.0))
+            clip = float(self.clip.current())
+            if self.secure_mode:
+                draw = float(self._noise.standard_normal(1)[0])
+            else:
+                draw = float(self._noise.normal([], dtype=tf.float64))
+            new = adaptive.next_clip(clip, unclipped, expected, draw)
+            self.clip.variable.assign([new])
 
     def _count_skipped(self, skipped, any_kept):
         """Count and report the samples of non-finite gradient in a step; a
@@ -719,7 +803,7 @@ class DPSGD:
             x,
             y,
             np.ones(n),
-            denominator=self._denominator(n) if denominator is None else denominator,
+            denominator=self.denominator(n) if denominator is None else denominator,
             sampling_rate=sampling_rate,
             rows=self.max_physical_batch_size,
         )
@@ -768,18 +852,19 @@ class DPSGD:
             batch_y = _take(y, index)
             losses, prediction = self.padded_step(
                 _take(x, index), batch_y, valid,
-                denominator=self._denominator(batch_size),
-                sampling_rate=rate, rows=physical,
+                denominator=self.denominator(batch_size),
+                sampling_rate=rate, rows=physical, expected=batch_size,
             )  # fmt: skip
         else:
             losses, prediction, batch_y = self._run_fused(
-                fused, x, y, index, valid, self._denominator(batch_size), physical
+                fused, x, y, index, valid, self.denominator(batch_size), physical,
+                rate,
             )
-            self._count_step(rate)
+            self._count_step(rate, batch_size)
         self.last_index = index
         return losses, batch_y, prediction, tf.constant(valid, losses.dtype)
 
-    def _run_fused(self, fused, x, y, index, valid, denominator, rows):
+    def _run_fused(self, fused, x, y, index, valid, denominator, rows, rate):
         """The compiled sampled step, one call per pass of ``rows`` rows: each
         pass adds its clipped sum to the passes' before it, and the last one
         adds the noise and applies the update (one call when the batch is
@@ -788,6 +873,7 @@ class DPSGD:
         larger than the padded size traces nothing new."""
         denominator = tf.constant(denominator, tf.float64)
         sums, kept, skipped = fused.nothing
+        sums = self._canary_sum(rate) or sums
         parts = []
         for start in range(0, len(index), rows):
             last = fused.last[start + rows >= len(index)]

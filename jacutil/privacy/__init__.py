@@ -17,8 +17,11 @@ _NAMES = {
     "load_model": "ledger",
     "PrivacyLedger": "ledger",
     "KerasLoss": "keras_loss",
+    "CanaryAudit": "audit",
+    "AuditResult": "audit",
+    "epsilon_lower_bound": "audit",
     "validate_private": "validator",
 }
 __all__, __getattr__, __dir__ = lazy_face(
-    __name__, _NAMES, modules="accounting keras_fit keras_loss ledger validator"
+    __name__, _NAMES, modules="accounting audit keras_fit keras_loss ledger validator"
 )
