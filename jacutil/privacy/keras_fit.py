@@ -11,6 +11,7 @@ import numpy as np
 from ..core._tf import keras, tf
 from ..core.batch import take
 from ..core.internals import compile_loss, keras_train_step, loss_tracker
+from ..fitting.adaptive_clip import AdaptiveClip
 from ..fitting.dp_sgd import DPSGD, epsilon_of, steps_per_epoch
 from .accounting import noise_multiplier_for
 from .keras_loss import KerasLoss
@@ -323,7 +324,10 @@ class PrivateTraining:
         self._in_epoch += 1
         if self._in_epoch == self.steps_per_epoch:
             self._epsilon = self.epsilon()
-        return {**logs, "epsilon": self._epsilon}
+        logs = {**logs, "epsilon": self._epsilon}
+        if self.dpsgd.adaptive_clip is not None:  # C, released by its noisy count
+            logs["l2_norm_clip"] = float(self.dpsgd.clip.current())
+        return logs
 
 
 class _EpochStart(keras.callbacks.Callback):
@@ -362,6 +366,8 @@ def make_private(
     seed=None,
     secure_mode=False,
     max_physical_batch_size=None,
+    target_quantile=None,
+    clip_learning_rate=0.2,
     report_training=True,
     verbose=True,
 ):
@@ -424,6 +430,14 @@ def make_private(
             clipped sums are added up before the noise (gradient
             accumulation): the same step in less memory, for logical batches
             that do not fit. None: one pass per step.
+        target_quantile: None (the clip norm stays ``l2_norm_clip``), or
+            gamma in (0, 1): adaptive clipping (Andrew et al., 2021;
+            :class:`jacutil.fitting.adaptive_clip.AdaptiveClip`) - C starts at
+            ``l2_norm_clip`` and follows the gamma quantile of the per-sample
+            norms, by a count with noise of ``batch_size / 20`` samples. The
+            accountant's sigma is unchanged; the gradient's noise multiplier
+            grows to pay for the count (printed). The logs hold C.
+        clip_learning_rate: eta, C's geometric step under adaptive clipping.
         report_training: keep the training loss and compiled metrics in the
             logs (computed without noise; see above).
         verbose: print the calibrated sigma once.
@@ -464,6 +478,9 @@ def make_private(
         epsilon, delta, rate, steps, accountant, spent=ledger.events
     )
     ledger.delta, ledger.accountant = delta, accountant
+    adaptive = None
+    if target_quantile is not None:
+        adaptive = AdaptiveClip(target_quantile, clip_learning_rate, batch_size / 20)
     dpsgd = DPSGD(
         model,
         KerasLoss(model),
@@ -473,6 +490,7 @@ def make_private(
         seed=seed,
         secure_mode=secure_mode,
         max_physical_batch_size=max_physical_batch_size,
+        adaptive_clip=adaptive,
     )
     dpsgd.ledger = ledger
     dpsgd.quiet_skips = True
@@ -502,6 +520,14 @@ def make_private(
         if seed is not None
         else ""
     )
+    adapting = (
+        f" Adaptive clipping: C starts at {dpsgd.l2_norm_clip:g} and follows "
+        f"the {target_quantile:g} quantile of the norms by a count with noise "
+        f"{adaptive.count_noise:g}; to pay for it the gradient's noise "
+        f"multiplier is {dpsgd.gradient_noise_multiplier:.4f}."
+        if adaptive is not None
+        else ""
+    )
     if verbose:
         print(
             f"make_private: noise multiplier {sigma:.4f} (in units of "
@@ -509,6 +535,7 @@ def make_private(
             f"epochs of {training.steps_per_epoch}), each batch Poisson-sampled "
             f"at rate {rate:.4g}{before}, spend epsilon <= {epsilon:g} at "
             f"delta = {delta:g} ({accountant.upper()} accountant)."
+            + adapting
             + (
                 " The training loss and metrics in the logs are computed "
                 "without noise: not covered by epsilon."
