@@ -209,6 +209,64 @@ def tape_loss_gradients(model, loss_fn, x, y, variables):
     return np.stack(rows)
 
 
+class SampleLoss(layers.Layer):
+    """An identity that adds a loss of each sample's activations (as an
+    activity regularizer does: a mean over the batch), for ``make_private``'s
+    generated check: Keras adds it to the loss each sample's gradient is
+    clipped on."""
+
+    def call(self, h):
+        self.add_loss(0.1 * ops.mean(ops.square(h)))
+        return h
+
+
+def keras_loss_gradients(model, x, y):
+    """(n, m): each sample's gradient of Keras's own loss
+    (``model.compute_loss`` on a batch of that sample alone: the compiled
+    loss of every output with its ``loss_weights``, plus ``model.losses`` of
+    its forward pass) less the weight regularizers (which ``make_private``
+    adds once, outside the clipping), by one tape per sample in the model's
+    own dtype (Keras's compiled loss computes in float32 inside it)."""
+    variables = model.trainable_variables
+    watched = [_watched(v) for v in variables]
+    dtype = np.dtype(tf.as_dtype(variables[0].dtype).as_numpy_dtype)
+    rows = []
+    for i in range(_n_samples(x)):
+        x_i = _sample(x, i)
+        y_i = tf.nest.map_structure(lambda t, i=i: np.asarray(t)[i : i + 1], y)
+        with tf.GradientTape() as tape:
+            tape.watch(watched)
+            loss = model.compute_loss(x_i, y_i, model(x_i, training=False))
+            for v in variables:
+                if getattr(v, "regularizer", None) is not None:
+                    loss -= tf.cast(v.regularizer(v), loss.dtype)
+        rows.append(_flat_gradient(tape.gradient(loss, watched), variables, dtype))
+    return np.stack(rows)
+
+
+def keras_batch_divisor(model, x, y, G):
+    """What Keras's own loss of the whole batch divides the sum of the
+    samples' gradients by: n (a mean: ``sum_over_batch_size``) or 1 (a sum:
+    ``reduction="sum"``), from its batch gradient by a tape; None when it is
+    neither (the batch's loss couples its samples)."""
+    variables = model.trainable_variables
+    watched = [_watched(v) for v in variables]
+    dtype = np.dtype(tf.as_dtype(variables[0].dtype).as_numpy_dtype)
+    with tf.GradientTape() as tape:
+        tape.watch(watched)
+        loss = model.compute_loss(x, y, model(x, training=False))
+        for v in variables:
+            if getattr(v, "regularizer", None) is not None:
+                loss -= tf.cast(v.regularizer(v), loss.dtype)
+    batch = _flat_gradient(tape.gradient(loss, watched), variables, dtype)
+    total = G.sum(axis=0)
+    scale = max(np.abs(total).max(), 1e-30)
+    for divisor in (len(G), 1):
+        if np.abs(total / divisor - batch).max() <= 1e-3 * scale / divisor:
+            return divisor
+    return None
+
+
 # --- refusals: clear, or a crash ---------------------------------------------
 
 JACUTIL = Path(jacutil.__file__).resolve().parent

@@ -20,7 +20,8 @@ LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=No
 
 def classifier():
     keras.utils.set_random_seed(0)
-    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+    return keras.Sequential([keras.Input((6,)),
+                             keras.layers.Dense(8, activation="tanh"),
                              keras.layers.Dense(3)])  # fmt: skip
 
 
@@ -58,13 +59,14 @@ def test_the_gradient_noise_pays_for_the_count():
     start = float(dp.clip.current())
     dp.step(x, np.zeros((32, 50), "float32"))
     moved = (before - model.layers[0].kernel.numpy()).ravel()
-    assert np.std(moved) == pytest.approx(expected * start / 32, rel=0.05)
+    noise = expected * start / 32  # z_grad C / B: SGD(1.0), no gradient
+    assert np.std(moved) == pytest.approx(noise, rel=0.05)
 
 
 def test_make_private_adapts_and_the_accountant_sees_sigma(capsys):
     model = classifier()
-    model.compile(keras.optimizers.SGD(0.5),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))  # fmt: skip
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile(keras.optimizers.SGD(0.5), loss)
     make_private(model, epsilon=2.0, delta=1e-4, l2_norm_clip=5.0, batch_size=64,
                  epochs=2, train_size=N, target_quantile=0.5)  # fmt: skip
     printed = capsys.readouterr().out

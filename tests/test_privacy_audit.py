@@ -45,8 +45,8 @@ def audited(switched_off=None):
     model = keras.Sequential([keras.Input((FEATURES,)),
                               keras.layers.Dense(256, activation="tanh"),
                               keras.layers.Dense(2)])  # fmt: skip
-    model.compile(keras.optimizers.SGD(0.5),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))  # fmt: skip
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile(keras.optimizers.SGD(0.5), loss)
     make_private(model, epsilon=1.0, delta=1e-5, l2_norm_clip=1.0, batch_size=64,
                  epochs=4, train_size=N, verbose=False, seed=2)  # fmt: skip
     dpsgd = model.privacy.dpsgd
@@ -55,7 +55,8 @@ def audited(switched_off=None):
     if switched_off == "clipping":  # a bug: every weight 1, noise sigma * C
 
         def unclipped(norms, valid):
-            return tf.ones_like(norms) * valid[:, None], tf.zeros(tf.shape(valid), bool)
+            kept = tf.zeros(tf.shape(valid), bool)
+            return tf.ones_like(norms) * valid[:, None], kept
 
         dpsgd.clip.weights = unclipped
     audit = CanaryAudit(model, X, Y, canaries=1000, seed=1)

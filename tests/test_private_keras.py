@@ -85,7 +85,8 @@ def keras_step_and_private_step(build, compile_options, y, x=X, general=False):
     private.compile(keras.optimizers.SGD(0.1), **compile_options)
     before = flat(private)
     make_private(private, epsilon=8.0, delta=1e-3, l2_norm_clip=1e6,
-                 batch_size=len(x), epochs=1, train_size=len(x), verbose=False)  # fmt: skip
+                 batch_size=len(x), epochs=1, train_size=len(x),
+                 verbose=False)  # fmt: skip
     training = private.privacy
     training.dpsgd.noise_multiplier = 0.0  # before the first step traces
     if general:
@@ -135,7 +136,8 @@ def test_loss_weights_are_honoured():
     steps = []
     for weights in ([1.0, 0.1], [1.0, 10.0]):
         options = {"loss": losses("list"), "loss_weights": weights}
-        expected, got, _ = keras_step_and_private_step(two_heads, options, targets("list"))
+        y = targets("list")
+        expected, got, _ = keras_step_and_private_step(two_heads, options, y)
         close(got, expected)
         steps.append(got)
     assert np.abs(steps[0] - steps[1]).max() > 1e-3 * np.abs(steps[0]).max()
@@ -172,7 +174,8 @@ def test_add_loss_and_regularizers_are_in_the_step():
     regularizer is added once, outside the clipping: Keras's own step."""
     build = lambda: two_heads(extra=[Activity()], regularizer="l2")  # noqa: E731
     options = {"loss": losses("list")}
-    expected, got, training = keras_step_and_private_step(build, options, targets("list"))
+    y = targets("list")
+    expected, got, training = keras_step_and_private_step(build, options, y)
     assert training.loss.reads_forward  # found by the check, not declared
     close(got, expected)
 
@@ -222,7 +225,8 @@ def test_a_model_with_its_own_compute_loss_is_clipped_on_it():
         inputs = keras.Input((FEATURES,))
         return Scaled(inputs, keras.layers.Dense(2)(inputs))
 
-    expected, got, training = keras_step_and_private_step(build, {"loss": "mse"}, VALUES)
+    options = {"loss": "mse"}
+    expected, got, training = keras_step_and_private_step(build, options, VALUES)
     assert training.loss.own_compute_loss
     close(got, expected)
 
@@ -290,6 +294,7 @@ def test_the_default_noise_and_sampling_are_fresh_each_run():
     (correlation 1.000) and drew the same batches."""
     (a, batch_a), (b, batch_b) = fitted_move(), fitted_move()
     assert abs(np.corrcoef(a, b)[0, 1]) < 0.9
+    assert not np.array_equal(batch_a, batch_b)  # other batches drawn
     seeded = [fitted_move(seed=3) for _ in range(2)]
     np.testing.assert_array_equal(seeded[0][0], seeded[1][0])  # a seed repeats
 
@@ -323,10 +328,11 @@ def direct_epsilon(events, delta):
 def small_private(epsilon, epochs=1):
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(3)])
-    model.compile(keras.optimizers.SGD(0.1),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))  # fmt: skip
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile(keras.optimizers.SGD(0.1), loss)
     return make_private(model, epsilon=epsilon, delta=1e-3, l2_norm_clip=1.0,
-                        batch_size=3, epochs=epochs, train_size=N, verbose=False)  # fmt: skip
+                        batch_size=3, epochs=epochs, train_size=N,
+                        verbose=False)  # fmt: skip
 
 
 def test_a_second_make_private_composes_what_the_first_spent(tmp_path):
@@ -372,7 +378,8 @@ def test_the_over_budget_message_never_advises_starting_again():
     with pytest.raises(ValueError) as refused:
         model.fit(X, LABELS, verbose=0)
     message = str(refused.value)
-    assert "at most 0 more epoch" in message and "stays in the model's ledger" in message
+    assert "at most 0 more epoch" in message
+    assert "stays in the model's ledger" in message
     assert "with more epochs" not in message
 
 
@@ -414,10 +421,11 @@ def test_no_skip_count_is_reported_and_the_logs_can_leave_training_out():
         model.fit(x, LABELS, verbose=0)
     keras.utils.set_random_seed(0)
     quiet = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(3)])
-    quiet.compile(keras.optimizers.SGD(0.1),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))  # fmt: skip
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    quiet.compile(keras.optimizers.SGD(0.1), loss)
     make_private(quiet, epsilon=2.0, delta=1e-3, l2_norm_clip=1.0, batch_size=3,
-                 epochs=1, train_size=N, verbose=False, report_training=False)  # fmt: skip
+                 epochs=1, train_size=N, verbose=False,
+                 report_training=False)  # fmt: skip
     history = quiet.fit(X, LABELS, verbose=0)
     assert set(history.history) == {"epsilon"}
 

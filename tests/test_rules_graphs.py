@@ -429,3 +429,15 @@ def test_loss_gradients_of_two_heads_fall_back_to_autodiff():
         grads = tape.gradient(loss, variables)
         expected = np.concatenate([g.numpy().ravel() for g in grads])
         np.testing.assert_allclose(G[i], expected, rtol=1e-9, atol=1e-12)
+
+
+def test_a_model_called_on_its_own_inputs_is_refused_not_walked_forever():
+    """A nested model called on its own input tensors aliases a tensor to
+    itself: the walk refused it only after looping (found by issue 54's
+    generated make_private check); now at once."""
+    from jacutil.rules.graph import NotAGraph, graph_nodes
+
+    inner = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    outer = keras.Model(inner.inputs[0], keras.layers.Dense(1)(inner(inner.inputs[0])))
+    with pytest.raises(NotAGraph, match="its own inputs"):
+        graph_nodes(outer)

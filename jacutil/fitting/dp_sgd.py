@@ -614,13 +614,7 @@ class DPSGD:
         and the update as everywhere. The general path that the layer rules'
         fast paths are proved equal to."""
         total = n_samples(x)
-        sizes = [int(np.prod(v.shape)) for v in self.variables]
-        ends = np.cumsum(sizes)
-        columns = [np.arange(end - size, end) for size, end in zip(sizes, ends)]
-        group_columns = [
-            np.concatenate([columns[i] for i in indices])
-            for _, indices, _ in self.clip.groups
-        ]
+        group_columns, ends = self._columns()
         sums = np.zeros(int(ends[-1]))
         weights, skipped = [], []
         for start in range(0, total, rows):
@@ -631,28 +625,21 @@ class DPSGD:
             norms = np.stack(
                 [np.linalg.norm(G[:, c], axis=1) for c in group_columns], axis=1
             )
+            part_valid = np.asarray(valid[start : start + rows], np.float64)
             w, skip = self.clip.weights(
-                tf.constant(norms, tf.float64),
-                tf.constant(np.asarray(valid[start : start + rows]), tf.float64),
-            )
+                tf.constant(norms, tf.float64), tf.constant(part_valid)
+            )  # a row of non-finite norm: weight 0, skipped
             w = w.numpy()
-            finite = np.isfinite(G).all(axis=1)
+            finite = np.isfinite(G).all(axis=1)  # 0 * NaN is NaN: rows left out
             for g, c in enumerate(group_columns):
-                sums[c] += np.where(finite, w[:, g], 0.0) @ np.where(
-                    finite[:, None], G[:, c], 0.0
-                )
+                sums[c] += w[finite, g] @ G[finite][:, c]
             weights.append(w)
-            skipped.append(skip.numpy() | (~finite & (np.asarray(valid[start : start + rows]) > 0)))
+            skipped.append(skip.numpy())
         weights, skipped = np.concatenate(weights), np.concatenate(skipped)
         self.last_weights = self.clip.as_shown(weights)
         kept = (weights > 0).any(axis=1)
         self._count_skipped(skipped, any_kept=bool(kept.any()) or not skipped.any())
-        split = np.split(sums, ends[:-1])
-        found = [
-            tf.constant(part.reshape(v.shape), v.dtype)
-            for part, v in zip(split, self.variables, strict=True)
-        ]
-        found = added(self._canary_sum(sampling_rate), found)
+        found = added(self._canary_sum(sampling_rate), self._as_variables(sums))
         self._compiled_update(found, tf.constant(denominator, tf.float64))
         self._count_step(sampling_rate, expected)
         prediction = self.model(x, training=False)

@@ -152,7 +152,8 @@ class KerasLoss:
         each = []
         for i in range(rows):
             x_i, y_i = take(x, i, i + 1), take(y, i, i + 1)
-            each.append(float(self.of_sample(x_i, y_i, self.model(x_i, training=training))))
+            prediction_i = self.model(x_i, training=training)
+            each.append(float(self.of_sample(x_i, y_i, prediction_i)))
         each = np.asarray(each)
         scale = max(np.abs(each).sum(), 1e-12)
         close = {

@@ -84,7 +84,8 @@ class PrivacyLedger(keras_saveable()):
         if "steps" not in store.keys():
             return
         sigma, rate, steps = (np.asarray(store[k]) for k in ("sigma", "rate", "steps"))
-        self.counts = as_events(None, dict(zip(zip(sigma, rate), steps, strict=True)))
+        runs = zip(zip(sigma, rate, strict=True), steps, strict=True)
+        self.counts = as_events(None, dict(runs))
         delta = float(np.asarray(store["delta"])[0])
         self.delta = None if np.isnan(delta) else delta
         code = int(np.asarray(store["accountant"])[0])

@@ -306,6 +306,8 @@ class _GraphWalk:
         ):
             raise NotAGraph(f"model {model.name!r} is called with other inputs")
         for inner, outer in zip(inner_inputs, outer_inputs, strict=True):
+            if inner is outer:  # called on its own inputs: a walk would loop
+                raise NotAGraph(f"model {model.name!r} is called on its own inputs")
             self.alias[id(inner)] = outer
         for inner, outer in zip(inner_outputs, outer_outputs, strict=True):
             self.alias[id(outer)] = inner

@@ -29,6 +29,8 @@
 #   clipping each sample's gradient, then train it privately with plain
 #   `model.fit` after `make_private` for three target ε, and plot accuracy
 #   against the privacy spent.
+# - Audit a private run in the same run: measure a lower bound on its ε with
+#   canaries, and see it catch a run whose noise is off.
 #
 # *Teaching: 51 min · Exercises: 26 min*
 
@@ -62,6 +64,9 @@ crossover_hidden = [2, 8, 32]  # hidden units (m grows with them)
 dp_samples = 1000  # training samples of the DP-SGD classifier
 dp_epochs = 4  # its epochs, plain and private
 dp_budgets = [0.5, 2.0, 8.0]  # target epsilons, one private fit each
+audit_canaries = 1000  # canaries of the one-run privacy audit
+audit_width = 256  # hidden units of the audited network
+audit_epochs = 2  # its epochs
 seed = 0
 
 # %% [markdown]
@@ -480,8 +485,18 @@ print("plain_dp_sgd_step == DPSGD.step, without noise: True")
 # privately. `ju.make_private(model, epsilon=..., delta=..., ...)` takes a
 # compiled model and a *target* ε: it asks Google's `dp-accounting` for the
 # smallest noise multiplier σ that keeps ε under the target after all the
-# planned steps, and prints it. Then plain `model.fit` (with its callbacks,
-# `validation_data`, metrics and progress bar) takes DP-SGD steps.
+# planned steps, prints it, and gives the model back. Then plain
+# `model.fit` (with its callbacks, `validation_data`, metrics and progress
+# bar) takes DP-SGD steps, each clipping every sample's gradient of the
+# loss Keras itself would train on: what `compile` set (every output, its
+# `loss_weights`) plus the losses layers add. `model.privacy` holds the
+# run: σ, the steps, and `epsilon()`.
+#
+# **The seed.** By default the noise and the sampling come fresh from the
+# operating system. Here `seed=seed` makes the course's run repeatable, and
+# `make_private` prints what that costs: anyone who knows the seed can
+# replay the noise, so such a run is not private. Leave it out for real
+# data.
 #
 # **Poisson sampling.** Each step draws its batch by letting every sample
 # join, independently, with probability batch size / n, so batches vary in
@@ -531,14 +546,14 @@ plain_accuracy = plain.history["val_accuracy"][-1]
 print(f"plain model.fit: test accuracy {plain_accuracy:.3f}")
 private = {}
 for target in dp_budgets if has_accountant else []:
-    training = ju.make_private(
+    model = ju.make_private(
         compiled_net(), epsilon=target, delta=delta, l2_norm_clip=1.0,
         batch_size=batch, epochs=dp_epochs, train_size=dp_samples, seed=seed)
-    history = net.fit(x_train, y_train, epochs=dp_epochs,
-                      validation_data=(x_test, y_test), verbose=0)
-    private[target] = (training.noise_multiplier, history.history)
-    print(f"  then {training.steps} steps: epsilon {training.epsilon():.3f} "
-          f"<= {target:g}, test accuracy "
+    history = model.fit(x_train, y_train, epochs=dp_epochs,
+                        validation_data=(x_test, y_test), verbose=0)
+    private[target] = (model.privacy.noise_multiplier, history.history)
+    print(f"  then {model.privacy.steps} steps: epsilon "
+          f"{model.privacy.epsilon():.3f} <= {target:g}, test accuracy "
           f"{history.history['val_accuracy'][-1]:.3f}")
 
 # %% tags=["nbval-ignore-output"]
@@ -568,7 +583,13 @@ print("Finding: test accuracy against the privacy spent; plain fit "
 # %% [markdown]
 # `model.fit`'s History holds ε after each epoch, beside the loss and the
 # metrics: the privacy spent grows with every step, and `fit` refuses to go
-# past the epochs that σ was calibrated for (the guarantee would not hold):
+# past the epochs that σ was calibrated for (the guarantee would not hold).
+# The steps are counted in a *ledger* kept with the model
+# (`model.privacy.ledger`): a second `make_private` on the same model
+# composes them with its own, and `model.save` keeps them
+# (`ju.privacy.load_model` reads them back). The training loss and accuracy
+# in the History are computed without noise, so they are not covered by ε
+# (`report_training=False` leaves them out):
 
 # %% tags=["nbval-ignore-output"]
 for t in private:
@@ -612,24 +633,29 @@ except ValueError as error:
 #   noise, for batches that do not fit in memory. It is the same step, not
 #   an approximation: below, the weights after a fit with passes of 8 rows
 #   against one pass per step, from the same seed.
-# - **`secure_mode=True`** draws the sampling and the noise from the
-#   operating system's secure random source (`os.urandom`) instead of a
-#   seeded generator, for a model you release; it refuses a seed.
+# - **`secure_mode=True`** draws the sampling and the noise from
+#   `os.urandom` itself, in float64 (as Opacus's secure mode), for a model
+#   you release; it refuses a seed.
+#
+# And one that Opacus and TF Privacy also have: **adaptive clipping**,
+# `target_quantile=0.5`, lets C follow the median of the per-sample norms
+# (Andrew et al., 2021) by a noisy count each step; the gradient's noise
+# grows a little to pay for the count, and ε stays the target.
 
 # %% tags=["nbval-ignore-output"]
 first, second = (layer.name for layer in net.layers)
 per_layer = {first: 0.7, second: 0.7}
 after = []
 for rows in (None, 8) if has_accountant else []:
-    training = ju.make_private(
+    model = ju.make_private(
         compiled_net(), epsilon=2.0, delta=delta, l2_norm_clip=per_layer,
         batch_size=batch, epochs=dp_epochs, train_size=dp_samples, seed=seed,
         max_physical_batch_size=rows)
-    history = net.fit(x_train, y_train, epochs=dp_epochs,
-                      validation_data=(x_test, y_test), verbose=0)
-    after.append(ju.flat_params(net))
+    history = model.fit(x_train, y_train, epochs=dp_epochs,
+                        validation_data=(x_test, y_test), verbose=0)
+    after.append(ju.flat_params(model))
     print(f"passes of {rows or 'the whole batch'}: epsilon "
-          f"{training.epsilon():.3f}, test accuracy "
+          f"{model.privacy.epsilon():.3f}, test accuracy "
           f"{history.history['val_accuracy'][-1]:.3f}")
 if after:
     print("largest difference of a parameter, with and without "
@@ -669,6 +695,83 @@ print(f"plain step {1e3 * plain_s:.1f} ms; DP step {1e3 * dp_s:.1f} ms "
 print(f"Finding: a DP-SGD step costs {dp_s / plain_s:.1f}x a plain step "
       f"on batches of {batch} samples (in expectation); the compiled step "
       f"traced {timer.trace_count} time(s)")
+
+# %% [markdown]
+# ### Proof that the noise is real: a one-run audit
+#
+# ε is computed from σ, the sampling rate and the steps, so a bug that
+# skipped the noise would print the same ε. An audit measures instead
+# (Steinke, Nasr and Jagielski, 2023, "Privacy auditing with one (1)
+# training run"):
+#
+# - `ju.privacy.CanaryAudit` adds 1,000 *canaries*, each kept in or out by
+#   a coin flip. A canary is a per-sample gradient in a random direction,
+#   longer than C. It joins each Poisson batch like a sample and goes
+#   through the step's own clipping and noise.
+# - After each step the audit scores every canary: how much of its
+#   direction the step's update holds, less what the training data, which
+#   the auditor may know, adds on average.
+# - It guesses "in" for the highest scores and "out" for the lowest, and
+#   counts the right guesses. Too many right guesses are impossible under
+#   the claimed ε: the largest ε they rule out, at 95% confidence, is a
+#   *lower bound* on the true ε.
+#
+# Below, a correct run of a wider network (the audit needs many
+# parameters), and the same run with its noise switched off - the bug an
+# audit exists to catch - while the accountant still claims the same ε.
+# Read the verdicts:
+
+# %% tags=["nbval-ignore-output"]
+def audited_fit(noise=True):
+    """A private fit of a wider network with a canary audit."""
+    keras.utils.set_random_seed(seed)
+    audited = keras.Sequential([
+        keras.Input((n_features,)),
+        keras.layers.Dense(audit_width, activation="tanh"),
+        keras.layers.Dense(n_classes)])
+    audited.compile(keras.optimizers.SGD(0.5), cross_entropy)
+    audited = ju.make_private(
+        audited, epsilon=1.0, delta=delta, l2_norm_clip=1.0,
+        batch_size=batch, epochs=audit_epochs, train_size=dp_samples,
+        seed=seed, verbose=False)
+    if not noise:  # the bug: no noise added, the same sigma accounted
+        audited.privacy.dpsgd.gradient_noise_multiplier = 0.0
+    audit = ju.privacy.CanaryAudit(audited, x_train, y_train,
+                                   canaries=audit_canaries, seed=seed)
+    audited.fit(x_train, y_train, epochs=audit_epochs, verbose=0,
+                callbacks=[audit])
+    return audit.result()
+
+
+audits = {}
+if has_accountant:
+    audits = {"correct run": audited_fit(),
+              "noise switched off": audited_fit(noise=False)}
+for name, result in audits.items():
+    print(f"{name}: {result}")
+
+# %% tags=["nbval-ignore-output"]
+if audits:
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3), sharey=True)
+    for ax, (name, result) in zip(axes, audits.items(), strict=True):
+        bins = np.linspace(result.scores.min(), result.scores.max(), 40)
+        ax.hist(result.scores[result.included], bins, alpha=0.6,
+                label="canaries in")
+        ax.hist(result.scores[~result.included], bins, alpha=0.6,
+                label="canaries out")
+        ax.set_title(f"{name}: ε ≥ {result.epsilon_lower_bound:.2f} "
+                     f"(claimed {result.claimed_epsilon:.2f})", fontsize=10)
+        ax.set_xlabel("canary score")
+    axes[0].set_ylabel("canaries")
+    axes[0].legend()
+    fig.tight_layout()
+    # the theorem: a correct run's bound is below its claim (95% of runs;
+    # this seeded run is one of them)
+    assert audits["correct run"].holds
+    print("Finding: " + "; ".join(
+        f"{name}: measured epsilon >= {r.epsilon_lower_bound:.2f}, "
+        f"{'within' if r.holds else 'ABOVE'} the claimed "
+        f"{r.claimed_epsilon:.2f}" for name, r in audits.items()))
 
 # %% [markdown]
 # **TensorFlow Privacy.** Google's own DP-SGD library (last release 0.9.0,
@@ -767,7 +870,14 @@ check.exercise("09-2", answer, model=small, x=x_small, v=v)
 #   `per_sample_gradients`, and `per_sample_gradient_norms` for clipping.
 # - DP-SGD needs only the norms: the gradient of Σᵢ wᵢ Lᵢ with
 #   wᵢ = min(1, C / ‖gᵢ‖) is the clipped sum (`ju.DPSGD`).
-# - `ju.make_private(model, epsilon=..., ...)`, then plain `model.fit`:
-#   σ from the target ε by `dp-accounting`, ε in the History, and a refusal
-#   for what would break the guarantee (BatchNorm, more epochs than
-#   budgeted). A smaller ε costs accuracy.
+# - `model = ju.make_private(model, epsilon=..., ...)`, then plain
+#   `model.fit`: each sample's gradient of Keras's own loss clipped, σ from
+#   the target ε by `dp-accounting`, ε in the History, the steps in a
+#   ledger kept with the model, and a refusal for what would break the
+#   guarantee (BatchNorm, a loss that couples samples, more epochs than
+#   budgeted). Read the Finding line for what ε cost in accuracy here.
+# - The noise is fresh from the operating system unless you seed it; a
+#   seeded run is repeatable, and not private.
+# - A one-run canary audit (`ju.privacy.CanaryAudit`) measures a lower
+#   bound on ε: a correct run stays within its claim, and a run without
+#   noise does not (read the audit's Finding).
