@@ -79,6 +79,16 @@ def cached_logits(tensor):
     return getattr(tensor, "_keras_logits", None)
 
 
+def with_cached_logits(tensor, logits):
+    """``tensor`` marked, as Keras marks a softmax's or sigmoid's output,
+    with the ``logits`` it came from: what Keras's cross-entropies read
+    instead of the probabilities (a one-sample slice of a batch's output
+    loses the mark; :class:`jacutil.privacy.keras_loss.KerasLoss` puts the
+    slice of the logits back)."""
+    tensor._keras_logits = logits
+    return tensor
+
+
 def keras_backend_nn():
     """Keras's TensorFlow backend module whose ``conv`` ``keras.ops`` calls."""
     try:

@@ -631,8 +631,9 @@ class DPSGD:
             )  # a row of non-finite norm: weight 0, skipped
             w = w.numpy()
             finite = np.isfinite(G).all(axis=1)  # 0 * NaN is NaN: rows left out
+            kept_G, kept_w = (G, w) if finite.all() else (G[finite], w[finite])
             for g, c in enumerate(group_columns):
-                sums[c] += w[finite, g] @ G[finite][:, c]
+                sums[c] += kept_w[:, g] @ kept_G[:, c]
             weights.append(w)
             skipped.append(skip.numpy())
         weights, skipped = np.concatenate(weights), np.concatenate(skipped)
@@ -653,12 +654,17 @@ class DPSGD:
 
     def _columns(self):
         """Each clip group's columns of the flat gradient (``flat_params``
-        order), and each variable's end column."""
+        order: a slice where they run on, so that indexing takes a view),
+        and each variable's end column."""
         ends = np.cumsum([int(np.prod(v.shape)) for v in self.variables])
         spans = [np.arange(end - int(np.prod(v.shape)), end)
                  for v, end in zip(self.variables, ends, strict=True)]  # fmt: skip
-        groups = [np.concatenate([spans[i] for i in indices])
-                  for _, indices, _ in self.clip.groups]  # fmt: skip
+        groups = []
+        for _, indices, _ in self.clip.groups:
+            columns = np.concatenate([spans[i] for i in indices])
+            if np.array_equal(columns, np.arange(columns[0], columns[-1] + 1)):
+                columns = slice(int(columns[0]), int(columns[-1]) + 1)
+            groups.append(columns)
         return groups, ends
 
     def _as_variables(self, flat):
@@ -677,8 +683,8 @@ class DPSGD:
         if self.canaries is None:
             return None
         drawn = self.canaries.drawn(rate, self._sampler)  # (k, m)
-        groups, _ = self._columns()
-        total = np.zeros(int(sum(len(c) for c in groups)))
+        groups, ends = self._columns()
+        total = np.zeros(int(ends[-1]))
         if len(drawn):
             norms = np.stack([np.linalg.norm(drawn[:, c], axis=1) for c in groups], 1)
             weights, _ = self.clip.weights(

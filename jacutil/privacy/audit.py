@@ -185,19 +185,20 @@ class CanaryAudit(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         dpsgd = self.dpsgd
         rate = self.training.sampling_rate
-        G = np.asarray(
-            per_sample_gradients(dpsgd.model, dpsgd.loss_fn, self.x, self.y,
-                                 variables=dpsgd.variables), np.float64,
-        )  # fmt: skip
+        G = per_sample_gradients(dpsgd.model, dpsgd.loss_fn, self.x, self.y,
+                                 variables=dpsgd.variables)  # fmt: skip
         groups, _ = dpsgd._columns()
         norms = np.stack([np.linalg.norm(G[:, c], axis=1) for c in groups], 1)
         weights, _ = dpsgd.clip.weights(
             tf.constant(norms, tf.float64), tf.ones(len(G), tf.float64)
         )
         expected = np.zeros(G.shape[1])
+        weights = weights.numpy()
+        finite = np.isfinite(G).all(axis=1)
+        if not finite.all():  # a sample of non-finite gradient adds nothing
+            G, weights = G[finite], weights[finite]
         for g, c in enumerate(groups):
-            finite = np.isfinite(G[:, c]).all(axis=1)
-            expected[c] = rate * (weights.numpy()[finite, g] @ G[finite][:, c])
+            expected[c] = rate * (weights[:, g] @ G[:, c])
         penalty = self._flat([None if p is None else p.numpy()
                               for p in dpsgd.penalty_gradients()])  # fmt: skip
         learning_rate = float(keras.ops.convert_to_numpy(

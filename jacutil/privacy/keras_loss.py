@@ -28,7 +28,12 @@ import numpy as np
 
 from ..core._tf import keras, tf
 from ..core.batch import n_samples, take
-from ..core.internals import cached_logits, compile_loss, compute_loss
+from ..core.internals import (
+    cached_logits,
+    compile_loss,
+    compute_loss,
+    with_cached_logits,
+)
 
 
 class LossCouplesSamples(ValueError):
@@ -65,6 +70,7 @@ class KerasLoss:
         self.reads_forward |= self.compiled is None
         self.aggregation = "mean"
         self.checked = False
+        self._eager = None  # __call__'s tf.function, for eager calls
 
     @property
     def penalty_outside(self):
@@ -90,10 +96,19 @@ class KerasLoss:
         """``(n,)``: Keras's compiled loss of each sample of a batch."""
         if self.compiled is None:
             raise ValueError("the model was compiled without a loss")
-        flat = tf.nest.flatten(prediction)
-        logits = [cached_logits(p) for p in flat]
-        has = [t is not None for t in logits]
+        logits = [cached_logits(p) for p in tf.nest.flatten(prediction)]
+        has = tuple(t is not None for t in logits)
         kept = [t for t in logits if t is not None]
+        if tf.executing_eagerly():  # vectorized_map would trace every call
+            if self._eager is None:
+                self._eager = tf.function(self._values, reduce_retracing=True)
+            return self._eager(y, prediction, kept, has)
+        return self._values(y, prediction, kept, has)
+
+    def _values(self, y, prediction, kept, has):
+        """:meth:`__call__` in a graph: ``kept`` the cached logits of the
+        outputs whose ``has`` is True."""
+        flat = tf.nest.flatten(prediction)
 
         def one(row):
             y_i, p_i, l_i = row
@@ -102,7 +117,7 @@ class KerasLoss:
             for p, cached in zip(p_i, has, strict=True):
                 p = p[None]
                 if cached:  # what Keras's cross-entropy reads instead of p
-                    p._keras_logits = next(l_i)[None]
+                    p = with_cached_logits(p, next(l_i)[None])
                 leaves.append(p)
             one_y = tf.nest.map_structure(lambda t: t[None], y_i)
             one_prediction = tf.nest.pack_sequence_as(prediction, leaves)
