@@ -227,28 +227,16 @@ def keras_loss_gradients(model, x, y):
     its forward pass) less the weight regularizers (which ``make_private``
     adds once, outside the clipping), by one tape per sample in the model's
     own dtype (Keras's compiled loss computes in float32 inside it)."""
-    variables = model.trainable_variables
-    watched = [_watched(v) for v in variables]
-    dtype = np.dtype(tf.as_dtype(variables[0].dtype).as_numpy_dtype)
     rows = []
     for i in range(_n_samples(x)):
-        x_i = _sample(x, i)
         y_i = tf.nest.map_structure(lambda t, i=i: np.asarray(t)[i : i + 1], y)
-        with tf.GradientTape() as tape:
-            tape.watch(watched)
-            loss = model.compute_loss(x_i, y_i, model(x_i, training=False))
-            for v in variables:
-                if getattr(v, "regularizer", None) is not None:
-                    loss -= tf.cast(v.regularizer(v), loss.dtype)
-        rows.append(_flat_gradient(tape.gradient(loss, watched), variables, dtype))
+        rows.append(_keras_loss_gradient(model, _sample(x, i), y_i))
     return np.stack(rows)
 
 
-def keras_batch_divisor(model, x, y, G):
-    """What Keras's own loss of the whole batch divides the sum of the
-    samples' gradients by: n (a mean: ``sum_over_batch_size``) or 1 (a sum:
-    ``reduction="sum"``), from its batch gradient by a tape; None when it is
-    neither (the batch's loss couples its samples)."""
+def _keras_loss_gradient(model, x, y):
+    """The gradient of ``model.compute_loss`` of the batch ``x``, ``y`` less
+    the weight regularizers, by a tape, flat (m,)."""
     variables = model.trainable_variables
     watched = [_watched(v) for v in variables]
     dtype = np.dtype(tf.as_dtype(variables[0].dtype).as_numpy_dtype)
@@ -258,7 +246,15 @@ def keras_batch_divisor(model, x, y, G):
         for v in variables:
             if getattr(v, "regularizer", None) is not None:
                 loss -= tf.cast(v.regularizer(v), loss.dtype)
-    batch = _flat_gradient(tape.gradient(loss, watched), variables, dtype)
+    return _flat_gradient(tape.gradient(loss, watched), variables, dtype)
+
+
+def keras_batch_divisor(model, x, y, G):
+    """What Keras's own loss of the whole batch divides the sum of the
+    samples' gradients by: n (a mean: ``sum_over_batch_size``) or 1 (a sum:
+    ``reduction="sum"``), from its batch gradient by a tape; None when it is
+    neither (the batch's loss couples its samples)."""
+    batch = _keras_loss_gradient(model, x, y)
     total = G.sum(axis=0)
     scale = max(np.abs(total).max(), 1e-30)
     for divisor in (len(G), 1):
