@@ -28,6 +28,7 @@ import numpy as np
 
 from ..core._tf import keras, tf
 from ..core.batch import n_samples, take
+from ..core.formulation import quiet_function
 from ..core.internals import (
     cached_logits,
     compile_loss,
@@ -101,7 +102,9 @@ class KerasLoss:
         kept = [t for t in logits if t is not None]
         if tf.executing_eagerly():  # vectorized_map would trace every call
             if self._eager is None:
-                self._eager = tf.function(self._values, reduce_retracing=True)
+                # one per KerasLoss: TensorFlow would count every instance's
+                # first trace as a retrace of one function, and warn
+                self._eager = quiet_function(self._values, reduce_retracing=True)
             return self._eager(y, prediction, kept, has)
         return self._values(y, prediction, kept, has)
 

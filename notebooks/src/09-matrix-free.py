@@ -32,7 +32,7 @@
 # - Audit a private run in the same run: measure a lower bound on its ε with
 #   canaries, and see it catch a run whose noise is off.
 #
-# *Teaching: 61 min · Exercises: 26 min*
+# *Teaching: 60 min · Exercises: 26 min*
 
 # %% [markdown]
 # ## Setup
