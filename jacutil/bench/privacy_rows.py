@@ -3,7 +3,9 @@
 ``python -m jacutil.bench.privacy_rows`` trains each model below twice from
 the same weights, on the same data, at batch size 256: with plain
 ``model.fit``, and with ``jacutil.privacy.make_private`` then ``model.fit``.
-It times epochs after a first (tracing) one and prints a Markdown table:
+It alternates an epoch of each (so that a machine that slows down slows
+both), times the epochs after the first (tracing) one and prints a Markdown
+table:
 the median epoch of each, their ratio (the aim: at most 1.5), the share of
 the private epoch spent by the accountant on epsilon for the logs (about the
 same on any model: on a small one it dominates), and the test accuracy of
@@ -90,23 +92,24 @@ class _EpochClock(keras.callbacks.Callback):
         self.seconds = []
 
 
-def _train(name, private, epochs, seed):
+def _prepared(name, private, epochs, seed):
+    """A model of row ``name``, compiled (and made private), its data, and
+    the accountant's timings list: what :func:`run_row` fits epoch by epoch."""
     _, build, data, n, learning_rate = MODELS[name]
     x, y = data(n, seed)
-    x_test, y_test = data(2048, seed + 1)
     model = build(seed)
     model.compile(
         keras.optimizers.SGD(learning_rate),
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
     )
-    options, accounting, sigma = {"batch_size": BATCH}, [], None
+    accounting = []
     if private:
         # the noise and sampling from fresh entropy, as users run it
         training = make_private(model, epsilon=EPSILON, delta=1 / (10 * n),
                                 l2_norm_clip=CLIP, batch_size=BATCH, epochs=epochs,
                                 train_size=n, verbose=False).privacy  # fmt: skip
-        epsilon, sigma = training.epsilon, training.noise_multiplier
+        epsilon = training.epsilon
 
         def timed_epsilon():  # the accountant's share of each epoch
             start = time.perf_counter()
@@ -115,30 +118,42 @@ def _train(name, private, epochs, seed):
             return value
 
         training.epsilon = timed_epsilon
-        options = {}
-    clock = _EpochClock()
-    model.fit(x, y, epochs=epochs, verbose=0, callbacks=[clock], **options)
-    accuracy = model.evaluate(x_test, y_test, verbose=0, return_dict=True)["accuracy"]
-    epoch = float(np.median(clock.seconds[1:]))
-    accounting = float(np.median(accounting[1:])) if accounting else 0.0
-    return epoch, accounting, accuracy, sigma
+    return model, x, y, accounting
 
 
-def run_row(name, epochs=4, seed=0):
-    """Time one model's plain and private epochs; a dict for the table."""
-    plain, _, plain_accuracy, _ = _train(name, False, epochs, seed)
-    private, accounting, private_accuracy, sigma = _train(name, True, epochs, seed)
+def run_row(name, epochs=6, seed=0):
+    """Time one model's plain and private epochs; a dict for the table.
+
+    The two fits alternate, an epoch of each in turn (each ``model.fit``
+    call one epoch), so that both meet the machine in the same state: a
+    machine that slows down mid-run slows both. The first epoch of each
+    (traces) is left out; the medians of the others are compared."""
+    plain, x, y, _ = _prepared(name, False, epochs, seed)
+    private, _, _, accounting = _prepared(name, True, epochs, seed)
+    clocks = {"plain": _EpochClock(), "private": _EpochClock()}
+    for _ in range(epochs):
+        plain.fit(x, y, epochs=1, verbose=0, callbacks=[clocks["plain"]],
+                  batch_size=BATCH)  # fmt: skip
+        private.fit(x, y, epochs=1, verbose=0, callbacks=[clocks["private"]])
+    x_test, y_test = MODELS[name][2](2048, seed + 1)
+
+    def accuracy(model):
+        found = model.evaluate(x_test, y_test, verbose=0, return_dict=True)
+        return found["accuracy"]
+
+    plain_s, private_s = (float(np.median(c.seconds[1:])) for c in clocks.values())
+    accounting_s = float(np.median(accounting[1:])) if accounting else 0.0
     return {
         "model": MODELS[name][0],
         "n": MODELS[name][3],
-        "plain_s": plain,
-        "private_s": private,
-        "accounting_s": accounting,
-        "ratio": private / plain,
-        "steps_ratio": (private - accounting) / plain,
-        "plain_accuracy": plain_accuracy,
-        "private_accuracy": private_accuracy,
-        "noise_multiplier": sigma,
+        "plain_s": plain_s,
+        "private_s": private_s,
+        "accounting_s": accounting_s,
+        "ratio": private_s / plain_s,
+        "steps_ratio": (private_s - accounting_s) / plain_s,
+        "plain_accuracy": accuracy(plain),
+        "private_accuracy": accuracy(private),
+        "noise_multiplier": private.privacy.noise_multiplier,
     }
 
 
@@ -149,7 +164,7 @@ def peer_rows(python, peer="opacus", seed=0, timeout=1200):
     """One peer's rows, from ``python -m jacutil.peers.privacy_peers PEER`` in
     its own process (jax_privacy's with ``KERAS_BACKEND=jax``): a list of
     dicts (its JSON lines). The CNN's images and teacher labels are drawn
-    here, as :func:`_train` draws them, and passed in a temporary ``.npz``
+    here, as :func:`_prepared` draws them, and passed in a temporary ``.npz``
     that is removed however the run ends; a failed or timed-out peer raises
     RuntimeError with the end of its stderr."""
     _, _, data, n, _ = MODELS["cnn"]
@@ -220,7 +235,7 @@ def main(argv=None):
     )
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS),
                         default=sorted(MODELS))  # fmt: skip
-    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--peer", metavar="PYTHON",
                         help="a Python with Opacus: its rows beside ours")  # fmt: skip
     args = parser.parse_args(argv)
