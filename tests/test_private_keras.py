@@ -462,3 +462,20 @@ def test_keras_loss_per_sample_is_compute_loss_of_each_sample():
     ]
     np.testing.assert_allclose(got, each, rtol=1e-6)
     assert loss.aggregation == "mean" and not math.isnan(got.sum())
+
+
+def test_each_outputs_loss_in_the_logs_is_the_sampled_rows_mean():
+    """The logs' per-output losses are Keras's own trackers, updated on the
+    sampled rows: at learning rate 0 their epoch means are each head's mean
+    loss over the data (to sampling)."""
+    model = two_heads()
+    model.compile(keras.optimizers.SGD(0.0), losses("list"))
+    make_private(model, epsilon=8.0, delta=1e-3, l2_norm_clip=1.0, batch_size=12,
+                 epochs=4, train_size=N, verbose=False, seed=0)  # fmt: skip
+    history = model.fit(X, targets("list"), epochs=4, verbose=0)
+    a, b = model(X)
+    ce = keras.losses.sparse_categorical_crossentropy(LABELS, a, from_logits=True)
+    mse = keras.losses.mean_squared_error(VALUES, b)
+    for name, values in (("a_loss", ce), ("b_loss", mse)):
+        logged = np.mean(history.history[name])
+        assert logged == pytest.approx(float(np.mean(values)), rel=0.25), name

@@ -229,10 +229,14 @@ class DPSGD:
     gradient of ``sum(model.losses)`` is added once to each update, outside
     the clipping and the noise, as Keras's ``fit`` adds it to the loss - so
     with no noise and a large C a step is Keras's own. An activity
-    regularizer depends on the samples and would escape the clipping: a
-    model with one is refused. A sample whose gradient is not finite (NaN or
-    infinity) contributes nothing to its step; ``skipped`` counts them and a
-    ``RuntimeWarning`` says so. NaN or infinity in ``x`` or ``y`` is refused.
+    regularizer depends on the samples and would escape the clipping of a
+    loss function of ``(y, prediction)``: such a model is refused (unless
+    the loss reads the forward pass, as ``make_private``'s Keras loss does).
+    A sample whose gradient is not finite (NaN or infinity) contributes
+    nothing to its step; ``skipped`` counts them and a ``RuntimeWarning``
+    says so (with ``quiet_skips``, as in ``make_private``, nothing is said:
+    the count is a fact about the data that no noise covers, so do not
+    release ``skipped``). NaN or infinity in ``x`` or ``y`` is refused.
 
     Args:
         model: a Keras 3 model (any model that ``per_sample_gradient_norms``

@@ -295,6 +295,13 @@ class PrivateTraining:
         total = tf.reduce_sum(tf.where(finite, losses, tf.zeros_like(losses)))
         mean = total / tf.maximum(count, tf.ones_like(count))
         loss_tracker(self.model).update_state(mean, sample_weight=count)
+        compiled = compile_loss(self.model)
+        if compiled is not None and compiled.metrics:  # each output's loss
+            # Keras's own per-output trackers, over the sampled rows: each
+            # row weighs rows / sampled (a sum over batch size: their mean)
+            rows = tf.cast(tf.shape(valid)[0], valid.dtype)
+            weight = valid * rows / tf.maximum(tf.reduce_sum(valid), 1.0)
+            compiled(y, prediction, sample_weight=weight)
         return self.model.compute_metrics(None, y, prediction, sample_weight=valid)
 
     def make_train_function(self, force=False):
