@@ -139,6 +139,9 @@ def test_loss_weights_are_honoured():
         y = targets("list")
         expected, got, _ = keras_step_and_private_step(two_heads, options, y)
         close(got, expected)
+        _, general, _ = keras_step_and_private_step(two_heads, options, y,
+                                                    general=True)  # fmt: skip
+        close(general, expected)
         steps.append(got)
     assert np.abs(steps[0] - steps[1]).max() > 1e-3 * np.abs(steps[0]).max()
 
@@ -268,10 +271,13 @@ def test_mixed_precision_steps_are_kerass_own_not_32768_times_smaller():
 
         options = {"loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True)}
         expected, got, training = keras_step_and_private_step(build, options, LABELS)
+        _, general, _ = keras_step_and_private_step(build, options, LABELS,
+                                                    general=True)  # fmt: skip
     finally:
         keras.mixed_precision.set_global_policy("float32")
     assert type(training.dpsgd.optimizer).__name__ == "LossScaleOptimizer"
     close(got, expected, rtol=5e-3)
+    close(general, expected, rtol=5e-3)
 
 
 # -- 1: the noise is secret by default --------------------------------------------
