@@ -16,8 +16,11 @@ grew from. Each function's docstring names the notebook that introduces it.
 The package, by job:
 
 - ``stages``    the four stages, one notebook each: loop (01), vectorized
-                (02), compiled (03), chunked (04)
+                (02), compiled (03), chunked (04); lessons, shown as the
+                engine runs them
 - ``rules``     layer rules: each known layer writes its own columns (07, 08)
+- ``engine``    the one compiled machinery every entry runs on: the compiled
+                Jacobian, its rows in chunks, the path choice
 - ``matrix_free``  products with J without forming it, forward mode (09)
 - ``fitting``   SciPy least squares, Levenberg-Marquardt, per-sample gradients (05),
                 DP-SGD by ghost clipping (09)
@@ -48,8 +51,8 @@ _FACE = {
     "compiled_jacobian": "stages.compiled", "CompiledJacobian": "stages.compiled",
     "chunked_jacobian": "stages.chunked", "chunk_size_for": "core.planner",
     # the hand-derived Dense path, a view of the layer rules (07)
-    "dense_jacobian": "rules.dense_jacobian",
-    "compiled_dense_jacobian": "rules.dense_jacobian",
+    "dense_jacobian": "stages.dense",
+    "compiled_dense_jacobian": "stages.dense",
     # products without J, and forward mode (09)
     "jvp": "matrix_free.products", "vjp": "matrix_free.products",
     "products": "matrix_free.products", "jacobian_operator": "matrix_free.products",
@@ -78,8 +81,9 @@ _FACE = {
     # an independent reference
     "finite_difference_jacobian": "testing",
     # the package by job (see above)
-    "stages": "stages", "rules": "rules", "matrix_free": "matrix_free",
-    "fitting": "fitting", "privacy": "privacy", "scale": "scale",
+    "stages": "stages", "engine": "engine", "rules": "rules",
+    "matrix_free": "matrix_free", "fitting": "fitting", "privacy": "privacy",
+    "scale": "scale",
     "curvature": "curvature", "core": "core", "teaching": "teaching",
     "testing": "testing",
     # TensorFlow and Keras, imported quietly (jacutil.tf, jacutil.keras)

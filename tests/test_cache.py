@@ -57,7 +57,7 @@ def test_a_lambda_and_what_it_captured_are_not_kept_alive():
     f = lambda t: tf.tanh(t @ w) * captured[0]  # noqa: E731
     x = np.ones((4, 3))
     first = ju.jacobian(f, x, variables=[w])
-    jac = ju.stages.compiled.compiled_for(f, [w], False, False, "rules")
+    jac = ju.engine.compiled.compiled_for(f, [w], False, False, "rules")
     traces = jac.trace_count
     np.testing.assert_array_equal(ju.jacobian(f, x, variables=[w]), first)
     assert jac.trace_count == traces  # the second call reuses the compiled one

@@ -149,7 +149,7 @@ def test_the_budget_holds_where_activations_dominate(kind, method, n, budget):
 def test_the_default_budget_of_the_batch_method_fits_its_own_model():
     """Sized like the per-sample method, it asked for ~10 GiB (notebook 02's model)."""
     model = ju.question_mlp()
-    jac = ju.stages.compiled.compiled_for(model, None, False, False, "batch")
+    jac = ju.engine.compiled.compiled_for(model, None, False, False, "batch")
     x = ju.core.batch.as_batch(ju.regression_data(3)[0], jac.target)
     chunk = ju.chunk_size_for(
         ju.core.planner.DEFAULT_MEMORY_BUDGET,

@@ -3,7 +3,7 @@
 import numpy as np
 
 import jacutil as ju
-from jacutil.stages.compiled import compiled_for
+from jacutil.engine.compiled import compiled_for
 
 
 def test_new_batch_size_does_not_retrace():

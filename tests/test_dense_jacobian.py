@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 import jacutil as ju
-import jacutil.rules.dense_jacobian as dense_module
+import jacutil.stages.dense as dense_module
 from jacutil import keras, tf
 from jacutil.core.target import resolve_target
 from jacutil.rules import rules_tensor
-from jacutil.rules.dense_jacobian import (
+from jacutil.stages.dense import (
     compiled_dense_jacobian,
     dense_jacobian,
     dense_plan,

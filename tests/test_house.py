@@ -1,6 +1,8 @@
 """The package's layering, read from its code: no import cycle between
-jacutil's modules (imports inside functions included), and the core imports
-nothing above it (issue 35)."""
+jacutil's modules (imports inside functions included), the core imports
+nothing above it (issue 35), and each part imports only the parts below it
+(issue 55: core <- rules <- engine <- the consumers; a stage is a lesson
+that no other part imports)."""
 
 import ast
 from pathlib import Path
@@ -75,8 +77,38 @@ def test_the_core_imports_nothing_above_it():
     assert not upward, "\n".join(upward)
 
 
+# each part (a folder of jacutil, or auto.py) and the parts it may import
+# (../shared/DESIGN.md); teaching, testing, bench, peers and the face may
+# use anything
+LOW = ["core", "rules", "engine"]
+LAYERS = {
+    "core": [], "rules": ["core"], "engine": ["core", "rules"],
+    "stages": LOW, "matrix_free": LOW, "auto": [*LOW, "matrix_free"],
+    "curvature": [*LOW, "matrix_free"],
+    "fitting": [*LOW, "matrix_free", "curvature"],
+    "privacy": [*LOW, "matrix_free", "curvature", "fitting"],
+    "scale": [*LOW, "matrix_free", "auto", "fitting", "curvature"],
+}  # fmt: skip
+
+
+def _part(module):
+    return module.split(".")[1]
+
+
+def test_each_part_imports_only_the_parts_below_it():
+    breaks = sorted(
+        f"{name} -> {target}"
+        for name, targets in GRAPH.items()
+        if _part(name) in LAYERS
+        for target in targets
+        if _part(target) != _part(name) and _part(target) not in LAYERS[_part(name)]
+    )
+    assert not breaks, "\n".join(breaks)
+
+
 def test_the_graph_is_read():
     """The checks above see the package's real imports (they cannot pass on
     an empty graph)."""
-    assert "jacutil.stages.compiled" in GRAPH["jacutil.stages.chunked"]
-    assert "jacutil.core.cache" in GRAPH["jacutil.stages.compiled"]
+    assert "jacutil.engine.compiled" in GRAPH["jacutil.engine.rows"]
+    assert "jacutil.core.cache" in GRAPH["jacutil.engine.compiled"]
+    assert "jacutil.engine.compiled" in GRAPH["jacutil.curvature.fisher"]

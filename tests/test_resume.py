@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jacutil as ju
-import jacutil.stages.chunked
+import jacutil.engine.rows
 from jacutil import tf
 from jacutil.core import resume
 from jacutil.core.resume import (
@@ -49,9 +49,9 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch):
     n_chunks = N // CHUNK
     assert 3 <= done < n_chunks, "the run was not killed part-way"
     computed = []
-    real = jacutil.stages.chunked.chunk_rows
+    real = jacutil.engine.rows.chunk_rows
     monkeypatch.setattr(
-        jacutil.stages.chunked,
+        jacutil.engine.rows,
         "chunk_rows",
         lambda jac, x, c, start: computed.append(start) or real(jac, x, c, start),
     )

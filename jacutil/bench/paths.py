@@ -13,9 +13,9 @@ from ..auto import jacobian
 from ..core._shared import count_params, size_of
 from ..core._tf import tf
 from ..core.target import resolve_target
-from ..rules.dense_jacobian import compiled_dense_jacobian, dense_plan
-from ..stages.chunked import chunked_jacobian
-from ..stages.compiled import compiled_jacobian
+from ..engine.compiled import compiled_jacobian
+from ..engine.rows import chunked_jacobian
+from ..stages.dense import compiled_dense_jacobian, dense_plan
 from ..stages.loop import loop_jacobian
 from ..stages.vectorized import per_sample_jacobian, vectorized_jacobian
 from ..teaching.models import (

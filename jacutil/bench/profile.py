@@ -3,7 +3,7 @@
 from ..core._tf import tf
 from ..core.target import resolve_target
 from ..rules import plan_for
-from ..rules.dense_jacobian import compiled_dense_jacobian
+from ..stages.dense import compiled_dense_jacobian
 from ..teaching.timing import time_call
 from .floor import fill_floor, preallocated, write_floor
 

@@ -2,7 +2,7 @@
 
 Every cache of compiled functions lives here, and nowhere else - one weak
 registry, filled by factories that the callers pass in, so the core imports
-nothing above it. The compiled Jacobian (``jacutil.stages.compiled.compiled_for``),
+nothing above it. The compiled Jacobian (``jacutil.engine.compiled.compiled_for``),
 its forward-mode twin (``jacutil.matrix_free.forward.forward_for``), the
 products with J (``jacutil.matrix_free.products.products_for``), the
 per-sample loss gradients (``jacutil.fitting.loss_gradients.gradients_for``)

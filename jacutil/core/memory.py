@@ -163,7 +163,7 @@ def activation_elements(model, x, *, variables=None, training=False, unroll=True
 
     Traces the forward pass of one sample like ``x`` and adds up the
     floating-point outputs of its operations, views and reads left out
-    (``jacutil.stages.chunked`` turns it into bytes). With ``unroll`` (the
+    (``jacutil.engine.rows`` turns it into bytes). With ``unroll`` (the
     per-sample method) recurrent layers are traced unrolled, and every read
     of a variable after its first counts too: an unrolled layer gets one
     block of gradients per time step. Returns an ``int``; ``model``,

@@ -25,8 +25,8 @@ from ..core.data import read_data
 from ..core.formulation import quiet_function
 from ..core.planner import bytes_per_sample, plan_within
 from ..core.target import variable_list
+from ..engine.compiled import compiled_for
 from ..rules.walk import OutputRows
-from ..stages.compiled import compiled_for
 from .compiled import curvature_for, curvature_inputs
 
 

@@ -46,7 +46,6 @@ import numpy as np
 import scipy.linalg
 import scipy.optimize
 
-from ..auto import jacobian
 from ..core._tf import keras, tf
 from ..core.arguments import check_memory_budget, refuse_non_finite
 from ..core.batch import n_samples, take
@@ -55,6 +54,7 @@ from ..core.layout import flat_params
 from ..core.outputs import as_rows
 from ..core.planner import DEFAULT_MEMORY_BUDGET, plan_chunks
 from ..core.target import resolve_target, variable_list
+from ..engine.jacobian import best_jacobian
 from .dense_last_layer import dense_last_layer
 from .diagonal import ggn_diagonal
 from .kfac import kfac
@@ -526,7 +526,7 @@ class Laplace:
 
     def _jacobian(self, x):
         """J of the structure's variables, (n, l, m) float64."""
-        J = jacobian(self.model, x, variables=self.variables)  # x is one chunk
+        J = best_jacobian(self.model, x, variables=self.variables)  # one chunk
         return np.asarray(J, dtype=np.float64)
 
     def _dense_structure(self, x):

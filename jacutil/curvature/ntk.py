@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..auto import jacobian
 from ..core._shared import ceil_div, is_path
 from ..core._tf import tf
 from ..core.arguments import check_chunk_size
@@ -32,7 +31,8 @@ from ..core.resume import (
     writer_lock,
 )
 from ..core.target import variable_list
-from ..stages.compiled import compiled_for
+from ..engine.compiled import compiled_for
+from ..engine.jacobian import best_jacobian
 
 
 class _Setup:
@@ -59,7 +59,8 @@ def _jacobian_rows(model, x, variables, budget):
     """J of the samples ``x`` (one chunk), shape (c, l, m), by the fastest path.
 
     One function, so that the tests can count how often J is formed."""
-    return np.asarray(jacobian(model, x, variables=variables, memory_budget=budget))
+    J = best_jacobian(model, x, variables=variables, memory_budget=budget)
+    return np.asarray(J)
 
 
 def _check_x2(setup, x2):

@@ -14,7 +14,6 @@ import weakref
 
 import numpy as np
 
-from ..auto import choice_for
 from ..core import cache
 from ..core._shared import joined_gradients, sizes_of
 from ..core._tf import tf
@@ -45,9 +44,10 @@ from ..core.guards import JacobianError
 from ..core.planner import bytes_per_sample, plan_within, run_chunks
 from ..core.target import watched
 from ..curvature.losses import logits_of
+from ..engine.choice import choice_for
+from ..engine.compiled import bucket_size, compiled_for
 from ..rules.registry import LogitsSignal
 from ..rules.walk import LogitsNotOnRules
-from ..stages.compiled import bucket_size, compiled_for
 
 
 def losses_per_sample(loss_fn, y, prediction, n):
@@ -169,7 +169,7 @@ class LossGradients:
     vectorized by pfor, under XLA where oneDNN would mishandle the trace, or
     one sample at a time where pfor fails (``ladder``, a
     :class:`jacutil.core.formulation.Ladder`). ``jac`` is the model's
-    :class:`jacutil.stages.compiled.CompiledJacobian` with ``method="rules"``;
+    :class:`jacutil.engine.compiled.CompiledJacobian` with ``method="rules"``;
     ``loss_fn(y, prediction)``, one loss per sample, is held weakly: the cache
     never keeps a closure (or what it captures) alive.
     """

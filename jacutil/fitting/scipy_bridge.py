@@ -18,9 +18,9 @@ from ..core.resume import SumCheckpoint, fingerprint
 from ..core.target import resolve_target
 from ..curvature.diagonal import ggn_diagonal
 from ..curvature.kfac import kfac
+from ..engine.compiled import compiled_for
+from ..engine.rows import chunked_jacobian
 from ..matrix_free.products import jacobian_operator, products
-from ..stages.chunked import chunked_jacobian
-from ..stages.compiled import compiled_for
 
 
 class LeastSquaresProblem:

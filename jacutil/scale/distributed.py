@@ -40,9 +40,9 @@ from ..core.resume import (
     write_rows,
     writer_lock,
 )
+from ..engine.compiled import compiled_for
+from ..engine.rows import chunked_jacobian
 from ..fitting.scipy_bridge import LeastSquaresProblem
-from ..stages.chunked import chunked_jacobian
-from ..stages.compiled import compiled_for
 from .chunk_files import open_chunk_folder, read_chunks, write_chunk
 from .dask_blocks import as_dask_array, blocks_by_samples, first_sample, is_dask_input
 from .executors import (

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..core._shared import count_params, size_of
 from ..core.memory import anonymous_rss, peak_memory
-from ..stages.chunked import chunked_jacobian
+from ..engine.rows import chunked_jacobian
 from ..stages.vectorized import per_sample_jacobian, vectorized_jacobian
 from . import models
 

@@ -3,7 +3,7 @@
 import numpy as np
 
 from ...core._tf import tf
-from ...stages.compiled import bucket_size
+from ...engine.compiled import bucket_size
 from . import Hint, answered, as_number, checks, close_number
 
 

@@ -9,7 +9,7 @@ from os import PathLike
 
 import numpy as np
 
-from ...stages.chunked import chunked_jacobian
+from ...engine.rows import chunked_jacobian
 from . import Hint, answered, checks, shape_of
 
 _BLOCK = 1000  # samples compared at a time

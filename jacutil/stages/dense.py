@@ -12,10 +12,10 @@ runs the autodiff per-sample stage instead, and ``fallback`` says why.
 
 from ..core.batch import as_batch
 from ..core.target import resolve_target, variable_list
-from ..stages.compiled import compiled_jacobian
-from ..stages.vectorized import per_sample_jacobian
-from . import plan_for
-from .dense import DenseRule
+from ..engine.compiled import compiled_jacobian
+from ..rules import plan_for
+from ..rules.dense import DenseRule
+from .vectorized import per_sample_jacobian
 
 
 def dense_plan(model, target):

@@ -1,0 +1,71 @@
+"""Which path a call took, and why: what ``explain=True`` returns.
+
+:class:`Choice` is said the same way by ``jacutil.jacobian``, the per-sample
+loss gradients and every entry that runs on the engine (:func:`choice_for`).
+"""
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Choice:
+    """Which path ``jacobian`` took, and why. ``print(choice)`` says it in words.
+
+    ``formulation``: how the Jacobian was computed (the compiled stage's);
+    ``chunks`` of ``chunk_size`` samples (1 and None: one call);
+    ``working_bytes``: the working memory predicted for the call, held to
+    ``budget_bytes``.
+    """
+
+    path: str  # "layer rules" or "per-sample autodiff"
+    why: str
+    formulation: str
+    layers: list = field(default_factory=list)  # [(layer name, rule)], rules path
+    chunks: int = 1
+    chunk_size: int | None = None
+    working_bytes: int = 0
+    budget_bytes: int = 0
+    traced: bool = False  # this call traced (compiled) a new function
+
+    def __str__(self):
+        lines = [f"path: {self.path} ({self.why})"]
+        if self.layers:
+            lines += [f"  layer {name}: {rule}" for name, rule in self.layers]
+        else:
+            lines.append(f"how: {self.formulation}")
+        memory = (
+            f"working memory about {self.working_bytes / 2**20:,.0f} MiB, "
+            f"budget {self.budget_bytes / 2**20:,.0f} MiB"
+        )
+        if self.chunks > 1:
+            lines.append(
+                f"chunks: {self.chunks} of {self.chunk_size} samples ({memory})"
+            )
+        else:
+            lines.append(f"one call, no chunks ({memory})")
+        lines.append(
+            "traced in this call" if self.traced else "compiled function reused"
+        )
+        return "\n".join(lines)
+
+
+RULES_WHY = "every layer has a rule or passes its signal by autodiff"
+
+
+def choice_for(jac, plan, on_rules, formulation, traced, fallback=None):
+    """The :class:`Choice` of a call on ``jac``'s layer rules or its fallback
+    (``jacobian`` and the per-sample loss gradients say it the same way),
+    for the call's :class:`jacutil.core.planner.Plan`; ``fallback`` says why
+    not the layer rules (default ``jac.fallback``)."""
+    why = RULES_WHY if on_rules else f"no layer rules: {fallback or jac.fallback}"
+    return Choice(
+        path="layer rules" if on_rules else "per-sample autodiff",
+        why=why,
+        formulation=formulation,
+        layers=jac.plan.layers() if on_rules else [],
+        chunks=plan.n_chunks,
+        chunk_size=plan.chunk_size,
+        working_bytes=plan.working,
+        budget_bytes=plan.budget,
+        traced=traced,
+    )
