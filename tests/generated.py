@@ -33,8 +33,10 @@ The strategies:
 """
 
 import functools
+import random
 import re
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -438,6 +440,20 @@ class _T:
         return int(np.prod(self.shape, dtype=np.int64))
 
 
+@contextmanager
+def _global_random_kept():
+    """Python's and NumPy's global random states as they were: Keras seeds
+    each new layer's initializers from Python's ``random``, and a strategy
+    that moved it would draw from outside Hypothesis (which then could not
+    shrink or replay the draw, and warns)."""
+    python, numpy = random.getstate(), np.random.get_state()
+    try:
+        yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy)
+
+
 class _Program:
     """Lines run as they are drawn, so every tensor's shape is known."""
 
@@ -449,7 +465,8 @@ class _Program:
 
     def line(self, text):
         try:
-            exec(text, self.ns)  # noqa: S102
+            with _global_random_kept():
+                exec(text, self.ns)  # noqa: S102
         except Exception:  # a combination Keras does not build: draw another
             reject()
         self.lines.append(text)

@@ -92,6 +92,12 @@ from tests.generated import (
     wide_cases,
 )
 
+# a strategy that draws from outside Hypothesis (Python's random, moved by
+# Keras's initializers while a program is drawn) cannot be shrunk or
+# replayed: an error, not a warning (tests/generated.py keeps the state)
+pytestmark = pytest.mark.filterwarnings(
+    "error::hypothesis.errors.HypothesisDeprecationWarning"
+)
 FUZZ = os.environ.get("JACUTIL_FUZZ", "") not in ("", "0")
 # examples per test in the ci profile: this file in about two minutes with
 # -n 2 on the 2-core machine, shared (measured 2026-12-01: 4-8 s an example,
