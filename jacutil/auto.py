@@ -35,6 +35,7 @@ def jacobian(
     copy=False,
     progress=False,
     key=None,
+    steps=None,
 ):
     """The per-sample Jacobian of ``model`` at ``x`` by the fastest correct path.
 
@@ -47,9 +48,10 @@ def jacobian(
     Args:
         model: a Keras model, or a callable ``f(x)`` with ``variables=``.
         x: the n samples: an array, or a list or dict of arrays for several
-            inputs, or a ``tf.data.Dataset`` / ``keras.utils.PyDataset`` of
-            ``model.fit``'s batches (``x`` or ``(x, y, ...)``; read once:
-            :func:`jacutil.core.data.read_data`).
+            inputs, or what ``model.predict`` takes: a ``tf.data.Dataset``
+            (batched or not, ``padded_batch`` too), a ``keras.utils.PyDataset``
+            or a generator of batches (``x`` or ``(x, y, ...)``; read once by
+            Keras's data adapter: :func:`jacutil.core.data.read_data`).
         out: None, an array or ``np.lib.format.open_memmap`` of shape
             (n, l, m), or a ``.npy`` path: a resumable run, as in
             :func:`jacutil.chunked_jacobian`.
@@ -63,6 +65,8 @@ def jacobian(
         copy: return an array you may write to.
         progress: show a progress bar over chunks.
         key: with ``out=path`` and a callable: a name for what it computes.
+        steps: the batches of a dataset or generator to read (as in
+            ``model.predict``); needed where its length is not known.
 
     Returns:
         J, shape (n, l, m), columns in ``flat_params`` order; with
@@ -84,5 +88,5 @@ def jacobian(
     return best_jacobian(
         model, x, out=out, memory_budget=memory_budget, variables=variables,
         training=training, explain=explain, copy=copy, progress=progress,
-        key=key, forward_for=forward_for,
+        key=key, steps=steps, forward_for=forward_for,
     )  # fmt: skip

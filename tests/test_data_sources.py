@@ -161,3 +161,136 @@ def test_a_resumable_file_needs_the_same_order_each_pass(data, tmp_path):
         model, fixed, out=tmp_path / "J.npy", chunk_size=6, progress=False
     )
     np.testing.assert_array_equal(J, ju.jacobian(model, order))
+
+
+# -- every source model.fit and model.predict take (issue 55) -----------------
+
+
+def test_an_unbatched_dataset_reads_as_its_samples(data):
+    """Single samples, not batches: with a scalar target (model.fit's
+    ``(x, label)`` elements) or inputs one rank below the model's."""
+    model, x, y, _ = data
+    labels = np.arange(N) % 3
+    J = ju.jacobian(model, x)
+    with_labels = tf.data.Dataset.from_tensor_slices((x, labels))
+    np.testing.assert_array_equal(ju.jacobian(model, with_labels), J)
+    np.testing.assert_array_equal(
+        ju.jacobian(model, tf.data.Dataset.from_tensor_slices(x)), J
+    )
+    loss = keras.losses.sparse_categorical_crossentropy
+    np.testing.assert_array_equal(
+        ju.per_sample_gradients(model, lambda t, p: loss(t, p, from_logits=True),
+                                with_labels),
+        ju.per_sample_gradients(model, lambda t, p: loss(t, p, from_logits=True),
+                                x, labels),
+    )  # fmt: skip
+
+
+def masked_sequence_model():
+    keras.utils.set_random_seed(2)
+    tokens = keras.Input((None,), dtype="int32")
+    h = keras.layers.Embedding(9, 4, mask_zero=True)(tokens)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    return keras.Model(tokens, keras.layers.Dense(2)(h))
+
+
+def test_padded_batches_of_their_own_lengths_run_batch_by_batch():
+    """``padded_batch`` pads each batch to its own longest sequence, as
+    model.predict takes it: each shape runs apart, in order, and J equals
+    each batch's own J."""
+    model = masked_sequence_model()
+    lengths = [2, 5, 3, 3, 6, 1, 4]
+    sequences = [np.arange(1, n + 1) % 8 + 1 for n in lengths]
+    source = tf.data.Dataset.from_generator(
+        lambda: iter(sequences), output_signature=tf.TensorSpec([None], tf.int32)
+    ).padded_batch(3)
+    source = source.apply(tf.data.experimental.assert_cardinality(3))
+    batches = list(source.as_numpy_iterator())
+    expected = np.concatenate([ju.jacobian(model, b) for b in batches])
+    np.testing.assert_array_equal(ju.jacobian(model, source), expected)
+    np.testing.assert_array_equal(
+        ju.chunked_jacobian(model, source, chunk_size=2, progress=False), expected
+    )
+    mse = keras.losses.mean_squared_error
+    pairs = source.map(lambda t: (t, tf.zeros([tf.shape(t)[0], 2])))
+    G = ju.per_sample_gradients(model, mse, pairs)
+    assert G.shape == (len(lengths), ju.flat_params(model).size)
+
+
+class ListBatches(Batches):
+    """A PyDataset whose batches are lists ``[x, y]``: Keras reads them as
+    ``(x, y)``."""
+
+    def __getitem__(self, k):
+        return list(super().__getitem__(k))
+
+
+def test_a_pydataset_of_lists_and_one_with_workers(data):
+    model, x, y, _ = data
+    mse = keras.losses.mean_squared_error
+    expected = ju.per_sample_gradients(model, mse, x, y)
+    np.testing.assert_array_equal(
+        ju.per_sample_gradients(model, mse, ListBatches(x, y)), expected
+    )
+    threaded = Batches(x, y)
+    threaded.workers = 2  # Keras's enqueuer, as model.fit runs it
+    np.testing.assert_array_equal(
+        ju.per_sample_gradients(model, mse, threaded), expected
+    )
+
+
+def test_a_source_of_unknown_length_is_refused_at_once_or_read_for_steps(data):
+    model, x, _, _ = data
+
+    def endless():
+        while True:
+            yield x[:5]
+
+    spec = tf.TensorSpec([None, 4], tf.float64)
+    source = tf.data.Dataset.from_generator(endless, output_signature=spec)
+    with pytest.raises(ValueError, match="does not know its length"):
+        ju.jacobian(model, source)  # at once: it never ends
+    np.testing.assert_array_equal(
+        ju.jacobian(model, source, steps=2), ju.jacobian(model, np.tile(x[:5], (2, 1)))
+    )
+    # a Python generator of batches, each a tuple as Keras requires
+    generator = ((x[k : k + 5],) for k in range(0, N, 5))
+    np.testing.assert_array_equal(
+        ju.jacobian(model, generator, steps=3), ju.jacobian(model, x[:15])
+    )
+
+
+def test_every_entry_that_takes_x_takes_a_dataset(data):
+    model, x, y, _ = data
+    v = np.random.default_rng(0).standard_normal(ju.flat_params(model).size)
+    np.testing.assert_array_equal(
+        ju.jacobian_operator(model, dataset(x)) @ v,
+        ju.jacobian_operator(model, x) @ v,
+    )
+    from jacutil.curvature.ntk import empirical_ntk
+
+    np.testing.assert_array_equal(
+        empirical_ntk(model, dataset(x), dataset(x[:7])),
+        empirical_ntk(model, x, x[:7]),
+    )
+    fitted = laplace(model, x, y)
+    np.testing.assert_array_equal(
+        fitted.predictive_variance(dataset(x[:6])), fitted.predictive_variance(x[:6])
+    )
+    theta = ju.flat_params(model).astype(np.float64)
+    from_data = ju.least_squares_problem(model, dataset(x, y))
+    from_arrays = ju.least_squares_problem(model, x, y)
+    np.testing.assert_array_equal(from_data.fun(theta), from_arrays.fun(theta))
+    np.testing.assert_array_equal(from_data.jac(theta), from_arrays.jac(theta))
+    with pytest.raises(ValueError, match="least squares needs x and y"):
+        ju.least_squares_problem(model, dataset(x))
+
+
+def test_padded_batches_refuse_a_resumable_file(tmp_path):
+    model = masked_sequence_model()
+    sequences = [np.ones(n, np.int32) for n in (2, 2, 5, 5)]
+    source = tf.data.Dataset.from_generator(
+        lambda: iter(sequences), output_signature=tf.TensorSpec([None], tf.int32)
+    ).padded_batch(2)
+    with pytest.raises(ValueError, match="needs batches of one shape"):
+        ju.chunked_jacobian(model, source, out=tmp_path / "J.npy", steps=2)

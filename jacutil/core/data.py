@@ -1,24 +1,54 @@
 """Data as Keras users hold it: what ``model.fit`` takes, read into arrays
 (notebook 04-chunked).
 
-Every entry that takes ``x`` (and ``y``) also takes a ``tf.data.Dataset`` or a
-``keras.utils.PyDataset`` whose batches are ``x``, ``(x,)``, ``(x, y)`` or
-``(x, y, sample_weight)``, as ``model.fit`` reads them (``x`` and ``y`` may be
-lists or dicts of arrays for several inputs or heads). :func:`read_data`
-reads its batches once, in order, into arrays; the entry then runs as on
-arrays, in chunks sized by its memory budget. The inputs are usually far
-smaller than what is computed from them (J has l * m numbers per sample), so
-reading them whole costs little; the result is what the chunks bound.
+Every entry that takes ``x`` (and ``y``) also takes what ``model.fit`` and
+``model.predict`` read: a ``tf.data.Dataset`` (batched or not, ``padded_batch``
+too), a ``keras.utils.PyDataset`` (its ``workers`` and
+``use_multiprocessing`` as Keras uses them) or a generator, whose batches are
+``x``, ``(x,)``, ``(x, y)`` or ``(x, y, sample_weight)`` (a list reads as a
+tuple; ``x`` and ``y`` may be lists or dicts of arrays for several inputs or
+heads). :func:`read_data` reads them through Keras's own data adapter and
+``keras.utils.unpack_x_y_sample_weight``, once, in order, into arrays; the
+entry then runs as on arrays, in chunks sized by its memory budget. The
+inputs are usually far smaller than what is computed from them (J has l * m
+numbers per sample), so reading them whole costs little; the result is what
+the chunks bound.
 
-A source that never ends (``.repeat()``) is refused, and so is a resumable
-``out=`` over a dataset whose order changes from one pass to the next (a
-``shuffle`` without a seed): a run resumes only on the same samples in the
-same order.
+A source whose end is not known is refused at once, unless ``steps`` says
+how many batches to read (as ``model.predict`` takes it): ``.repeat()``, a
+generator, ``Dataset.from_generator`` or a ``filter``. Batches of different
+shapes (``padded_batch``, each padded to its own longest sequence) cannot
+be joined: :class:`BatchesOfShapes` holds them by shape, for an entry that
+computes each group apart. A resumable ``out=`` over a dataset whose order
+changes from one pass to the next (a ``shuffle`` without a seed) is refused:
+its first batch is read again and compared, not the whole source.
 """
 
 import numpy as np
 
 from ._tf import keras, tf
+from .internals import data_adapter
+
+
+class BatchesOfShapes(ValueError):
+    """The source's batches differ in per-sample shape (``padded_batch``):
+    ``groups`` holds ``(x, y, sample_weight)`` per run of batches of one
+    shape, in order, each joined."""
+
+    def __init__(self, groups):
+        self.groups = groups
+        shapes = sorted({_shapes(g[0]) for g in groups})
+        super().__init__(
+            f"the dataset's batches have {len(shapes)} different shapes (e.g. "
+            f"{', '.join(map(str, shapes[:3]))}: padded_batch pads each batch to "
+            "its own length), so they cannot be joined into one array. Pad "
+            "every batch to one length (padded_batch(..., padded_shapes=...) "
+            "with a fixed length), or compute batch by batch."
+        )
+
+
+def _shapes(x):
+    return tuple(np.shape(leaf)[1:] for leaf in tf.nest.flatten(x))
 
 
 def is_data_source(x):
@@ -29,44 +59,68 @@ def is_data_source(x):
     return hasattr(x, "__next__") and not isinstance(x, (np.ndarray, tf.Tensor))
 
 
-def _batches(source):
-    """Each batch of ``source``, in order."""
-    if isinstance(source, keras.utils.PyDataset):
-        n = source.num_batches
-        if n is None:
-            raise ValueError(
-                "this PyDataset never ends (its num_batches is None): give it a "
-                "__len__ (the number of batches), as model.predict needs."
-            )
-        for k in range(n):
-            yield source[k]
-        return
-    if isinstance(source, tf.data.Dataset):
-        if int(source.cardinality()) == tf.data.INFINITE_CARDINALITY:
+UNBATCHED_BATCH = 256  # samples a batch, where a dataset gives single samples
+
+
+def _batched(source, inputs):
+    """A ``tf.data.Dataset`` of single samples (a scalar target, or inputs of
+    one rank less than the model's) batched, as ``model.fit`` needs it."""
+    if not isinstance(source, tf.data.Dataset):
+        return source
+    element = keras.utils.unpack_x_y_sample_weight(source.element_spec)
+    ranks = [spec.shape.rank for spec in tf.nest.flatten(element[0])]
+    declared = [len(t.shape) for t in tf.nest.flatten(inputs)] if inputs else []
+    scalar_y = element[1] is not None and any(
+        spec.shape.rank == 0 for spec in tf.nest.flatten(element[1])
+    )
+    one_less = len(declared) == len(ranks) and all(
+        r is not None and r == d - 1 for r, d in zip(ranks, declared, strict=True)
+    )
+    return source.batch(UNBATCHED_BATCH) if scalar_y or one_less else source
+
+
+def _batches(source, steps):
+    """Each batch of ``source`` as ``(x, y, sample_weight)``, in order, by
+    Keras's own data adapter."""
+    if isinstance(source, tf.data.Dataset) and steps is None:
+        cardinality = int(source.cardinality())
+        if cardinality == tf.data.INFINITE_CARDINALITY:
             raise ValueError(
                 "this tf.data.Dataset never ends (.repeat() without a count): "
-                "pass it without .repeat(), or with .take(steps)."
+                "pass steps= (the number of batches to read, as model.predict "
+                "takes it), or .take(steps)."
             )
-        yield from source.as_numpy_iterator()
-        return
-    raise TypeError(
-        "a generator or iterator has no length, and reading it to the end may "
-        "never end: wrap it as model.fit's data, e.g. "
-        "tf.data.Dataset.from_generator(make, output_signature=...).take(steps), "
-        "or pass arrays."
-    )
-
-
-def _parts(batch):
-    """``(x, y, sample_weight)`` of one batch, as ``model.fit`` unpacks it."""
-    if isinstance(batch, tuple):
-        if not 1 <= len(batch) <= 3:
+        if cardinality == tf.data.UNKNOWN_CARDINALITY:
             raise ValueError(
-                "each batch must be x, (x,), (x, y) or (x, y, sample_weight), as "
-                f"model.fit takes them; got a tuple of {len(batch)}."
+                "this tf.data.Dataset does not know its length (from_generator, "
+                "filter, ...), and reading it to the end may never end: pass "
+                "steps= (the number of batches to read), or give it its length "
+                "with .apply(tf.data.experimental.assert_cardinality(batches))."
             )
-        return (*batch, None, None)[:3]
-    return batch, None, None
+    elif isinstance(source, keras.utils.PyDataset) and steps is None:
+        if source.num_batches is None:
+            raise ValueError(
+                "this PyDataset never ends (its num_batches is None): give it a "
+                "__len__ (the number of batches), or pass steps=."
+            )
+    elif not isinstance(source, (tf.data.Dataset, keras.utils.PyDataset)):
+        if steps is None:
+            raise TypeError(
+                "a generator or iterator has no length, and reading it to the "
+                "end may never end: pass steps= (the number of batches to "
+                "read, as model.predict takes it), wrap it as "
+                "tf.data.Dataset.from_generator(make, output_signature=...)"
+                ".take(steps), or pass arrays."
+            )
+    adapter = data_adapter(source, steps)
+    adapter.on_epoch_begin()  # a PyDataset's workers start here
+    try:
+        for k, batch in enumerate(adapter.get_numpy_iterator()):
+            if steps is not None and k >= steps:
+                break
+            yield keras.utils.unpack_x_y_sample_weight(batch)
+    finally:
+        adapter.on_epoch_end()
 
 
 def _joined(pieces, what):
@@ -82,24 +136,47 @@ def _joined(pieces, what):
     )
 
 
-def _read(source):
-    batches = [_parts(b) for b in _batches(source)]
-    if not batches:
-        raise ValueError("the dataset is empty: it gave no batch.")
+def _join(batches):
     return tuple(
         _joined([b[k] for b in batches], what)
         for k, what in enumerate(("x", "y", "sample_weight"))
     )
 
 
-def read_data(x, y=None, sample_weight=None, *, repeatable=False):
+def _read(source, steps):
+    batches = list(_batches(source, steps))
+    if not batches:
+        raise ValueError("the dataset is empty: it gave no batch.")
+    runs = [[batches[0]]]
+    for batch in batches[1:]:
+        same = _shapes(batch[0]) == _shapes(runs[-1][-1][0])
+        runs[-1].append(batch) if same else runs.append([batch])
+    if len(runs) > 1:
+        raise BatchesOfShapes([_join(run) for run in runs])
+    return _join(batches)
+
+
+def _same_first_batch(source, read, steps):
+    """Whether ``source`` gives its first batch again as ``read`` began: a
+    dataset that reshuffles each pass does not."""
+    first = next(iter(_batches(source, steps)))[0]
+    rows = len(tf.nest.flatten(first)[0])
+    again = [np.asarray(leaf)[:rows] for leaf in tf.nest.flatten(read[0])]
+    return all(map(np.array_equal, tf.nest.flatten(first), again))
+
+
+def read_data(x, y=None, sample_weight=None, *, repeatable=False, steps=None,
+              inputs=None):  # fmt: skip
     """``(x, y, sample_weight)`` as arrays, from arrays (a structure of them,
-    given back as they are) or a ``tf.data.Dataset`` or
-    ``keras.utils.PyDataset`` of ``model.fit``'s batches, which carries its
-    own ``y`` and ``sample_weight``. With ``repeatable`` (the caller writes a
+    given back as they are) or a ``tf.data.Dataset``, ``keras.utils.PyDataset``
+    or generator of ``model.fit``'s batches, which carries its own ``y`` and
+    ``sample_weight``. ``steps``: how many batches to read (None: to the end,
+    where the end is known). ``inputs``: the model's declared inputs, which
+    tell single samples from batches. With ``repeatable`` (the caller writes a
     resumable file) a dataset must give the same samples in the same order
     each time it is read. ValueError or TypeError for a source that cannot be
-    read so (module docstring). Introduced in ``04-chunked``.
+    read so, :class:`BatchesOfShapes` for batches that cannot be joined
+    (module docstring). Introduced in ``04-chunked``.
     """
     if not is_data_source(x):
         return x, y, sample_weight
@@ -110,16 +187,49 @@ def read_data(x, y=None, sample_weight=None, *, repeatable=False):
             f"{' and '.join(given)} must not be given with a dataset: as in "
             "model.fit, its batches carry them: (x, y) or (x, y, sample_weight)."
         )
-    read = _read(x)
-    if repeatable and isinstance(x, tf.data.Dataset):
-        again = tf.nest.flatten(_read(x))
-        if not all(map(np.array_equal, tf.nest.flatten(read), again)):
-            raise ValueError(
-                "this dataset gives its samples in another order each time it "
-                "is read (a shuffle without a seed, or reshuffle_each_iteration"
-                "): a resumable out= file can only be continued on the same "
-                "samples in the same order. Shuffle with a seed and "
-                "reshuffle_each_iteration=False, leave the shuffle out, or pass "
-                "arrays."
-            )
+    source = _batched(x, inputs)
+    read = _read(source, steps)
+    if repeatable and not _same_first_batch(source, read, steps):
+        raise ValueError(
+            "this dataset gives its samples in another order each time it is "
+            "read (a shuffle without a seed, or reshuffle_each_iteration): a "
+            "resumable out= file can only be continued on the same samples in "
+            "the same order. Shuffle with a seed and "
+            "reshuffle_each_iteration=False, leave the shuffle out, or pass "
+            "arrays."
+        )
     return read
+
+
+def inputs_of(model):
+    """A Keras model's declared inputs (what tells single samples from
+    batches in :func:`read_data`), or None."""
+    try:
+        return getattr(model, "inputs", None)
+    except (AttributeError, ValueError):  # a model never called
+        return None
+
+
+def rows_by_shape(shapes, compute, out=None, resumable=False):
+    """An entry that gives one row per sample, on batches of several shapes
+    (:class:`BatchesOfShapes`): ``compute(x, y, sample_weight)`` on each
+    group, in order, its rows joined (into ``out`` where given). ``compute``
+    returns the rows, or ``(rows, extra)``; the last group's ``extra`` comes
+    back beside them. A resumable file needs one shape: refused."""
+    if resumable:
+        raise ValueError(f"{shapes} A resumable out= file needs batches of one shape.")
+    parts, extra, had_extra = [], None, False
+    for group in shapes.groups:
+        found = compute(*group)
+        if isinstance(found, tuple):
+            (found, extra), had_extra = found, True
+        parts.append(np.asarray(found))
+    if out is None:
+        rows = np.concatenate(parts)
+    else:
+        start = 0
+        for part in parts:
+            out[start : start + len(part)] = part
+            start += len(part)
+        rows = out
+    return (rows, extra) if had_extra else rows

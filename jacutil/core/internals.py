@@ -183,3 +183,19 @@ def keras_saveable():
     except ImportError:
         _moved("keras.src.saving.keras_saveable.KerasSaveable")
     return KerasSaveable
+
+
+def data_adapter(x, steps=None):
+    """Keras's data adapter for ``x`` (``get_data_adapter``: what
+    ``model.fit`` and ``model.predict`` read a ``tf.data.Dataset``, a
+    ``PyDataset`` - its ``workers`` and ``use_multiprocessing`` too - or a
+    generator through), ``steps`` batches an epoch where given."""
+    try:
+        from keras.src.trainers.data_adapters import get_data_adapter
+    except ImportError:
+        _moved("keras.src.trainers.data_adapters.get_data_adapter")
+    adapter = get_data_adapter(x, steps_per_epoch=steps)
+    for needed in ("get_numpy_iterator", "on_epoch_begin", "on_epoch_end"):
+        if not hasattr(adapter, needed):
+            _moved(f"a Keras data adapter's {needed}")
+    return adapter

@@ -49,7 +49,7 @@ import scipy.optimize
 from ..core._tf import keras, tf
 from ..core.arguments import check_memory_budget, refuse_non_finite
 from ..core.batch import n_samples, take
-from ..core.data import read_data
+from ..core.data import inputs_of, read_data
 from ..core.layout import flat_params
 from ..core.outputs import as_rows
 from ..core.planner import DEFAULT_MEMORY_BUDGET, plan_chunks
@@ -763,6 +763,7 @@ class Laplace:
     def _variance_and_outputs(self, x_test):
         """(J* Sigma J*.T (n, l, l), f(x_test) (n, l) from the same pass
         with the Dense form, or None)."""
+        x_test = read_data(x_test, inputs=inputs_of(self.model))[0]
         self._check_inputs(x_test)
         refuse_non_finite(x_test, "x_test")
         n, width = int(n_samples(x_test)), self.n_outputs

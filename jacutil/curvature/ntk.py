@@ -19,6 +19,7 @@ from ..core._shared import ceil_div, is_path
 from ..core._tf import tf
 from ..core.arguments import check_chunk_size
 from ..core.batch import as_batch, n_samples, take
+from ..core.data import inputs_of, read_data
 from ..core.outputs import output_layout
 from ..core.planner import bytes_per_sample, memory_budget_for
 from ..core.resume import (
@@ -200,7 +201,8 @@ def empirical_ntk(
 
     Args:
         model: a Keras model, or a callable ``f(x)`` with ``variables=``.
-        x: the n samples (an array, or a list or dict of arrays).
+        x: the n samples (an array, or a list or dict of arrays, or a dataset
+            of ``model.fit``'s batches, read as ``jacutil.jacobian`` reads it).
         x2: the n2 samples of the columns, shaped per sample like ``x``; None
             for ``x`` itself.
         variables: the variables to differentiate (default: the model's
@@ -233,6 +235,9 @@ def empirical_ntk(
             started by another computation.
         jacutil.core.resume.FileBusy: another run is writing that file.
     """
+    x = read_data(x, inputs=inputs_of(model))[0]  # a dataset: its x, in order
+    if x2 is not None:
+        x2 = read_data(x2, inputs=inputs_of(model))[0]
     setup = _Setup(model, x, variables)
     chunk_size = check_chunk_size(chunk_size)
     symmetric = x2 is None or x2 is x

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from ..core._shared import is_path
 from ..core.batch import as_batch, n_samples
-from ..core.data import read_data
+from ..core.data import BatchesOfShapes, inputs_of, read_data, rows_by_shape
 from ..core.formulation import ForwardModeBlindSpot
 from ..core.outputs import output_layout
 from ..core.planner import (
@@ -41,15 +41,29 @@ def best_jacobian(
     copy=False,
     progress=False,
     key=None,
+    steps=None,
     forward_for=None,
 ):
     """``jacutil.jacobian``'s work (its arguments and result), with
+    ``steps`` the batches of a dataset to read (as ``model.predict``), and
     ``forward_for(model, variables, training)`` the compiled forward-mode
     Jacobian to consider (None: reverse mode only, as the consumers in the
     engine's layer take it)."""
     check_key(key, model, out)
     variables = None if variables is None else variable_list(variables)
-    x = read_data(x, repeatable=is_path(out))[0]
+    try:
+        x = read_data(x, repeatable=is_path(out), steps=steps,
+                      inputs=inputs_of(model))[0]  # fmt: skip
+    except BatchesOfShapes as shapes:  # padded_batch: one group at a time
+
+        def group(x, y, sample_weight):
+            return best_jacobian(
+                model, x, memory_budget=memory_budget, variables=variables,
+                training=training, explain=explain, progress=progress,
+                forward_for=forward_for,
+            )  # fmt: skip
+
+        return rows_by_shape(shapes, group, out, resumable=is_path(out))
     jac = compiled_for(model, variables, training, False, "rules", x)
     traces = jac.trace_count
     target = jac.target

@@ -4,7 +4,7 @@ compiled Jacobian (:mod:`jacutil.engine.compiled`), on the planner's chunks
 
 from ..core._shared import is_path
 from ..core.batch import as_batch, n_samples, take
-from ..core.data import read_data
+from ..core.data import BatchesOfShapes, inputs_of, read_data, rows_by_shape
 from ..core.outputs import output_layout
 from ..core.planner import XLA_FACTOR, chunk_size_for, plan_chunks, run_chunks
 from ..core.resume import check_key, run_record
@@ -24,6 +24,7 @@ def chunked_jacobian(
     jit_compile=False,
     method="per_sample",
     key=None,
+    steps=None,
 ):
     """Per-sample Jacobian computed chunk by chunk into a preallocated array.
 
@@ -61,6 +62,8 @@ def chunked_jacobian(
         key: with ``out=path``, a name you choose for what a plain function
             (not a Keras model) computes, kept in the ledger, since no
             fingerprint can see inside a function.
+        steps: the batches of a dataset or generator to read (as in
+            ``model.predict``); needed where its length is not known.
 
     Returns:
         ``out`` (created when not given), shape (n, l, m); for a path, the
@@ -76,7 +79,19 @@ def chunked_jacobian(
         >>> chunked_jacobian(model, x, chunk_size=3, progress=False).shape
         (4, 2, 8)
     """
-    x = read_data(x, repeatable=is_path(out))[0]  # a dataset: its x, in order
+    try:  # a dataset: its x, in order
+        x = read_data(x, repeatable=is_path(out), steps=steps,
+                      inputs=inputs_of(model))[0]  # fmt: skip
+    except BatchesOfShapes as shapes:  # padded_batch: one group at a time
+
+        def group(x, y, sample_weight):
+            return chunked_jacobian(
+                model, x, chunk_size=chunk_size, memory_budget=memory_budget,
+                progress=progress, variables=variables, training=training,
+                jit_compile=jit_compile, method=method,
+            )  # fmt: skip
+
+        return rows_by_shape(shapes, group, out, resumable=is_path(out))
     jac = compiled_for(model, variables, training, jit_compile, method, x)
     target = jac.target
     x = as_batch(x, target)

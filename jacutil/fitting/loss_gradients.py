@@ -26,7 +26,7 @@ from ..core.batch import (
     signature_key,
     take,
 )
-from ..core.data import read_data
+from ..core.data import BatchesOfShapes, inputs_of, read_data, rows_by_shape
 from ..core.formulation import (
     PFOR_ERRORS,
     Ladder,
@@ -349,20 +349,33 @@ def gradients_for(model, loss_fn, variables, training, x=None):
     )
 
 
-def _run(
-    what, model, loss_fn, x, y, variables, training, memory_budget, explain, copy,
-    progress,
-):  # fmt: skip
-    """What both public functions share (their options are documented in
-    :func:`per_sample_gradients`): the cached compiled object, x and y checked,
-    the memory budget, chunks and the explanation."""
-    x, y, weights = read_data(x, y)
+def _refuse_weights(weights):
     if weights is not None:
         raise ValueError(
             "the dataset's batches carry sample weights, and a per-sample "
             "gradient is each sample's own, unweighted loss: give batches of "
             "(x, y), or scale each row by its weight afterwards."
         )
+
+
+def _run(
+    what, model, loss_fn, x, y, variables, training, memory_budget, explain, copy,
+    progress, steps,
+):  # fmt: skip
+    """What both public functions share (their options are documented in
+    :func:`per_sample_gradients`): the cached compiled object, x and y checked,
+    the memory budget, chunks and the explanation."""
+    try:
+        x, y, weights = read_data(x, y, steps=steps, inputs=inputs_of(model))
+    except BatchesOfShapes as shapes:  # padded_batch: one group at a time
+
+        def group(x, y, weights):
+            _refuse_weights(weights)
+            return _run(what, model, loss_fn, x, y, variables, training,
+                        memory_budget, explain, copy, progress, None)  # fmt: skip
+
+        return rows_by_shape(shapes, group)
+    _refuse_weights(weights)
     if y is None:
         raise ValueError(
             "y is missing: pass the targets, or a dataset of (x, y) batches."
@@ -411,6 +424,7 @@ def per_sample_gradients(
     explain=False,
     copy=False,
     progress=False,
+    steps=None,
 ):
     """The gradient of each sample's own loss, in ``flat_params`` order.
 
@@ -429,8 +443,9 @@ def per_sample_gradients(
         model: a Keras model, or a callable ``f(x)`` with ``variables=``.
         loss_fn: ``loss_fn(y, prediction)`` returning one loss per sample,
             shape (n,), e.g. ``keras.losses.mean_squared_error``.
-        x: the n samples, or a ``tf.data.Dataset`` / ``keras.utils.PyDataset``
-            of ``(x, y)`` batches as ``model.fit`` takes them (then no ``y``).
+        x: the n samples, or what ``model.fit`` takes: a ``tf.data.Dataset``
+            (batched or not, ``padded_batch`` too), a ``keras.utils.PyDataset``
+            or a generator of ``(x, y)`` batches (then no ``y``).
         y: the targets, one per sample: an array, or for a model of several
             outputs a list or dict of arrays (one per head, as ``model.fit``
             takes them), passed to ``loss_fn`` as that structure.
@@ -443,6 +458,8 @@ def per_sample_gradients(
         copy: return an array you may write to (otherwise, in one piece, a
             read-only view of TensorFlow's result).
         progress: show a progress bar over chunks.
+        steps: the batches of a dataset or generator to read (as in
+            ``model.predict``); needed where its length is not known.
 
     Returns:
         A NumPy array of shape (n, m); with ``explain=True``, ``(G, choice)``.
@@ -473,6 +490,7 @@ def per_sample_gradient_norms(
     explain=False,
     copy=False,
     progress=False,
+    steps=None,
 ):
     """(n,): the norm of each sample's loss gradient (what DP clipping needs).
 

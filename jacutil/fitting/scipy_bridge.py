@@ -11,6 +11,7 @@ import numpy as np
 from ..core._shared import size_of
 from ..core._tf import tf
 from ..core.batch import as_batch, n_samples, take
+from ..core.data import inputs_of, read_data
 from ..core.layout import flat_params, set_flat_params
 from ..core.outputs import output_layout
 from ..core.planner import chunk_size_for, plan_chunks
@@ -39,6 +40,14 @@ class LeastSquaresProblem:
             )
         self.jacobian = jacobian
         self.model = model
+        x, y, weights = read_data(x, y, inputs=inputs_of(model))
+        if weights is not None or y is None:
+            raise ValueError(
+                "least squares needs x and y, and no sample weights: "
+                + ("pass y, or a dataset of (x, y) batches." if y is None else
+                   "the residuals f(x) - y are unweighted; give batches of "
+                   "(x, y).")  # fmt: skip
+            )
         self._target = resolve_target(model, variables, training, x)
         # The columns are the variables of this moment, kept: freezing a layer
         # later does not change the length of theta under SciPy's feet.
@@ -284,7 +293,7 @@ def _target_rows(y, n_rows, n_outputs):
 def least_squares_problem(
     model,
     x,
-    y,
+    y=None,
     *,
     variables=None,
     training=False,
@@ -315,7 +324,8 @@ def least_squares_problem(
 
     Args:
         model: a Keras model, or a callable ``f(x)`` with ``variables=``.
-        x: the n samples.
+        x: the n samples, or a dataset of ``model.fit``'s ``(x, y)`` batches
+            (then no ``y``), read as ``jacutil.jacobian`` reads it.
         y: the targets, shape (n, l) or the model's output shape per sample.
         variables, training, chunk_size, memory_budget: as
             :func:`chunked_jacobian` takes them (the variables are fitted).
@@ -342,7 +352,7 @@ def least_squares_problem(
     )
 
 
-def fit_least_squares(model, x, y, **least_squares_options):
+def fit_least_squares(model, x, y=None, **least_squares_options):
     """Fit ``model`` to ``(x, y)`` with ``scipy.optimize.least_squares``.
 
     ``model``, ``x`` and ``y`` as :func:`least_squares_problem` takes them;

@@ -18,6 +18,7 @@ from ..core._shared import joined_gradients, or_zeros, sizes_of
 from ..core._tf import tf
 from ..core.arguments import check_chunk_size
 from ..core.batch import as_batch, n_samples, signature, signature_key, take
+from ..core.data import inputs_of, read_data
 from ..core.formulation import (
     new_ops,
     quiet_function,
@@ -285,7 +286,9 @@ def jacobian_operator(model, x, **options):
     model's variables when it is applied, so it follows the model's current
     parameters. Introduced in ``09-matrix-free``.
 
-    Arguments as :func:`jvp` (or ``products=`` ones already made).
+    Arguments as :func:`jvp` (or ``products=`` ones already made); ``x`` may
+    also be a dataset of ``model.fit``'s batches, as ``jacutil.jacobian``
+    reads it.
     """
     from scipy.sparse.linalg import LinearOperator
 
@@ -298,6 +301,7 @@ def jacobian_operator(model, x, **options):
             "when you make the products, or leave products= out."
         )
     prods = prods or products(model, **options)
+    x = read_data(x, inputs=inputs_of(model))[0]  # a dataset: its x, in order
     batch = as_batch(x, prods.target)
     rows = int(n_samples(batch))
     n_outputs = output_layout(prods.target, batch).n_outputs
