@@ -46,9 +46,11 @@ def chunked_jacobian(
 
     Args:
         model: a Keras model, or a callable ``f(x)`` with ``variables=``.
-        x: the n samples (an array, or a list or dict of arrays), or a
-            ``tf.data.Dataset`` / ``keras.utils.PyDataset`` of ``model.fit``'s
-            batches, read once (:func:`jacutil.core.data.read_data`).
+        x: the n samples (an array, or a list or dict of arrays), or what
+            ``model.predict`` takes: a ``tf.data.Dataset`` (batched or not,
+            ``padded_batch`` too), a ``keras.utils.PyDataset`` or a generator,
+            read once by Keras's data adapter
+            (:func:`jacutil.core.data.read_data`).
         chunk_size: samples per chunk; None: the largest chunk whose working
             memory fits ``memory_budget``.
         memory_budget: bytes (default 256 MiB), when ``chunk_size`` is None.

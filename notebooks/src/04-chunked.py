@@ -26,7 +26,7 @@
 # against the chunk size, for both vectorizations inside a chunk; a
 # Jacobian written in two runs, as after a restart.
 #
-# *Teaching: 19 min · Exercises: 10 min · Going further: 27 min*
+# *Teaching: 20 min · Exercises: 10 min · Going further: 27 min*
 
 # %% [markdown]
 # ## Setup
