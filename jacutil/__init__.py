@@ -22,10 +22,9 @@ The package, by job:
 - ``engine``    the one compiled machinery every entry runs on: the compiled
                 Jacobian, its rows in chunks, the path choice
 - ``matrix_free``  products with J without forming it, forward mode (09)
-- ``fitting``   SciPy least squares, Levenberg-Marquardt, per-sample gradients (05),
-                DP-SGD by ghost clipping (09)
-- ``privacy``   make_private, then plain model.fit: DP-SGD with sigma from a
-                target epsilon, and a validator (09)
+- ``fitting``   SciPy least squares, Levenberg-Marquardt, per-sample gradients (05)
+- ``privacy``   DP-SGD by ghost clipping, and make_private, then plain
+                model.fit: sigma from a target epsilon, the ledger, the audit (09)
 - ``scale``     resumable files and several processes or machines (10)
 - ``curvature`` G and its diagonal, KFAC, Hessian products, the empirical NTK,
                 spectra and Laplace uncertainty (11)
@@ -65,7 +64,7 @@ _FACE = {
     "per_sample_gradients": "fitting.loss_gradients",
     "per_sample_gradient_norms": "fitting.loss_gradients",
     # DP-SGD by ghost clipping (09)
-    "DPSGD": "fitting.dp_sgd", "make_private": "privacy",
+    "DPSGD": "privacy.dp_sgd", "make_private": "privacy",
     # beyond one machine (10)
     "distributed_jacobian": "scale.distributed",
     "DistributedLeastSquares": "scale.distributed", "LocalWorkers": "scale.distributed",

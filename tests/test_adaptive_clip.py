@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 from jacutil import keras, per_sample_gradient_norms
-from jacutil.fitting.adaptive_clip import AdaptiveClip
-from jacutil.fitting.dp_sgd import DPSGD, epsilon_of
 from jacutil.privacy import make_private
+from jacutil.privacy.accounting import epsilon_of
+from jacutil.privacy.adaptive_clip import AdaptiveClip
+from jacutil.privacy.dp_sgd import DPSGD
 
 N = 512
 rng = np.random.default_rng(0)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jacutil import keras, tf
-from jacutil.fitting.dp_sgd import DPSGD
+from jacutil.privacy.dp_sgd import DPSGD
 
 F64 = {"dtype": "float64"}
 

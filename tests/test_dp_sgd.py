@@ -1,4 +1,4 @@
-"""DP-SGD by ghost clipping (jacutil.fitting.dp_sgd), against a per-sample loop.
+"""DP-SGD by ghost clipping (jacutil.privacy.dp_sgd), against a per-sample loop.
 
 The reference takes one gradient per sample with its own tape, clips it and
 averages: the textbook DP-SGD step that ghost clipping must equal without
@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from jacutil import keras, tf
-from jacutil.fitting.dp_sgd import DPSGD, clip_weights
+from jacutil.privacy.clip_groups import clip_weights
+from jacutil.privacy.dp_sgd import DPSGD
 
 mse = keras.losses.mean_squared_error
 

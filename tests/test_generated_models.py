@@ -441,7 +441,7 @@ def check_dp_step(case, ns, G):
     contribution ``w_i g_i`` to the clipped sum has norm at most C (the
     guarantee DP-SGD rests on), and the update is ``sum_i w_i g_i / n``,
     both from the tape's per-sample gradients."""
-    from jacutil.fitting.dp_sgd import DPSGD
+    from jacutil.privacy.dp_sgd import DPSGD
 
     if ns["options"]:  # DPSGD trains the trainable variables, no others
         return
@@ -537,7 +537,7 @@ def check_per_layer_step(case, ns, G):
     ``sum_i sum_g min(1, C_g / |g_ig|) g_ig / n`` from the tape's G, and
     each group's clipped contribution is at most C_g. The weights are put
     back afterwards."""
-    from jacutil.fitting.dp_sgd import DPSGD
+    from jacutil.privacy.dp_sgd import DPSGD
 
     model, x, y, loss, known = ns["model"], ns["x"], ns["y"], ns["loss"], ns["known"]
     groups = clip_groups_of(model)
@@ -773,7 +773,7 @@ def check_make_private(case, extras):
     make_private after the first fit, each step against the per-sample
     tape of Keras's own loss (:func:`tests.generated.keras_loss_gradients`),
     and the second call's epsilon composed with the first's."""
-    from jacutil.fitting.dp_sgd import epsilon_of
+    from jacutil.privacy.accounting import epsilon_of
 
     mixed = extras["mixed"] and case.dtype == "float32"
     if mixed:

@@ -64,7 +64,7 @@ def test_pld_epsilon_equals_the_accountant_with_each_step_built_once():
     sampled step's built once per (sigma, q) and composed for every count:
     the same floats as the accountant given dp_event's events, for one rate
     and for two, asked again or for other counts."""
-    from jacutil.fitting import dp_sgd
+    from jacutil.privacy import accounting as dp_sgd
 
     dp_sgd.sampled_gaussian_pld.cache_clear()
     for sigma, steps_at in [(1.1, {0.05: 20}), (1.1, {0.05: 45}),

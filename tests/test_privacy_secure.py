@@ -5,8 +5,8 @@ import pytest
 from scipy import stats
 
 from jacutil import keras, tf
-from jacutil.fitting.dp_sgd import SecureRandom
 from jacutil.privacy import make_private
+from jacutil.privacy.noise import SecureRandom
 
 
 def test_secure_noise_is_standard_normal_and_uniforms_are_uniform():

@@ -20,8 +20,9 @@ from jacutil import (
     per_sample_gradients,
     tf,
 )
-from jacutil.fitting.dp_sgd import DPSGD, clip_weights
 from jacutil.matrix_free.products import products
+from jacutil.privacy.clip_groups import clip_weights
+from jacutil.privacy.dp_sgd import DPSGD
 
 F64 = "float64"
 

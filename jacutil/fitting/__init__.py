@@ -3,11 +3,12 @@
 - ``scipy_bridge``    ``least_squares_problem``: a model as SciPy's fun and jac
 - ``gauss_newton``    ``levenberg_marquardt``: our own damped Gauss-Newton
 - ``loss_gradients``  ``per_sample_gradients`` and their norms
-- ``dp_sgd``          ``DPSGD``: differentially private SGD by ghost clipping (09)
+
+DP-SGD, built on the per-sample gradients, lives in ``jacutil.privacy`` (09).
 """
 
 from ..core.lazy import lazy_face
 
 __all__, __getattr__, __dir__ = lazy_face(
-    __name__, modules="dp_sgd gauss_newton loss_gradients scipy_bridge"
+    __name__, modules="gauss_newton loss_gradients scipy_bridge"
 )

@@ -437,7 +437,7 @@ def per_sample_gradients(
 
     The model's regularizers (``model.losses``: ``kernel_regularizer`` and
     the like) are left out: they belong to no sample (as in Opacus).
-    :class:`jacutil.fitting.dp_sgd.DPSGD` adds their gradient once per step.
+    :class:`jacutil.privacy.dp_sgd.DPSGD` adds their gradient once per step.
 
     Args:
         model: a Keras model, or a callable ``f(x)`` with ``variables=``.

@@ -1,7 +1,7 @@
 """Private training the Keras way (notebook 09-matrix-free): ``make_private``
 on a compiled model, then plain ``model.fit``, whose History, callbacks,
 compiled metrics, progress bar and ``validation_data`` stay Keras's while each
-step becomes one step of :class:`jacutil.fitting.dp_sgd.DPSGD`.
+step becomes one step of :class:`jacutil.privacy.dp_sgd.DPSGD`.
 """
 
 import warnings
@@ -11,11 +11,12 @@ import numpy as np
 from ..core._tf import keras, tf
 from ..core.batch import take
 from ..core.internals import compile_loss, keras_train_step, loss_tracker
-from ..fitting.adaptive_clip import AdaptiveClip
-from ..fitting.dp_sgd import DPSGD, epsilon_of, steps_per_epoch
-from .accounting import noise_multiplier_for
+from .accounting import epsilon_of, noise_multiplier_for
+from .adaptive_clip import AdaptiveClip
+from .dp_sgd import DPSGD
 from .keras_loss import KerasLoss
 from .ledger import ledger_of
+from .sampling import steps_per_epoch
 from .validator import validate_private
 
 REFUSED = {  # model.fit's arguments that would break the accounting
@@ -146,7 +147,7 @@ class PrivateTraining:
         :meth:`epsilon`, so the same values; with PLD each sampled step's
         distribution is built once (about 0.5 s) and each epoch's count
         composes it (about 0.1 s:
-        ``jacutil.fitting.dp_sgd.sampled_gaussian_pld``)."""
+        ``jacutil.privacy.accounting.sampled_gaussian_pld``)."""
         for epoch in range(1, self.epochs + 1):
             events = dict(self._before)
             key = (float(self.noise_multiplier), float(self.sampling_rate))
@@ -420,7 +421,7 @@ def make_private(
             per-layer clipping: each sample's gradient on each group's
             variables keeps at most C_g, every trainable variable in one
             group, and the noise scales with ``sqrt(sum C_g^2)``
-            (:class:`jacutil.fitting.clip_groups.ClipGroups`).
+            (:class:`jacutil.privacy.clip_groups.ClipGroups`).
         batch_size: the expected batch size.
         epochs: the epochs the budget covers; ``fit`` refuses more.
         train_size: the number of training samples ``fit`` will get.
@@ -428,7 +429,7 @@ def make_private(
         seed: seeds the sampling and the noise, for a repeatable run that is
             not private against whoever knows it (None: fresh entropy).
         secure_mode: draw the sampling and the noise from ``os.urandom``
-            (:class:`jacutil.fitting.dp_sgd.SecureRandom`: Box-Muller in
+            (:class:`jacutil.privacy.noise.SecureRandom`: Box-Muller in
             float64, each noise value the sum of two draws / sqrt(2), as
             Opacus's secure mode); a seed is refused with it. It costs a trip
             out of the compiled step for the noise each step.
@@ -439,7 +440,7 @@ def make_private(
             that do not fit. None: one pass per step.
         target_quantile: None (the clip norm stays ``l2_norm_clip``), or
             gamma in (0, 1): adaptive clipping (Andrew et al., 2021;
-            :class:`jacutil.fitting.adaptive_clip.AdaptiveClip`) - C starts at
+            :class:`jacutil.privacy.adaptive_clip.AdaptiveClip`) - C starts at
             ``l2_norm_clip`` and follows the gamma quantile of the per-sample
             norms, by a count with noise of ``batch_size / 20`` samples. The
             accountant's sigma is unchanged; the gradient's noise multiplier

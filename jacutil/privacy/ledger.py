@@ -19,7 +19,7 @@ import numpy as np
 
 from ..core._tf import keras
 from ..core.internals import keras_saveable
-from ..fitting.dp_sgd import ACCOUNTANTS, as_events, epsilon_of
+from .accounting import ACCOUNTANTS, as_events, epsilon_of
 
 ATTRIBUTE = "_privacy_ledger"  # the model's attribute, and its path in the file
 

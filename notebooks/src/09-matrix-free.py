@@ -539,7 +539,7 @@ try:
     has_accountant = True
 except ImportError:  # make_private needs it: the private fits are skipped
     has_accountant = False
-    print(ju.fitting.dp_sgd.INSTALL_HINT)
+    print(ju.privacy.accounting.INSTALL_HINT)
 plain = compiled_net().fit(x_train, y_train, epochs=dp_epochs, batch_size=batch,
                            validation_data=(x_test, y_test), verbose=0)
 plain_accuracy = plain.history["val_accuracy"][-1]
@@ -796,7 +796,7 @@ if audits:
 # (printed here; run it yourself in another environment).
 
 # %%
-print(ju.fitting.dp_sgd.INSTALL_COMMAND)
+print(ju.privacy.accounting.INSTALL_COMMAND)
 
 # %% [markdown]
 # ## Exercises

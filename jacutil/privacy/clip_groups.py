@@ -30,6 +30,30 @@ def _clip_value(value, where):
     return float(value)
 
 
+def clip_weights(norms, l2_norm_clip):
+    """The weights ``w_i = min(1, C / |g_i|)`` that clip each gradient to norm C.
+
+    ``w_i g_i`` is ``g_i`` when its norm is at most C and ``g_i`` scaled to
+    norm C otherwise; a zero gradient gets the weight 1, and a non-finite
+    one (NaN or infinity) the weight 0: it contributes nothing, rather than
+    NaN to every weight. Introduced in ``09-matrix-free``.
+
+    ``norms`` are the per-sample gradient norms, shape (n,), and
+    ``l2_norm_clip`` is C. Returns a float64 NumPy array of shape (n,), every
+    entry in [0, 1].
+
+    Examples:
+        >>> clip_weights([0.5, 2.0, 0.0, np.nan], 1.0)
+        array([1. , 0.5, 1. , 0. ])
+    """
+    norms = np.asarray(norms, dtype=np.float64)
+    finite = np.isfinite(norms)
+    over = finite & (norms > l2_norm_clip)
+    weights = np.where(finite, 1.0, 0.0)
+    weights[over] = l2_norm_clip / norms[over]
+    return weights
+
+
 class ClipGroups:
     """``l2_norm_clip`` read as groups of variables, each with its clip norm.
 
@@ -61,7 +85,7 @@ class ClipGroups:
 
     def adapt(self):
         """Hold the clip norm in a variable that each step may move (flat
-        clipping only: :class:`jacutil.fitting.adaptive_clip.AdaptiveClip`)."""
+        clipping only: :class:`jacutil.privacy.adaptive_clip.AdaptiveClip`)."""
         if not self.flat:
             raise ValueError(
                 "adaptive clipping follows one quantile of the whole gradient's "

@@ -23,18 +23,18 @@ norms come from jacutil's own compiled function (a NumPy array, outside any
 Keras graph) and because the privacy accountant needs what the class keeps:
 how many steps ran, at which sampling rate.
 
-The privacy spent comes from Google's ``dp-accounting`` (not our own
-accountant), imported only by :meth:`DPSGD.epsilon`. No release of it
-installs with ``requirements.lock`` by pip's resolver (see
-:data:`INSTALL_HINT`), so it is an optional extra installed without its pins.
+Its parts live beside it: the sampling (:mod:`jacutil.privacy.sampling`),
+the clipping (:mod:`jacutil.privacy.clip_groups`, and
+:mod:`jacutil.privacy.adaptive_clip`), the noise (:mod:`jacutil.privacy.noise`)
+and the accounting (:mod:`jacutil.privacy.accounting`: Google's
+``dp-accounting``, not our own accountant, imported only when epsilon is
+asked for; no release of it installs with ``requirements.lock`` by pip's
+resolver, so it is an optional extra installed without its pins).
 """
 
-import logging
 import math
-import os
 import warnings
-from contextlib import contextmanager
-from functools import lru_cache, partial
+from functools import partial
 from types import SimpleNamespace
 
 import numpy as np
@@ -43,9 +43,7 @@ from ..core._tf import keras, tf
 from ..core.batch import n_samples, take
 from ..core.graph_calls import SignatureCalls
 from ..core.internals import layers_within
-from ..rules.walk import Weighing
-from .clip_groups import ClipGroups
-from .loss_gradients import (
+from ..fitting.loss_gradients import (
     gradients_for,
     loss_signal,
     losses_per_sample,
@@ -53,92 +51,11 @@ from .loss_gradients import (
     per_sample_gradients,
     prepared,
 )
-
-INSTALL_COMMAND = "pip install --no-deps dp-accounting==0.6.0"
-INSTALL_HINT = (
-    "DPSGD.epsilon needs Google's dp-accounting, which is not installed. No "
-    "release of it installs next to requirements.lock with pip's resolver: "
-    "0.5.0-0.6.0 pin attrs<24 (the lock has attrs 26.1.0), 0.1.0-0.5.1 pin "
-    "absl-py<2 (the lock has 2.5.1), and 0.0.1-0.0.2 (2021) have no "
-    "subsampled Gaussian. Its code runs with the locked versions (it imports "
-    "only absl-py, attrs, numpy and scipy), so install it without its pins:\n"
-    f"    {INSTALL_COMMAND}"
-)
-
-ACCOUNTANTS = ("rdp", "pld")
-PLD_GRID = 1e-4  # the PLD accountant's grid of privacy losses (its default)
-
-
-class SecureRandom:
-    """Uniform and Gaussian draws from ``os.urandom`` (``secure_mode``).
-
-    ``random(n)``: n uniforms in [0, 1), each from 53 secure bits (the float64
-    mantissa). ``normal(shape, dtype)``: Box-Muller in float64 on those
-    uniforms, in a graph through ``tf.numpy_function``. As Opacus's secure
-    mode does (Holohan and Braghin's attack on floating-point Gaussian noise:
-    a single float64 draw leaks through the gaps between representable
-    values), each noise value is the sum of two independent draws divided
-    by sqrt(2), which keeps N(0, 1) and blurs those gaps. Introduced in
-    ``09-matrix-free``.
-    """
-
-    def random(self, n):
-        bits = np.frombuffer(os.urandom(8 * int(n)), dtype=np.uint64) >> np.uint64(11)
-        return bits.astype(np.float64) * 2.0**-53
-
-    def _normal(self, size):
-        u1 = 1.0 - self.random(size)  # (0, 1]: log stays finite
-        u2 = self.random(size)
-        return np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
-
-    def standard_normal(self, size):
-        """``size`` N(0, 1) float64 values, each a sum of two draws / sqrt(2)."""
-        size = int(size)
-        return (self._normal(size) + self._normal(size)) / math.sqrt(2.0)
-
-    def normal(self, shape, dtype=tf.float32):
-        """A tensor of N(0, 1) values of ``shape`` (graph or eager)."""
-        dtype = tf.as_dtype(dtype)
-        size = math.prod(shape)
-
-        def draw():
-            return self.standard_normal(size).astype(dtype.as_numpy_dtype)
-
-        values = tf.numpy_function(draw, [], dtype, stateful=True)
-        return tf.reshape(values, shape)
-
-
-def dp_accounting_module():
-    """The ``dp_accounting`` module, or an ImportError that says how to install it."""
-    try:
-        import dp_accounting
-    except ImportError as error:
-        raise ImportError(INSTALL_HINT) from error
-    return dp_accounting
-
-
-def clip_weights(norms, l2_norm_clip):
-    """The weights ``w_i = min(1, C / |g_i|)`` that clip each gradient to norm C.
-
-    ``w_i g_i`` is ``g_i`` when its norm is at most C and ``g_i`` scaled to
-    norm C otherwise; a zero gradient gets the weight 1, and a non-finite
-    one (NaN or infinity) the weight 0: it contributes nothing, rather than
-    NaN to every weight. Introduced in ``09-matrix-free``.
-
-    ``norms`` are the per-sample gradient norms, shape (n,), and
-    ``l2_norm_clip`` is C. Returns a float64 NumPy array of shape (n,), every
-    entry in [0, 1].
-
-    Examples:
-        >>> clip_weights([0.5, 2.0, 0.0, np.nan], 1.0)
-        array([1. , 0.5, 1. , 0. ])
-    """
-    norms = np.asarray(norms, dtype=np.float64)
-    finite = np.isfinite(norms)
-    over = finite & (norms > l2_norm_clip)
-    weights = np.where(finite, 1.0, 0.0)
-    weights[over] = l2_norm_clip / norms[over]
-    return weights
+from ..rules.walk import Weighing
+from .accounting import dp_accounting_module, dp_event, epsilon_of
+from .clip_groups import ClipGroups
+from .noise import random_sources, standard_normal
+from .sampling import check_batch_size, padded_size, poisson_batch, steps_per_epoch
 
 
 def added(sums, found):
@@ -151,39 +68,6 @@ def added(sums, found):
 
 def _take(data, index):
     return tf.nest.map_structure(lambda a: tf.gather(a, index), data)
-
-
-def check_batch_size(batch_size, n):
-    """A ValueError unless the expected batch size is in [1, n]."""
-    if not 1 <= batch_size <= n:
-        raise ValueError(
-            f"batch_size is {batch_size} but the data has {n} samples: the "
-            "expected batch size is batch_size, and each sample joins a batch "
-            f"with probability batch_size / n, which must be in (0, 1] (use "
-            f"batch_size <= {n})."
-        )
-
-
-def steps_per_epoch(n, batch_size):
-    """Poisson-sampled steps in an epoch of n samples: ``round(n / batch_size)``,
-    at least 1 (an epoch sees each sample once in expectation)."""
-    check_batch_size(batch_size, n)
-    return max(1, round(n / batch_size))
-
-
-@contextmanager
-def quiet_absl():
-    """dp-accounting's RDP accountant logs a WARNING for each order whose
-    series does not converge ("Excluding this order from the epsilon
-    computation"): the epsilon it returns is still a valid bound, taken over
-    the other orders, so the warning tells a learner nothing to act on."""
-    logger = logging.getLogger("absl")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def refuse_activity_regularizers(model):
@@ -246,7 +130,7 @@ class DPSGD:
         optimizer: a Keras 3 optimizer, e.g. ``keras.optimizers.SGD(0.1)``.
         l2_norm_clip: C, the largest norm a sample's gradient may keep (> 0);
             or ``{layer name: C_g}`` for per-layer clipping
-            (:class:`jacutil.fitting.clip_groups.ClipGroups`), when
+            (:class:`jacutil.privacy.clip_groups.ClipGroups`), when
             ``l2_norm_clip`` the attribute is ``sqrt(sum C_g^2)``, the noise's
             scale.
         noise_multiplier: sigma, the noise's standard deviation in units of C
@@ -257,9 +141,10 @@ class DPSGD:
             teaching and tests, never private. None (the default): a fresh
             state from the operating system's entropy each run.
         secure_mode: draw the sampling and the noise from the operating
-            system's secure source (:class:`SecureRandom`) instead of seeded
-            generators; slower (the noise leaves the graph for NumPy), and
-            refuses a seed, since a seeded run can be replayed.
+            system's secure source (:class:`jacutil.privacy.noise.
+            SecureRandom`) instead of seeded generators; slower (the noise
+            leaves the graph for NumPy), and refuses a seed, since a seeded
+            run can be replayed.
         max_physical_batch_size: the most rows a pass holds: a larger batch
             is taken in passes whose clipped sums are added before the noise
             (gradient accumulation, the same step in less memory). None:
@@ -268,7 +153,7 @@ class DPSGD:
     Examples:
         >>> import numpy as np
         >>> from jacutil import keras
-        >>> from jacutil.fitting.dp_sgd import DPSGD
+        >>> from jacutil.privacy.dp_sgd import DPSGD
         >>> keras.utils.set_random_seed(0)
         >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
         >>> dp = DPSGD(model, keras.losses.mean_squared_error,
@@ -293,12 +178,7 @@ class DPSGD:
         max_physical_batch_size=None,
         adaptive_clip=None,
     ):
-        if secure_mode and seed is not None:
-            raise ValueError(
-                f"seed is {seed!r} with secure_mode=True; leave seed out: secure "
-                "mode draws from the operating system's secure source, which a "
-                "seed would make repeatable (and an attacker able to replay it)."
-            )
+        self._noise, self._sampler = random_sources(seed, secure_mode)
         if not noise_multiplier >= 0 or not math.isfinite(noise_multiplier):
             raise ValueError(
                 f"noise_multiplier is {noise_multiplier!r}; it must be a finite "
@@ -333,15 +213,6 @@ class DPSGD:
         if not optimizer.built:  # a compiled model's optimizer may be built already
             optimizer.build(self.variables)
         self.secure_mode = bool(secure_mode)
-        if self.secure_mode:
-            self._noise = self._sampler = SecureRandom()
-        elif seed is None:  # fresh state from the operating system each run
-            self._noise = tf.random.Generator.from_non_deterministic_state()
-            self._sampler = np.random.default_rng()
-        else:  # repeatable: for teaching and tests, not private against
-            # anyone who knows the seed
-            self._noise = tf.random.Generator.from_seed(seed)
-            self._sampler = np.random.default_rng([seed, 1])
         self.seeded = seed is not None
         self._steps_at = {}  # sampling rate -> steps taken at it
         self._checked_losses = False
@@ -710,10 +581,7 @@ class DPSGD:
         if adaptive is not None:
             unclipped = float(np.sum(np.asarray(self.last_weights) == 1.0))
             clip = float(self.clip.current())
-            if self.secure_mode:
-                draw = float(self._noise.standard_normal(1)[0])
-            else:
-                draw = float(self._noise.normal([], dtype=tf.float64))
+            draw = standard_normal(self._noise)
             new = adaptive.next_clip(clip, unclipped, expected, draw)
             self.clip.variable.assign([new])
 
@@ -834,16 +702,10 @@ class DPSGD:
         n = n_samples(x)
         check_batch_size(batch_size, n)
         rate = batch_size / n
-        physical = physical_batch_size or batch_size + math.ceil(
-            2 * math.sqrt(batch_size * (1 - rate))
+        physical = padded_size(
+            batch_size, rate, physical_batch_size, self.max_physical_batch_size
         )
-        if self.max_physical_batch_size:
-            physical = min(physical, self.max_physical_batch_size)
-        chosen = np.flatnonzero(self._sampler.random(n) < rate)
-        size = physical * max(1, math.ceil(len(chosen) / physical))
-        index = np.zeros(size, dtype=np.int64)  # padding: sample 0, weight 0
-        index[: len(chosen)] = chosen
-        valid = np.arange(size) < len(chosen)
+        index, valid = poisson_batch(self._sampler, n, rate, physical)
         self.last_logs = None
         if fused is None:
             batch_y = _take(y, index)
@@ -1145,122 +1007,3 @@ class DPSGD:
         return epsilon_of(self.noise_multiplier, self._steps_at, delta, accountant)
 
 
-# -- privacy accounting ---------------------------------------------------------
-
-
-def dp_event(noise_multiplier, steps_at):
-    """DP-SGD's steps as a ``dp_accounting.DpEvent``.
-
-    Each step is a Gaussian mechanism of noise multiplier sigma (on a sum of
-    sensitivity C), Poisson-sampled at its rate; any accountant of
-    ``dp-accounting`` takes it. Introduced in ``09-matrix-free``.
-
-    ``noise_multiplier`` is sigma, ``steps_at`` ``{sampling rate: steps
-    taken at it}`` (rate 1: no sampling); or ``noise_multiplier`` None and
-    ``steps_at`` ``{(sigma, rate): steps}``, the steps of several sigmas (a
-    model's ledger: :class:`jacutil.privacy.ledger.PrivacyLedger`). Returns a
-    ``dp_accounting.ComposedDpEvent``; an ImportError that says how to install
-    dp-accounting when it is not.
-    """
-    dpa = dp_accounting_module()
-    events = []
-    for (sigma, q), count in sorted(as_events(noise_multiplier, steps_at).items()):
-        gaussian = dpa.GaussianDpEvent(sigma)
-        step = gaussian if q == 1 else dpa.PoissonSampledDpEvent(q, gaussian)
-        events.append(dpa.SelfComposedDpEvent(step, count))
-    return dpa.ComposedDpEvent(events)
-
-
-def as_events(noise_multiplier, steps_at):
-    """``{(sigma, rate): steps}`` from :func:`dp_event`'s arguments: one
-    sigma and ``{rate: steps}``, or None and already ``{(sigma, rate):
-    steps}``; runs of no step left out."""
-    if noise_multiplier is not None:
-        steps_at = {(float(noise_multiplier), q): c for q, c in steps_at.items()}
-    return {
-        (float(sigma), float(q)): int(c) for (sigma, q), c in steps_at.items() if c
-    }
-
-
-def check_accounting(delta, accountant):
-    """Refuse a ``delta`` outside (0, 1) (None: not checked) or an accountant
-    that is neither "rdp" nor "pld", saying which values are allowed."""
-    if delta is not None and not 0 < delta < 1:
-        raise ValueError(f"delta is {delta!r}; it must be in (0, 1).")
-    if accountant not in ACCOUNTANTS:
-        raise ValueError(f"accountant is {accountant!r}; one of {ACCOUNTANTS}.")
-
-
-def new_accountant(accountant):
-    """A fresh ``dp-accounting`` accountant: "rdp" or "pld"."""
-    check_accounting(None, accountant)
-    dpa = dp_accounting_module()
-    if accountant == "rdp":
-        return dpa.rdp.RdpAccountant()
-    return dpa.pld.PLDAccountant(value_discretization_interval=PLD_GRID)
-
-
-@lru_cache(maxsize=16)
-def sampled_gaussian_pld(noise_multiplier, sampling_rate):
-    """One Poisson-sampled Gaussian step's privacy loss distribution, built
-    as dp-accounting's ``PLDAccountant`` builds it (its grid, one sample
-    added or removed), once per (sigma, q).
-
-    Building it is the slow part of a PLD epsilon (about 0.5 s on the grid of
-    1e-4); composing it k times is about 10x faster. So epsilon after each
-    epoch of one training (``make_private``), after a calibration's check,
-    or after one more step, builds it once. The result is immutable: every
-    composition returns a new distribution.
-    """
-    dpa = dp_accounting_module()
-    return dpa.pld.privacy_loss_distribution.from_gaussian_mechanism(
-        standard_deviation=noise_multiplier,
-        value_discretization_interval=PLD_GRID,
-        sampling_prob=sampling_rate,
-        neighboring_relation=dpa.NeighboringRelation.ADD_OR_REMOVE_ONE,
-    )
-
-
-def epsilon_of(noise_multiplier, steps_at, delta, accountant="rdp"):
-    """The epsilon of DP-SGD's steps at ``delta``, from Google's dp-accounting.
-
-    Adjacent data sets differ by one sample added or removed. Introduced in
-    ``09-matrix-free``.
-
-    Args:
-        noise_multiplier: sigma; or None when ``steps_at`` names each run's
-            sigma (:func:`as_events`).
-        steps_at: ``{sampling rate: steps taken at it}``, or with
-            ``noise_multiplier`` None ``{(sigma, rate): steps}``: runs of
-            steps at several noise multipliers, composed.
-        delta: the delta of the (epsilon, delta) guarantee, in (0, 1);
-            usually below 1 / n.
-        accountant: "rdp" (Renyi DP, as TensorFlow Privacy reports) or "pld"
-            (privacy loss distributions: tighter, slower).
-
-    Returns:
-        Epsilon, a float (``inf`` with no noise; 0.0 before any step).
-
-    Raises:
-        ImportError: dp-accounting is not installed (the message says how).
-    """
-    check_accounting(delta, accountant)
-    dpa = dp_accounting_module()
-    events = as_events(noise_multiplier, steps_at)
-    if not events:
-        return 0.0
-    if any(sigma == 0 for sigma, _ in events):
-        return math.inf
-    with quiet_absl():
-        if accountant == "pld" and all(0 < q < 1 for _, q in events):
-            # what the PLD accountant composes for dp_event's events, in
-            # their order, from its identity, each step's distribution built
-            # once (the tests compare with the accountant itself)
-            pld = dpa.pld.privacy_loss_distribution.identity(PLD_GRID)
-            for (sigma, q), count in sorted(events.items()):
-                step = sampled_gaussian_pld(sigma, q)
-                pld = pld.compose(step.self_compose(count))
-            return float(pld.get_epsilon_for_delta(delta))
-        ledger = new_accountant(accountant)
-        ledger.compose(dp_event(None, events))
-        return float(ledger.get_epsilon(delta))
