@@ -485,3 +485,22 @@ def test_each_outputs_loss_in_the_logs_is_the_sampled_rows_mean():
     for name, values in (("a_loss", ce), ("b_loss", mse)):
         logged = np.mean(history.history[name])
         assert logged == pytest.approx(float(np.mean(values)), rel=0.25), name
+
+
+def test_a_model_compiled_with_no_loss_but_its_own_add_loss_trains():
+    """Keras lets a model's only loss be what its layers add (compile with
+    no loss); make_private clips each sample's share of it."""
+
+    class SquaredOutput(keras.layers.Layer):
+        def call(self, h):
+            self.add_loss(tf.reduce_mean(tf.square(h - 1.0)))
+            return h
+
+    def build():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((FEATURES,))
+        return keras.Model(inputs, SquaredOutput()(keras.layers.Dense(2)(inputs)))
+
+    expected, got, training = keras_step_and_private_step(build, {}, VALUES)
+    assert training.loss.compiled is None and training.loss.reads_forward
+    close(got, expected)
