@@ -4,14 +4,17 @@ Every entry that loops over samples plans here, once: its arguments checked
 (:mod:`jacutil.core.arguments`), a memory budget (:func:`memory_budget_for`)
 turned into a chunk size by the working-memory model below
 (:func:`chunk_size_for`), the chunks' bounds (:class:`Plan`), and one loop
-that runs ``compute(start, stop)`` over them into a new array, a given array
-or memmap, or a resumable ``.npy`` (:func:`run_chunks`,
-:func:`resumable_chunks`; the ledger and lock: :mod:`jacutil.core.resume`).
+that runs ``compute(start, stop)`` over them: rows into a new array, a given
+array or memmap, or a resumable ``.npy`` (:func:`run_chunks`,
+:func:`resumable_chunks`; the ledger and lock: :mod:`jacutil.core.resume`), or
+a running sum (:func:`sum_chunks`: JᵀJ, Jᵀr, the Fishers, KFAC's factors).
+An entry supplies only its bytes per sample and ``compute``.
 """
 
 from dataclasses import dataclass, replace
 
 import numpy as np
+import tensorflow as tf
 from tqdm.auto import tqdm
 
 from ._shared import ceil_div, is_path
@@ -255,6 +258,39 @@ def run_chunks(plan, compute, out=None, *, shape, dtype, record=None, progress=F
             out[start:stop] = np.asarray(compute(start, stop))
             bar.update(stop - start)
     return out
+
+
+def sum_chunks(plan, compute, *, progress=False):
+    """The sum over the chunks of ``plan`` of ``compute(start, stop)``.
+
+    What every entry that accumulates over samples runs (G, the Fishers and
+    their products, KFAC's factors, a Laplace precision): one chunk's
+    working memory at a time, a progress bar over chunks, and the sum kept
+    in float64 whatever the model's dtype.
+
+    Args:
+        plan: a :class:`Plan`.
+        compute: ``compute(start, stop)``: the part of samples
+            ``start:stop``: an array, a tensor, a number, or a structure
+            (tuple, list, dict) of them, the same for every chunk.
+        progress: show a progress bar over chunks.
+
+    Returns:
+        The sum, of ``compute``'s structure, as float64 NumPy arrays.
+
+    Examples:
+        >>> plan = plan_chunks(5, chunk_size=2)
+        >>> count, total = sum_chunks(plan, lambda a, b: (b - a, [a, b]))
+        >>> float(count), total.tolist()
+        (5.0, [6.0, 11.0])
+    """
+    total = None
+    for start, stop in plan.bounds(progress):
+        part = tf.nest.map_structure(
+            lambda a: np.asarray(a, np.float64), compute(start, stop)
+        )
+        total = part if total is None else tf.nest.map_structure(np.add, total, part)
+    return total
 
 
 def resumable_chunks(path, plan, compute, shape, dtype, record, progress=False):
