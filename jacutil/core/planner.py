@@ -280,7 +280,7 @@ def sum_chunks(plan, compute, *, progress=False):
 
     Examples:
         >>> plan = plan_chunks(5, chunk_size=2)
-        >>> count, total = sum_chunks(plan, lambda a, b: (b - a, [a, b]))
+        >>> count, total = sum_chunks(plan, lambda a, b: (b - a, np.array([a, b])))
         >>> float(count), total.tolist()
         (5.0, [6.0, 11.0])
     """
