@@ -89,6 +89,27 @@ def kept(kind, model, key, make, still_valid=None):
     return entries[key]
 
 
+class PerSignature:
+    """An entry's compiled functions, one per key (the shapes and dtypes of
+    its inputs, and what else the trace depends on): every per-shape table
+    of ``tf.function`` s is one of these. It is held by an entry of the
+    registry above (a model's curvature products, its KFAC replay, ...), so
+    it lives and dies with the model, like the entry.
+    """
+
+    def __init__(self):
+        self._functions = {}
+
+    def get(self, key, build):
+        """The function kept under ``key``, made by ``build()`` the first time."""
+        if key not in self._functions:
+            self._functions[key] = build()
+        return self._functions[key]
+
+    def __len__(self):
+        return len(self._functions)
+
+
 def clear():
     """Forget every compiled function of every model."""
     for cache in _caches.values():

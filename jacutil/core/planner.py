@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from ._shared import ceil_div, is_path
 from .arguments import check_chunk_size, check_memory_budget
 from .memory import available_bytes
-from .resume import check_out, open_rows, write_rows, writer_lock
+from .resume import SumCheckpoint, check_out, open_rows, write_rows, writer_lock
 
 # Working memory of a chunk of c samples, in bytes (itemsize bytes a number;
 # l outputs, m parameters; A: the activations of one sample's forward pass, as
@@ -260,13 +260,17 @@ def run_chunks(plan, compute, out=None, *, shape, dtype, record=None, progress=F
     return out
 
 
-def sum_chunks(plan, compute, *, progress=False):
+def sum_chunks(plan, compute, *, progress=False, checkpoint=None, record=None):
     """The sum over the chunks of ``plan`` of ``compute(start, stop)``.
 
     What every entry that accumulates over samples runs (G, the Fishers and
-    their products, KFAC's factors, a Laplace precision): one chunk's
-    working memory at a time, a progress bar over chunks, and the sum kept
-    in float64 whatever the model's dtype.
+    their products, KFAC's factors, a Laplace precision, JᵀJ and Jᵀr): one
+    chunk's working memory at a time, a progress bar over chunks, and the
+    sum kept in float64 whatever the model's dtype. With a ``checkpoint``
+    path, the sums (a tuple of arrays) are saved after each chunk
+    (:class:`jacutil.core.resume.SumCheckpoint`, identified by ``record``),
+    and a run called again goes on from the next chunk, to the same sums
+    bit for bit (notebook 10).
 
     Args:
         plan: a :class:`Plan`.
@@ -274,6 +278,8 @@ def sum_chunks(plan, compute, *, progress=False):
             ``start:stop``: an array, a tensor, a number, or a structure
             (tuple, list, dict) of them, the same for every chunk.
         progress: show a progress bar over chunks.
+        checkpoint: None, or a ``.npz`` path for the running sums.
+        record: with a checkpoint, what identifies the run (JSON-able).
 
     Returns:
         The sum, of ``compute``'s structure, as float64 NumPy arrays.
@@ -284,12 +290,16 @@ def sum_chunks(plan, compute, *, progress=False):
         >>> float(count), total.tolist()
         (5.0, [6.0, 11.0])
     """
-    total = None
-    for start, stop in plan.bounds(progress):
+    saved = None if checkpoint is None else SumCheckpoint(checkpoint, record)
+    first, total = (0, None) if saved is None else saved.load()
+    chunks = range(first, plan.n_chunks)
+    for k in tqdm(chunks, disable=not progress, unit="chunk"):
         part = tf.nest.map_structure(
-            lambda a: np.asarray(a, np.float64), compute(start, stop)
+            lambda a: np.asarray(a, np.float64), compute(*plan.chunk(k))
         )
         total = part if total is None else tf.nest.map_structure(np.add, total, part)
+        if saved is not None:
+            saved.save(k + 1, total)
     return total
 
 

@@ -490,11 +490,11 @@ class SumCheckpoint:
         self.path = Path(path)
         self.record = json.dumps(record, sort_keys=True, default=str)
 
-    def load(self, zeros):
+    def load(self):
         """``(next_chunk, sums)`` where an earlier run stopped, or
-        ``(0, zeros)``; ResumeMismatch for sums of another computation."""
+        ``(0, None)``; ResumeMismatch for sums of another computation."""
         if not self.path.exists():
-            return 0, zeros
+            return 0, None
         with np.load(self.path) as saved:
             if str(saved["record"]) != self.record:
                 raise ResumeMismatch(
@@ -502,8 +502,9 @@ class SumCheckpoint:
                     "parameters, data or chunk size). Delete it to start afresh, "
                     "or use another checkpoint path."
                 )
+            count = sum(name.startswith("sum") for name in saved.files)
             return int(saved["next_chunk"]), tuple(
-                saved[f"sum{i}"] for i in range(len(zeros))
+                saved[f"sum{i}"] for i in range(count)
             )
 
     def save(self, next_chunk, sums):

@@ -24,6 +24,7 @@ from ..core.data import read_data
 from ..core.formulation import kept_loops, new_ops, quiet_function, refuse_hidden_reads
 from ..core.guards import require_connected
 from ..core.outputs import output_layout
+from ..core.planner import sum_chunks
 from ..core.target import resolve_target, variable_list, watched
 from ..matrix_free.products import Products
 from .losses import losses_for
@@ -113,7 +114,8 @@ class CurvatureProducts(Products):
     def _compiled(self, kind, loss, x, w, t=None):
         widths = None if t is None else tuple(a.shape[1] for a in t)
         key = (kind, loss.key, signature_key(x), w.shape[1], widths)
-        if key not in self._functions:
+
+        def build():
             dtype = self.target.dtype
             specs = [
                 signature(x),
@@ -132,8 +134,9 @@ class CurvatureProducts(Products):
                 def method(x, w, v, t):
                     return self.hvp_chunk(loss, x, t, w, v)
 
-            self._functions[key] = quiet_function(method, input_signature=specs)
-        return self._functions[key]
+            return quiet_function(method, input_signature=specs)
+
+        return self._functions.get(key, build)
 
     def product(self, kind, loss, x, v, w, t):
         """``G @ v`` (``kind="ggn"``) or ``H @ v`` (``"hvp"``), (m,), for a
@@ -141,14 +144,15 @@ class CurvatureProducts(Products):
         (n, l); ``t``: the heads' targets (one array each), or None."""
         self._check_shapes()
         v = tf.constant(self._vector(v, self.n_params, "v", "one number per parameter"))
-        total = np.zeros(self.n_params, self.target.dtype)
         function = self._compiled(kind, loss, x, w, t)
-        for a, b in self._chunks(x):
+
+        def part(a, b):
             args = [take(x, a, b), tf.constant(w[a:b]), v]
             if t is not None:
                 args.append([tf.constant(part[a:b]) for part in t])
-            total += function(*args).numpy()
-        return total
+            return function(*args)
+
+        return sum_chunks(self._chunks(x), part).astype(self.target.dtype)
 
     def outputs(self, x):
         """The model's outputs on a checked batch, as rows (n, l), NumPy."""

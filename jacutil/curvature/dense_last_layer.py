@@ -32,6 +32,7 @@ import numpy as np
 
 from ..core import cache
 from ..core._tf import keras, tf
+from ..core.cache import PerSignature
 from ..core.formulation import quiet_function
 
 REPLAY_RTOL = 1e-5  # the replayed outputs against model(x), relative
@@ -60,7 +61,7 @@ class DenseLastLayer:
         self.n_features = int(layer.kernel.shape[0]) + int(with_bias)  # d + 1
         self._features, self._tail = features, tail
         self._identity = tail is None and layer.activation is keras.activations.linear
-        self._functions = {}
+        self._functions = PerSignature()
 
     def _forward(self, x):
         """(phi, f, A or None) in the graph; phi without the column of ones."""
@@ -89,14 +90,13 @@ class DenseLastLayer:
     def _compiled(self, x, xla):
         """The concrete ``_head`` for x's per-sample shape and dtype, with XLA
         or without."""
-        key = (x.shape[1:], x.dtype.str, xla)
-        function = self._functions.get(key)
-        if function is None:
-            spec = tf.TensorSpec([None, *x.shape[1:]], x.dtype)
-            function = quiet_function(self._head, jit_compile=xla)
-            function = function.get_concrete_function(spec)
-            self._functions[key] = function
-        return function
+        spec = tf.TensorSpec([None, *x.shape[1:]], x.dtype)
+        return self._functions.get(
+            (x.shape[1:], x.dtype.str, xla),
+            lambda: quiet_function(self._head, jit_compile=xla).get_concrete_function(
+                spec
+            ),
+        )
 
     def head(self, x):
         """``(phi_bar, f, A)`` of a batch x (an array), float64: phi_bar

@@ -21,9 +21,10 @@ import numpy as np
 from ..core._tf import tf
 from ..core.arguments import check_memory_budget
 from ..core.batch import signature, take
+from ..core.cache import PerSignature
 from ..core.data import read_data
 from ..core.formulation import quiet_function
-from ..core.planner import bytes_per_sample, plan_within
+from ..core.planner import bytes_per_sample, plan_within, sum_chunks
 from ..core.target import variable_list
 from ..engine.compiled import compiled_for
 from ..rules.walk import OutputRows
@@ -45,7 +46,7 @@ class OnRules:
     def __init__(self, jac):
         self.jac = jac
         self.target = jac.target
-        self._functions = {}
+        self._functions = PerSignature()
         self.formulation = None
         self.trace_count = 0
 
@@ -93,25 +94,26 @@ class DiagonalOfG(OnRules):
             None if w is None else w.shape[1],
             None if t is None else tuple(a.shape[1] for a in t),
         )
-        if key not in self._functions:
-            dtype = self.target.dtype
-            specs = [signature(x)]
-            if w is not None:
-                specs.append(tf.TensorSpec([None, w.shape[1]], dtype))
-            if t is not None:
-                specs.append([tf.TensorSpec([None, a.shape[1]], dtype) for a in t])
-
-            def squares(x, w=None, t=None):
-                self.trace_count += 1  # Python side effect: once per trace
-                return plan.squared_columns(x, self._signal(x, w, t))
-
-            self._functions[key] = quiet_function(
-                squares, input_signature=specs, autograph=plan.user_code
-            )
-        args = [x] + [tf.constant(a) for a in (w,) if a is not None]
+        dtype = self.target.dtype
+        specs, args = [signature(x)], [x]
+        if w is not None:
+            specs.append(tf.TensorSpec([None, w.shape[1]], dtype))
+            args.append(tf.constant(w))
         if t is not None:
+            specs.append([tf.TensorSpec([None, a.shape[1]], dtype) for a in t])
             args.append([tf.constant(a) for a in t])
-        return self._functions[key](*args).numpy()
+
+        def squares(x, w=None, t=None):
+            self.trace_count += 1  # Python side effect: once per trace
+            return plan.squared_columns(x, self._signal(x, w, t))
+
+        function = self._functions.get(
+            key,
+            lambda: quiet_function(
+                squares, input_signature=specs, autograph=plan.user_code
+            ),
+        )
+        return function(*args).numpy()
 
     def _formed(self, x, w, t):
         J = np.asarray(self.jac.tensor(x))  # the compiled stage's per-sample J
@@ -173,13 +175,15 @@ def ggn_diagonal(
         jac.activation_elements(batch),
     )
     plan = plan_within(rows, per_sample, memory_budget)
-    total = np.zeros(target.n_params)
-    for start, stop in plan.bounds(progress):
-        total += job(
+    total = sum_chunks(
+        plan,
+        lambda start, stop: job(
             take(batch, start, stop),
             None if w is None else w[start:stop],
             None if t is None else [a[start:stop] for a in t],
-        )
+        ),
+        progress=progress,
+    )
     if explain:
         return total, f"{job.formulation}; {plan}"
     return total

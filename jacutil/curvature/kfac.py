@@ -29,9 +29,10 @@ import numpy as np
 
 from ..core._shared import sizes_of
 from ..core._tf import keras, tf
+from ..core.cache import PerSignature
 from ..core.data import read_data
 from ..core.formulation import quiet_function
-from ..core.planner import plan_chunks
+from ..core.planner import plan_chunks, sum_chunks
 from ..core.target import resolve_target, variable_list
 from ..rules.conv import kernel_offsets
 from .compiled import curvature_for, curvature_inputs
@@ -206,7 +207,7 @@ class _Replay:
     def __init__(self, model, layers, loss):
         self.model, self.layers, self.loss = model, layers, loss
         self._factored = {id(layer) for layer in layers}
-        self._functions = {}
+        self._functions = PerSignature()
         self.trace_count = 0
 
     def forward(self, x):
@@ -239,19 +240,19 @@ class _Replay:
 
     def __call__(self, x, w, t=None):
         widths = None if t is None else tuple(a.shape[1] for a in t)
-        key = (tuple(x.shape[1:]), x.dtype.name, w.shape[1], widths)
-        if key not in self._functions:
-            specs = [
-                tf.TensorSpec([None, *x.shape[1:]], x.dtype),
-                tf.TensorSpec([None, w.shape[1]], x.dtype),
-            ]
-            if t is not None:
-                specs.append([tf.TensorSpec([None, k], x.dtype) for k in widths])
-            self._functions[key] = quiet_function(self.sums, input_signature=specs)
+        specs = [
+            tf.TensorSpec([None, *x.shape[1:]], x.dtype),
+            tf.TensorSpec([None, w.shape[1]], x.dtype),
+        ]
         args = [x, tf.constant(w)]
         if t is not None:
+            specs.append([tf.TensorSpec([None, k], x.dtype) for k in widths])
             args.append([tf.constant(a) for a in t])
-        return self._functions[key](*args)
+        function = self._functions.get(
+            (tuple(x.shape[1:]), x.dtype.name, w.shape[1], widths),
+            lambda: quiet_function(self.sums, input_signature=specs),
+        )
+        return function(*args)
 
 
 def kfac(
@@ -302,28 +303,24 @@ def kfac(
         lambda _: _Replay(model, layers, loss),
     )  # fmt: skip
     n = int(x.shape[0])
-    AA, count, BB = [0.0] * len(layers), [0] * len(layers), [0.0] * len(layers)
-    plan = plan_chunks(n, chunk_size=256 if chunk_size is None else chunk_size)
-    for start, stop in plan:
+
+    def sums(start, stop):  # each layer's (A's sum, its rows, B's sum) on a chunk
         chunk = x[start:stop]
         parts, B, f = replay(
             chunk, w[start:stop], None if t is None else [a[start:stop] for a in t]
         )
         if start == 0:
             _check_replay(model, chunk, f)
-        for j in range(len(layers)):
-            AA[j] = AA[j] + parts[2 * j].numpy().astype(np.float64)
-            count[j] += int(parts[2 * j + 1])
-            BB[j] = BB[j] + B[j].numpy().astype(np.float64)
-    factors = []
-    for j, layer in enumerate(layers):
-        positions = count[j] / n  # R: rows per sample
-        factors.append(
-            LayerFactors(
-                layer.name, AA[j] / (n * positions), BB[j], where(layer.kernel),
-                where(layer.bias) if layer.use_bias else None,
-            )
-        )  # fmt: skip
+        return [(parts[2 * j], parts[2 * j + 1], B[j]) for j in range(len(layers))]
+
+    plan = plan_chunks(n, chunk_size=256 if chunk_size is None else chunk_size)
+    factors = [
+        LayerFactors(
+            layer.name, AA / count, BB, where(layer.kernel),  # count: n R rows
+            where(layer.bias) if layer.use_bias else None,
+        )
+        for layer, (AA, count, BB) in zip(layers, sum_chunks(plan, sums), strict=True)
+    ]  # fmt: skip
     covered = {id(layer.kernel) for layer in layers} | {
         id(layer.bias) for layer in layers if layer.use_bias
     }

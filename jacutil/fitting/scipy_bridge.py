@@ -14,8 +14,8 @@ from ..core.batch import as_batch, n_samples, take
 from ..core.data import inputs_of, read_data
 from ..core.layout import flat_params, set_flat_params
 from ..core.outputs import output_layout
-from ..core.planner import chunk_size_for, plan_chunks
-from ..core.resume import SumCheckpoint, fingerprint
+from ..core.planner import chunk_size_for, plan_chunks, sum_chunks
+from ..core.resume import fingerprint
 from ..core.target import resolve_target
 from ..curvature.diagonal import ggn_diagonal
 from ..curvature.kfac import kfac
@@ -44,9 +44,12 @@ class LeastSquaresProblem:
         if weights is not None or y is None:
             raise ValueError(
                 "least squares needs x and y, and no sample weights: "
-                + ("pass y, or a dataset of (x, y) batches." if y is None else
-                   "the residuals f(x) - y are unweighted; give batches of "
-                   "(x, y).")  # fmt: skip
+                + (
+                    "pass y, or a dataset of (x, y) batches."
+                    if y is None
+                    else "the residuals f(x) - y are unweighted; give batches of "
+                    "(x, y)."
+                )  # fmt: skip
             )
         self._target = resolve_target(model, variables, training, x)
         # The columns are the variables of this moment, kept: freezing a layer
@@ -209,24 +212,13 @@ class LeastSquaresProblem:
                 'levenberg_marquardt(problem, solver="cg") instead.'
             )
         self.set_params(theta)
-        sums = (np.zeros((self.n_params, self.n_params)), np.zeros(self.n_params))
-        first, saved = 0, None
-        if checkpoint is not None:
-            record = fingerprint(
-                self.model,
-                self._variables,
-                (self.x, self.y),
-                chunk_size=self.chunk_size,
-                training=self._target.training,
-            )
-            saved = SumCheckpoint(checkpoint, record)
-            first, sums = saved.load(sums)
-        for k in range(first, self.n_chunks):
-            for total, part in zip(sums, self.chunk_normal_equations(k), strict=True):
-                total += part
-            if saved is not None:
-                saved.save(k + 1, sums)
-        return sums
+        record = checkpoint and fingerprint(
+            self.model, self._variables, (self.x, self.y),
+            chunk_size=self.chunk_size, training=self._target.training,
+        )  # fmt: skip
+        return sum_chunks(
+            self.plan, self._normal_equations, checkpoint=checkpoint, record=record
+        )
 
     @property
     def n_chunks(self):
@@ -234,7 +226,9 @@ class LeastSquaresProblem:
 
     def chunk_normal_equations(self, k):
         """``J_k.T @ J_k`` and ``J_k.T @ r_k`` of chunk ``k`` at the model's weights."""
-        start, stop = self.plan.chunk(k)
+        return self._normal_equations(*self.plan.chunk(k))
+
+    def _normal_equations(self, start, stop):
         J = self._jacobian(start, stop)
         return J.T @ J, J.T @ self._residuals(start, stop)
 

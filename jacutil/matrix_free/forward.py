@@ -15,6 +15,7 @@ from ..core import cache
 from ..core._shared import or_zeros, sizes_of
 from ..core._tf import tf
 from ..core.batch import as_batch, n_samples, signature, signature_key
+from ..core.cache import PerSignature
 from ..core.formulation import (
     new_ops,
     onednn_hazards,
@@ -48,7 +49,7 @@ class ForwardJacobian:
                 f"columns_per_pass must be positive; got {columns_per_pass}."
             )
         self.trace_count = 0
-        self._functions = {}
+        self._functions = PerSignature()
         ensure_second_order()  # forward mode differentiates gradient ops
 
     def jvp_columns(self, x, tangents):
@@ -86,8 +87,8 @@ class ForwardJacobian:
         n_outputs = output_layout(self.target, x).n_outputs
         m = self.target.n_params
         columns = min(self.columns, m)  # no JVPs along padding when m is small
-        key = signature_key(x)
-        if key not in self._functions:
+
+        def build():
             specs = [signature(x), tf.TensorSpec([columns, m], self.target.dtype)]
             function = quiet_function(self.jvp_columns, input_signature=specs)
             graph = function.get_concrete_function().graph
@@ -96,14 +97,16 @@ class ForwardJacobian:
                 function = quiet_function(
                     self.jvp_columns, input_signature=specs, jit_compile=True
                 )
-            self._functions[key] = function
+            return function
+
+        function = self._functions.get(signature_key(x), build)
         out = np.empty((int(n_samples(x)), n_outputs, m), self.target.dtype)
         eye = np.eye(columns, m, dtype=self.target.dtype)
         for start in range(0, m, columns):
             stop = min(start + columns, m)
             tangents = np.roll(eye, start, axis=1)  # e_start, e_start+1, ...
             tangents[stop - start :] = 0  # past m: no column
-            block = self._functions[key](x, tf.constant(tangents))
+            block = function(x, tf.constant(tangents))
             out[:, :, start:stop] = np.asarray(block)[:, :, : stop - start]
         return out
 

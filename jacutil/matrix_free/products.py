@@ -18,6 +18,7 @@ from ..core._shared import joined_gradients, or_zeros, sizes_of
 from ..core._tf import tf
 from ..core.arguments import check_chunk_size
 from ..core.batch import as_batch, n_samples, signature, signature_key, take
+from ..core.cache import PerSignature
 from ..core.data import inputs_of, read_data
 from ..core.formulation import (
     new_ops,
@@ -29,7 +30,7 @@ from ..core.formulation import (
     unrolled,
 )
 from ..core.outputs import output_layout
-from ..core.planner import plan_chunks
+from ..core.planner import plan_chunks, run_chunks, sum_chunks
 from ..core.second_order import ensure_second_order
 from ..core.target import resolve_target, watched
 
@@ -57,7 +58,7 @@ class Products:
         self.shapes = [tuple(v.shape) for v in self.variables]
         self.chunk_size = check_chunk_size(chunk_size)
         self.trace_count = 0
-        self._functions = {}
+        self._functions = PerSignature()
 
     # -- checks -------------------------------------------------------------
 
@@ -139,20 +140,18 @@ class Products:
         return joined_gradients(grads, sizes_of(self.variables), y.dtype)
 
     def _function(self, kind, x):
-        key = (kind, signature_key(x))
-        if key not in self._functions:
-            method = {
-                "jvp": self.forward_chunk,
-                "jvp_double_backward": self._jvp_double_backward,
-                "vjp": self.reverse_chunk,
-            }[kind]
-            second = tf.TensorSpec(
-                [None, None] if kind == "vjp" else [self.n_params], self.target.dtype
-            )
-            self._functions[key] = quiet_function(
-                method, input_signature=[signature(x), second]
-            )
-        return self._functions[key]
+        method = {
+            "jvp": self.forward_chunk,
+            "jvp_double_backward": self._jvp_double_backward,
+            "vjp": self.reverse_chunk,
+        }[kind]
+        second = tf.TensorSpec(
+            [None, None] if kind == "vjp" else [self.n_params], self.target.dtype
+        )
+        return self._functions.get(
+            (kind, signature_key(x)),
+            lambda: quiet_function(method, input_signature=[signature(x), second]),
+        )
 
     def _chunks(self, x):
         return plan_chunks(int(n_samples(x)), chunk_size=self.chunk_size)
@@ -164,14 +163,14 @@ class Products:
             refuse_kept_loops(self.target)
         self._check_shapes()
         x = as_batch(x, self.target)
-        output_layout(self.target, x)
+        layout = output_layout(self.target, x)
         v = tf.constant(self._vector(v, self.n_params, "v", "one number per parameter"))
         kind = "jvp" if self.mode == "forward" else "jvp_double_backward"
-        parts = [
-            self._function(kind, x)(take(x, a, b), v).numpy()
-            for a, b in self._chunks(x)
-        ]
-        return np.concatenate(parts)
+        function = self._function(kind, x)
+        return run_chunks(
+            self._chunks(x), lambda a, b: function(take(x, a, b), v),
+            shape=(int(n_samples(x)), layout.n_outputs), dtype=self.target.dtype,
+        )  # fmt: skip
 
     def vjp(self, x, u):
         """``J.T @ u`` as (m,) for the samples ``x``; ``u`` holds one weight
@@ -190,12 +189,11 @@ class Products:
         u = self._vector(u.reshape(-1), rows * layout.n_outputs, "u", "n * l").reshape(
             rows, layout.n_outputs
         )
-        total = np.zeros(self.n_params, self.target.dtype)
-        for a, b in self._chunks(x):
-            total += self._function("vjp", x)(
-                take(x, a, b), tf.constant(u[a:b])
-            ).numpy()
-        return total
+        function = self._function("vjp", x)
+        total = sum_chunks(
+            self._chunks(x), lambda a, b: function(take(x, a, b), tf.constant(u[a:b]))
+        )
+        return total.astype(self.target.dtype)
 
 
 def products(model, *, variables=None, training=False, chunk_size=None, mode="forward"):
