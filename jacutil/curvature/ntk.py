@@ -21,7 +21,13 @@ from ..core.arguments import check_chunk_size
 from ..core.batch import as_batch, n_samples, take
 from ..core.data import inputs_of, read_data
 from ..core.outputs import output_layout
-from ..core.planner import bytes_per_sample, memory_budget_for
+from ..core.planner import (
+    Plan,
+    bytes_per_sample,
+    memory_budget_for,
+    run_chunks,
+    sum_chunks,
+)
 from ..core.resume import (
     ResumeMismatch,
     check_key,
@@ -364,17 +370,19 @@ def _into_file(setup, batch2, path, shape, plan, budget, record, explicit,
         return np.load(path, mmap_mode="r")
 
 
-def _row_chunks(model, setup, memory_budget, held_per_sample, progress):
-    """Yield ``(start, stop, J)`` for each chunk of x, J of shape (c, l, m),
-    the chunks sized for a pass that also holds ``held_per_sample``."""
+def _row_chunks(model, setup, memory_budget, held_per_sample):
+    """``(plan, rows)``: the chunks of x sized for a pass that also holds
+    ``held_per_sample``, and ``rows(start, stop)``, J of a chunk (c, l, m)."""
     what = f"J with {setup.l} outputs x {setup.m:,} parameters"
     per_sample = setup.row_bytes + setup.per_sample + held_per_sample
     budget = memory_budget_for(memory_budget, per_sample * setup.n)
     c = min(_samples_per_chunk(budget, 0, per_sample, 0, what), setup.n)
-    for start in tqdm(range(0, setup.n, c), disable=not progress, unit="chunk"):
-        stop = min(start + c, setup.n)
+
+    def rows(start, stop):
         chunk = take(setup.batch, start, stop)
-        yield start, stop, _jacobian_rows(model, chunk, setup.variables, budget)
+        return _jacobian_rows(model, chunk, setup.variables, budget)
+
+    return Plan(setup.n, c), rows
 
 
 def ntk_trace(model, x, *, variables=None, memory_budget=None, progress=False):
@@ -393,11 +401,13 @@ def ntk_trace(model, x, *, variables=None, memory_budget=None, progress=False):
         ValueError: ``memory_budget`` is too small for one sample.
     """
     setup = _Setup(model, x, variables)
-    total = 0.0
-    for _, _, J in _row_chunks(model, setup, memory_budget, 0, progress):
-        J = J.reshape(-1)
-        total += float(np.dot(J, J))
-    return total
+    plan, rows = _row_chunks(model, setup, memory_budget, 0)
+
+    def squares(start, stop):  # in the model's dtype per chunk
+        J = rows(start, stop).reshape(-1)
+        return np.dot(J, J)
+
+    return float(sum_chunks(plan, squares, progress=progress))
 
 
 def ntk_diagonal(model, x, *, variables=None, memory_budget=None, progress=False):
@@ -417,8 +427,11 @@ def ntk_diagonal(model, x, *, variables=None, memory_budget=None, progress=False
     """
     setup = _Setup(model, x, variables)
     n_out = setup.l
-    blocks = np.empty((setup.n, n_out, n_out), setup.dtype)
-    held = n_out * n_out * setup.itemsize
-    for start, stop, J in _row_chunks(model, setup, memory_budget, held, progress):
-        blocks[start:stop] = np.matmul(J, J.transpose(0, 2, 1))
-    return blocks
+    plan, rows = _row_chunks(model, setup, memory_budget, n_out**2 * setup.itemsize)
+
+    def blocks(start, stop):
+        J = rows(start, stop)
+        return np.matmul(J, J.transpose(0, 2, 1))
+
+    shape = (setup.n, n_out, n_out)
+    return run_chunks(plan, blocks, shape=shape, dtype=setup.dtype, progress=progress)
