@@ -303,7 +303,9 @@ def sum_chunks(plan, compute, *, progress=False, checkpoint=None, record=None):
     return total
 
 
-def resumable_chunks(path, plan, compute, shape, dtype, record, progress=False):
+def resumable_chunks(
+    path, plan, compute, shape, dtype, record, progress=False, *, for_plan=False
+):
     """Chunks into the ``.npy`` at ``path``, skipping those an earlier run finished.
 
     What ``chunked_jacobian(..., out=path)`` runs (notebook 10 shows it): one
@@ -315,6 +317,9 @@ def resumable_chunks(path, plan, compute, shape, dtype, record, progress=False):
         plan: a :class:`Plan`; ``compute``, ``shape``, ``dtype``: as in
             :func:`run_chunks`; ``record``: what identifies the run.
         progress: show a progress bar over samples.
+        for_plan: ``compute(plan)`` gives the ``compute(start, stop)`` of
+            the plan the run keeps (a resumed file's chunks): for rows that
+            depend on the chunk size (the NTK's block-rows).
 
     Returns:
         The finished file, opened read-only.
@@ -324,6 +329,7 @@ def resumable_chunks(path, plan, compute, shape, dtype, record, progress=False):
             path, shape, dtype, record, plan.asked, plan.chunk_size
         )
         plan = replace(plan, chunk_size=chunk_size)
+        compute = compute(plan) if for_plan else compute
         done = ledger.rows_done(chunk_size)
         bar = tqdm(total=plan.n_rows, initial=done, disable=not progress, unit="sample")
         with bar:

@@ -25,17 +25,16 @@ from ..core.planner import (
     Plan,
     bytes_per_sample,
     memory_budget_for,
+    resumable_chunks,
     run_chunks,
     sum_chunks,
 )
 from ..core.resume import (
+    LEDGER_SUFFIX,
     ResumeMismatch,
     check_key,
     check_out,
     fingerprint,
-    open_rows,
-    write_rows,
-    writer_lock,
 )
 from ..core.target import variable_list
 from ..engine.compiled import compiled_for
@@ -329,45 +328,38 @@ def _record(setup, batch2, symmetric, key):
 
 def _into_file(setup, batch2, path, shape, plan, budget, record, explicit,
                symmetric, progress):  # fmt: skip
-    """Block-rows into the ``.npy`` at ``path``, skipping those already there."""
+    """Block-rows into the ``.npy`` at ``path``, skipping those already there
+    (the planner's resumable writer: :func:`jacutil.core.planner.resumable_chunks`)."""
     n_out = setup.l
-    with writer_lock(path):  # one writer at a time, for the whole run
-        ledger, rows_per_chunk = open_rows(
-            path, shape, setup.dtype, record, None, plan.chunk_size * n_out
-        )
-        c = rows_per_chunk // n_out  # a resumed file keeps its chunk size
+
+    def block_rows(rows_plan):  # a resumed file keeps its chunk size
+        c = rows_plan.chunk_size // n_out
         if explicit and c != plan.chunk_size:
             name = Path(path).name
             raise ResumeMismatch(
                 f"{name} was started with chunk_size={c} samples; this run asks "
                 f"for {plan.chunk_size}. Pass chunk_size={c} (or leave it out) "
-                f"to resume it, or delete {name} and {ledger.path.name} to start "
+                f"to resume it, or delete {name} and {name}{LEDGER_SUFFIX} to start "
                 "afresh."
             )
-        if c != plan.chunk_size:  # then the J chunks kept are counted again
-            plan = _Plan(setup, shape[1] // n_out, budget, c, True, symmetric)
-        columns = _Chunks(setup, batch2, c, plan.keep, budget)
-        todo = ledger.todo()
-        bar = tqdm(
-            total=ledger.n_chunks,
-            initial=ledger.n_chunks - len(todo),
-            disable=not progress,
-            unit="block-row",
-        )
-        with bar:
-            for i in todo:
-                start = i * c * n_out
-                stop = min(start + c * n_out, shape[0])
-                rows = np.empty((stop - start, shape[1]), setup.dtype)
-                theta = np.load(path, mmap_mode="r") if symmetric else None
-                _block_row(setup, i, c, columns, rows, start, symmetric, budget, theta)
-                del theta  # the mapping goes: its pages leave this process
-                write_rows(path, start, rows)  # on disk before the ledger says so
-                ledger.done.add(i)
-                ledger.save(rows_per_chunk)
-                bar.update(1)
-        ledger.check_file()  # not changed or cut short while the run wrote
-        return np.load(path, mmap_mode="r")
+        keep = plan.keep  # with another chunk size, the J chunks kept are counted again
+        if c != plan.chunk_size:
+            keep = _Plan(setup, shape[1] // n_out, budget, c, True, symmetric).keep
+        columns = _Chunks(setup, batch2, c, keep, budget)
+
+        def compute(start, stop):
+            rows = np.empty((stop - start, shape[1]), setup.dtype)
+            theta = np.load(path, mmap_mode="r") if symmetric else None
+            i = start // (c * n_out)
+            _block_row(setup, i, c, columns, rows, start, symmetric, budget, theta)
+            return rows  # theta's mapping goes: its pages leave this process
+
+        return compute
+
+    rows_plan = Plan(shape[0], plan.chunk_size * n_out)
+    return resumable_chunks(
+        path, rows_plan, block_rows, shape, setup.dtype, record, progress, for_plan=True
+    )
 
 
 def _row_chunks(model, setup, memory_budget, held_per_sample):
