@@ -1,4 +1,5 @@
-"""Kronecker-factored curvature (KFAC) of Dense and Conv2D layers
+"""Kronecker-factored curvature (KFAC) of the layers whose rule says
+``kronecker_factors`` - Dense, and Conv2D with one group
 (notebook 11-curvature-and-uncertainty).
 
 A Dense layer's per-sample gradient for signal c is the outer product
@@ -20,7 +21,9 @@ costs two small matrix products, and the damped inverse
 B. Parameters outside Dense and Conv2D layers get G's exact diagonal.
 
 The layers are replayed one by one, so the model must be a
-``keras.Sequential`` (any layers; Dense and Conv2D are factored).
+``keras.Sequential`` (any layers). What a layer's factors are made of - its
+inputs as rows and its output before the activation - its rule says
+(:class:`jacutil.rules.dense.KernelRule`).
 """
 
 from dataclasses import dataclass, field
@@ -34,11 +37,9 @@ from ..core.data import read_data
 from ..core.formulation import quiet_function
 from ..core.planner import plan_chunks, sum_chunks
 from ..core.target import resolve_target, variable_list
-from ..rules.conv import kernel_offsets
+from ..rules.registry import rule_for
 from .compiled import curvature_for, curvature_inputs
 from .diagonal import ggn_diagonal
-
-FACTORED = (keras.layers.Dense, keras.layers.Conv2D)
 
 
 @dataclass
@@ -160,62 +161,31 @@ class KFAC:
         )  # fmt: skip
 
 
-def _pre_activation(layer, a):
-    """A Dense or Conv2D layer's output before its activation."""
-    if isinstance(layer, keras.layers.Dense):
-        z = tf.tensordot(a, layer.kernel, [[a.shape.rank - 1], [0]])
-    else:
-        z = layer.convolution_op(a, layer.kernel)
-    return z + layer.bias if layer.use_bias else z
-
-
-def _inputs_as_rows(layer, a):
-    """The layer's inputs as rows (one per sample and position), with a 1
-    for the bias: (n R, d_in + 1)."""
-    if isinstance(layer, keras.layers.Conv2D):
-        kh, kw = layer.kernel_size
-        sh, sw = layer.strides
-        dh, dw = layer.dilation_rate
-        offsets = kernel_offsets(a, (kh, kw), (sh, sw), (dh, dw), layer.padding.upper())
-        a = tf.concat(offsets, -1)  # the patches, in the kernel's order
-    rows = tf.reshape(a, [-1, a.shape[-1]])
-    if layer.use_bias:
-        rows = tf.concat([rows, tf.ones_like(rows[:, :1])], axis=1)
-    return rows
-
-
-def _refuse(model, layers):
+def _refuse(model):
     if not isinstance(model, keras.Sequential):
         raise ValueError(
             f"kfac() replays a keras.Sequential layer by layer; {type(model).__name__} "
             "is not one. Use ggn_diagonal() or ggn_operator() for this model."
         )
-    for layer in layers:
-        if isinstance(layer, keras.layers.Conv2D) and (
-            layer.data_format != "channels_last" or layer.groups != 1
-        ):
-            raise ValueError(
-                f"layer {layer.name!r}: kfac() factors Conv2D with channels_last "
-                "data and groups=1 only."
-            )
 
 
 class _Replay:
     """The compiled sums of one chunk: per factored layer, ``a_bar.T a_bar``,
     the number of rows, and ``sum_c delta_c.T delta_c``."""
 
-    def __init__(self, model, layers, loss):
-        self.model, self.layers, self.loss = model, layers, loss
-        self._factored = {id(layer) for layer in layers}
+    def __init__(self, model, rules, loss):
+        self.model, self.rules, self.loss = model, rules, loss
+        self._factored = {id(rule.layer): rule for rule in rules}
         self._functions = PerSignature()
         self.trace_count = 0
 
     def forward(self, x):
         h, inputs, pre = x, [], []
         for layer in self.model.layers:
-            if id(layer) in self._factored:
+            rule = self._factored.get(id(layer))
+            if rule is not None:
                 inputs.append(h)
-                pre.append(_pre_activation(layer, h))
+                pre.append(rule.pre_activation(h))
                 h = layer.activation(pre[-1])
             else:
                 h = layer(h, training=False)
@@ -227,10 +197,10 @@ class _Replay:
             f, inputs, pre = self.forward(x)
         S = tf.sqrt(w)[:, :, None] * self.loss.sqrt_hessian_tf(tf.stop_gradient(f), t)
         out = []
-        for layer, a in zip(self.layers, inputs, strict=True):
-            rows = _inputs_as_rows(layer, a)
+        for rule, a in zip(self.rules, inputs, strict=True):
+            rows = rule.input_rows(a)
             out += [tf.matmul(rows, rows, transpose_a=True), tf.shape(rows)[0]]
-        B = [0.0] * len(self.layers)
+        B = [0.0] * len(self.rules)
         for c in range(f.shape[1]):
             deltas = tape.gradient(f, pre, output_gradients=S[:, :, c])
             for j, delta in enumerate(deltas):
@@ -261,8 +231,9 @@ def kfac(
 ):  # fmt: skip
     """KFAC of G = sum_i w_i J_i.T H_i J_i for a ``keras.Sequential`` model.
 
-    Introduced in ``11-curvature-and-uncertainty``. Dense and Conv2D layers
-    whose kernel (and bias) are among the variables get Kronecker factors;
+    Introduced in ``11-curvature-and-uncertainty``. Layers whose rule says
+    ``kronecker_factors`` (Dense; Conv2D with one group) and whose kernel
+    (and bias) are among the variables get Kronecker factors;
     every other variable G's exact diagonal (:func:`ggn_diagonal`).
 
     Arguments as :func:`jacutil.curvature.ggn.ggn_operator`, except: the
@@ -288,19 +259,22 @@ def kfac(
     starts = np.concatenate([[0], np.cumsum(sizes_of(columns))])
     where = lambda v: slice(int(starts[index[id(v)]]), int(starts[index[id(v)] + 1]))  # noqa: E731
 
-    def factored(layer):
-        if not isinstance(layer, FACTORED) or id(layer.kernel) not in index:
-            return False
-        return not layer.use_bias or id(layer.bias) in index
+    def factored(layer):  # its rule, where KFAC factors it over the variables
+        rule = rule_for(layer)[0]
+        if rule is None or not rule.kronecker_factors:
+            return None
+        asked = [v for v in rule.variables if id(v) in index]
+        return rule if len(asked) == len(rule.variables) else None
 
-    layers = [layer for layer in getattr(model, "layers", []) if factored(layer)]
-    _refuse(model, layers)
+    _refuse(model)
+    rules = [rule for rule in map(factored, model.layers) if rule is not None]
+    layers = [rule.layer for rule in rules]
     x = given.batch
     if not tf.is_tensor(x):
         raise ValueError("kfac() takes x as one array: a Sequential has one input.")
     replay = curvature_for(  # compiled once per model, loss and variables
         model, variables, ("kfac", loss.key),
-        lambda _: _Replay(model, layers, loss),
+        lambda _: _Replay(model, rules, loss),
     )  # fmt: skip
     n = int(x.shape[0])
 

@@ -55,6 +55,7 @@ class ConvRule(KernelRule):
         self.padding = "VALID" if self.causal else layer.padding.upper()
         self.strides = [1, *([1] if self.flat else []), *layer.strides, 1]
         self.rates = [1, *([1] if self.flat else []), *layer.dilation_rate, 1]
+        self.kronecker_factors = layer.rank == 2 and self.groups == 1
 
     def describe(self):
         """``"conv2d"`` and the activation, e.g. ``"conv2d+relu"`` (a ``str``)."""
@@ -88,6 +89,20 @@ class ConvRule(KernelRule):
                 for a, k in pairs
             ],
             -1,
+        )
+
+    def pre_activation(self, a):
+        """``conv(a, W) + b``: the output before the activation."""
+        z = self._convolve(self._as_image(a))
+        z = z + self.bias if self.bias is not None else z
+        return z[:, 0] if self.flat else z
+
+    def _patches(self, a):
+        """The patches (n, h', w', kh * kw * c_in) of one group's layer."""
+        image, kernel_size = self._as_image(a), self._kernel().shape[:2]
+        strides, rates = self.strides[1:3], self.rates[1:3]
+        return tf.concat(
+            kernel_offsets(image, kernel_size, strides, rates, self.padding), -1
         )
 
     def _forward(self, a):

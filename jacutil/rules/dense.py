@@ -32,7 +32,8 @@ class KernelRule(Rule):
     with a convolution (a Dense at every position), and their ghost norms;
     a subclass gives ``_gram_sizes``, ``_at_z``, ``_groups`` and ``_below``.
     ``kind`` names the layer in :class:`NoRule`'s words (a LoRA or quantized
-    layer raises it).
+    layer raises it). KFAC's factors (notebook 11) read :meth:`input_rows`
+    (A) and the signal at ``pre_activation`` (B).
     """
 
     def __init__(self, layer, kind):
@@ -64,6 +65,15 @@ class KernelRule(Rule):
             squared += sum_norms(delta)
         return squared, (self._below(a, delta) if need_signal else None)
 
+    def input_rows(self, a):
+        """The inputs as rows, one per sample and position, with a 1 for
+        the bias: (n R, d_in + 1), KFAC's ``a_bar``."""
+        rows = self._patches(a)
+        rows = tf.reshape(rows, [-1, rows.shape[-1]])
+        if self.bias is not None:
+            rows = tf.concat([rows, tf.ones_like(rows[:, :1])], axis=1)
+        return rows
+
 
 @register(keras.layers.Dense)
 class DenseRule(KernelRule):
@@ -73,6 +83,7 @@ class DenseRule(KernelRule):
     name = "dense"
     weighs_sums = True
     fast_under_xla = True  # its norms: |a|^2 |delta|^2, fused by XLA
+    kronecker_factors = True
 
     def __init__(self, layer):
         super().__init__(layer, "Dense")
@@ -84,13 +95,18 @@ class DenseRule(KernelRule):
         """``"dense"`` and the activation, e.g. ``"dense+relu"`` (a ``str``)."""
         return self.name + self.activation.describe()
 
-    def _forward(self, a):
+    def pre_activation(self, a):
+        """``a @ W + b``: the output before the activation."""
         kernel = self.layer.kernel
         z = tf.tensordot(a, kernel, 1) if a.shape.rank > 2 else tf.matmul(a, kernel)
-        if self.bias is not None:
-            z = z + self.bias
-        y, slope = self.activation.forward(z)
+        return z + self.bias if self.bias is not None else z
+
+    def _forward(self, a):
+        y, slope = self.activation.forward(self.pre_activation(a))
         return y, (a, slope)
+
+    def _patches(self, a):
+        return a
 
     def _backward(self, saved, delta, wanted, need_signal):
         a, slope = saved

@@ -227,6 +227,9 @@ class Rule(abc.ABC):
     - ``several_inputs``: the layer takes a list of inputs (a merge, e.g.
       ``Add``): ``a`` is that list, ``need_signal`` a list of bools (one per
       input) and the signal below a list (None where not needed).
+    - ``kronecker_factors``: KFAC may factor its kernel and bias; it writes
+      ``input_rows(a)`` (A's rows) and ``pre_activation(a)`` (where B's
+      signal is read): :class:`jacutil.rules.dense.KernelRule`.
 
     A subclass's constructor takes the Keras layer, raises :class:`NoRule` for
     a configuration it does not cover, and sets ``self.variables``.
@@ -239,6 +242,7 @@ class Rule(abc.ABC):
     takes_logits_signal: bool = False
     fast_under_xla: bool = False
     several_inputs: bool = False
+    kronecker_factors: bool = False
 
     def __init__(self, layer):
         self.layer = layer
