@@ -17,7 +17,8 @@ from jacutil.curvature.diagonal import ggn_diagonal
 from jacutil.curvature.ggn import ggn_operator
 from jacutil.curvature.hessian import hessian_operator
 from jacutil.curvature.kfac import kfac
-from jacutil.curvature.losses import OutputLoss, output_loss
+from jacutil.curvature.losses import output_loss
+from jacutil.curvature.output_losses import OutputLoss
 from jacutil.curvature.spectra import top_eigenvalues
 
 D = "float64"

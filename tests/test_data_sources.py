@@ -294,3 +294,82 @@ def test_padded_batches_refuse_a_resumable_file(tmp_path):
     ).padded_batch(2)
     with pytest.raises(ValueError, match="needs batches of one shape"):
         ju.chunked_jacobian(model, source, out=tmp_path / "J.npy", steps=2)
+
+
+@pytest.mark.parametrize("entry", ["jacobian", "chunked_jacobian"])
+def test_a_source_streams_into_a_given_out(data, entry):
+    """Into a given array, the source is read batch by batch (one batch of
+    inputs in memory), to the rows the arrays give; padded batches too; an out
+    without a row for each sample is refused, naming the rows it needs."""
+    model, x, y, _ = data
+    run = getattr(ju, entry)
+    expected = ju.jacobian(model, x)
+    out = np.full_like(expected, np.nan)
+    found = run(model, dataset(x, y), out=out, progress=False)
+    assert found is out
+    np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-15)  # batches of 5
+    with pytest.raises(ValueError, match="out has 24 rows, but the source gave 23"):
+        run(model, dataset(x), out=np.empty((24, *expected.shape[1:])))
+    with pytest.raises(ValueError, match=r"so far need \(25, \*\(3, 51\)\)"):
+        run(model, dataset(np.concatenate([x, x[:2]])), out=np.empty_like(expected))
+
+
+def test_padded_batches_stream_into_a_given_out():
+    model = masked_sequence_model()
+    sequences = [np.arange(1, n + 1) % 8 + 1 for n in [2, 5, 3, 6, 1]]
+    source = tf.data.Dataset.from_generator(
+        lambda: iter(sequences), output_signature=tf.TensorSpec([None], tf.int32)
+    ).padded_batch(2)
+    source = source.apply(tf.data.experimental.assert_cardinality(3))
+    expected = np.concatenate(
+        [ju.jacobian(model, b) for b in source.as_numpy_iterator()]
+    )
+    out = np.empty_like(expected)
+    ju.chunked_jacobian(model, source, out=out, chunk_size=1, progress=False)
+    np.testing.assert_array_equal(out, expected)
+
+
+# A source four times the budget, made in the graph (never whole in memory),
+# into a memmap: the peak stays within the budget's bound. Run in a fresh
+# process, as test_chunked_budget's probes (TensorFlow pools what it grew).
+STREAM_PROBE = """
+import json, tempfile
+import numpy as np
+import jacutil as ju
+from jacutil import keras, tf
+from jacutil.core.memory import peak_memory
+
+n, d, budget = 20_000, 2_000, 32 * 2**20
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((d,)), keras.layers.Dense(1)])
+zero = tf.constant(0, tf.int64)
+sample = lambda i: tf.random.stateless_normal([d], seed=tf.stack([i, zero]))
+source = tf.data.Dataset.range(n).map(sample).batch(500)
+options = dict(memory_budget=budget, progress=False)
+ju.chunked_jacobian(model, source.take(1), **options)  # the trace, outside the measure
+folder = tempfile.TemporaryDirectory()
+out = np.lib.format.open_memmap(
+    folder.name + "/J.npy", mode="w+", dtype="float32", shape=(n, 1, d + 1)
+)
+use = peak_memory(ju.chunked_jacobian, model, source, out=out, **options)
+last = np.stack([sample(tf.constant(i, tf.int64)).numpy() for i in range(n - 3, n)])
+error = float(np.abs(out[-3:] - ju.per_sample_jacobian(model, last)).max())
+print(json.dumps({"peak": use.peak, "source": n * d * 4, "error": error}))
+"""
+
+
+def test_a_source_larger_than_the_budget_streams_within_it():
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", STREAM_PROBE], capture_output=True, text=True,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    budget = 32 * 2**20
+    assert found["source"] > 4 * budget  # read whole, the source alone would pass it
+    assert found["peak"] < 2 * budget, found
+    assert found["error"] < 1e-5, found

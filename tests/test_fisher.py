@@ -22,7 +22,7 @@ from jacutil.curvature.fisher import (
     mc_fisher_operator,
 )
 from jacutil.curvature.ggn import ggn_operator
-from jacutil.curvature.losses import SquaredError
+from jacutil.curvature.output_losses import SquaredError
 
 N = 6
 D64 = "float64"

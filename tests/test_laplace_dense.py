@@ -11,7 +11,7 @@ predictive; one case is checked against J from one tape per sample as well.
 import numpy as np
 import pytest
 
-import jacutil.curvature.laplace as laplace_module
+import jacutil.curvature.laplace_base as laplace_module
 from jacutil import keras, question_mlp, tf
 from jacutil.curvature.laplace import Laplace
 

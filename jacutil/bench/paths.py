@@ -89,7 +89,7 @@ PATHS = {
         "vectorized_map, XLA", lambda m: compiled_jacobian(m, jit_compile=True)
     ),
     "chunked": Path_(
-        "chunked_jacobian (256 MiB chunks)",
+        "chunked_jacobian (the default budget)",
         lambda m: _bind(chunked_jacobian, m, progress=False),
     ),
     "dense": Path_(

@@ -12,7 +12,9 @@ heads). :func:`read_data` reads them through Keras's own data adapter and
 entry then runs as on arrays, in chunks sized by its memory budget. The
 inputs are usually far smaller than what is computed from them (J has l * m
 numbers per sample), so reading them whole costs little; the result is what
-the chunks bound.
+the chunks bound. Where the result goes into a given array or memmap, the
+source is streamed instead (:func:`stream_rows`): one batch of inputs in
+memory at a time, however large the source.
 
 A source whose end is not known is refused at once, unless ``steps`` says
 how many batches to read (as ``model.predict`` takes it): ``.repeat()``, a
@@ -25,6 +27,7 @@ its first batch is read again and compared, not the whole source.
 """
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from ._tf import keras, tf
 from .internals import data_adapter
@@ -208,6 +211,44 @@ def inputs_of(model):
         return getattr(model, "inputs", None)
     except (AttributeError, ValueError):  # a model never called
         return None
+
+
+def stream_rows(x, compute, out, *, steps=None, inputs=None, progress=False):
+    """An entry that gives one row per sample, on a data source ``x``, into
+    ``out`` (an array or memmap with a row per sample): ``compute(x, y,
+    sample_weight)`` on each batch as the source gives it, its rows written
+    to ``out`` in order. Only one batch of inputs is in memory at a time, so
+    the peak is the entry's budget however large the source (notebook
+    04-chunked); batches of several shapes (``padded_batch``) are computed
+    each apart. ``compute`` returns the rows, or ``(rows, extra)``: the last
+    batch's ``extra`` comes back beside ``out``. ValueError when ``out`` does
+    not have a row for each sample, or rows of another shape or dtype."""
+    start, extra, had_extra = 0, None, False
+    with tqdm(total=len(out), disable=not progress, unit="sample") as bar:
+        for batch in _batches(_batched(x, inputs), steps):
+            found = compute(*batch)
+            if isinstance(found, tuple):
+                (found, extra), had_extra = found, True
+            rows = np.asarray(found)
+            stop = start + len(rows)
+            fits = rows.shape[1:] == out.shape[1:] and rows.dtype == out.dtype
+            if stop > len(out) or not fits:
+                raise ValueError(
+                    f"out has shape {out.shape} and dtype {out.dtype}, but the "
+                    f"source's rows so far need ({stop}, *{rows.shape[1:]}) and "
+                    f"{rows.dtype}: make out with one row per sample of the "
+                    "source (e.g. np.lib.format.open_memmap(path, mode='w+', "
+                    "shape=..., dtype=...))."
+                )
+            out[start:stop] = rows
+            start = stop
+            bar.update(len(rows))
+    if start != len(out):
+        raise ValueError(
+            f"out has {len(out)} rows, but the source gave {start} samples: "
+            "make out with one row per sample of the source."
+        )
+    return (out, extra) if had_extra else out
 
 
 def rows_by_shape(shapes, compute, out=None, resumable=False):

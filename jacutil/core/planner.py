@@ -46,7 +46,6 @@ ACTIVATION_FACTOR = 1.1
 # XLA lays memory out itself: up to 1.74x the peak of the same graph without
 # it (a wide CNN, batch method); the budget assumes the worst.
 XLA_FACTOR = 1.75
-DEFAULT_MEMORY_BUDGET = 256 * 2**20  # bytes, when neither size nor budget is given
 
 
 def bytes_per_sample(n_outputs, n_params, itemsize, activations=0):
@@ -171,17 +170,22 @@ class Plan:
 
 
 def plan_chunks(
-    n_rows, *, chunk_size=None, memory_budget=None, per_sample=0, chunk_for=None
-):
+    n_rows, *, chunk_size=None, memory_budget=None, per_sample=0, chunk_for=None,
+    working=None, look=False,
+):  # fmt: skip
     """Check ``chunk_size`` and ``memory_budget``, and plan the chunks.
 
-    An explicit ``chunk_size`` wins; otherwise the budget (default
-    ``DEFAULT_MEMORY_BUDGET``) gives the chunk: ``chunk_for(budget)`` for a
-    memory model that is not linear in the chunk (:func:`chunk_size_for`
+    An explicit ``chunk_size`` wins; otherwise the call's budget gives the
+    chunk (:func:`memory_budget_for`, the one policy of every entry:
+    ``memory_budget``, or by default ``SMALL_BYTES`` where all the ``working``
+    memory fits in it, else half the memory free now): ``chunk_for(budget)``
+    for a memory model that is not linear in the chunk (:func:`chunk_size_for`
     with ``method="batch"``), else ``budget // per_sample``; neither: one
     chunk. Always at least 1 sample and at most ``n_rows``. ``per_sample``:
-    the bytes one sample costs (:func:`bytes_per_sample`). Returns a
-    :class:`Plan`; the checks are :mod:`jacutil.core.arguments`'.
+    the bytes one sample costs (:func:`bytes_per_sample`); ``working``: of
+    all the rows in one piece (default ``per_sample * n_rows``); ``look``:
+    look up the free memory whatever the work (to explain the choice).
+    Returns a :class:`Plan`; the checks are :mod:`jacutil.core.arguments`'.
 
     Examples:
         >>> plan_chunks(10, chunk_size=4).chunk_size
@@ -194,7 +198,8 @@ def plan_chunks(
         ValueError: chunk_size must be at least 1; got 0. ...
     """
     asked = check_chunk_size(chunk_size)
-    budget = check_memory_budget(memory_budget) or DEFAULT_MEMORY_BUDGET
+    working = per_sample * n_rows if working is None else working
+    budget = memory_budget_for(memory_budget, working, look)
     if asked is not None:
         size = asked
     elif chunk_for is not None:
@@ -202,21 +207,7 @@ def plan_chunks(
     else:
         size = budget // per_sample if per_sample else n_rows
     size = max(1, min(int(size), n_rows))
-    return Plan(n_rows, size, asked, budget, per_sample * n_rows)
-
-
-def plan_within(n_rows, per_sample, memory_budget=None, look=False):
-    """The chunks that fit in a call's budget (:func:`memory_budget_for`:
-    ``memory_budget``, or half the memory free now): what an entry that
-    accumulates over samples (a curvature, per-sample gradients) plans with.
-    Arguments as :func:`plan_chunks` and :func:`memory_budget_for`.
-
-    Examples:
-        >>> str(plan_within(10, per_sample=1000, memory_budget=3000))
-        '4 chunk(s) of 3 samples'
-    """
-    budget = memory_budget_for(memory_budget, per_sample * n_rows, look)
-    return plan_chunks(n_rows, memory_budget=budget, per_sample=per_sample)
+    return Plan(n_rows, size, asked, budget, working)
 
 
 def run_chunks(plan, compute, out=None, *, shape, dtype, record=None, progress=False):

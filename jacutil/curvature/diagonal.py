@@ -24,7 +24,7 @@ from ..core.batch import signature, take
 from ..core.cache import PerSignature
 from ..core.data import read_data
 from ..core.formulation import quiet_function
-from ..core.planner import bytes_per_sample, plan_within, sum_chunks
+from ..core.planner import bytes_per_sample, plan_chunks, sum_chunks
 from ..core.target import variable_list
 from ..engine.compiled import compiled_for
 from ..rules.walk import OutputRows
@@ -174,7 +174,7 @@ def ggn_diagonal(
         target.dtype.itemsize,
         jac.activation_elements(batch),
     )
-    plan = plan_within(rows, per_sample, memory_budget)
+    plan = plan_chunks(rows, per_sample=per_sample, memory_budget=memory_budget)
     total = sum_chunks(
         plan,
         lambda start, stop: job(

@@ -31,14 +31,15 @@ from ..core.arguments import check_memory_budget
 from ..core.batch import as_batch, signature, signature_key, take
 from ..core.data import read_data
 from ..core.formulation import quiet_function
-from ..core.planner import bytes_per_sample, plan_within
+from ..core.planner import bytes_per_sample, plan_chunks, sum_chunks
 from ..core.target import variable_list
 from ..engine.compiled import compiled_for
 from ..rules.walk import OutputRows
 from .compiled import curvature_for, curvature_inputs
 from .diagonal import OnRules
 from .hessian import hessian_operator
-from .losses import AutodiffLoss, losses_for
+from .losses import losses_for
+from .output_losses import AutodiffLoss
 from .spectra import Estimate, hutchinson_diagonal
 
 EXACT_UP_TO = 2000  # hessian_diagonal(method="auto"): exact up to this many parameters
@@ -55,20 +56,20 @@ class GradientRows(OnRules):
     """
 
     def _on_rules(self, x, rows, plan):
-        key = (signature_key(x), rows.shape[1], rows.shape[2])
-        if key not in self._functions:
-            dtype = self.target.dtype
-            specs = [signature(x), tf.TensorSpec([None, *rows.shape[1:]], dtype)]
+        dtype = self.target.dtype
+        specs = [signature(x), tf.TensorSpec([None, *rows.shape[1:]], dtype)]
 
-            def pieces(x, rows):
-                self.trace_count += 1  # Python side effect: once per trace
-                return plan.tensor(x, OutputRows(rows))
+        def pieces(x, rows):
+            self.trace_count += 1  # Python side effect: once per trace
+            return plan.tensor(x, OutputRows(rows))
 
-            self._functions[key] = quiet_function(
+        function = self._functions.get(
+            (signature_key(x), rows.shape[1], rows.shape[2]),
+            lambda: quiet_function(
                 pieces, input_signature=specs, autograph=plan.user_code
-            )
-        rows = tf.constant(rows, self.target.dtype)
-        return self._functions[key](x, rows).numpy()
+            ),
+        )
+        return function(x, tf.constant(rows, dtype)).numpy()
 
     def _formed(self, x, rows):
         J = np.asarray(self.jac.tensor(x))
@@ -102,12 +103,14 @@ class _Fisher:
 
     def plan(self, r):
         """The chunks for r rows per sample (sized as ``ggn_diagonal`` sizes
-        its chunks: :func:`jacutil.core.planner.plan_within`)."""
+        its chunks: :func:`jacutil.core.planner.plan_chunks`)."""
         l = self.given.n_outputs  # noqa: E741 (l, as in the design)
         per_sample = bytes_per_sample(
             max(r, l), self.m, self.itemsize, self.activations
         )
-        return plan_within(self.n, per_sample, self.memory_budget)
+        return plan_chunks(
+            self.n, per_sample=per_sample, memory_budget=self.memory_budget
+        )
 
     def outputs(self, start, stop):
         """The model's outputs on a chunk, (n_c, l) NumPy."""
@@ -120,10 +123,12 @@ class _Fisher:
     def squares(self, rows, r, progress):
         """``sum_i (J_i.T r_ic)^2`` per row c, (r, m), over every chunk."""
         plan = self.plan(r)
-        total = np.zeros((r, self.m))
-        for start, stop in plan.bounds(progress):
+
+        def squares(start, stop):
             piece = self.pieces(rows, start, stop)
-            total += np.einsum("irm,irm->rm", piece, piece)
+            return np.einsum("irm,irm->rm", piece, piece)
+
+        total = sum_chunks(plan, squares, progress=progress)
         self.how = f"{self.job.formulation}; {plan}"
         return total
 
@@ -134,20 +139,19 @@ class _Fisher:
         from scipy.sparse.linalg import LinearOperator
 
         plan = self.plan(r)
-        starts = list(plan)
-        held = None
+        held = None  # chunk start -> its gradients, when all fit in the budget
         if self.n * r * self.m * self.itemsize <= plan.budget:
-            held = [self.pieces(rows, a, b).reshape(-1, self.m) for a, b in starts]
+            held = {a: self.pieces(rows, a, b) for a, b in plan}
 
         def matmat(V):
             V = np.asarray(V, np.float64).reshape(self.m, -1)
-            out = np.zeros((self.m, V.shape[1]))
-            for k, (a, b) in enumerate(starts):
-                P = held[k] if held is not None else (
-                    self.pieces(rows, a, b).reshape(-1, self.m)
-                )  # fmt: skip
-                out += P.T @ (P @ V)
-            return out
+
+            def product(a, b):
+                P = held[a] if held is not None else self.pieces(rows, a, b)
+                P = P.reshape(-1, self.m)
+                return P.T @ (P @ V)
+
+            return sum_chunks(plan, product)
 
         def matvec(v):
             return matmat(np.ravel(v))[:, 0]

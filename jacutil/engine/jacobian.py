@@ -9,7 +9,14 @@ from dataclasses import replace
 
 from ..core._shared import is_path
 from ..core.batch import as_batch, n_samples
-from ..core.data import BatchesOfShapes, inputs_of, read_data, rows_by_shape
+from ..core.data import (
+    BatchesOfShapes,
+    inputs_of,
+    is_data_source,
+    read_data,
+    rows_by_shape,
+    stream_rows,
+)
 from ..core.formulation import ForwardModeBlindSpot
 from ..core.outputs import output_layout
 from ..core.planner import (
@@ -51,18 +58,20 @@ def best_jacobian(
     engine's layer take it)."""
     check_key(key, model, out)
     variables = None if variables is None else variable_list(variables)
+
+    def group(x, y, sample_weight):  # a batch, or batches of one shape
+        return best_jacobian(
+            model, x, memory_budget=memory_budget, variables=variables,
+            training=training, explain=explain, forward_for=forward_for,
+        )  # fmt: skip
+
+    if is_data_source(x) and out is not None and not is_path(out):  # streamed
+        return stream_rows(x, group, out, steps=steps, inputs=inputs_of(model),
+                           progress=progress)  # fmt: skip
     try:
         x = read_data(x, repeatable=is_path(out), steps=steps,
                       inputs=inputs_of(model))[0]  # fmt: skip
     except BatchesOfShapes as shapes:  # padded_batch: one group at a time
-
-        def group(x, y, sample_weight):
-            return best_jacobian(
-                model, x, memory_budget=memory_budget, variables=variables,
-                training=training, explain=explain, progress=progress,
-                forward_for=forward_for,
-            )  # fmt: skip
-
         return rows_by_shape(shapes, group, out, resumable=is_path(out))
     jac = compiled_for(model, variables, training, False, "rules", x)
     traces = jac.trace_count

@@ -4,9 +4,22 @@ compiled Jacobian (:mod:`jacutil.engine.compiled`), on the planner's chunks
 
 from ..core._shared import is_path
 from ..core.batch import as_batch, n_samples, take
-from ..core.data import BatchesOfShapes, inputs_of, read_data, rows_by_shape
+from ..core.data import (
+    BatchesOfShapes,
+    inputs_of,
+    is_data_source,
+    read_data,
+    rows_by_shape,
+    stream_rows,
+)
 from ..core.outputs import output_layout
-from ..core.planner import XLA_FACTOR, chunk_size_for, plan_chunks, run_chunks
+from ..core.planner import (
+    XLA_FACTOR,
+    bytes_per_sample,
+    chunk_size_for,
+    plan_chunks,
+    run_chunks,
+)
 from ..core.resume import check_key, run_record
 from .compiled import bucket_size, compiled_for
 
@@ -53,7 +66,9 @@ def chunked_jacobian(
             (:func:`jacutil.core.data.read_data`).
         chunk_size: samples per chunk; None: the largest chunk whose working
             memory fits ``memory_budget``.
-        memory_budget: bytes (default 256 MiB), when ``chunk_size`` is None.
+        memory_budget: bytes, when ``chunk_size`` is None; by default the
+            planner's (:func:`jacutil.core.planner.memory_budget_for`: 64 MiB
+            where all the rows fit in it, else half the memory free now).
         out: None, an array of shape (n, l, m) (a memmap too), or a ``.npy``
             path for a resumable run.
         progress: show a progress bar over samples.
@@ -81,38 +96,43 @@ def chunked_jacobian(
         >>> chunked_jacobian(model, x, chunk_size=3, progress=False).shape
         (4, 2, 8)
     """
+
+    def group(x, y, sample_weight):  # a batch, or batches of one shape
+        return chunked_jacobian(
+            model, x, chunk_size=chunk_size, memory_budget=memory_budget,
+            progress=False, variables=variables, training=training,
+            jit_compile=jit_compile, method=method,
+        )  # fmt: skip
+
+    if is_data_source(x) and out is not None and not is_path(out):  # streamed
+        return stream_rows(x, group, out, steps=steps, inputs=inputs_of(model),
+                           progress=progress)  # fmt: skip
     try:  # a dataset: its x, in order
         x = read_data(x, repeatable=is_path(out), steps=steps,
                       inputs=inputs_of(model))[0]  # fmt: skip
     except BatchesOfShapes as shapes:  # padded_batch: one group at a time
-
-        def group(x, y, sample_weight):
-            return chunked_jacobian(
-                model, x, chunk_size=chunk_size, memory_budget=memory_budget,
-                progress=progress, variables=variables, training=training,
-                jit_compile=jit_compile, method=method,
-            )  # fmt: skip
-
         return rows_by_shape(shapes, group, out, resumable=is_path(out))
     jac = compiled_for(model, variables, training, jit_compile, method, x)
     target = jac.target
     x = as_batch(x, target)
     n_rows = int(n_samples(x))
     n_outputs = output_layout(target, x).n_outputs
+    sizes = (n_outputs, target.n_params, target.dtype.itemsize)
+    activations = jac.activation_elements(x)
+    xla = XLA_FACTOR if jit_compile else 1
 
     def chunk_for(budget):
         return chunk_size_for(
-            budget / (XLA_FACTOR if jit_compile else 1),
-            n_outputs,
-            target.n_params,
-            target.dtype.itemsize,
-            activations=jac.activation_elements(x),
-            method=method,
+            budget / xla, *sizes, activations=activations, method=method
         )
 
+    # all rows in one piece; the batch method's activations span the batch
+    across = n_rows if method == "batch" else 1
+    working = xla * n_rows * bytes_per_sample(*sizes, activations * across)
     plan = plan_chunks(
-        n_rows, chunk_size=chunk_size, memory_budget=memory_budget, chunk_for=chunk_for
-    )
+        n_rows, chunk_size=chunk_size, memory_budget=memory_budget,
+        chunk_for=chunk_for, working=working,
+    )  # fmt: skip
     check_key(key, model, out)
     record = run_record(jac, model, x, key) if is_path(out) else None
 

@@ -41,11 +41,11 @@ from ..core.formulation import (
     unrolled,
 )
 from ..core.guards import JacobianError
-from ..core.planner import bytes_per_sample, plan_within, run_chunks
+from ..core.planner import bytes_per_sample, plan_chunks, run_chunks
 from ..core.target import watched
-from ..curvature.losses import logits_of
 from ..engine.choice import choice_for
 from ..engine.compiled import bucket_size, compiled_for
+from ..rules.logits import logits_of
 from ..rules.registry import LogitsSignal
 from ..rules.walk import LogitsNotOnRules
 
@@ -390,7 +390,9 @@ def _run(
     per_sample = bytes_per_sample(
         1, target.n_params, target.dtype.itemsize, activations
     )
-    plan = plan_within(rows, per_sample, memory_budget, explain)
+    plan = plan_chunks(
+        rows, per_sample=per_sample, memory_budget=memory_budget, look=explain
+    )
 
     def compute(start, stop):  # the whole batch as it is: no slicing op
         if stop - start == rows:

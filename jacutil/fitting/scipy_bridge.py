@@ -14,7 +14,7 @@ from ..core.batch import as_batch, n_samples, take
 from ..core.data import inputs_of, read_data
 from ..core.layout import flat_params, set_flat_params
 from ..core.outputs import output_layout
-from ..core.planner import chunk_size_for, plan_chunks, sum_chunks
+from ..core.planner import bytes_per_sample, chunk_size_for, plan_chunks, sum_chunks
 from ..core.resume import fingerprint
 from ..core.target import resolve_target
 from ..curvature.diagonal import ggn_diagonal
@@ -72,17 +72,18 @@ class LeastSquaresProblem:
         activations = self.compiled.activation_elements(self.x)
         itemsize = self._target.dtype.itemsize
         # the operator's chunk holds its forward pass and backward signals, not J
+        sizes = (n_outputs, self.n_params, itemsize)
+        per_sample, chunk_for = itemsize * (4 * activations + 2 * n_outputs), None
+        if jacobian != "operator":  # a chunk of J, too small a budget refused
+            per_sample = bytes_per_sample(*sizes, activations)
+
+            def chunk_for(budget):
+                return chunk_size_for(budget, *sizes, activations=activations)
+
         self.plan = plan_chunks(
-            n_rows,
-            chunk_size=chunk_size,
-            memory_budget=memory_budget,
-            per_sample=itemsize * (4 * activations + 2 * n_outputs),
-            chunk_for=None
-            if jacobian == "operator"
-            else lambda budget: chunk_size_for(
-                budget, n_outputs, self.n_params, itemsize, activations=activations
-            ),
-        )
+            n_rows, chunk_size=chunk_size, memory_budget=memory_budget,
+            per_sample=per_sample, chunk_for=chunk_for,
+        )  # fmt: skip
         self.chunk_size = self.plan.chunk_size
         self.products = None
         if jacobian == "operator":
