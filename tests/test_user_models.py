@@ -427,3 +427,43 @@ def test_attention_does_not_crash_the_process():
     )
     assert done.returncode == 0, done.stderr[-1500:]
     assert "under XLA" in done.stdout
+
+
+ATTENTION_INSIDE_A_LAYER = """
+import numpy as np
+import jacutil as ju
+from jacutil import keras
+
+
+class SelfAttention(keras.layers.Layer):  # as KerasHub's TransformerEncoder
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.attention = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8)
+        self.norm = keras.layers.LayerNormalization()
+
+    def call(self, h):
+        return self.norm(h + self.attention(h, h))
+
+
+keras.utils.set_random_seed(0)
+tokens = keras.Input((8,), dtype="int32")
+h = SelfAttention()(keras.layers.Embedding(50, 16)(tokens))
+pooled = keras.layers.GlobalAveragePooling1D()(h)
+model = keras.Model(tokens, keras.layers.Dense(2)(pooled))
+x = np.random.default_rng(0).integers(1, 50, (4, 8)).astype("int32")
+J, choice = ju.jacobian(model, x, explain=True)
+np.testing.assert_allclose(J, ju.loop_jacobian(model, x), rtol=1e-4, atol=1e-5)
+print(choice.path)
+"""
+
+
+def test_attention_inside_a_layer_the_rules_pass_through_does_not_crash():
+    """The rules' autodiff of a layer without a rule (a whole attention
+    block) ran pfor's broadcasting batch matmul with oneDNN: a segfault while
+    the plan was checked (issue 56); now under the same guard as the stages."""
+    done = subprocess.run(
+        [sys.executable, "-c", ATTENTION_INSIDE_A_LAYER], capture_output=True,
+        text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-1500:]
+    assert "layer rules" in done.stdout

@@ -158,6 +158,10 @@ def pfor_log():
 # #123109). pfor writes such operands for attention (EinsumDense) gradients.
 # Where the traced Jacobian holds one, it runs under XLA instead.
 BATCH_MATMULS = ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3")
+UNDER_XLA = (
+    "run under XLA: oneDNN's broadcasting batch matmul corrupts memory in "
+    "TensorFlow 2.21 (tensorflow#117700)"
+)
 
 
 def _broadcasts(op):
@@ -272,11 +276,25 @@ def vectorize(jacobian, target, x, xla=False):
     compiled = quiet_function(lambda x: jacobian(target, x), jit_compile=True)
     with pfor_log():
         J = compiled(x)
-    return J, [
-        *notes,
-        "run under XLA: oneDNN's broadcasting batch matmul "
-        "corrupts memory in TensorFlow 2.21 (tensorflow#117700)",
-    ]
+    return J, [*notes, UNDER_XLA]
+
+
+def safe_vectorized_map(fn, elems):
+    """``tf.vectorized_map(fn, elems)``, run under XLA where its vectorized
+    graph holds oneDNN's broadcasting batch matmul (above), which corrupts
+    the heap in TensorFlow 2.21: what the layer rules' autodiff of a layer
+    (an attention block, say) runs, as :func:`vectorize` guards the engine's
+    Jacobian. Called eagerly, it traces itself first, so that the graph can
+    be looked at before anything runs."""
+    if tf.executing_eagerly():
+        return quiet_function(lambda e: safe_vectorized_map(fn, e))(elems)
+    with pfor_log(), new_ops() as created:
+        out = tf.vectorized_map(fn, elems)
+    if not onednn_hazards(created):
+        return out
+    compiled = quiet_function(lambda e: tf.vectorized_map(fn, e), jit_compile=True)
+    with pfor_log():
+        return compiled(elems)
 
 
 def map_fn_jacobian(target, x):

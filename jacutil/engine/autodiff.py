@@ -13,6 +13,8 @@ from ..core._tf import tf
 from ..core.batch import n_samples, pad_with_last
 from ..core.formulation import (
     PFOR_ERRORS,
+    UNDER_XLA,
+    XLA_ERRORS,
     first_line,
     kept_loops,
     map_fn_jacobian,
@@ -84,8 +86,8 @@ def _in_a_graph(method):
 
         try:
             return quiet_function(traced)(x), said["formulation"]
-        except tf.errors.InvalidArgumentError as error:
-            if not pfor_failed_when_run(error):
+        except XLA_ERRORS as error:  # pfor's graph, or XLA's compile, failed
+            if not (pfor_failed_when_run(error) or UNDER_XLA in said["formulation"]):
                 raise
             reason = first_line(error)
         if not said["formulation"].startswith("tf.map_fn"):  # not said yet

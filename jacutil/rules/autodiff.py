@@ -13,6 +13,7 @@ hand-derived rule.
 from ..core._grouped import convolutions_by_group
 from ..core._shared import or_zeros
 from ..core._tf import tf
+from ..core.formulation import safe_vectorized_map
 from ..core.target import watched
 from .registry import Blocks, Rule, per_output, rows
 
@@ -135,7 +136,7 @@ class AutodiffRule(Rule):
             return [or_zeros(g, s) for g, s in zip(grads, sources, strict=True)]
 
         tiled = [repeat_rows(a, n_outputs) for a in inputs]
-        grads = tf.vectorized_map(one_row, (tiled, rows(delta)))
+        grads = safe_vectorized_map(one_row, (tiled, rows(delta)))
         below = [None] * len(inputs)
         for i, grad in zip(watched_inputs, grads, strict=False):
             shape = tf.concat([[n_samples, n_outputs], tf.shape(inputs[i])[1:]], 0)

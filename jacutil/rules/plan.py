@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from ..core._tf import keras
 from ..core.batch import signature_key
-from ..core.formulation import pfor_log
+from ..core.formulation import XLA_ERRORS, first_line, pfor_log
 from .autodiff import AutodiffRule
 from .graph import NotAGraph, Wiring, chain_nodes, graph_nodes, is_exact_keras
 from .merge import MERGE_RULES
@@ -122,7 +122,10 @@ class Plan:
         batch), else why not (a ``str``). Agreement is recorded for ``x``'s
         input shape."""
         with pfor_log():  # pfor's notes on our own autodiff rules: not the user's
-            reason = disagreement(self, target, x)
+            try:
+                reason = disagreement(self, target, x)
+            except XLA_ERRORS as error:  # a layer's autodiff that XLA cannot compile
+                reason = f"the layer rules could not run ({first_line(error)})"
         if reason is None:
             self.checked.add(signature_key(x))
         return reason
