@@ -90,6 +90,19 @@ def test_batchnorm_in_training_mode_is_an_error(stage):
     np.testing.assert_array_equal(model.get_layer("bn").moving_mean, moving_mean)
 
 
+def test_a_long_refusal_names_a_few_layers_and_keeps_its_advice():
+    """Fifty BatchNormalization layers listed buried the advice (issue 56)."""
+    layers = [keras.Input((4,))]
+    for k in range(50):
+        layers += [keras.layers.Dense(4), keras.layers.BatchNormalization(name=f"bn{k}")]
+    model = keras.Sequential(layers)
+    with pytest.raises(ValueError) as refused:
+        ju.jacobian(model, batch(n_inputs=4), training=True)
+    said = str(refused.value)
+    assert "(bn0, bn1, bn2 and 47 more)" in said and "bn49" not in said
+    assert "Use training=False" in said and len(said) < 700
+
+
 def test_batchnorm_really_couples_the_samples():
     """Why it is an error: sample 0's Jacobian depends on sample 1; stages disagree."""
     model = dense(keras.layers.BatchNormalization())

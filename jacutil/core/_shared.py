@@ -65,3 +65,19 @@ def is_path(out):
     """Whether ``out=`` names a file (a ``str`` or ``os.PathLike``: a
     resumable ``.npy``), not an array."""
     return isinstance(out, (str, os.PathLike))
+
+
+def few_names(names, shown=3):
+    """``names`` joined for a message, cut to the first ``shown`` and a count,
+    so that a model of fifty layers does not bury the advice after them.
+
+    Examples:
+        >>> few_names(["bn1", "bn2"])
+        'bn1, bn2'
+        >>> few_names([f"bn{k}" for k in range(1, 51)])
+        'bn1, bn2, bn3 and 47 more'
+    """
+    names = list(names)
+    if len(names) <= shown + 1:
+        return ", ".join(names)
+    return f"{', '.join(names[:shown])} and {len(names) - shown} more"

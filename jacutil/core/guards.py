@@ -19,6 +19,7 @@ Introduced in ``06-pitfalls``.
 import warnings
 import weakref
 
+from ._shared import few_names
 from ._tf import keras
 from .internals import layers_within
 
@@ -125,7 +126,7 @@ def check_training_mode(model, training):
     ]
     if coupling:
         raise ValueError(
-            f"training=True with BatchNormalization ({', '.join(coupling)}): in "
+            f"training=True with BatchNormalization ({few_names(coupling)}): in "
             "training mode it normalizes with the statistics of the batch, so a "
             "sample's outputs depend on the other samples and there is no "
             "per-sample Jacobian (the stages would disagree), and every call "
@@ -137,7 +138,7 @@ def check_training_mode(model, training):
     random = random_layers(layers)
     if random:
         warnings.warn(
-            f"training=True with {', '.join(random)}: in training mode every "
+            f"training=True with {few_names(random)}: in training mode every "
             "call draws new random masks (one per sample, shared by its "
             "outputs), so this is the Jacobian of one random draw of the "
             "network, and two calls differ. For the network "

@@ -9,6 +9,7 @@ the fallbacks of :mod:`jacutil.core.formulation` (recurrent layers unrolled,
 
 import functools
 
+from ..core._shared import few_names
 from ..core._tf import tf
 from ..core.batch import n_samples, pad_with_last
 from ..core.formulation import (
@@ -111,18 +112,18 @@ def per_sample_tensor(target, x, xla=False):
     if random:
         return map_fn_jacobian(target, x), (
             "tf.map_fn over samples: random layers in training mode "
-            f"({', '.join(random)}) draw one mask per sample"
+            f"({few_names(random)}) draw one mask per sample"
         )
     kept = kept_loops(target)
     if kept:  # pfor cannot vectorize a while_loop's gradient
         return map_fn_jacobian(target, x), (
             "tf.map_fn over samples: recurrent layers that keep their loop "
-            f"({', '.join(layer.name for layer in kept)})"
+            f"({few_names(layer.name for layer in kept)})"
         )
     rnns = recurrent_layers(target)
     formulation = ["tf.vectorized_map over samples"]
     if rnns:
-        names = ", ".join(layer.name for layer in rnns)
+        names = few_names(layer.name for layer in rnns)
         formulation.append(f"recurrent layers unrolled while traced ({names})")
     jacobian = _padded_per_sample if rnns else per_sample_tape_jacobian
     try:
