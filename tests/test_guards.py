@@ -94,7 +94,8 @@ def test_a_long_refusal_names_a_few_layers_and_keeps_its_advice():
     """Fifty BatchNormalization layers listed buried the advice (issue 56)."""
     layers = [keras.Input((4,))]
     for k in range(50):
-        layers += [keras.layers.Dense(4), keras.layers.BatchNormalization(name=f"bn{k}")]
+        norm = keras.layers.BatchNormalization(name=f"bn{k}")
+        layers += [keras.layers.Dense(4), norm]
     model = keras.Sequential(layers)
     with pytest.raises(ValueError) as refused:
         ju.jacobian(model, batch(n_inputs=4), training=True)
