@@ -171,7 +171,7 @@ def last_layer_variables(model, x=None):
     )
 
 
-def _named_layers(model, last_layer):
+def named_layer_variables(model, last_layer):
     """The trainable variables of the layers named by ``last_layer``."""
     if not isinstance(model, keras.Model):
         raise TypeError(

@@ -3,7 +3,7 @@
 import numpy as np
 import scipy.linalg
 
-from .laplace_base import Laplace, _named_layers, last_layer_variables
+from .laplace_base import Laplace, last_layer_variables, named_layer_variables
 
 
 def _ggn(J, H):
@@ -30,7 +30,7 @@ class LastLayerLaplace(Laplace):
 
     def _default_variables(self, model, x, last_layer):
         if last_layer is not None:
-            return _named_layers(model, last_layer)
+            return named_layer_variables(model, last_layer)
         return last_layer_variables(model, x)
 
     def _fit(self, x):

@@ -40,9 +40,9 @@ from .output_losses import (
     SigmoidCrossEntropy,
     SoftmaxCrossEntropy,
     SquaredError,
-    _for,
-    _reduction,
-    _unknown,
+    checked_reduction,
+    for_output,
+    unknown_loss,
 )
 
 KERAS_KINDS = {  # the Keras loss functions with a closed form
@@ -111,7 +111,7 @@ def _from_keras(spec, shape, label, probability):
         try:
             spec = keras.losses.get(spec)
         except ValueError:
-            raise _unknown(about) from None
+            raise unknown_loss(about) from None
     reduction, options, fn = "sum_over_batch_size", {}, spec
     if isinstance(spec, keras.losses.Loss):
         config = spec.get_config()
@@ -121,8 +121,8 @@ def _from_keras(spec, shape, label, probability):
     elif isinstance(spec, functools.partial):
         fn, options = spec.func, dict(spec.keywords)
     elif not callable(spec):
-        raise _unknown(about)
-    reduction = _reduction(reduction)
+        raise unknown_loss(about)
+    reduction = checked_reduction(reduction)
     kind = KERAS_KINDS.get(fn) if fn is not None else None
     loss = _closed_form(kind, options, reduction, shape) if kind else None
     if loss == "probabilities":
@@ -136,7 +136,7 @@ def _from_keras(spec, shape, label, probability):
             else "curvature is taken at the logits:"
         )
         raise ValueError(
-            f"the loss {about}{_for(label)} reads probabilities "
+            f"the loss {about}{for_output(label)} reads probabilities "
             f"(from_logits=False); {where} pass the loss with from_logits=True, "
             f"e.g. keras.losses.{example}(from_logits=True)."
         )

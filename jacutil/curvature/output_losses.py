@@ -56,7 +56,7 @@ class OutputLoss:
     def __new__(cls, name=None, *args, **kwargs):
         if cls is OutputLoss:
             if name not in _KINDS:
-                raise _unknown(repr(name))
+                raise unknown_loss(repr(name))
             cls = _KINDS[name]
         return super().__new__(cls)
 
@@ -69,7 +69,7 @@ class OutputLoss:
         self.classes = int(classes)
         self.scale = float(scale)
         self.label_smoothing = float(label_smoothing)
-        self.reduction = _reduction(reduction)
+        self.reduction = checked_reduction(reduction)
         self.shape = None if shape is None else tuple(int(d) for d in shape)
         self.label = label
 
@@ -143,7 +143,7 @@ class OutputLoss:
         y = np.asarray(y)
         if y.size != n * width:
             raise ValueError(
-                f"y{_for(self.label)} has shape {y.shape}; it needs {width} "
+                f"y{for_output(self.label)} has shape {y.shape}; it needs {width} "
                 f"value(s) per sample for {n} samples."
             )
         return y.reshape(n, width).astype(dtype)
@@ -228,7 +228,8 @@ class OutputLoss:
                 model predicts (a loss differentiated as given).
         """
         raise ValueError(
-            f"the loss{_for(self.label)} ({getattr(self, 'about', self.name)}) is "
+            f"the loss{for_output(self.label)} "
+            f"({getattr(self, 'about', self.name)}) is "
             "differentiated as given: it is no likelihood of a distribution the "
             "model predicts, so there are no targets to draw and no Monte Carlo "
             "Fisher. Use the empirical Fisher (empirical_fisher_operator, with "
@@ -318,7 +319,7 @@ class SoftmaxCrossEntropy(OutputLoss):
         classes = self.shape[-1] if self.shape else 1
         if self.classes not in (1, classes):
             raise ValueError(
-                f"the loss{_for(self.label)} was given classes="
+                f"the loss{for_output(self.label)} was given classes="
                 f"{self.classes}, but that head's last axis has {classes}. Leave "
                 "classes out: each head's class count is read from its output."
             )
@@ -341,7 +342,7 @@ class SoftmaxCrossEntropy(OutputLoss):
                 labels.size and (labels.min() < 0 or labels.max() >= self.classes)
             ):
                 raise ValueError(
-                    f"labels{_for(self.label)} must be integers in 0.."
+                    f"labels{for_output(self.label)} must be integers in 0.."
                     f"{self.classes - 1}; got values from {labels.min()} to "
                     f"{labels.max()}."
                 )
@@ -349,7 +350,7 @@ class SoftmaxCrossEntropy(OutputLoss):
             return eye[labels.astype(int)].reshape(n, width)
         if y.size != n * width:
             raise ValueError(
-                f"y{_for(self.label)} has shape {y.shape}; it needs {width} "
+                f"y{for_output(self.label)} has shape {y.shape}; it needs {width} "
                 f"value(s) per sample for {n} samples (or one integer label per "
                 f"row of {self.classes} classes)."
             )
@@ -444,7 +445,7 @@ class AutodiffLoss(OutputLoss):
         y = np.asarray(y)
         if y.ndim == 0 or y.shape[0] != n:
             raise ValueError(
-                f"y{_for(self.label)} has shape {y.shape}; it needs the {n} "
+                f"y{for_output(self.label)} has shape {y.shape}; it needs the {n} "
                 "samples first."
             )
         return y.reshape(n, -1).astype(dtype)
@@ -452,7 +453,7 @@ class AutodiffLoss(OutputLoss):
     def values_tf(self, f, t):
         if t is None:
             raise ValueError(
-                f"the loss{_for(self.label)} ({self.about}) is differentiated "
+                f"the loss{for_output(self.label)} ({self.about}) is differentiated "
                 "as given, and its Hessian may depend on the targets: pass y=."
             )
         prediction, y_true = self._y_true(f, tf.cast(t, f.dtype))
@@ -686,12 +687,13 @@ def _width(f):
     return f.shape[1] if f.shape[1] is not None else tf.shape(f)[1]
 
 
-def _for(label, sep=" "):
+def for_output(label, sep=" "):
     """`` for output 'a'`` in a message, or nothing for a single output."""
     return "" if label in (None, "output") else f"{sep}for output {label!r}"
 
 
-def _reduction(reduction):
+def checked_reduction(reduction):
+    """``reduction`` checked: one of ``REDUCTIONS`` (ValueError otherwise)."""
     if reduction in (None, "none", "auto"):
         raise ValueError(
             f"reduction={reduction!r} leaves one loss per sample; curvature is of "
@@ -708,7 +710,7 @@ def _reduction(reduction):
 def _needs_classes(loss):
     if loss.classes == 1:
         raise ValueError(
-            f"softmax cross-entropy{_for(loss.label)} needs the number of "
+            f"softmax cross-entropy{for_output(loss.label)} needs the number of "
             "classes, the length of the output's last axis; it is 1 or unknown "
             "here (a softmax over one class is constant). For a yes/no output use "
             '"sigmoid_cross_entropy"; for a callable pass '
@@ -731,7 +733,8 @@ def _refuse_probabilities(loss, probability):
     )
 
 
-def _unknown(about):
+def unknown_loss(about):
+    """The ValueError for a loss that is none of those known (``about``: it)."""
     return ValueError(
         f"loss must be one of {', '.join(map(repr, NAMES))}, a Keras loss "
         f"(object or name) or a callable loss(y_true, y_pred); got {about}."
