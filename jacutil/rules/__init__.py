@@ -22,7 +22,18 @@ compiled, cached form is ``compiled_jacobian(model, method="rules")``, and
 ``jacutil.jacobian`` picks it when it applies. Introduced in ``07-benchmark``.
 """
 
-from . import conv, dense, embedding, merge, normalization, recurrent, shape  # noqa: F401
+from . import (  # noqa: F401
+    attention,
+    conv,
+    dense,
+    einsum_dense,
+    embedding,
+    merge,
+    normalization,
+    pooling,
+    recurrent,
+    shape,
+)
 from .autodiff import AutodiffRule, tiled_vjp, tiled_vjps
 from .graph import Node, Wiring, chain_layers, chain_nodes, graph_nodes, is_exact_keras
 from .merge import MERGE_RULES, MergeRule
