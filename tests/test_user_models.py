@@ -467,3 +467,41 @@ def test_attention_inside_a_layer_the_rules_pass_through_does_not_crash():
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-1500:]
     assert "layer rules" in done.stdout
+
+
+# --- float32 rounding named as such (issue 56, point 6) --------------------------
+
+
+def _normalized_raw_inputs():
+    """LayerNormalization straight on inputs far from zero (raw values):
+    float32 loses digits in its forward pass; float64 does not."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((8,)), keras.layers.LayerNormalization(), keras.layers.Dense(3)]
+    )
+    x = (1e4 + np.random.default_rng(0).normal(size=(8, 8))).astype("float32")
+    return model, x
+
+
+def test_a_float32_rounding_disagreement_is_named_with_what_float64_gives():
+    model, x = _normalized_raw_inputs()
+    jac = ju.compiled_jacobian(model, method="rules")
+    J = jac(x)
+    assert jac.fallback.startswith("float32 rounding"), jac.fallback
+    assert "in float64 (the same model and weights) they agree to" in jac.fallback
+    assert "do not say" not in jac.fallback
+    # the path taken instead is autodiff's, sample by sample
+    np.testing.assert_allclose(J, ju.per_sample_jacobian(model, x), rtol=1e-5)
+
+
+def test_a_wrong_float32_layer_is_not_excused_as_rounding():
+    """A Dense whose call was replaced on the instance: its float64 copy (from
+    its config) computes the true Dense, so the copy is another model - on
+    inputs where float32 rounds too."""
+    model, x = _normalized_raw_inputs()
+    last = model.layers[-1]
+    plain_call = last.call
+    last.call = lambda inputs, *args, **kwargs: 3 * plain_call(inputs)
+    jac = ju.compiled_jacobian(model, method="rules")
+    jac(x)
+    assert "do not say" in jac.fallback, jac.fallback

@@ -86,7 +86,7 @@ def _float_dtype(variable):
     return np.dtype(dtype.as_numpy_dtype)
 
 
-def _declared_inputs(model):
+def declared_inputs(model):
     """The model's declared input nest (Keras tensors), or None if unknown."""
     for attribute in ("input", "inputs"):  # a Sequential not yet called: inputs
         try:
@@ -265,7 +265,7 @@ def resolve_target(model, variables=None, training=False, x=None):
         _keras_call(model, training),
         variables,
         dtype,
-        declared=_declared_inputs(model),
+        declared=declared_inputs(model),
         layers=layers,
         training=training,
     )

@@ -6,16 +6,21 @@ the plan against autodiff (``jacutil.rules.verify``) before its walks
 (``jacutil.rules.walk``) give any number.
 """
 
+import weakref
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from ..core._tf import keras
 from ..core.batch import signature_key
 from ..core.formulation import XLA_ERRORS, first_line, pfor_log
+from ..core.precision import as_float64, float64_copy
+from ..core.target import resolve_target
 from .autodiff import AutodiffRule
 from .graph import NotAGraph, Wiring, chain_nodes, graph_nodes, is_exact_keras
 from .merge import MERGE_RULES
 from .registry import Wanted, rule_for
-from .verify import disagreement
+from .verify import disagreement, first_difference, relative_error
 from .walk import (
     rules_squared_columns,
     rules_squared_norms,
@@ -30,6 +35,9 @@ NOT_IN_A_CHAIN = (
     keras.layers.SimpleRNN, keras.layers.Bidirectional,
     keras.layers.MultiHeadAttention, keras.layers.EinsumDense,
 )  # fmt: skip
+
+
+SAME_OUTPUTS = 0.01  # a float64 copy whose outputs differ more is another model
 
 
 class UncheckedPlan(RuntimeError):
@@ -83,6 +91,7 @@ class Plan:
     lowest: int  # the lowest step holding a wanted variable
     checked: set = field(default_factory=set)  # input signatures proved
     wiring: Wiring = None  # which tensors each step reads, writes; None: a chain
+    model: object = None  # a weak reference to the Keras model, or None
 
     def __post_init__(self):
         if self.wiring is None:
@@ -126,9 +135,45 @@ class Plan:
                 reason = disagreement(self, target, x)
             except XLA_ERRORS as error:  # a layer's autodiff that XLA cannot compile
                 reason = f"the layer rules could not run ({first_line(error)})"
+        if reason is not None and target.dtype == np.float32:
+            reason = self._in_float64(x) or reason
         if reason is None:
             self.checked.add(signature_key(x))
         return reason
+
+    def _in_float64(self, x):
+        """Why float32 rules and autodiff differ where a float64 copy of the
+        model (same weights, same outputs to 1%) shows them equal:
+        float32's rounding, named as such with both figures (a ``str``);
+        else None (a copy that cannot be made or planned, computes
+        something else, or disagrees too, says nothing)."""
+        model = self.model() if self.model is not None else None
+        if model is None:
+            return None
+        try:
+            copy = float64_copy(model)
+        except (TypeError, ValueError, NotImplementedError, KeyError):
+            return None
+        where = {id(v): j for j, v in enumerate(model.weights)}
+        variables = [copy.weights[where[id(v)]] for v in self.variables]
+        plan, _ = plan_for(copy, variables)
+        x64, target32 = as_float64(x), resolve_target(model, self.variables)
+        target64 = resolve_target(copy, variables)
+        ours, theirs = target32.forward(x).numpy(), target64.forward(x64).numpy()
+        if plan is None or relative_error(ours, theirs) > SAME_OUTPUTS:
+            return None
+        if disagreement(plan, target64, x64) is not None:
+            return None
+        what, error, i = first_difference(self, target32, x)
+        _, error64, _ = first_difference(plan, target64, x64, largest=True)
+        what = "Jacobian" if what == "jacobian" else "gradient norms"
+        return (
+            f"float32 rounding: the layer rules ({what}) differ from autodiff "
+            f"by {error:.3g} (relative) on sample {i}, yet in float64 (the same "
+            f"model and weights) they agree to {error64:.1g}. The model loses "
+            "digits in float32 (inputs far from zero before a normalization, "
+            "say): scale its inputs, or run it in float64 for precise Jacobians"
+        )
 
     tensor = _on_checked_inputs(rules_tensor, "(n, l, m), or (n, r, m) with ``signal``")
     squared_norms = _on_checked_inputs(rules_squared_norms, "(n, r)")
@@ -195,7 +240,9 @@ def plan_for(model, variables, training=False):
     if missing:
         return None, f"variable {missing[0].name!r} is not in a layer the rules can see"
     lowest = min(owner.values())
-    return Plan(steps, wanted, list(variables), lowest, wiring=wiring), None
+    plan = Plan(steps, wanted, list(variables), lowest, wiring=wiring)
+    plan.model = weakref.ref(model)
+    return plan, None
 
 
 def _step_for(node, dtype):

@@ -35,6 +35,28 @@ def disagreement(plan, target, x, seed=0):
 
     Arguments as :meth:`Plan.check`; ``seed`` seeds the random weights.
     """
+    found = first_difference(plan, target, x, seed)
+    if found is None:
+        return None
+    what, error, i = found
+    if what == "norms":
+        return (
+            f"the layer rules' gradient norms differ from autodiff's by "
+            f"{error:.3g} (squared, relative) on sample {i}: a rule's norms "
+            "are wrong"
+        )
+    return (
+        f"the layer rules differ from autodiff by {error:.3g} (relative) on "
+        f"sample {i}: the model computes something its layers do not say"
+    )
+
+
+def first_difference(plan, target, x, seed=0, largest=False):
+    """``(what, error, sample)`` of the first check that fails
+    (:func:`disagreement`'s), ``what`` ``"jacobian"`` or ``"norms"``, the
+    error relative; None when all pass (the tolerance: float32's or
+    float64's, times sqrt(l)). ``largest``: the largest error of all
+    checks instead, passed or not."""
     rows = int(n_samples(x))
     picked = np.unique(np.linspace(0, rows - 1, min(rows, SAMPLES_CHECKED)).round())
     picked = [int(i) for i in picked]
@@ -45,6 +67,7 @@ def disagreement(plan, target, x, seed=0):
     tolerance = (1e-4 if J.dtype == tf.float32 else 1e-9) * np.sqrt(J.shape[1])
     squared = rules_squared_norms(plan, chosen, OutputRows(w[:, None]))[:, 0].numpy()
     sources = [watched(v) for v in target.variables]
+    worst = None
     for row, i in enumerate(picked):
         with tf.GradientTape() as tape:
             target.watch(tape)
@@ -52,17 +75,13 @@ def disagreement(plan, target, x, seed=0):
             score = tf.reduce_sum(tf.cast(w[row], y.dtype) * y)
         grads = tape.gradient(score, sources)
         auto = joined_gradients(grads, sizes_of(target.variables), J.dtype).numpy()
-        error = relative_error(hand[row], auto)
-        if not error <= tolerance:
-            return (
-                f"the layer rules differ from autodiff by {error:.3g} (relative) on "
-                f"sample {i}: the model computes something its layers do not say"
-            )
-        error = relative_error(squared[row], auto @ auto)  # norms without gradients
-        if not error <= tolerance:
-            return (
-                f"the layer rules' gradient norms differ from autodiff's by "
-                f"{error:.3g} (squared, relative) on sample {i}: a rule's norms "
-                "are wrong"
-            )
-    return None
+        errors = {
+            "jacobian": relative_error(hand[row], auto),
+            "norms": relative_error(squared[row], auto @ auto),  # no gradients
+        }
+        for what, error in errors.items():
+            if largest and (worst is None or not error <= worst[1]):
+                worst = (what, error, i)
+            elif not largest and not error <= tolerance:
+                return what, error, i
+    return worst

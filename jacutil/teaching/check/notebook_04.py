@@ -2,27 +2,14 @@
 
 import numpy as np
 
-from ...core._tf import keras
 from ...core.layout import flat_params
 from ...core.planner import chunk_size_for
+from ...core.precision import float64_copy
 from ...stages.vectorized import per_sample_jacobian
 from . import Hint, answered, as_array, as_number, checks, close_number
 
 BUDGET = 16 * 2**20  # exercise 1's budget: 16 MiB
 AXES = "(n samples, l outputs, m parameters)"
-
-
-def _float64_copy(model):
-    """The same network in float64: every layer cloned in float64, same weights."""
-
-    def in_float64(layer):
-        config = layer.get_config()
-        config["dtype"] = "float64"
-        return layer.__class__.from_config(config)
-
-    copy = keras.models.clone_model(model, clone_function=in_float64)
-    copy.set_weights([np.asarray(w, "float64") for w in model.get_weights()])
-    return copy
 
 
 def _sizes(model, x):
@@ -65,7 +52,7 @@ def float64_chunks(answer, model, x):
         )
     J = as_array(J, "J", (n, n_out, m), AXES)
     x64 = np.asarray(x, "float64")
-    expected = per_sample_jacobian(_float64_copy(model), x64)
+    expected = per_sample_jacobian(float64_copy(model), x64)
     if np.allclose(J, expected, rtol=1e-9, atol=1e-12):
         return
     if np.allclose(J, expected, rtol=1e-4, atol=1e-5):
