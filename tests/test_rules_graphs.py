@@ -441,3 +441,23 @@ def test_a_model_called_on_its_own_inputs_is_refused_not_walked_forever():
     outer = keras.Model(inner.inputs[0], keras.layers.Dense(1)(inner(inner.inputs[0])))
     with pytest.raises(NotAGraph, match="its own inputs"):
         graph_nodes(outer)
+
+
+def test_a_layer_called_with_mask_none_keeps_its_rule():
+    """keras.applications call BatchNormalization with ``mask=None`` (MobileNetV3:
+    34 layers, issue 56): the same call as without it, so the rule stays."""
+    layers = keras.layers
+    inputs = keras.Input((5, 5, 3))
+    h = layers.Conv2D(4, 3)(inputs)
+    h = layers.BatchNormalization()(h, mask=None)
+    model = keras.Model(inputs, layers.Dense(2)(layers.Flatten()(h)))
+    model.layers[2].moving_variance.assign(np.linspace(0.5, 2, 4))
+    plan, why = rules.plan_for(model, model.trainable_variables)
+    assert plan is not None, why
+    assert [rule for _, rule in plan.layers()][1] == "batch_norm (inference)"
+    x = np.random.default_rng(0).normal(size=(3, 5, 5, 3)).astype("float32")
+    jac = ju.compiled_jacobian(model, method="rules")
+    J = jac(x)
+    assert jac.plan is not None, jac.fallback
+    reference = ju.per_sample_jacobian(model, x)
+    np.testing.assert_allclose(J, reference, rtol=1e-4, atol=1e-5)

@@ -41,7 +41,9 @@ class Node:
         operation: a Keras layer or operation.
         args: the positional arguments it was called with (None: the input
             tensor alone).
-        kwargs: its keyword arguments (``training`` is dropped).
+        kwargs: its keyword arguments (``training`` is dropped, and so is
+            ``mask=None``, which Keras passes to a layer that takes a mask
+            where there is none: the call without it is the same).
         inputs: its symbolic inputs (Keras tensors), in the order the values
             are given to :meth:`__call__` (None: one input, wherever it is).
     """
@@ -51,6 +53,8 @@ class Node:
         self.args = args  # None: called with the tensor alone
         self.kwargs = dict(kwargs or {})
         self.kwargs.pop("training", None)  # the model's call sets it (below)
+        if "mask" in self.kwargs and self.kwargs["mask"] is None:
+            del self.kwargs["mask"]  # what Keras passes where there is no mask
         self.inputs = None if inputs is None else list(inputs)
 
     @property
