@@ -20,11 +20,22 @@ from ..core.internals import made_by, takes_training
 
 def is_exact_keras(model):
     """Whether ``model`` is a plain ``keras.Sequential`` or functional model,
-    not a subclass."""
+    or a subclass of one whose ``call`` is still Keras's: a model built
+    from ``super().__init__(inputs=..., outputs=...)``, as KerasHub's
+    backbones and tasks are. Another subclass's ``call`` may differ from
+    its layers. (A plan is proved against the model's own call before use
+    either way: ``jacutil.rules.plan.Plan.check``.)"""
     kind = type(model)
     if kind is keras.Sequential:
         return True
-    return kind.__name__ == "Functional" and kind.__module__.startswith("keras.")
+    if kind.__name__ == "Functional" and kind.__module__.startswith("keras."):
+        return True
+    with_call = next((c for c in kind.__mro__ if "call" in c.__dict__), None)
+    return (
+        with_call is not None
+        and with_call.__name__ == "Functional"
+        and with_call.__module__.startswith("keras.")
+    )
 
 
 _INPUT = keras.layers.InputLayer
@@ -42,8 +53,9 @@ class Node:
         args: the positional arguments it was called with (None: the input
             tensor alone).
         kwargs: its keyword arguments (``training`` is dropped, and so is
-            ``mask=None``, which Keras passes to a layer that takes a mask
-            where there is none: the call without it is the same).
+            ``mask=None`` or a nest of Nones, which Keras passes to a layer
+            that takes a mask where there is none: the call without it is
+            the same).
         inputs: its symbolic inputs (Keras tensors), in the order the values
             are given to :meth:`__call__` (None: one input, wherever it is).
     """
@@ -53,7 +65,7 @@ class Node:
         self.args = args  # None: called with the tensor alone
         self.kwargs = dict(kwargs or {})
         self.kwargs.pop("training", None)  # the model's call sets it (below)
-        if "mask" in self.kwargs and self.kwargs["mask"] is None:
+        if "mask" in self.kwargs and no_mask(self.kwargs["mask"]):
             del self.kwargs["mask"]  # what Keras passes where there is no mask
         self.inputs = None if inputs is None else list(inputs)
 
@@ -91,6 +103,12 @@ class Node:
             kwargs["training"] = False
         with convolutions_by_group():  # see jacutil.core._grouped
             return self.operation(*args, **kwargs)
+
+
+def no_mask(mask):
+    """Whether a ``mask`` argument says nothing: None, or a nest of Nones (a
+    model of several inputs, none masked)."""
+    return all(m is None for m in tf.nest.flatten(mask))
 
 
 def _symbolic(value):
@@ -296,7 +314,8 @@ class _GraphWalk:
         extra = [repr(a) for a in arguments.args if not _all_symbolic(a)]
         extra += [
             f"{key}={value!r}" for key, value in arguments.kwargs.items()
-            if value is not None and key != "training"
+            if key != "training" and not (key == "mask" and no_mask(value))
+            and value is not None
         ]  # fmt: skip
         if extra:
             raise NotAGraph(f"model {model.name!r} is called with {', '.join(extra)}")
@@ -310,8 +329,7 @@ class _GraphWalk:
         ):
             raise NotAGraph(f"model {model.name!r} is called with other inputs")
         for inner, outer in zip(inner_inputs, outer_inputs, strict=True):
-            if inner is outer:  # called on its own inputs: a walk would loop
-                raise NotAGraph(f"model {model.name!r} is called on its own inputs")
-            self.alias[id(inner)] = outer
+            if inner is not outer:  # on its own inputs (KerasHub's tasks): as is
+                self.alias[id(inner)] = outer
         for inner, outer in zip(inner_outputs, outer_outputs, strict=True):
             self.alias[id(outer)] = inner
