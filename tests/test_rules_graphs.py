@@ -469,3 +469,40 @@ def test_a_layer_called_with_mask_none_keeps_its_rule():
     assert jac.plan is not None, jac.fallback
     reference = ju.per_sample_jacobian(model, x)
     np.testing.assert_allclose(J, reference, rtol=1e-4, atol=1e-5)
+
+
+class _Task(keras.Model):
+    """A KerasHub-style task: a Functional subclass built by
+    ``super().__init__(inputs, outputs)``, its backbone called on the
+    backbone's own (dict) inputs, Keras's call untouched."""
+
+    def __init__(self, backbone, **kwargs):
+        inputs = backbone.input
+        h = backbone(inputs)
+        super().__init__(inputs, keras.layers.Dense(2, name="logits")(h), **kwargs)
+
+
+def test_a_functional_subclass_with_keras_call_takes_the_rules():
+    layers = keras.layers
+    inputs = {"a": keras.Input((3,), name="a"), "b": keras.Input((2,), name="b")}
+    h = layers.Concatenate()([layers.Dense(4)(inputs["a"]), inputs["b"]])
+    backbone = keras.Model(inputs, layers.Dense(3, activation="tanh")(h))
+    task = _Task(backbone)
+    assert rules.is_exact_keras(task)
+    rng = np.random.default_rng(0)
+    x = {"a": rng.normal(size=(4, 3)), "b": rng.normal(size=(4, 2))}
+    x = {k: v.astype("float32") for k, v in x.items()}
+    jac = ju.compiled_jacobian(task, method="rules")
+    J = jac(x)
+    assert jac.plan is not None, jac.fallback
+    np.testing.assert_allclose(J, ju.per_sample_jacobian(task, x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_subclass_with_its_own_call_keeps_autodiff():
+    class Doubled(_Task):
+        def call(self, inputs, training=None):
+            return 2 * super().call(inputs, training=training)
+
+    inputs = {"a": keras.Input((3,), name="a")}
+    backbone = keras.Model(inputs, keras.layers.Dense(3)(inputs["a"]))
+    assert not rules.is_exact_keras(Doubled(backbone))
