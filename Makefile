@@ -165,6 +165,7 @@ bench-peers: setup
 	$(BIN)/python -m jacutil.bench --model mlp cnn lstm --peer-rows $(BENCH_ARGS)
 	$(BIN)/python -m jacutil.bench.isolated
 	$(BIN)/python -m jacutil.bench.curvature_rows --torch-threads 1
+	$(BIN)/python -m jacutil.bench.curvature_rows --wide
 	$(BIN)/python -m jacutil.bench.privacy_rows --peer $(BIN)/python
 
 clean:

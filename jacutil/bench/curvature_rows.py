@@ -282,6 +282,12 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--wide",
+        action="store_true",
+        help="run the wide last-layer Laplace rows (1,000 classes x 2,048 "
+        "features) instead, each in a fresh process",
+    )
+    parser.add_argument(
         "--torch-threads",
         type=int,
         help="PyTorch's intra-op threads (default: its own choice). On a small "
@@ -289,6 +295,8 @@ def main(argv=None):
         "gives the peers steady times; their own choice can vary tenfold",
     )
     args = parser.parse_args(argv)
+    if args.wide:
+        return wide_main(seed=args.seed)
     threads = "its own choice"
     if args.torch_threads is not None:
         if args.torch_threads < 1:
@@ -307,6 +315,148 @@ def main(argv=None):
         f"PyTorch threads: {threads}.\n"
     )
     print(table(results))
+    return results
+
+
+# -- a wide last layer: Laplace on 1,000 classes x 2,048 features ----------------
+#
+# Not one of ROWS (their models are the bench's MLP and CNN, timed call after
+# call in this process): a head Input(features) -> Dense(classes) on random
+# float32 features, softmax cross-entropy, fitted once in a fresh process
+# that reports its seconds and peak resident memory. Run them with
+# ``python -m jacutil.bench.curvature_rows --wide`` (``make bench`` does).
+
+
+@dataclass
+class WideRow:
+    """Last-layer Laplace on Input(features) -> Dense(classes): fit on
+    ``n`` samples, then the predictive covariance of ``n_test``; with
+    ``hessian_structure`` (``"auto"``: low rank where n r < m)."""
+
+    features: int
+    classes: int
+    n: int
+    n_test: int
+    hessian_structure: str
+    peer: str = "laplace-torch KronLLLaplace"
+
+
+WIDE_ROWS = [
+    WideRow(2048, 1000, 1000, 32, "kron"),
+    WideRow(2048, 2, 1000, 100, "auto"),
+]
+WIDE_CHILD = """
+import json, os, resource, sys, time
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+import numpy as np
+features, classes, n, n_test, structure, seed = json.loads(sys.argv[1])
+rng = np.random.default_rng(seed)
+x = rng.standard_normal((n + n_test, features)).astype("float32")
+y = rng.integers(0, classes, n)
+out = {}
+if structure == "peer":  # laplace-torch, on the same weights
+    import torch
+    from laplace import Laplace
+    from jacutil import keras
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((features,)), keras.layers.Dense(classes)])
+    layer = torch.nn.Linear(features, classes)
+    with torch.no_grad():
+        layer.weight.copy_(torch.from_numpy(model.layers[0].kernel.numpy().T))
+        layer.bias.copy_(torch.from_numpy(model.layers[0].bias.numpy()))
+    net = torch.nn.Sequential(torch.nn.Identity(), layer)
+    data = torch.utils.data.TensorDataset(torch.from_numpy(x[:n]), torch.from_numpy(y))
+    start = time.perf_counter()
+    la = Laplace(net, "classification", subset_of_weights="last_layer",
+                 hessian_structure="kron")
+    la.fit(torch.utils.data.DataLoader(data, batch_size=256))
+    out["fit_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    la(torch.from_numpy(x[n:]), pred_type="glm", link_approx="probit")
+    out["predictive_s"] = time.perf_counter() - start
+else:
+    from jacutil import keras
+    from jacutil.curvature.laplace import laplace
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((features,)), keras.layers.Dense(classes)])
+    start = time.perf_counter()
+    la = laplace(model, x[:n], y, "softmax_cross_entropy",
+                 hessian_structure=structure)
+    la.log_marginal_likelihood()
+    out["fit_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    la.predictive_variance(x[n:])
+    out["predictive_s"] = time.perf_counter() - start
+    out["chosen"], out["m"] = la.hessian_structure, la.n_params
+out["peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps(out))
+"""
+
+
+def run_wide_row(row, *, seed=0, log=print):
+    """One :class:`WideRow`, jacutil then laplace-torch (where installed),
+    each in a fresh process: a dict with ``row``, ``jacutil`` and ``peer``
+    (``{fit_s, predictive_s, peak_bytes, ...}``, or None) and ``note``. The
+    fit's seconds include the log marginal likelihood at the stored prior.
+    Introduced in ``11-curvature-and-uncertainty``."""
+    import json
+
+    from ..teaching.memory_sweeps import fresh_python
+
+    def measured(structure):
+        spec = [row.features, row.classes, row.n, row.n_test, structure, seed]
+        return fresh_python(["-c", WIDE_CHILD, json.dumps(spec)], "the wide row failed")
+
+    result = {"row": row, "jacutil": measured(row.hessian_structure), "peer": None}
+    missing = [m for m in ("torch", "laplace") if importlib.util.find_spec(m) is None]
+    result["note"] = f"{', '.join(missing)} not installed" if missing else ""
+    if not missing and row.hessian_structure == "kron":
+        result["peer"] = measured("peer")
+    elif not missing:
+        result["note"] = "laplace-torch's peer row is its Kronecker structure"
+    log(f"wide {row.classes} x {row.features}: {result['jacutil']}")
+    return result
+
+
+def wide_table(results):
+    """The :func:`run_wide_row` results as a Markdown table. Introduced in
+    ``11-curvature-and-uncertainty``."""
+    lines = [
+        "| head (classes x features) | n | test | hessian | m | jacutil fit | "
+        "predictive | peak memory | peer | peer fit | peer predictive | "
+        "peer peak |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---|---:|---:|---:|",
+    ]
+    notes = []
+    for result in results:
+        row, ours, theirs = result["row"], result["jacutil"], result["peer"]
+
+        def cells(t):
+            if t is None:
+                return ["-", "-", "-"]
+            return [format_seconds(t["fit_s"]), format_seconds(t["predictive_s"]),
+                    f"{t['peak_bytes'] / 2**20:,.0f} MiB"]  # fmt: skip
+
+        lines.append(
+            f"| {row.classes:,} x {row.features:,} | {row.n:,} | {row.n_test} | "
+            f"{ours['chosen']} | {ours['m']:,} | {' | '.join(cells(ours))} | "
+            f"{row.peer} | {' | '.join(cells(theirs))} |"
+        )
+        if result["note"]:
+            notes.append(f"- {row.classes:,} x {row.features:,}: {result['note']}")
+    return "\n".join(lines + ([""] + notes if notes else []))
+
+
+def wide_main(seed=0):
+    """Run :data:`WIDE_ROWS` and print their table; returns the results.
+    Introduced in ``11-curvature-and-uncertainty``."""
+    results = [run_wide_row(row, seed=seed) for row in WIDE_ROWS]
+    m = machine_summary()
+    print(
+        f"\n{m['date']}, {m['cpu_count']} CPUs, load average {m['load_average']}. "
+        "One fit and one predictive each, in a fresh process.\n"
+    )
+    print(wide_table(results))
     return results
 
 

@@ -29,6 +29,7 @@ functional or Sequential model, and a general Jacobian otherwise.
 """
 
 import numpy as np
+import scipy.linalg
 
 from ..core import cache
 from ..core._tf import keras, tf
@@ -133,6 +134,9 @@ class DenseLastLayer:
         (an array), from one pass:
         ``form`` ``"full"`` with ``parts = (full_parts(Sigma),)``;
         ``"diagonal"`` with ``(Sigma's diagonal as (d+1, l),)``;
+        ``"low_rank"`` with ``(rows, L, delta)`` for
+        ``Sigma = (I - U.T (L L.T)^-1 U / delta) / delta``, U the
+        :class:`FeatureRows` ``rows`` (:mod:`jacutil.curvature.laplace_low_rank`);
         ``"kronecker"`` with ``(QA, QB, 1 / p)`` for
         ``Sigma = (QA (x) QB) diag(1/p) (QA (x) QB).T``, p (d+1, l)."""
         phi, f, A = self.head(x)
@@ -144,6 +148,8 @@ class DenseLastLayer:
             var[:, k, j] = var[:, j, k] = np.einsum("npb,nb->np", T, phi)
         elif form == "diagonal":
             var = _by_rows(phi**2, parts[0])[:, :, None] * np.eye(width)
+        elif form == "low_rank":
+            var = _low_rank_variance(phi, *parts)
         else:  # QB diag(c_i) QB.T
             QA, QB, inverse = parts
             c = _by_rows(_by_rows(phi, QA) ** 2, inverse)
@@ -164,10 +170,79 @@ class DenseLastLayer:
         m = d1 * width
         return G.transpose(1, 2, 0, 3).reshape(m, m)
 
+    def kronecker_sums(self, phi, A, H):
+        """This chunk's sums for G's Kronecker factors:
+        ``(sum_i phi_i phi_i.T (d+1, d+1), sum_i A_i.T H_i A_i (l, l))``."""
+        Lam = H if A is None else np.einsum("nka,nkj,njb->nab", A, H, A)
+        return phi.T @ phi, np.sum(Lam, axis=0)
+
     def ggn_diagonal(self, phi, A, H):
         """G's diagonal of this chunk, (m,)."""
         Lam = H if A is None else np.einsum("nka,nkj,njb->nab", A, H, A)
         return ((phi**2).T @ np.diagonal(Lam, 0, 1, 2)).reshape(-1)
+
+
+class FeatureRows:
+    """U, the rows ``S_i.T J_i`` of ``G = U.T U``, from a Dense layer's
+    features, never formed: row (i, c) of U is ``phi_i (x) R_i[:, c]``, with
+    ``R_i = A_i.T S_i`` (l, r) and ``H_i = S_i S_i.T``, so
+    ``(U U.T)[(i, c), (j, e)] = (phi_i . phi_j) (R_i[:, c] . R_j[:, e])``.
+    The products :class:`jacutil.curvature.laplace_low_rank.LowRankGGN`
+    takes; k = n r rows, m = (d+1) l parameters.
+
+    Args:
+        phi: phi_bar (n, d+1).
+        R: (n, l, r).
+    """
+
+    def __init__(self, phi, R):
+        self.phi, self.R = phi, R
+        n, self.width, r = R.shape
+        self.n_rows, self.n_params = n * r, phi.shape[1] * self.width
+
+    def gram(self, inverse_delta=None):
+        """``U diag(inverse_delta) U.T`` (k, k); ``U U.T`` without it."""
+        phi, R = self.phi, self.R
+        if inverse_delta is None:
+            K = (phi @ phi.T)[:, None, :, None] * np.einsum("iac,jae->icje", R, R)
+            return K.reshape(self.n_rows, self.n_rows)
+        scales = np.reshape(inverse_delta, (phi.shape[1], self.width))
+        K = 0.0
+        for b in range(self.width):  # sum_b (phi D_b phi.T)_ij R_i[b, c] R_j[b, e]
+            outer = (phi * scales[:, b]) @ phi.T
+            K = K + np.einsum("ij,ic,je->icje", outer, R[:, b], R[:, b])
+        return K.reshape(self.n_rows, self.n_rows)
+
+    def times(self, V):
+        """``U V``: V (m, c) -> (k, c)."""
+        c = V.shape[1]
+        T = (self.phi @ V.reshape(-1, self.width * c)).reshape(-1, self.width, c)
+        return np.einsum("ibe,ibx->iex", self.R, T).reshape(self.n_rows, c)
+
+    def transposed_times(self, Y):
+        """``U.T Y``: Y (k, c) -> (m, c)."""
+        c, r = Y.shape[1], self.R.shape[2]
+        T = np.einsum("ibe,iex->ibx", self.R, Y.reshape(-1, r, c))
+        return (self.phi.T @ T.reshape(len(T), -1)).reshape(self.n_params, c)
+
+    def to_dense(self):
+        """G (m, m): ``sum_i (phi_i phi_i.T) (x) R_i R_i.T``."""
+        G = np.einsum("ia,ib,ijc,ikc->ajbk", self.phi, self.phi, self.R, self.R)
+        return G.reshape(self.n_params, self.n_params)
+
+
+def _low_rank_variance(phi_test, rows, lower, delta):
+    """``J_z Sigma J_z.T`` (n, l, l) at the layer's output z, for
+    ``Sigma = (I - U.T (L L.T)^-1 U / delta) / delta``: ``J_z J_z.T`` is
+    ``|phi|^2 I`` and ``(U J_z.T)[(i, c), j] = (phi_i . phi) R_i[j, c]``."""
+    n, width = len(phi_test), rows.width
+    C = phi_test @ rows.phi.T  # (n, n_train)
+    W = C[:, :, None, None] * rows.R.transpose(0, 2, 1)[None]  # (n, i, c, j)
+    W = W.reshape(n, rows.n_rows, width).transpose(1, 0, 2).reshape(rows.n_rows, -1)
+    Y = scipy.linalg.solve_triangular(lower, W, lower=True).reshape(-1, n, width)
+    spanned = np.einsum("ank,anj->nkj", Y, Y)
+    norms = np.sum(phi_test**2, axis=1)
+    return (norms[:, None, None] * np.eye(width) - spanned / delta) / delta
 
 
 def _by_rows(a, b):

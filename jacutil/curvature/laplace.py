@@ -12,7 +12,9 @@ noise variance of a regression (1 for a classification) and ``delta`` the
 prior precision: one number, or one per layer (laplace-torch's per-module
 prior). Three structures of P, as in laplace-torch, one class and module
 each: ``"last_layer"`` (:class:`LastLayerLaplace`), ``"diagonal"``
-(:class:`DiagonalLaplace`) and ``"kfac"`` (:class:`KFACLaplace`), around
+(:class:`DiagonalLaplace`) and ``"kfac"`` (:class:`KFACLaplace`); the last
+layer's G exactly by its low rank where n r < m, or by a Kronecker product
+(``hessian_structure=``, :mod:`jacutil.curvature.laplace_low_rank`), around
 what they share (:class:`Laplace`): the linearized predictive, and the
 marginal likelihood that chooses the prior. Over one Dense layer J is never
 formed (:attr:`Laplace.jacobian_form`): it is ``A (phi (x) I)`` from the
@@ -57,6 +59,13 @@ def laplace(
         last_layer: for ``"last_layer"``: the layer (or list of layers, as
             objects or names) whose weights the posterior covers instead of
             the one found from the forward pass; several heads need it.
+        hessian_structure: for ``"last_layer"`` (laplace-torch's name):
+            ``"auto"`` (the default) is ``"low_rank"`` where n r < m (n
+            samples, r the rank of each sample's H, m the weights: G is
+            never formed, its log det and solves come from the n r x n r
+            Gram matrix), else ``"full"`` (G formed); ``"kron"`` approximates
+            a Dense head's G by a Kronecker product (a 1,000-class head on
+            2,048 features). The one taken is ``la.hessian_structure``.
         memory_budget: bytes for one chunk of J (default: the package's
             policy, :func:`jacutil.core.planner.memory_budget_for`: one
             chunk while J fits in 64 MiB, else half the memory free now).
