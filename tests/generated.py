@@ -380,6 +380,9 @@ STEMS = {
     "go_backwards": ("backward",),
     "return_state": ("state",),
     "rms_scaling": ("rms",),
+    "lora_rank": ("lora",),
+    "EinsumDense": ("einsum",),
+    "use_causal_mask": ("causal", "mask"),
     "reset_after": ("reset_after",),
     "LSTM": ("recurrent", "rnn"),
     "GRU": ("recurrent", "rnn"),
@@ -519,10 +522,12 @@ def _rarely(draw, value, one_in=4):
 # --- layers by the rank of their input ----------------------------------------
 
 
-def _dense(draw, units=None, activation=None, glu=False):
+def _dense(draw, units=None, activation=None, glu=False, lora=False):
     """Dense with an activation, perhaps without bias, perhaps frozen.
 
-    ``glu`` (heads only) may draw "glu", which halves the last axis.
+    ``glu`` (heads only) may draw "glu", which halves the last axis; ``lora``
+    may enable LoRA (``lora_rank``: the kernel frozen, its two factors
+    trainable; Keras makes them float32, so only in float32 programs).
     """
     if units is None:
         units = draw(st.integers(1, 4))
@@ -536,6 +541,40 @@ def _dense(draw, units=None, activation=None, glu=False):
         activation=None if activation == "linear" else activation,
         use_bias=_maybe(draw, False),
         trainable=_rarely(draw, False, 6),
+        lora_rank=_rarely(draw, 2, 4) if lora else None,
+    )
+
+
+# equation, output shape and the output axes a bias may take, by the rank
+# of the input (samples left out) and a width u: the projections of a
+# transformer (per head, heads back), a Dense on positions, transposed
+EINSUM_EQUATIONS = {
+    1: [lambda shape, u: ("ab,bc->ac", (u,), "c")],
+    2: [
+        lambda shape, u: ("abc,cd->abd", (shape[0], u), "d"),
+        lambda shape, u: ("abc,cde->abde", (shape[0], 2, u), "de"),
+        lambda shape, u: ("abc,cd->adb", (u, shape[0]), "b"),
+        lambda shape, u: ("...b,bc->...c", (u,), "c"),
+    ],
+    3: [
+        lambda shape, u: ("abcd,cde->abe", (shape[0], u), "e"),
+        lambda shape, u: ("...b,bc->...c", (u,), "c"),
+    ],
+}
+
+
+def _einsum_dense(draw, t, lora=False):
+    """EinsumDense on ``t``: an equation of its rank, perhaps a bias, an
+    activation, LoRA (``lora``, as :func:`_dense`)."""
+    make = draw(st.sampled_from(EINSUM_EQUATIONS[t.rank]))
+    equation, output_shape, bias_axes = make(t.shape, draw(st.integers(1, 3)))
+    return _call(
+        "EinsumDense",
+        equation,
+        output_shape,
+        bias_axes=_maybe(draw, bias_axes),
+        activation=_maybe(draw, draw(st.sampled_from(["tanh", "relu", "gelu"]))),
+        lora_rank=_rarely(draw, 2, 3) if lora else None,
     )
 
 
@@ -577,14 +616,21 @@ def _identity_layer(draw, t):
 
 
 def _normalization(draw, t):
-    """LayerNormalization or BatchNormalization, any axis and option."""
-    kind = draw(st.sampled_from(["LayerNormalization", "BatchNormalization"]))
+    """LayerNormalization (perhaps RMS-scaled), RMSNormalization or
+    BatchNormalization, any axis and option."""
+    kind = draw(st.sampled_from(["LayerNormalization", "BatchNormalization",
+                                 "RMSNormalization"]))  # fmt: skip
     axes = [-1]
     if t.rank > 1:
         axes += list(range(1, t.rank))
-        if kind == "LayerNormalization":
+        if kind != "BatchNormalization":
             axes.append(list(range(1, t.rank + 1)))
+    if kind == "RMSNormalization":  # Keras's scale broadcasts on the last axes only
+        axes = [a for a in axes if a == -1 or isinstance(a, list)]
     axis = draw(st.sampled_from(axes))
+    if kind == "RMSNormalization":
+        return _call(kind, axis=None if axis == -1 else axis,
+                     epsilon=_maybe(draw, 0.01))  # fmt: skip
     options = {
         "axis": None if axis == -1 else axis,
         "center": _maybe(draw, False),
@@ -746,10 +792,11 @@ def _other_layer(draw, t):
     return _call(name)
 
 
-def _layer(draw, t, functional):
-    """One layer for a float tensor ``t``: (layer expression, call suffix)."""
+def _layer(draw, t, functional, lora=False):
+    """One layer for a float tensor ``t``: (layer expression, call suffix);
+    ``lora``: Dense and EinsumDense may have LoRA (float32 programs)."""
     kinds = ["dense", "dense", "activation", "identity", "normalization",
-             "custom", "reshape", "other"]  # fmt: skip
+             "custom", "reshape", "other", "einsum"]  # fmt: skip
     if t.rank >= 2:
         kinds += ["conv", "conv", "pooling", "padding"]
     if t.rank == 2:
@@ -760,7 +807,8 @@ def _layer(draw, t, functional):
     if kind == "recurrent":
         return _recurrent(draw, functional)
     make = {
-        "dense": lambda: _dense(draw),
+        "dense": lambda: _dense(draw, lora=lora),
+        "einsum": lambda: _einsum_dense(draw, t, lora=lora),
         "activation": lambda: _activation_layer(draw),
         "identity": lambda: _identity_layer(draw, t),
         "normalization": lambda: _normalization(draw, t),
@@ -1031,7 +1079,7 @@ def chain_cases(draw, loss=None):
         chain.append(_embedding(draw, x))
         t = program.apply(chain[-1], t)
     for _ in range(draw(st.integers(1, 3 if loss else 4))):
-        layer, suffix = _layer(draw, t, functional)
+        layer, suffix = _layer(draw, t, functional, program.dtype == "float32")
         chain.append(layer)
         t = program.apply(layer, t, suffix)
     t, applied = _head(draw, program, t, loss)
@@ -1132,12 +1180,16 @@ def graph_cases(draw, loss=None):
         kind = draw(st.sampled_from(GRAPH_STEPS))
         t = draw(st.sampled_from(pool))
         used = [t]
-        if kind == "attention" and t.rank == 2:  # self-attention
+        if kind == "attention" and t.rank == 2:  # self- or cross-attention
             layer = _call("MultiHeadAttention", num_heads=draw(st.integers(1, 2)),
                           key_dim=2)  # fmt: skip
-            new = program.tensor(f"{layer}({t.name}, {t.name})")
+            u = draw(st.sampled_from(pool))
+            u = u if u.rank == 2 else t
+            used.append(u)
+            causal = _rarely(draw, ", use_causal_mask=True", 3) or ""
+            new = program.tensor(f"{layer}({t.name}, {u.name}{causal})")
         elif kind in ("layer", "attention"):
-            layer, suffix = _layer(draw, t, True)
+            layer, suffix = _layer(draw, t, True, program.dtype == "float32")
             new = program.apply(layer, t, suffix)
         elif kind == "custom":
             layer, suffix = _custom_layer(draw, True)

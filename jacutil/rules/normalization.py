@@ -8,6 +8,15 @@ so its signal below is ``delta * gamma / sqrt(var + eps)``; LayerNorm's
 ``xhat`` depends on the whole sample, so its signal is the usual
 normalization backward, per sample and output.
 
+``LayerNormalization(rms_scaling=True)`` (RMSNorm as Keras writes it:
+``y = gamma * a / sqrt(var(a) + eps)``, the variance centered, the output
+not, no beta) has the block ``delta * a / sqrt(var + eps)`` and the signal
+``inv * (g - (a - mean) inv * mean(g * a inv))`` for ``g = gamma * delta``.
+
+``RMSNormalization`` (Zhang and Sennrich 2019, as Llama and Gemma use it) is
+``y = scale * a / sqrt(mean(a^2) + eps)``, the same with ``a`` for the
+centered.
+
 Their blocks are as small as gamma and beta, so the squared norms per
 sample are those gradients' squares, formed directly (as Opacus's norm
 samplers of ``nn.LayerNorm`` and BackPACK's ``BatchL2Grad`` of BatchNorm):
@@ -89,19 +98,29 @@ class _Affine(Rule):
 @register(keras.layers.LayerNormalization)
 class LayerNormRule(_Affine):
     """``y = gamma * (a - mean) / sqrt(var + eps) + beta`` over the last axes;
-    RMS scaling, or axes other than the last ones, raise :class:`NoRule`."""
+    with ``rms_scaling``, ``y = gamma * a / sqrt(var + eps)``. Axes other
+    than the last ones raise :class:`NoRule`."""
 
     name = "layer_norm"
 
     def __init__(self, layer):
         super().__init__(layer)
-        if getattr(layer, "rms_scaling", False):
-            raise NoRule("RMS scaling")
+        self.rms = bool(getattr(layer, "rms_scaling", False))
+        # Keras builds gamma when scale or rms_scaling, beta when center and not
+        self.gamma, self.beta = layer.gamma, layer.beta
+        self.variables = [v for v in (self.gamma, self.beta) if v is not None]
         self.axes = list(range(-_last_axes(layer, layer.axis), 0))
+
+    def describe(self):
+        """``"layer_norm"``, or ``"layer_norm (rms)"`` (a ``str``)."""
+        return self.name + (" (rms)" if self.rms else "")
 
     def _forward(self, a):
         mean, variance = tf.nn.moments(a, axes=self.axes, keepdims=True)
         inverse = tf.math.rsqrt(variance + self.layer.epsilon)
+        if self.rms:  # scaled, not centered: keep the centered for the signal
+            xhat = a * inverse
+            return self._affine(xhat), (xhat, (inverse, (a - mean) * inverse))
         xhat = (a - mean) * inverse
         return self._affine(xhat), (xhat, inverse)
 
@@ -109,9 +128,41 @@ class LayerNormRule(_Affine):
         xhat, inverse = saved
         g = self.scaled(delta)
         xhat = xhat[:, None]
-        mean_g = tf.reduce_mean(g, self.axes, keepdims=True)
         mean_gx = tf.reduce_mean(g * xhat, self.axes, keepdims=True)
+        if self.rms:
+            inverse, centered = inverse
+            return inverse[:, None] * (g - centered[:, None] * mean_gx)
+        mean_g = tf.reduce_mean(g, self.axes, keepdims=True)
         return inverse[:, None] * (g - mean_g - xhat * mean_gx)
+
+
+@register(keras.layers.RMSNormalization)
+class RMSNormRule(_Affine):
+    """``y = scale * a / sqrt(mean(a^2) + eps)`` over the last axes; others
+    raise :class:`NoRule`."""
+
+    name = "rms_norm"
+
+    def __init__(self, layer):
+        super(_Affine, self).__init__(layer)  # its gamma is called scale
+        self.gamma, self.beta = layer.scale, None
+        self.variables = [self.gamma]
+        self.axes = list(range(-_last_axes(layer, layer.axis), 0))
+
+    def _forward(self, a):
+        epsilon = keras.config.epsilon() if self.layer.epsilon is None else (
+            self.layer.epsilon)  # fmt: skip
+        mean_square = tf.reduce_mean(tf.square(a), self.axes, keepdims=True)
+        inverse = tf.math.rsqrt(mean_square + epsilon)
+        xhat = a * inverse
+        return self._affine(xhat), (xhat, inverse)
+
+    def _below(self, saved, delta):
+        xhat, inverse = saved
+        g = self.scaled(delta)
+        xhat = xhat[:, None]
+        mean_gx = tf.reduce_mean(g * xhat, self.axes, keepdims=True)
+        return inverse[:, None] * (g - xhat * mean_gx)
 
 
 @register(keras.layers.BatchNormalization)

@@ -263,10 +263,11 @@ def _step_for(node, dtype):
             rule, why = None, "called with more than the list of its inputs"
     else:
         rule, why = rule_for(layer)
-        if rule is not None and several:
+        if rule is not None and several and not rule.several_inputs:
             rule, why = None, f"called with {node.n_inputs} tensors"
     extra = node.extra_arguments()
-    if rule is not None and extra:
+    replays = rule is not None and rule.several_inputs  # reads its own call
+    if rule is not None and extra and not replays:
         rule, why = None, f"called with {extra}, which its rule does not read"
     if rule is None and isinstance(layer, NOT_IN_A_CHAIN):
         return None, f"layer {layer.name!r} is a {type(layer).__name__} ({why})"

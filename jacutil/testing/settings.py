@@ -89,7 +89,19 @@ def _normalization():
         Setting(layers.LayerNormalization, (3, 4), {"axis": [-2, -1]}),
         Setting(layers.BatchNormalization, (4,)),
         Setting(layers.BatchNormalization, (3, 3, 2), {"scale": False}),
+        Setting(layers.LayerNormalization, (4,), {"rms_scaling": True}),
+        Setting(layers.RMSNormalization, (3, 4), {"epsilon": 0.3}),
     ]
+
+
+def _einsum():
+    """EinsumDense's projections as attention uses them (per head, and back)."""
+    return [
+        Setting(layers.EinsumDense, (3, 4), {"equation": "abc,cde->abde",
+                "output_shape": (None, 2, 3), "bias_axes": "de"}),
+        Setting(layers.EinsumDense, (3, 2, 4), {"equation": "abcd,cde->abe",
+                "output_shape": (None, 5), "activation": "tanh"}),
+    ]  # fmt: skip
 
 
 NOISE = {
@@ -142,6 +154,7 @@ SETTINGS = [
     *_conv(),
     Setting(layers.Embedding, (5,), {"input_dim": 6, "output_dim": 3}, "int32"),
     *_normalization(),
+    *_einsum(),
     *_weightless(),
     *_recurrent(),
 ]
