@@ -1,11 +1,14 @@
 """Layer rules: each known layer writes its own blocks of the Jacobian.
 
 ``plan_for(model, variables)`` gives each layer of a Keras model its rule
-(``RULES``, by exact layer type): Dense, Conv1D/Conv2D, Embedding,
-LayerNormalization, BatchNormalization and Dropout in inference mode,
-Flatten/Reshape, activation layers, and LSTM, GRU and SimpleRNN
-(back-propagation through time). A layer without a rule (pooling, a custom layer)
-passes the signal by autodiff, and only its own blocks come from autodiff.
+(``RULES``, by exact layer type): Dense, Conv1D/Conv2D (grouped too),
+DepthwiseConv1D/2D, EinsumDense and MultiHeadAttention, LoRA on Dense,
+EinsumDense and Embedding, Embedding, LayerNormalization, RMSNormalization,
+BatchNormalization and Dropout in inference mode, Flatten/Reshape,
+padding, cropping, up-sampling and pooling, activation layers, and LSTM,
+GRU and SimpleRNN (back-propagation through time). A layer without a rule
+(a custom layer) passes the signal by autodiff, and only its own blocks
+come from autodiff.
 A functional model with branches (residual blocks, several inputs or heads,
 nested models) is a graph: its merge layers (``Add``, ``Concatenate``,
 ``Multiply``, ...) have rules of several inputs (``MERGE_RULES``, in

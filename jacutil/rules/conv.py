@@ -1,4 +1,5 @@
-"""Conv1D and Conv2D: patches and one matrix product per layer.
+"""Conv1D, Conv2D, DepthwiseConv1D and DepthwiseConv2D: patches and one
+matrix product per layer.
 
 A convolution is a Dense layer applied at every output position to the
 patch of input under the kernel: with the patches (:func:`kernel_offsets`,
@@ -8,10 +9,16 @@ over positions, for every sample at once.
 Conv1D runs as a Conv2D of height 1. The signal below is the transposed
 convolution of the signal, by autodiff of the (linear) convolution.
 
-A grouped convolution (``groups=g``) is g convolutions side by side, each
-from its slice of the input channels to its slice of the output channels:
-the same patches and product per group, its columns interleaved in the
-kernel's (kh, kw, c_in / g, c_out) order.
+A grouped convolution (``groups=g``, cg = c_in / g input and q = c_out / g
+output channels per group) is g convolutions side by side, run with no
+Python loop over the groups: forward as
+``jacutil.core._grouped.grouped_convolution`` (one depthwise convolution and
+a sum; see its cost rule), the blocks of all groups as one batched product
+of the kernel offsets, (n, T, kh * kw, g, cg), with the signal (n, l, T, g,
+q), laid out in the kernel's (kh, kw, cg, c_out) order with c_out = j * q + t.
+A depthwise convolution (kernel (kh, kw, c_in, m), output channel
+``c * m + d``) is the grouped one with g = c_in, cg = 1, q = m: its kernel
+read as (kh, kw, 1, c_in * m), the same rule.
 
 The squared norms per sample need no patches: a kernel block holds one small
 product per kernel offset, side by side, and its squared norm is the sum of
@@ -23,13 +30,16 @@ its (p, q) = (kh * kw * c_in / g, c_out / g) block
 norms of Opacus's ``GradSampleModuleFastGradientClipping``).
 """
 
+from ..core._grouped import grouped_convolution
 from ..core._shared import size_of
 from ..core._tf import keras, tf
 from .blocks import (
     gram_is_cheaper,
+    gram_norms,
     kernel_and_bias,
     positions_of,
     sum_norms,
+    sum_positions,
     weighted_rows,
 )
 from .dense import KernelRule
@@ -38,17 +48,20 @@ from .registry import Blocks, LogitsSignal, NoRule, per_output, register, rows
 
 @register(keras.layers.Conv1D, keras.layers.Conv2D)
 class ConvRule(KernelRule):
-    """``y = act(conv(a, W) + b)``, channels last, any strides, padding, dilation;
-    a channels_first, LoRA or quantized convolution raises :class:`NoRule`."""
+    """``y = act(conv(a, W) + b)``, channels last, any strides, padding, dilation
+    and groups; a channels_first, LoRA or quantized convolution raises
+    :class:`NoRule`."""
 
     name = "conv"
     weighs_sums = True
 
-    def __init__(self, layer):
-        super().__init__(layer, "convolution")
+    def __init__(self, layer, kind="convolution"):
+        super().__init__(layer, kind)
         if layer.data_format != "channels_last":
-            raise NoRule("a channels_first convolution")
-        self.groups = layer.groups
+            raise NoRule(f"a channels_first {kind}")
+        self.kernel_variable = layer.kernel
+        self.groups = getattr(layer, "groups", 1)
+        self.filters = layer.kernel.shape[-1]
         self.flat = layer.rank == 1  # Conv1D: height 1
         self.causal = layer.padding == "causal"
         self.left = layer.dilation_rate[0] * (layer.kernel_size[0] - 1)  # causal
@@ -62,6 +75,7 @@ class ConvRule(KernelRule):
         return f"conv{self.layer.rank}d" + self.activation.describe()
 
     def _kernel(self):
+        """The kernel as a tensor (kh, kw, c_in / g, c_out), height 1 for 1-D."""
         kernel = self.layer.kernel
         return kernel[None] if self.flat else tf.convert_to_tensor(kernel)
 
@@ -74,21 +88,13 @@ class ConvRule(KernelRule):
         return a
 
     def _convolve(self, image):
-        """One convolution per group (TF has no grouped-convolution gradient
-        on CPU); ``tf.nn.convolution``, as Keras, whose input gradient also
+        """The (grouped) convolution of the image, as
+        ``jacutil.core._grouped.grouped_convolution``: no loop over many
+        groups, ops with a CPU gradient, pfor converters and forward mode
+        (Keras's grouped convolution has none of these); its input gradient
         runs with a dilation on CPU (``tf.nn.conv2d``'s does not)."""
-        pairs = zip(
-            tf.split(image, self.groups, -1),
-            tf.split(self._kernel(), self.groups, -1),
-            strict=True,
-        )
-        strides, rates = self.strides[1:3], self.rates[1:3]
-        return tf.concat(
-            [
-                tf.nn.convolution(a, k, strides, self.padding, dilations=rates)
-                for a, k in pairs
-            ],
-            -1,
+        return grouped_convolution(
+            image, self._kernel(), self.strides[1:3], self.padding, self.rates[1:3]
         )
 
     def pre_activation(self, a):
@@ -98,8 +104,11 @@ class ConvRule(KernelRule):
         return z[:, 0] if self.flat else z
 
     def _patches(self, a):
-        """The patches (n, h', w', kh * kw * c_in) of one group's layer."""
-        image, kernel_size = self._as_image(a), self._kernel().shape[:2]
+        """The patches (n, h', w', kh * kw * c_in) of an ungrouped layer."""
+        return self._image_patches(self._as_image(a))
+
+    def _image_patches(self, image):
+        kernel_size = self._kernel().shape[:2]
         strides, rates = self.strides[1:3], self.rates[1:3]
         return tf.concat(
             kernel_offsets(image, kernel_size, strides, rates, self.padding), -1
@@ -116,17 +125,36 @@ class ConvRule(KernelRule):
     def _backward(self, saved, delta, wanted, need_signal):
         image, slope = saved
         delta = self._at_z(slope, delta)
-        kernel = self.layer.kernel
-        per_group = [
-            kernel_and_bias(patches, signal, kernel, self.bias, wanted)
-            for patches, signal in self._groups(image, delta)
-        ]
-        width = self.layer.filters // self.groups
-        blocks = Blocks(
-            (key, _interleave([b[key] for b in per_group], width))
-            for key in per_group[0].keys()
-        )
+        with_kernel = self.kernel_variable in wanted
+        with_bias = self.bias is not None and self.bias in wanted
+        blocks = Blocks()
+        if self.groups == 1 and (with_kernel or with_bias):
+            patches = self._image_patches(image) if with_kernel else None
+            blocks = kernel_and_bias(
+                patches, delta, self.kernel_variable, self.bias, wanted
+            )
+        elif with_kernel or with_bias:
+            blocks = self._grouped_blocks(image, delta, with_kernel, with_bias)
         return blocks, (self._below(image, delta) if need_signal else None)
+
+    def _grouped_blocks(self, image, delta, with_kernel, with_bias):
+        """The blocks of every group as one batched product: the kernel
+        offsets (n, T, kh * kw, g, cg) with the signal (n, l, T, g, q), in the
+        kernel's (kh, kw, cg, c_out) order, c_out = j * q + t; the bias's
+        columns after the kernel's in a joint block."""
+        n_samples, n_rows = tf.shape(delta)[0], tf.shape(delta)[1]
+        parts, keys = [], []
+        if with_kernel:
+            [(patches, signal)] = self._groups(image, delta)
+            block = tf.einsum("ntkgc,nltgq->nlkcgq", patches, signal)
+            size = size_of(self.kernel_variable)
+            parts.append(tf.reshape(block, [n_samples, n_rows, size]))
+            keys.append(self.kernel_variable)
+        if with_bias:
+            parts.append(sum_positions(delta, self.filters))
+            keys.append(self.bias)
+        block = parts[0] if len(parts) == 1 else tf.concat(parts, -1)
+        return Blocks([(tuple(keys), block)])
 
     def _weighted_sums(self, saved, delta, wanted, weights):
         """The kernel's ``sum_i w_i`` of each sample's gradient as one
@@ -137,21 +165,21 @@ class ConvRule(KernelRule):
         delta = self._at_z(slope, delta)[:, 0]  # (n, h', w', c_out)
         weighted, image = weighted_rows(weights, delta, image)
         sums = Blocks()
-        if self.layer.kernel in wanted:
+        if self.kernel_variable in wanted:
             with tf.GradientTape() as tape:
                 z = self._convolve(image)
-            kernel = tape.gradient(z, self.layer.kernel, output_gradients=weighted)
-            sums[self.layer.kernel] = tf.reshape(kernel, [-1])
+            kernel = tape.gradient(z, self.kernel_variable, output_gradients=weighted)
+            sums[self.kernel_variable] = tf.reshape(kernel, [-1])
         if self.bias is not None and self.bias in wanted:
             sums[self.bias] = tf.reduce_sum(weighted, axis=[0, 1, 2])
         return sums
 
     def _gram_sizes(self, image, signal):
         """T output positions, and a group's (p, q) = (kh * kw * c_in / g,
-        c_out / g): ghost norms per group (:meth:`KernelRule._backward_norms`)."""
-        patch = size_of(self.layer.kernel.shape[:-1])
+        c_out / g): ghost norms per group (:meth:`_backward_norms`)."""
+        patch = size_of(self._kernel().shape[:-1])
         positions = positions_of(signal.shape[1:])  # (r, *positions, c_out)
-        return positions, patch, self.layer.filters // self.groups
+        return positions, patch, self.filters // self.groups
 
     def _at_z(self, slope, delta):
         """The signal at the pre-activations, (n, l, h', w', c_out)."""
@@ -162,49 +190,58 @@ class ConvRule(KernelRule):
         return self.activation.backward(slope, delta)
 
     def _groups(self, image, delta):
-        """Per group: its patches (n, h', w', kh * kw * c_in / g), in the
-        kernel's (kh, kw, c) order, and its signal (n, l, h', w', c_out / g)."""
-        for offsets, signal in self._offset_groups(image, delta):
-            yield tf.concat(offsets, -1), signal
+        """``[(patches, signal)]``: the patches of all groups at once, (n, T,
+        kh * kw, g, cg) in the kernel's (kh, kw, c) order, and the signal (n,
+        l, T, g, q) - one pair, whatever the groups (no loop over them)."""
+        offsets, signal = self._offset_groups(image, delta)
+        patches = tf.stack(offsets, 3)  # (n, h', w', kh * kw, c_in)
+        shape = [tf.shape(patches)[0], -1, len(offsets), self.groups]
+        return [(tf.reshape(patches, [*shape, image.shape[-1] // self.groups]), signal)]
 
     def _offset_groups(self, image, delta):
-        """Per group: the list of :func:`kernel_offsets` of its input channels
-        and its signal (n, l, h', w', c_out / g)."""
+        """The :func:`kernel_offsets`, each (n, h', w', c_in), and the signal
+        (n, l, T, g, q), its T = h' * w' positions flat, its channels by group."""
         kernel_size = self._kernel().shape[:2]
-        pairs = zip(
-            tf.split(image, self.groups, -1),
-            tf.split(delta, self.groups, -1),
-            strict=True,
+        offsets = kernel_offsets(image, kernel_size, self.strides[1:3],
+                                 self.rates[1:3], self.padding)  # fmt: skip
+        n_samples, n_rows = tf.shape(delta)[0], tf.shape(delta)[1]
+        signal = tf.reshape(
+            delta, [n_samples, n_rows, -1, self.groups, self.filters // self.groups]
         )
-        for group, signal in pairs:
-            offsets = kernel_offsets(group, kernel_size, self.strides[1:3],
-                                     self.rates[1:3], self.padding)  # fmt: skip
-            yield offsets, signal
+        return offsets, signal
 
     def _backward_norms(self, saved, delta, wanted, need_signal):
-        """The blocks' squared norms without the patches where the Gram route
-        is dearer: a kernel block holds, for each kernel offset o, the
-        product ``x_o.T @ delta`` (c_in / g, c_out / g) of the input under o
-        with the signal, so its squared norm is the sum of theirs - kh * kw
-        small products per sample, no (n, T, kh * kw * c_in) patches written."""
+        """The blocks' squared norms without the blocks: where ``T (p + q) <=
+        p q``, from the Gram matrices of the patches and of the signal per
+        group (batched over the groups); else without the patches: a kernel
+        block holds, for each kernel offset o, the product ``x_o.T @ delta``
+        (c_in / g, c_out / g) of the input under o with the signal, so its
+        squared norm is the sum of theirs - kh * kw small products per sample
+        (batched over the groups), no (n, T, kh * kw * c_in) patches written."""
         image, slope = saved
-        with_kernel = self.layer.kernel in wanted
+        with_kernel = self.kernel_variable in wanted
+        with_bias = self.bias is not None and self.bias in wanted
         signal = LogitsSignal.unwrapped(delta)
-        if not with_kernel or gram_is_cheaper(*self._gram_sizes(image, signal)):
-            return super()._backward_norms(saved, delta, wanted, need_signal)
+        ghost = not with_kernel or gram_is_cheaper(*self._gram_sizes(image, signal))
         delta = self._at_z(slope, delta)
+        below = self._below(image, delta) if need_signal else None
+        if not (with_kernel or with_bias):
+            return None, below
         n_samples, n_rows = tf.shape(delta)[0], tf.shape(delta)[1]
         squared = tf.zeros([n_samples, n_rows], delta.dtype)
-        for offsets, group_signal in self._offset_groups(image, delta):
-            width = group_signal.shape[-1]
-            by_row = tf.reshape(group_signal, [n_samples, n_rows, -1, width])
-            for x in offsets:  # (n, h', w', c) -> (n, 1, T, c)
-                x = tf.reshape(x, [n_samples, 1, -1, x.shape[-1]])
-                block = tf.matmul(x, by_row, transpose_a=True)  # (n, r, c, q)
-                squared += tf.reduce_sum(tf.square(block), [2, 3])
-        if self.bias is not None and self.bias in wanted:
+        if with_kernel and ghost:
+            for patches, group_signal in self._groups(image, delta):
+                squared += _gram_norms_by_group(patches, group_signal)
+        elif with_kernel:
+            offsets, group_signal = self._offset_groups(image, delta)
+            shape = [n_samples, -1, self.groups, image.shape[-1] // self.groups]
+            for x in offsets:  # (n, T, g, cg): one small product per offset
+                x = tf.reshape(x, shape)
+                block = tf.einsum("ntgc,nrtgq->nrgcq", x, group_signal)
+                squared += tf.reduce_sum(tf.square(block), [2, 3, 4])
+        if with_bias:
             squared += sum_norms(delta)
-        return squared, (self._below(image, delta) if need_signal else None)
+        return squared, below
 
     def _below(self, image, delta):
         """The transposed convolution of the signal, (n, l, *input_shape): for
@@ -301,11 +338,42 @@ def kernel_offsets(image, kernel_size, strides, rates, padding):
     ]  # fmt: skip
 
 
-def _interleave(blocks, width):
-    """One block from each group's (n, l, rows * width), the output channels
-    of group j at columns j * width.. of each row (the kernel's order)."""
-    if len(blocks) == 1:
-        return blocks[0]
-    n_samples, n_outputs = tf.shape(blocks[0])[0], tf.shape(blocks[0])[1]
-    parts = [tf.reshape(b, [n_samples, n_outputs, -1, width]) for b in blocks]
-    return tf.reshape(tf.stack(parts, 3), [n_samples, n_outputs, -1])
+@register(keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D)
+class DepthwiseConvRule(ConvRule):
+    """A depthwise convolution, kernel (kh, kw, c_in, m), output channel
+    ``c * m + d``: :class:`ConvRule` with g = c_in groups of one input channel
+    and q = m outputs, its kernel read as (kh, kw, 1, c_in * m) (the same
+    numbers in the same order). Any strides, padding and dilation (both
+    strides and dilation above 1, as Keras: the dilated convolution
+    subsampled), bias and activation; channels_first, LoRA or quantized
+    raise :class:`NoRule`."""
+
+    name = "depthwise_conv"
+
+    def __init__(self, layer):
+        super().__init__(layer, "depthwise convolution")
+        self.groups = layer.kernel.shape[-2]  # c_in
+        self.filters = self.groups * layer.kernel.shape[-1]
+        self.kronecker_factors = False
+
+    def describe(self):
+        """``"depthwise_conv2d"`` and the activation (a ``str``)."""
+        return f"depthwise_conv{self.layer.rank}d" + self.activation.describe()
+
+    def _kernel(self):
+        kernel = self.layer.kernel
+        kernel = tf.reshape(kernel, [*kernel.shape[:-2], 1, self.filters])
+        return kernel[None] if self.flat else kernel
+
+
+def _gram_norms_by_group(patches, signal):
+    """(n, r): :func:`jacutil.rules.blocks.gram_norms` of every group at once,
+    summed: the patches (n, T, kh * kw, g, cg) and the signal (n, r, T, g, q)."""
+    if patches.shape[3] == 1:  # one group
+        n_samples, width = tf.shape(patches)[0], tf.shape(patches)[1]
+        size = patches.shape[2] * patches.shape[4]
+        flat = tf.reshape(patches, [n_samples, width, size])
+        return gram_norms(flat, signal[..., 0, :])
+    patch_gram = tf.einsum("ntkgc,nskgc->ngts", patches, patches)
+    signal_gram = tf.einsum("nrtgq,nrsgq->nrgts", signal, signal)
+    return tf.reduce_sum(signal_gram * patch_gram[:, None], [2, 3, 4])

@@ -3,8 +3,9 @@
 Flatten and Reshape reshape the signal back to the layer's input; Dropout and
 the other noise layers are the identity in inference mode; activation layers
 pass the signal through their activation (``jacutil.rules.activations``).
-Pooling and any other weightless layer need no rule of their own: autodiff
-passes their signal (``jacutil.rules.autodiff``).
+Padding, cropping, up-sampling and pooling have theirs in
+``jacutil.rules.pooling``; any other weightless layer needs no rule of its
+own: autodiff passes its signal (``jacutil.rules.autodiff``).
 """
 
 from ..core._tf import keras, tf

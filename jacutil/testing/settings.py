@@ -94,6 +94,31 @@ def _normalization():
     ]
 
 
+def _spatial():
+    """Depthwise convolutions, padding, cropping, upsampling and pooling."""
+    return [
+        Setting(layers.DepthwiseConv2D, (5, 5, 2), {"kernel_size": 3,
+                "depth_multiplier": 2, "activation": "tanh"}),
+        Setting(layers.DepthwiseConv1D, (6, 3), {"kernel_size": 2,
+                "padding": "same", "strides": 2}),
+        Setting(layers.ZeroPadding2D, (3, 3, 2), {"padding": (1, 2)}),
+        Setting(layers.ZeroPadding1D, (4, 2), {"padding": 1}),
+        Setting(layers.Cropping2D, (5, 5, 2), {"cropping": ((1, 0), (0, 2))}),
+        Setting(layers.Cropping1D, (5, 2), {"cropping": (1, 2)}),
+        Setting(layers.UpSampling2D, (2, 3, 2), {"size": 2}),
+        Setting(layers.UpSampling1D, (3, 2), {"size": 2}),
+        Setting(layers.GlobalAveragePooling2D, (3, 3, 2)),
+        Setting(layers.GlobalAveragePooling1D, (4, 2), {"keepdims": True}),
+        Setting(layers.AveragePooling2D, (5, 5, 2), {"pool_size": 2,
+                "padding": "same"}),
+        Setting(layers.AveragePooling1D, (5, 2), {"pool_size": 2}),
+        Setting(layers.GlobalMaxPooling2D, (3, 3, 2)),
+        Setting(layers.GlobalMaxPooling1D, (4, 2)),
+        Setting(layers.MaxPooling2D, (4, 4, 2), {"pool_size": 2}),
+        Setting(layers.MaxPooling1D, (5, 2), {"pool_size": 2, "strides": 1}),
+    ]  # fmt: skip
+
+
 def _einsum():
     """EinsumDense's projections as attention uses them (per head, and back)."""
     return [
@@ -155,6 +180,7 @@ SETTINGS = [
     Setting(layers.Embedding, (5,), {"input_dim": 6, "output_dim": 3}, "int32"),
     *_normalization(),
     *_einsum(),
+    *_spatial(),
     *_weightless(),
     *_recurrent(),
 ]
