@@ -12,8 +12,10 @@ same on any model: on a small one it dominates), and the test accuracy of
 each after the same epochs. The private epoch includes what
 ``model.fit`` does for a learner: sampling, the norms, the step, and epsilon
 in the logs after the epoch. The models: notebook 09's classifier (10
-features, Dense 32 tanh, 3 classes) and ``jacutil.small_cnn`` on
-``jacutil.image_data`` (4 classes from a fixed teacher network).
+features, Dense 32 tanh, 3 classes), ``jacutil.small_cnn`` on
+``jacutil.image_data`` (4 classes from a fixed teacher network) and notebook
+12's transformer with LoRA on its attention (``jacutil.teaching.transformer``)
+at batch 32, where only the factors, their biases and the head train.
 
 With ``--peer PYTHON`` (an interpreter that has Opacus; ``make bench-peers``)
 the same models and data train under Opacus with ghost clipping in that
@@ -36,6 +38,7 @@ import numpy as np
 from ..core._tf import keras
 from ..privacy import make_private
 from ..teaching.models import image_data, small_cnn
+from ..teaching.transformer import enable_attention_lora, tiny_transformer, token_data
 from .machine import machine_summary
 
 BATCH, EPSILON, CLIP = 256, 3.0, 1.0
@@ -77,7 +80,22 @@ MODELS = {  # name: (in words, model, data, n, SGD's learning rate)
     # every image the majority class, 74% of the labels; at 0.5 plain SGD
     # diverged)
     "cnn": ("small CNN", lambda seed: small_cnn(seed=seed), _cnn_data, 5120, 0.2),
+    # notebook 12's: 2 attention blocks, LoRA rank 4 on query and value
+    "lora-transformer": (
+        "2-layer transformer, LoRA",
+        lambda seed: _lora_transformer(seed),
+        lambda n, seed: token_data(n, seed=seed, task=1),
+        2048,
+        0.5,
+    ),
 }
+BATCHES = {"lora-transformer": 32}  # the issue's batch; the others BATCH
+
+
+def _lora_transformer(seed):
+    model = tiny_transformer(seed=seed)
+    enable_attention_lora(model, 4)
+    return model
 
 
 class _EpochClock(keras.callbacks.Callback):
@@ -96,6 +114,7 @@ def _prepared(name, private, epochs, seed):
     """A model of row ``name``, compiled (and made private), its data, and
     the accountant's timings list: what :func:`run_row` fits epoch by epoch."""
     _, build, data, n, learning_rate = MODELS[name]
+    batch = BATCHES.get(name, BATCH)
     x, y = data(n, seed)
     model = build(seed)
     model.compile(
@@ -107,7 +126,7 @@ def _prepared(name, private, epochs, seed):
     if private:
         # the noise and sampling from fresh entropy, as users run it
         training = make_private(model, epsilon=EPSILON, delta=1 / (10 * n),
-                                l2_norm_clip=CLIP, batch_size=BATCH, epochs=epochs,
+                                l2_norm_clip=CLIP, batch_size=batch, epochs=epochs,
                                 train_size=n, verbose=False).privacy  # fmt: skip
         epsilon = training.epsilon
 
@@ -133,7 +152,7 @@ def run_row(name, epochs=6, seed=0):
     clocks = {"plain": _EpochClock(), "private": _EpochClock()}
     for _ in range(epochs):
         plain.fit(x, y, epochs=1, verbose=0, callbacks=[clocks["plain"]],
-                  batch_size=BATCH)  # fmt: skip
+                  batch_size=BATCHES.get(name, BATCH))  # fmt: skip
         private.fit(x, y, epochs=1, verbose=0, callbacks=[clocks["private"]])
     x_test, y_test = MODELS[name][2](2048, seed + 1)
 
@@ -146,6 +165,7 @@ def run_row(name, epochs=6, seed=0):
     return {
         "model": MODELS[name][0],
         "n": MODELS[name][3],
+        "batch_note": f" (batch {BATCHES[name]})" if name in BATCHES else "",
         "plain_s": plain_s,
         "private_s": private_s,
         "accounting_s": accounting_s,
@@ -248,7 +268,8 @@ def main(argv=None):
             missing.append(f"{peer}: {str(error).strip().splitlines()[-1]}")
     m = machine_summary()
     print(f"\n{m['date']}, {m['cpu_count']} CPUs, load average {m['load_average']}. "
-          f"Batch {BATCH}, epsilon {EPSILON:g}, C = {CLIP:g}; median epoch of "
+          f"Batch {BATCH} (else as the row says), epsilon {EPSILON:g}, "
+          f"C = {CLIP:g}; median epoch of "
           f"{args.epochs - 1} after the first.\n")  # fmt: skip
     print(
         "| model | n | plain epoch | private epoch | of which epsilon (PLD) | "
@@ -257,7 +278,7 @@ def main(argv=None):
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['model']} | {r['n']:,} | {r['plain_s']:.3f} s | "
+        print(f"| {r['model']}{r['batch_note']} | {r['n']:,} | {r['plain_s']:.3f} s | "
               f"{r['private_s']:.3f} s | {r['accounting_s']:.3f} s | "
               f"{r['ratio']:.2f} | {r['steps_ratio']:.2f} | "
               f"{r['plain_accuracy']:.3f} | {r['private_accuracy']:.3f} |")  # fmt: skip

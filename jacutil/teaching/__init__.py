@@ -4,6 +4,7 @@
 - ``notebook``  showing source, progress bars, tables
 - ``plots``     the figures
 - ``models``    the notebooks' models and seeded data
+- ``transformer`` notebook 12's transformer classifier and token data
 - ``timing``    ``time_call``: medians of repeated calls
 - ``memory_sweeps`` each size's peak memory, measured in a fresh process
 - ``wide_fit``  notebook 09's fit of a wide network, in a fresh process
@@ -13,5 +14,7 @@
 from ..core.lazy import lazy_face
 
 __all__, __getattr__, __dir__ = lazy_face(
-    __name__, modules="check drills memory_sweeps models notebook plots timing wide_fit"
+    __name__,
+    modules="check drills memory_sweeps models notebook plots timing transformer "
+    "wide_fit",
 )

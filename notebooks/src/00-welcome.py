@@ -267,6 +267,7 @@ print("d y / d x per sample:", tuple(J_input.shape),
 # | further | `09-matrix-free` | when J does not fit: products with J | `jvp`, `vjp`, `jacobian_operator` |
 # | further | `10-beyond-one-machine` | resumable runs; chunks on worker processes | `distributed_jacobian`, `LocalWorkers` |
 # | further | `11-curvature-and-uncertainty` | curvature, the NTK and Laplace uncertainty from J | `ggn_operator`, `laplace` |
+# | further | `12-private-fine-tuning` | a transformer fine-tuned privately with LoRA | `make_private` |
 #
 # The **core path**, 00 to 05, answers the question, from the loop to a
 # Keras model fitted by SciPy, in under 3 hours with one exercise a notebook.
