@@ -75,11 +75,13 @@ class AutodiffRule(Rule):
     """
 
     name = "autodiff"
-    runs_user_code = True
 
     def __init__(self, call, why="", several_inputs=False):
         layer = getattr(call, "operation", call)
         super().__init__(layer)
+        # Keras's own layers and ops (ConvNeXt's LayerScale, an Add between
+        # layers) need no autograph, which is most of a first trace's time
+        self.runs_user_code = not type(layer).__module__.startswith("keras.")
         self.call = call if call is not layer else self._alone
         self.variables = list(getattr(layer, "weights", []))
         self.why = why

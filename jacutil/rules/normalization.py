@@ -95,6 +95,14 @@ class _Affine(Rule):
         return delta if self.gamma is None else delta * self.gamma
 
 
+def divided_below(g, xhat, along, inverse, axes):
+    """``inverse * (g - along * mean(g * xhat))`` over ``axes``: the signal
+    below a division by the input's own spread, ``inverse`` = 1 / spread
+    (n, ...), ``xhat`` and ``along`` (n, ...), ``g`` (n, l, ...)."""
+    mean_gx = tf.reduce_mean(g * xhat[:, None], axes, keepdims=True)
+    return inverse[:, None] * (g - along[:, None] * mean_gx)
+
+
 @register(keras.layers.LayerNormalization)
 class LayerNormRule(_Affine):
     """``y = gamma * (a - mean) / sqrt(var + eps) + beta`` over the last axes;
@@ -127,13 +135,12 @@ class LayerNormRule(_Affine):
     def _below(self, saved, delta):
         xhat, inverse = saved
         g = self.scaled(delta)
-        xhat = xhat[:, None]
-        mean_gx = tf.reduce_mean(g * xhat, self.axes, keepdims=True)
         if self.rms:
             inverse, centered = inverse
-            return inverse[:, None] * (g - centered[:, None] * mean_gx)
+            return divided_below(g, xhat, centered, inverse, self.axes)
         mean_g = tf.reduce_mean(g, self.axes, keepdims=True)
-        return inverse[:, None] * (g - mean_g - xhat * mean_gx)
+        below = divided_below(g, xhat, xhat, inverse, self.axes)
+        return below - inverse[:, None] * mean_g
 
 
 @register(keras.layers.RMSNormalization)
@@ -159,10 +166,7 @@ class RMSNormRule(_Affine):
 
     def _below(self, saved, delta):
         xhat, inverse = saved
-        g = self.scaled(delta)
-        xhat = xhat[:, None]
-        mean_gx = tf.reduce_mean(g * xhat, self.axes, keepdims=True)
-        return inverse[:, None] * (g - xhat * mean_gx)
+        return divided_below(self.scaled(delta), xhat, xhat, inverse, self.axes)
 
 
 @register(keras.layers.BatchNormalization)

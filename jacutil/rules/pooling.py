@@ -25,7 +25,9 @@ raise :class:`NoRule` (autodiff passes their signal).
 """
 
 from ..core._tf import keras, tf
+from ..core.internals import calls_of
 from .autodiff import tiled_vjp
+from .graph import no_mask
 from .registry import NoRule, Rule, per_output, register, rows
 
 layers = keras.layers
@@ -35,10 +37,10 @@ def refuse_masks(layer):
     """Raise :class:`NoRule` where Keras passes ``layer`` a mask in the model
     (after ``Embedding(mask_zero=True)`` or ``Masking``): the rules read no
     mask."""
-    for node in getattr(layer, "_inbound_nodes", []):
+    for node in calls_of(layer):
         arguments = getattr(node, "arguments", None)
         kwargs = getattr(arguments, "kwargs", {}) or {}
-        if kwargs.get("mask") is not None:
+        if not no_mask(kwargs.get("mask")):
             raise NoRule(f"{type(layer).__name__} called with a mask")
 
 
