@@ -415,10 +415,11 @@ def test_refusals():
 
 WIDE_SCRIPT = textwrap.dedent(
     """
-    import json, os, resource
+    import json, os
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
     import numpy as np
     from jacutil import keras
+    from jacutil.core.memory import peak_rss
     from jacutil.curvature.laplace import laplace
 
     keras.utils.set_random_seed(0)
@@ -435,7 +436,7 @@ WIDE_SCRIPT = textwrap.dedent(
         "lml": la.log_marginal_likelihood(), "shape": list(var.shape),
         "diagonal_min": float(np.diagonal(var, 0, 1, 2).min()),
         "p_sum": np.sum(p, axis=1).tolist(),
-        "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak": peak_rss(),
     }))
     """
 )

@@ -388,7 +388,12 @@ else:
     la.predictive_variance(x[n:])
     out["predictive_s"] = time.perf_counter() - start
     out["chosen"], out["m"] = la.hessian_structure, la.n_params
-out["peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+try:  # VmHWM starts afresh at exec; ru_maxrss keeps the parent's (fork)
+    with open("/proc/self/status") as status:
+        peak = next(int(line.split()[1]) for line in status if line.startswith("VmHWM"))
+    out["peak_bytes"] = peak * 1024
+except (OSError, StopIteration):
+    out["peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print(json.dumps(out))
 """
 

@@ -13,6 +13,7 @@ nothing, and resident memory never falls back. Measure each size once, on its
 first call, in increasing order, above a baseline taken before the first.
 """
 
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -41,6 +42,26 @@ class MemoryUse:
 def rss():
     """The process's resident set size now, in bytes (mapped files included)."""
     return psutil.Process().memory_info().rss
+
+
+def peak_rss():
+    """This process's own peak resident set size, in bytes: ``VmHWM`` of
+    ``/proc/self/status`` (Linux), which starts afresh at ``exec``. Not
+    ``getrusage``'s ``ru_maxrss``: a child started by fork and exec keeps its
+    parent's, so a fresh process started from a 4 GiB pytest worker reports
+    4 GiB (CI of 2026-12-07). Elsewhere ``ru_maxrss`` (a fresh shell's
+    child is small)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource  # not on Windows
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def anonymous_rss(process=None):
