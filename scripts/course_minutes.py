@@ -44,12 +44,12 @@ from pathlib import Path
 
 import nbformat
 
-PROSE_WPM = 150
-CODE_LINES_PER_MIN = 15
+PROSE_WPM = 120
+CODE_LINES_PER_MIN = 10
 OUTPUT_WPM = 200
 FIGURE_MIN = 0.5
 EXERCISE_BASE_MIN = 3.0
-SOLUTION_LINE_MIN = 1.0
+SOLUTION_LINE_MIN = 1.5
 TRIES = 2
 
 
@@ -105,12 +105,23 @@ def _output_minutes(cell) -> float:
         if "image/png" in data or "image/svg+xml" in data:
             minutes += FIGURE_MIN
         elif "text/markdown" in data:
-            minutes += _words(data["text/markdown"]) / PROSE_WPM
+            minutes += _markdown_minutes(data["text/markdown"])
         elif "text/html" in data or "text/plain" in data:
             text = data.get("text/plain", "")
             text = text if isinstance(text, str) else "".join(text)
             minutes += _words(text) / OUTPUT_WPM
     return minutes
+
+
+FENCE = re.compile(r"```[a-z]*\n(.*?)```", re.DOTALL)
+
+
+def _markdown_minutes(text) -> float:
+    """Displayed markdown: its code blocks (library source that show_source
+    displays) read as code, the rest as prose."""
+    text = text if isinstance(text, str) else "".join(text)
+    code = sum(_code_lines(block) for block in FENCE.findall(text))
+    return _words(FENCE.sub("", text)) / PROSE_WPM + code / CODE_LINES_PER_MIN
 
 
 def _run_minutes(cell) -> float:

@@ -1,6 +1,7 @@
 """What the notebooks use to teach.
 
 - ``check``     the exercises' checks (``check.exercise``), one module per notebook
+- ``claims``    ``claim``: a sentence about the run, asserted by the run
 - ``notebook``  showing source, progress bars, tables
 - ``plots``     the figures
 - ``models``    the notebooks' models and seeded data
@@ -15,6 +16,6 @@ from ..core.lazy import lazy_face
 
 __all__, __getattr__, __dir__ = lazy_face(
     __name__,
-    modules="check drills memory_sweeps models notebook plots timing transformer "
+    modules="check claims drills memory_sweeps models notebook plots timing transformer "
     "wide_fit",
 )
