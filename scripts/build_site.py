@@ -276,6 +276,12 @@ def site_notebook(copy_path, book, learner_name, api_names, books=None, links=No
     ``links``: the notebook's Colab and Binder addresses, if the repository is
     known (see ``cloud_links``)."""
     nb = nbformat.read(copy_path, as_version=4)
+    # Each exercise's stub becomes its solution, folded behind "Show
+    # solution", without outputs: the check below it says "no answer yet".
+    solved = nbformat.read(book.parent / "solutions" / book.name, as_version=4)
+    for k, cell in enumerate(solved.cells):
+        if "solution" in cell.metadata.get("tags", []):
+            nb.cells[k] = nbformat.from_dict({**cell, "outputs": []})
     books = BOOKS if books is None else books
     others = {b.stem: b.name for b in books if b != book}
     widget_state = (
@@ -316,11 +322,14 @@ def site_notebook(copy_path, book, learner_name, api_names, books=None, links=No
             "cell; Binder installs the repository's environment.yml, which takes "
             "a few minutes the first time).\n"
         )
+    solutions = f"{book.stem}-solutions.ipynb"
     box = nbformat.v4.new_markdown_cell(
         ":::{admonition} Run it yourself\n"
         ":class: tip download-notebook\n"
         f"- {{download}}`{book.name} <../{FILES}/{book.name}>`: this notebook, "
-        "with its outputs and solutions;\n"
+        "with its outputs, each exercise a stub;\n"
+        f"- {{download}}`{solutions} <../{FILES}/{solutions}>`: "
+        "the same with the solutions in, no outputs (open it after trying);\n"
         f"- {{download}}`{learner_name} <../{FILES}/{learner_name}>`: the learner "
         "copy, outputs cleared and each solution an empty stub (`make learner`);\n"
         f"{cloud}"
@@ -734,6 +743,8 @@ def generate(src, books=None):
     )
     page_of = {}
     for book, stored in zip(books, copies, strict=True):
+        solutions = book.parent / "solutions" / book.name
+        shutil.copy(solutions, files / f"{book.stem}-solutions.ipynb")
         learner_name = f"{book.stem}-learner.ipynb"
         shutil.move(work / "build" / "learner" / book.name, files / learner_name)
         page = site_notebook(

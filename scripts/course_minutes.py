@@ -22,12 +22,15 @@ are a careful reader's on technical text, not a skimmer's:
   line of code the solution writes (comments and blank lines not counted),
   and its cells' run time twice (a first try and a second).
 
-These are the constants below (PROSE_WPM and the rest): this docstring
-said 120, 10 and 1.5 while the code used 150, 15 and 1.0, so the stated
-minutes were a faster reader's than described. At 120, 10 and 1.5 the core
-path (00 to 05) measures well beyond its 3 hours (set them and run
-`make minutes` to see by how much). The minutes are a plan for a reader at
-these rates, not a promise: INSTRUCTORS.md says how they are counted.
+These are a newcomer's rates, the ones a fresh reader measured the course
+with (issue 57): at the earlier 150, 15 and 1.0 the stated minutes were a
+faster reader's. `python scripts/course_minutes.py --newcomer` prints the
+core path and the whole course at these rates; the core must stay within
+CORE_LIMIT. The minutes are a plan for a reader at these rates, not a
+promise: INSTRUCTORS.md says how they are counted.
+
+The stored notebook is the learner's (its solutions are stubs): a solution's
+lines and run time are read from notebooks/solutions/ (solutions_of).
 
 A section starts at each `## ` heading; the exercises are counted apart. A
 `## Going further ...` heading starts a notebook's optional part (to the next
@@ -128,18 +131,30 @@ def _run_minutes(cell) -> float:
     return cell.metadata.get("run_seconds", 0.0) / 60
 
 
-def measure(nb) -> Minutes:
+def solutions_of(path) -> "nbformat.NotebookNode":
+    """notebooks/solutions/NN-name.ipynb of notebooks/NN-name.ipynb."""
+    path = Path(path)
+    return nbformat.read(path.parent / "solutions" / path.name, as_version=4)
+
+
+def measure(nb, solutions=None) -> Minutes:
     """Minutes per section and per exercise of one notebook (see the module).
 
     A `## Going further...` heading starts the notebook's going-further part,
     which runs to the next `## Keypoints` (or the end). Every cell tagged
     `solution` is one exercise: its question is the prose since the last code
-    cell, and the code cell after it is its check."""
+    cell, and the code cell after it is its check. ``nb`` is the stored
+    (learner) notebook, whose outputs are read; ``solutions``, its solutions
+    notebook (the same cells, solutions in), gives each exercise's solution
+    lines and the run times of the solution and its check."""
     result = Minutes(sections=[Section("Introduction")])
     further = False
     prompt = 0.0  # minutes of prose since the last code cell
     skip_check = False
-    for cell in nb.cells:
+    solved = solutions.cells if solutions is not None else nb.cells
+    for shown, cell in zip(nb.cells, solved, strict=True):
+        if "solution" not in cell.metadata.get("tags", []) and not skip_check:
+            cell = shown  # outside the exercises: what the reader sees
         tags = cell.metadata.get("tags", [])
         if cell.cell_type == "markdown":
             heading = re.match(r"## (.+)", cell.source)
@@ -285,7 +300,7 @@ def books_of(paths):
     out = []
     for path in map(Path, paths):
         nb = nbformat.read(path, as_version=4)
-        out.append((path, measure(nb), title(nb)))
+        out.append((path, measure(nb, solutions_of(path)), title(nb)))
     return out
 
 
@@ -300,13 +315,32 @@ def write(paths) -> None:
     notes.write_text(instructors_notes(notes.read_text(), books))
 
 
+def newcomer(paths) -> None:
+    """The core and the whole course, at the rates above."""
+    books = books_of(paths)
+    core = sum(m.teaching + m.doing for p, m, _ in books if p.stem[:2] in CORE)
+    whole = sum(m.teaching + m.doing + m.further for _, m, _ in books)
+    print(
+        f"At a newcomer's rates ({PROSE_WPM} words a minute, {CODE_LINES_PER_MIN} "
+        f"lines of code a minute, shown library source included, "
+        f"{SOLUTION_LINE_MIN} min a solution line):"
+    )
+    print(f"core (notebooks {CORE[0]} to {CORE[-1]}, exercises included): "
+          f"{core} min ({hours(core)}); limit {CORE_LIMIT} min")
+    print(f"everything, every exercise included: {whole} min ({hours(whole)})")
+
+
 def main(paths):
     if paths and paths[0] == "--write":
         write(paths[1:])
         return
+    if paths and paths[0] == "--newcomer":
+        books = (ROOT / "notebooks").glob("[0-9]*.ipynb")
+        newcomer(paths[1:] or sorted(map(str, books)))
+        return
     for path in paths:
         nb = nbformat.read(path, as_version=4)
-        m = measure(nb)
+        m = measure(nb, solutions_of(path))
         teach, ex, further = stated(nb)
         print(
             f"{path}: measured teaching {m.teaching} min, exercises {m.doing} min, "

@@ -12,6 +12,7 @@ from jacutil.teaching import check
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 BOOKS = sorted(NOTEBOOKS.glob("[0-9]*.ipynb"))
+SOLUTIONS = NOTEBOOKS / "solutions"
 CALL = re.compile(r'check\.exercise\("(\d\d-\d+)"')
 
 
@@ -32,7 +33,7 @@ def check_output(cell):
 
 @pytest.mark.parametrize("book", BOOKS, ids=[b.stem for b in BOOKS])
 def test_every_exercise_ends_with_its_check(book):
-    nb = nbformat.read(book, as_version=4)
+    nb = nbformat.read(SOLUTIONS / book.name, as_version=4)
     pairs = exercises(nb)
     assert pairs, "no exercises"
     for number, (solution, following) in enumerate(pairs, start=1):
@@ -54,9 +55,26 @@ def test_every_check_belongs_to_an_exercise():
 
 
 @pytest.mark.parametrize("book", BOOKS, ids=[b.stem for b in BOOKS])
-def test_stored_solutions_pass_their_checks_and_hide_their_outputs(book):
-    for solution, following in exercises(nbformat.read(book, as_version=4)):
-        assert check_output(following).startswith("✓ Exercise"), check_output(following)
+def test_a_learner_reading_a_stored_notebook_sees_no_answer(book):
+    """The stored notebook (GitHub, the website) is the learner's: each
+    solution a stub, each check "no answer yet", no "✓" anywhere; the
+    solutions, source-hidden, are in notebooks/solutions/ (issue 57)."""
+    stored = nbformat.read(book, as_version=4)
+    solved = nbformat.read(SOLUTIONS / book.name, as_version=4)
+    pairs = exercises(solved)
+    assert pairs, "no exercises"
+    stubs = [c for c in stored.cells if "exercise" in c.metadata.get("tags", [])]
+    assert len(stubs) == len(pairs)
+    for number, stub in enumerate(stubs, start=1):
+        assert stub.source.startswith(f"# Exercise {number}: your solution here")
+        assert stub.source.rstrip().endswith("answer = None")
+    for cell in stored.cells:
+        assert "solution" not in cell.metadata.get("tags", [])
+        if cell.cell_type == "code" and CALL.search(cell.source):
+            assert check_output(cell).startswith("… Exercise"), check_output(cell)
+        for out in cell.get("outputs", []):
+            assert "✓ Exercise" not in str(out.get("text", "")), out
+    for solution, _ in pairs:
         hidden = solution.metadata.get("jupyter", {})
         assert hidden.get("source_hidden") and hidden.get("outputs_hidden")
 

@@ -78,7 +78,8 @@ def test_shown_source_leaves_out_docstrings_and_what_the_plain_version_has():
     text = trimmed_source(_shown, plain)
     assert ELIDED in text and "total += v" not in text
     assert "return total" in text and text.startswith("def _shown(x):")
-    assert source_link(_shown) == ("tests/test_claims.py", _shown.__code__.co_firstlineno)
+    line = _shown.__code__.co_firstlineno
+    assert source_link(_shown) == ("tests/test_claims.py", line)
 
 
 def _shown(x):

@@ -35,11 +35,11 @@ def test_learner_copy_empties_solutions_only(learner_dir, book):
     assert len(copy.cells) == len(original.cells)
     solutions = 0
     for before, after in zip(original.cells, copy.cells, strict=True):
-        if "solution" in before.metadata.get("tags", []):
+        assert "solution" not in before.metadata.get("tags", [])
+        if "exercise" in before.metadata.get("tags", []):
             solutions += 1
             assert after.source.startswith(f"# Exercise {solutions}:")
-        else:
-            assert after.source == before.source
+        assert after.source == before.source
         if after.cell_type == "code":
             assert after.outputs == [] and after.execution_count is None
     assert solutions >= 2

@@ -1,6 +1,8 @@
 """Every notebook runs with small injected parameters (papermill), and the stored
 notebooks are the ones their sources build. nbval (strict) runs in `make test`
-over notebooks/ itself."""
+over notebooks/ itself: the stored learner copies, whose solutions are stubs.
+Papermill runs notebooks/solutions/, the same notebooks with their solutions
+in, and every check must print "✓" there."""
 
 import json
 from pathlib import Path
@@ -12,6 +14,7 @@ import pytest
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 BOOKS = sorted(NOTEBOOKS.glob("[0-9]*.ipynb"))
+SOLUTIONS = NOTEBOOKS / "solutions"
 
 # Small values for each notebook's `parameters` cell, one JSON file per notebook
 # in tests/small_parameters/, so that the whole papermill run is quick.
@@ -41,10 +44,10 @@ def test_every_notebook_has_small_parameters():
 @pytest.mark.parametrize("book", BOOKS, ids=[b.stem for b in BOOKS])
 def test_papermill_runs_with_small_parameters(book, tmp_path):
     parameters = small_parameters(book)
-    nb = nbformat.read(book, as_version=4)
+    nb = nbformat.read(SOLUTIONS / book.name, as_version=4)
     assert set(parameters) <= parameter_names(nb), "unknown parameter injected"
     executed = papermill.execute_notebook(
-        str(book),
+        str(SOLUTIONS / book.name),
         str(tmp_path / book.name),
         parameters=parameters,
         kernel_name="python3",
@@ -71,10 +74,21 @@ def check_lines(nb):
 @pytest.mark.parametrize("book", BOOKS, ids=[b.stem for b in BOOKS])
 def test_stored_notebook_matches_its_source(book):
     """notebooks/src/NN.py is the source; `make notebooks` rebuilds the .ipynb."""
+    import sys
+
+    sys.path.insert(0, str(NOTEBOOKS.parent / "scripts"))
+    from build_notebooks import learner_cells
+
     source = jupytext.read(NOTEBOOKS / "src" / f"{book.stem}.py")
+    solved = nbformat.read(SOLUTIONS / book.name, as_version=4)
+    assert [c.source for c in solved.cells] == [c.source for c in source.cells]
+    learner = learner_cells(source.cells, book.stem)
     stored = nbformat.read(book, as_version=4)
-    assert [c.source for c in stored.cells] == [c.source for c in source.cells]
+    assert [c.source for c in stored.cells] == [c.source for c in learner]
     assert [c.cell_type for c in stored.cells] == [c.cell_type for c in source.cells]
+    assert not any(c.get("outputs") for c in solved.cells), (
+        f"solutions/{book.name} stores outputs: its checks' ✓ would show"
+    )
 
 
 @pytest.mark.parametrize("book", BOOKS, ids=[b.stem for b in BOOKS])

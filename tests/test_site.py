@@ -319,7 +319,12 @@ def test_every_notebook_has_its_page_and_downloads(site):
             if "_downloads" in h
         }
         full, learner = book.name, f"{book.stem}-learner.ipynb"
-        assert set(downloads) >= {full, learner}, f"{book.stem}: {sorted(downloads)}"
+        solved = f"{book.stem}-solutions.ipynb"
+        found = sorted(downloads)
+        assert set(downloads) >= {full, learner, solved}, f"{book.stem}: {found}"
+        assert downloads[solved].read_bytes() == (
+            book.parent / "solutions" / book.name
+        ).read_bytes()
         assert downloads[full].read_bytes() == book.read_bytes()
         copy = nbformat.read(downloads[learner], as_version=4)
         code = [c for c in copy.cells if c.cell_type == "code"]
@@ -782,7 +787,12 @@ def expected(book):
         ),
         # an error output only where the notebook says it raises on purpose
         "errors": sum(o.output_type == "error" for c in raising for o in c.outputs),
-        "solutions": sum("solution" in c.metadata.get("tags", []) for c in code),
+        "solutions": sum(
+            "solution" in c.metadata.get("tags", [])
+            for c in nbformat.read(
+                book.parent / "solutions" / book.name, as_version=4
+            ).cells
+        ),
         "progress": sum(
             "application/vnd.jupyter.widget-view+json" in o.get("data", {})
             for c in code

@@ -27,7 +27,7 @@ def books():
 @pytest.mark.parametrize("book", BOOKS, ids=lambda p: p.stem)
 def test_each_notebook_states_its_measured_minutes(book):
     nb = nbformat.read(book, as_version=4)
-    m = cm.measure(nb)
+    m = cm.measure(nb, cm.solutions_of(book))
     assert cm.stated(nb) == (m.teaching, m.doing, m.further), (
         f"{book.stem} states {cm.stated(nb)}, measured "
         f"{(m.teaching, m.doing, m.further)}: rebuild it (make notebooks ONLY=...)"
@@ -84,10 +84,35 @@ def test_an_exercise_and_a_going_further_part_are_counted_apart():
     prose = [cm._words(cm.LINE.sub("", c.source)) / cm.PROSE_WPM for c in nb.cells[:]]
     # title, the section, its 15 lines of code and a minute of running, keypoints;
     # the figures of the title's minutes line are not prose
-    assert m.teaching == math.ceil(prose[0] + prose[1] + 1 + 1 + prose[10])
+    code_minutes = 15 / cm.CODE_LINES_PER_MIN
+    assert m.teaching == math.ceil(prose[0] + prose[1] + code_minutes + 1 + prose[10])
     # the question (the Exercises heading and prose), 3 minutes, one line,
     # the check's 30 s run twice
-    assert m.doing == math.ceil(prose[3] + 3 + 1 + 1)
+    assert m.doing == math.ceil(prose[3] + 3 + cm.SOLUTION_LINE_MIN + 1)
     # the going-further heading's prose is its section's; the question after
     # it, 3 minutes and two lines are the exercise's
-    assert m.further == math.ceil(prose[6] + prose[7] + 3 + 2)
+    assert m.further == math.ceil(prose[6] + prose[7] + 3 + 2 * cm.SOLUTION_LINE_MIN)
+
+
+def test_the_rates_are_a_newcomers_and_shown_source_reads_as_code():
+    """The rates a fresh reader measured the course with (issue 57)."""
+    assert (cm.PROSE_WPM, cm.CODE_LINES_PER_MIN, cm.SOLUTION_LINE_MIN) == (120, 10, 1.5)
+    source = "def f(x):\n" + "    x += 1\n" * 19
+    shown = {"output_type": "display_data", "metadata": {}, "data": {
+        "text/markdown": f"```python\n{source}```\n*the whole source: a link*"}}
+    cell = nbformat.v4.new_code_cell("show_source(f)", outputs=[shown])
+    expected = 20 / cm.CODE_LINES_PER_MIN + 5 / cm.PROSE_WPM  # 5 words
+    assert cm._output_minutes(cell) == pytest.approx(expected)
+
+
+def test_newcomer_prints_the_core_and_the_whole_course():
+    import subprocess
+
+    said = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "course_minutes.py"), "--newcomer"],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    books = cm.books_of(BOOKS)
+    core = sum(m.teaching + m.doing for p, m, _ in books if p.stem[:2] in cm.CORE)
+    assert f"exercises included): {core} min" in said and core <= cm.CORE_LIMIT
+    assert "everything, every exercise included:" in said

@@ -16,6 +16,6 @@ from ..core.lazy import lazy_face
 
 __all__, __getattr__, __dir__ = lazy_face(
     __name__,
-    modules="check claims drills memory_sweeps models notebook plots timing transformer "
-    "wide_fit",
+    modules="check claims drills memory_sweeps models notebook plots timing "
+    "transformer wide_fit",
 )
