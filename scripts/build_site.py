@@ -219,6 +219,15 @@ def shown_outputs(outputs, widget_state):
                 shown.append(output)
         else:
             shown.append(output)
+    for output in shown:  # show_source's link to the whole file: on GitHub
+        markdown = output.get("data", {}).get("text/markdown")
+        if markdown:
+            markdown = markdown if isinstance(markdown, str) else "".join(markdown)
+            output["data"]["text/markdown"] = re.sub(
+                r"\]\(\.\./(jacutil/[^)\s]+)\)",
+                lambda m: f"]({repository()}/blob/main/{m[1]})",
+                markdown,
+            )
     final = []
     for output in shown:
         if output.get("output_type") == "stream":
