@@ -116,3 +116,24 @@ def test_newcomer_prints_the_core_and_the_whole_course():
     core = sum(m.teaching + m.doing for p, m, _ in books if p.stem[:2] in cm.CORE)
     assert f"exercises included): {core} min" in said and core <= cm.CORE_LIMIT
     assert "everything, every exercise included:" in said
+
+
+RUN_ALL_LIMIT = 90  # seconds, on 2 cores, with the default parameters
+
+
+@pytest.mark.parametrize("book", BOOKS, ids=lambda p: p.stem)
+def test_each_stored_run_all_took_at_most_90_seconds(book):
+    """The stored outputs come from one Run All (`make notebooks`), whose
+    cells' run times are kept: that run took at most 90 s (issue 57). It
+    reads the build's record; it times nothing."""
+    cells = nbformat.read(book, as_version=4).cells
+    solved = cm.solutions_of(book).cells
+    seconds = sum(
+        cell.metadata.get("run_seconds", 0.0)
+        for shown, cell in zip(cells, solved, strict=True)
+        for cell in [cell if "solution" in cell.metadata.get("tags", []) else shown]
+    )
+    assert seconds <= RUN_ALL_LIMIT, (
+        f"{book.stem}: its stored Run All took {seconds:.0f} s; make a larger "
+        "race a parameter, not the default"
+    )
