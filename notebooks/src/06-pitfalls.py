@@ -24,7 +24,7 @@
 # - Check a Jacobian against finite differences the way that settles it:
 #   in float64.
 #
-# *Teaching: 46 min · Exercises: 30 min*
+# *Teaching: 68 min · Exercises: 40 min*
 
 # %% [markdown]
 # ## Setup
@@ -51,6 +51,7 @@ import numpy as np
 import jacutil as ju
 from jacutil import keras, tf
 from jacutil.teaching import check
+from jacutil.teaching.claims import claim
 
 
 @contextlib.contextmanager
@@ -81,7 +82,7 @@ def tf_warnings():
     logger = tf.get_logger()
     saved, logger.handlers = logger.handlers, [handler]
     try:
-        yield
+        yield caught
     finally:
         logger.handlers = saved
     for message in caught:
@@ -473,7 +474,7 @@ def eager_jacobian(x):
     return tape.jacobian(y, variables)
 
 
-with tf_warnings():  # TensorFlow's retracing warnings, as text
+with tf_warnings() as tf_warned:  # TensorFlow's retracing warnings, as text
     eager = ju.time_call(eager_jacobian, x_tensor, repeats=repeats)
 compiled_batch = ju.compiled_jacobian(model, method="batch")
 compiled = ju.time_call(compiled_batch, x_batch, repeats=repeats)
@@ -483,14 +484,21 @@ print(f"compiled:            {compiled.median:.3f} s per call "
 print(f"Finding: eager tape.jacobian re-vectorizes every call: "
       f"{eager.median / compiled.median:.0f}x the compiled call "
       f"(n = {n_samples})")
+claim("eager-slower-than-compiled", eager.median > compiled.median,
+      f"a warm eager call ({eager.median:.3f} s) costs more than a warm "
+      f"compiled one ({compiled.median:.4f} s)")
+print("TensorFlow's retracing warning in this run:",
+      "given (above)" if any("retracing" in m for m in tf_warned)
+      else "not given (too few eager calls)")
 
 
 # %% [markdown]
 # TensorFlow notices too: it warns when one function has been traced five
 # times within its last ten calls. Each eager `tape.jacobian` traces pfor's
 # vectorizing function anew - the eager calls of sections 2 and 3 count as
-# well - so the timed calls above cross that line, and its warning, caught
-# and printed as text, names this very trap.
+# well - so enough eager calls cross that line, and its warning, caught and
+# printed as text, names this very trap (the last line above says whether
+# this run's calls crossed it).
 #
 # **(b) `tf.function` without an input signature** traces once per new
 # input shape - here, per batch size. Count the traces with a Python side
@@ -520,6 +528,11 @@ print("traces for sizes:      ", traced_sizes)
 # %% tags=["nbval-ignore-output"]
 for size, s in zip(call_sizes, seconds, strict=True):
     print(f"batch of {size}: {s:.3f} s")
+traced = [s for k, s in enumerate(seconds) if call_sizes[k] not in call_sizes[:k]]
+repeated = [s for k, s in enumerate(seconds) if call_sizes[k] in call_sizes[:k]]
+claim("trace-costs-more", max(repeated) < min(traced),
+      f"each call that traced ({min(traced):.3f} s or more) costs more than "
+      f"the repeat of a size already traced ({max(repeated):.3f} s)")
 
 # %% [markdown]
 # **The fix.** An input signature whose batch dimension is `None`: one
@@ -546,10 +559,15 @@ def xla_jacobian(x):  # one trace: the signature's batch dimension is None
     return tape.jacobian(y, variables)
 
 
+xla_seconds = []
 for size in (4, 4, 5, 5):
     start = time.perf_counter()
     xla_jacobian(x_tensor[:size])
-    print(f"XLA, batch of {size}: {time.perf_counter() - start:.3f} s")
+    xla_seconds.append(time.perf_counter() - start)
+    print(f"XLA, batch of {size}: {xla_seconds[-1]:.3f} s")
+claim("xla-compile-per-size", xla_seconds[1] < xla_seconds[0]
+      and xla_seconds[3] < xla_seconds[2],
+      "at each new size the first call (a compile) costs more than the repeat")
 
 # %% [markdown]
 # The first call at each new size pays a compile; the repeat does not.
@@ -590,18 +608,29 @@ print("warnings:", len(caught), " limit:", ju.core.guards.RETRACE_LIMIT)
 
 # %%
 jac_once = ju.compiled_jacobian(model)
-start = time.perf_counter()
+once_seconds = []  # each batch apart: the first one traces
 for batch in batches:
+    start = time.perf_counter()
     J_batch_once = jac_once(batch)
-once = time.perf_counter() - start
+    once_seconds.append(time.perf_counter() - start)
+once = sum(once_seconds)
 np.testing.assert_allclose(J_batch_once, J_batch, rtol=1e-6, atol=1e-7)
 print("built once: traces =", jac_once.trace_count, " same Jacobian: True")
 
 # %% tags=["nbval-ignore-output"]
+first_once, warm_once = once_seconds[0], float(np.median(once_seconds[1:]))
 print(f"{n_batches} batches, compiled Jacobian built in the loop: "
-      f"{in_loop:.2f} s; built once: {once:.2f} s")
+      f"{in_loop:.2f} s, a trace in every batch ({in_loop / n_batches:.3f} s "
+      "a batch)")
+print(f"built once: {once:.2f} s = the first batch {first_once:.3f} s (its "
+      f"trace) + {n_batches - 1} warm batches at {warm_once:.4f} s each")
+claim("loop-retraces-every-batch", in_loop / n_batches > 5 * warm_once,
+      f"a batch in the loop ({in_loop / n_batches:.3f} s) costs "
+      f"{in_loop / n_batches / warm_once:.0f}x a warm batch of the Jacobian "
+      f"built once ({warm_once:.4f} s)")
 print(f"Finding: building the compiled Jacobian inside the loop costs "
-      f"{in_loop / once:.0f}x building it once ({n_batches} batches)")
+      f"{in_loop / once:.1f}x building it once ({n_batches} batches; the "
+      "ratio grows with the batches, since the loop traces in every one)")
 
 # %% [markdown]
 # The costs of this section, side by side:
@@ -614,7 +643,8 @@ rows = [
     ("compiled tape.jacobian, per call", compiled.median),
     ("one trace (new batch size, no signature)", retrace),
     ("compiled Jacobian built per batch, per batch", in_loop / n_batches),
-    ("compiled Jacobian built once, per batch", once / n_batches),
+    ("compiled Jacobian built once, first batch", first_once),
+    ("compiled Jacobian built once, later batches", warm_once),
 ]
 print(f"{'what':<46} {'seconds':>8}")
 for what, s in rows:
@@ -634,8 +664,9 @@ small = ju.question_mlp(hidden=(8,), seed=seed)
 x_small, _ = ju.regression_data(3, seed=seed)
 J32 = ju.per_sample_jacobian(small, x_small)
 J32_fd = ju.finite_difference_jacobian(small, x_small)  # step 1e-6
-print("float32 check passes:",
-      np.allclose(J32, J32_fd, rtol=1e-5, atol=1e-6))
+claim("float32-check-fails", not np.allclose(J32, J32_fd, rtol=1e-5, atol=1e-6),
+      "the float32 check against finite differences fails (rtol=1e-5, "
+      "atol=1e-6)")
 
 # %% tags=["nbval-ignore-output"]
 print(f"largest difference: {np.abs(J32 - J32_fd).max():.2g}"
@@ -729,6 +760,15 @@ for name, errs in errors.items():
           f"{tolerance:.2g} {'met' if errs[best] <= tolerance else 'missed'} "
           f"there, {'met' if errs[at] <= tolerance else 'missed'} at the "
           f"reference's step {steps[at]:.0e}")
+err32, err64 = np.array(errors["float32"]), np.array(errors["float64"])
+claim("float32-fd-misses", err32[at] > tolerance >= err64[at],
+      f"at the reference's step, float32 misses the tolerance "
+      f"({err32[at]:.2g} > {tolerance:.2g}) and float64 meets it "
+      f"({err64[at]:.2g})")
+claim("float32-fd-best-not-safe", err32.min() > tolerance / 10,
+      f"at its best step float32 is {err32.min() / tolerance:.2g}x the "
+      f"tolerance, not ten times below it (float64: "
+      f"{err64.min() / tolerance:.0e}x)")
 
 # %% [markdown]
 # **The check that settles it.** Copy the network to float64 and compare
@@ -888,11 +928,13 @@ check.exercise("06-3", answer, model=model64, x=x, direction=direction)
 #   rewrites its statistics (`jacutil` refuses).
 # - Trace once: compile with a `None` batch dimension, pad for XLA, and
 #   build the compiled Jacobian outside the loop (`jacutil` warns past
-#   `RETRACE_LIMIT` traces).
+#   `RETRACE_LIMIT` traces): each trace costs more than many warm calls.
+#   <!-- claim: trace-costs-more, loop-retraces-every-batch -->
 # - Check Jacobians against finite differences in **float64**; in float32
-#   a correct Jacobian misses at the reference's step, and at best just
-#   reaches the tolerance, at a step a scan must find first (the float32
-#   Finding above says whether it does).
+#   a correct Jacobian misses the tolerance at the reference's step, and
+#   even the best step of a scan, which must be found first, does not bring
+#   it safely below (the float32 Finding says by how much).
+#   <!-- claim: float32-fd-misses, float32-fd-best-not-safe -->
 #   The best step of a central difference is
 #   $(3\varepsilon|f|/|f'''|)^{1/3}$: $\varepsilon^{1/3}$ only when $|f'''|$
 #   is about $3|f|$.
