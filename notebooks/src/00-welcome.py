@@ -23,7 +23,7 @@
 # - Convert it to the `(l·m) × n` layout of the layout question and back.
 # - Find the notebook for each stage, and run them all with `make run`.
 #
-# *Teaching: 16 min · Exercises: 7 min · Going further: 16 min*
+# *Teaching: 16 min · Exercises: 5 min · Going further: 30 min*
 
 # %% [markdown]
 # ## Setup
@@ -38,6 +38,7 @@ import numpy as np
 import jacutil as ju
 from jacutil import tf
 from jacutil.teaching import check
+from jacutil.teaching.claims import claim
 
 # %% tags=["nbval-ignore-output"]
 print(ju.teaching.notebook.device_summary())
@@ -95,26 +96,39 @@ print("m = n_params =", theta.size)
 # %% [markdown]
 # ## One call: `ju.jacobian`
 #
-# `ju.jacobian(model, x)` is the one call to use. It picks the fastest correct
-# path for this model and this size, caches what it compiles, and with
-# `explain=True` says what it did. The later notebooks build each path it can
-# take, one stage at a time: they are the lessons, this is the tool.
+# `ju.jacobian(model, x)` is the one call to use. It does not time the
+# paths: it takes the first that applies, by a fixed rule read from the
+# model and the size: (1) **forward mode** where the outputs outnumber the
+# parameters many times over (the ratio is printed below); (2) else the
+# **layer rules** where every layer has one; (3) else the compiled
+# per-sample stage of `03-compiled`; each in chunks (`04-chunked`) where
+# the predicted working memory would pass a budget, by default half the
+# memory free now. Every path is correct; the rule does not promise the
+# quickest one (`09-matrix-free` times them side by side). With
+# `explain=True` it says which path it took and why. The later notebooks
+# build each path: they are the lessons, this is the tool.
 
 # %%
 J, choice = ju.jacobian(model, x, explain=True)
 print("x:", x.shape, " f(x):", model(x).shape, " J:", J.shape, J.dtype)
-print("path:", choice.path, "-", choice.why)
+print(f"forward mode only where l >= "
+      f"{ju.auto.FORWARD_WHEN_OUTPUTS_PER_PARAMETER} * m: here l = "
+      f"{J.shape[1]}, m = {J.shape[2]}")
+print("path:", choice.path, "-", choice.why, "- chunks:", choice.chunks)
 for name, rule in choice.layers:
     print(f"  layer {name}: {rule}")
+claim("rules-path", choice.path == "layer rules" and not J.flags.writeable,
+      f"the path taken is '{choice.path}' ({len(choice.layers)} layers, each "
+      "with a rule), and J comes back read-only")
 
 # %% [markdown]
 # Here every layer has a **rule**: a formula for its own block of columns,
 # derived by hand (`07-benchmark` derives the Dense one). A model the rules
 # cannot read - a subclassed model, branches - takes the compiled per-sample
-# stage of `03-compiled` instead, and `choice.why` says why. J comes back
-# read-only (a view of TensorFlow's result, no copy); `copy=True` gives an
-# array you may write to. Every path returns the same numbers: the
-# per-sample stage of `02-vectorized` agrees.
+# stage instead, and `choice.why` says why. J comes back read-only (a view
+# of TensorFlow's result, no copy); `copy=True` gives an array you may
+# write to. Every path returns the same numbers: the per-sample stage of
+# `02-vectorized` agrees.
 
 # %%
 np.testing.assert_allclose(J, ju.per_sample_jacobian(model, x), rtol=1e-5, atol=1e-6)
@@ -122,19 +136,138 @@ print("jacobian == per_sample_jacobian:", True)
 
 # %% [markdown]
 # Each entry is a real derivative. Nudge one parameter by a small step and the
-# outputs move by that step times one column of `J`:
+# outputs move by that step times one column of `J` (up to float32's
+# rounding: a ReLU network is linear in any one parameter between kinks):
 
 # %%
 p = 5  # any parameter
-step = 1e-3
+step = 1e-2
 bumped = theta.copy()
 bumped[p] += step
 ju.set_flat_params(model, bumped)
 moved = model(x).numpy()
 ju.set_flat_params(model, theta)
-predicted = model(x).numpy() + step * J[:, :, p]
-print("outputs moved by up to", np.round(np.abs(moved - model(x).numpy()).max(), 4))
-print("J predicted the move to within", np.round(np.abs(moved - predicted).max(), 4))
+before = model(x).numpy()
+move = np.abs(moved - before).max()
+error = np.abs(moved - (before + step * J[:, :, p])).max()
+relative = error / move if move > 0 else np.inf
+claim("j-predicts-move", relative < 0.01,
+      f"the outputs moved by up to {move:.2e}; step * J[:, :, p] predicted "
+      f"that move to within {error:.1e}, a share {relative:.1e} of it")
+
+# %% [markdown]
+# ## The layouts, as code
+#
+# `to_lm_by_n` and `from_lm_by_n` convert between `J` and the layout
+# question's matrix; the index rule is checked below for every entry.
+# SciPy's `least_squares` takes yet another
+# layout: one row per residual (sample `i`, output `k`), one column per
+# parameter, an $(n·l) \times m$ matrix - a plain `reshape`.
+
+# %%
+M = ju.to_lm_by_n(J)
+n, l, m = J.shape
+rule_holds = all(M[k * m + p, i] == J[i, k, p] for i, k, p in np.ndindex(J.shape))
+print("(l*m) x n:", M.shape, " rule M[k*m + p, i] == J[i, k, p]:", rule_holds)
+print("round trip exact:", np.array_equal(ju.from_lm_by_n(M, n_outputs=l), J))
+print("SciPy (n*l) x m:", J.reshape(n * l, m).shape)
+
+# %% [markdown]
+# ## How this collection works
+#
+# | path | notebook | stage | `jacutil` function |
+# |---|---|---|---|
+# | core | `00-welcome` | what we compute; the one call | `jacobian`, `to_lm_by_n` |
+# | core | `01-nested-loop` | the loop of the loop question | `loop_jacobian` |
+# | core | `02-vectorized` | one tape, `tape.jacobian`; `vectorized_map` | `vectorized_jacobian`, `per_sample_jacobian` |
+# | core | `03-compiled` | `tf.function` and XLA | `compiled_jacobian` |
+# | core | `04-chunked` | bounded memory | `chunked_jacobian` |
+# | core | `05-scipy-least-squares` | fit with SciPy | `least_squares_problem` |
+# | further | `06-pitfalls` | the popular answers' traps | `guards` |
+# | further | `07-benchmark` | every path side by side; layer rules | `compiled_dense_jacobian`, `rules` |
+# | further | `08-your-own-model` | CNNs, LSTMs, several inputs and heads | `split_outputs` |
+# | further | `09-matrix-free` | when J does not fit: products with J | `jvp`, `vjp`, `jacobian_operator` |
+# | further | `10-beyond-one-machine` | resumable runs; chunks on worker processes | `distributed_jacobian`, `LocalWorkers` |
+# | further | `11-curvature-and-uncertainty` | curvature, the NTK and Laplace uncertainty from J | `ggn_operator`, `laplace` |
+# | further | `12-private-fine-tuning` | a transformer fine-tuned privately with LoRA | `make_private` |
+#
+# The **core path**, 00 to 05, answers the question, from the loop to a
+# Keras model fitted by SciPy, in under 3 hours with one exercise a notebook.
+# Each core notebook ends with a "Going further" part, and 06 to 11 go
+# further still: read them in any order after the core. The README's plan
+# gives the minutes of each, measured.
+#
+# The later notebooks use a few TensorFlow words (tape, pfor, tracing, XLA);
+# each links to its one-line meaning in [TensorFlow words](#TensorFlow-words),
+# at the end of this notebook. Each stage is proved equal to the previous
+# one inside its notebook, then timed. From the repository's root, `make run` executes every notebook and
+# prints what each found; `make test` runs the test suite; `make lab` opens
+# JupyterLab here.
+
+# %%
+print("Finding: J has shape (n, l, m) =", J.shape, "for the question's network")
+
+# %% [markdown]
+# ## Exercises
+#
+# Each exercise ends with a check: put your answer in `answer` and run the
+# check's cell. It says "correct", or gives a hint (never the answer).
+#
+# **1.** How many parameters does a network 10 → 128 (ReLU) → 3 have? Count
+# them by hand (`answer = ...`); the check builds the network
+# (`ju.question_mlp(hidden=(128,), n_outputs=3)`) and compares.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# Solution: a Dense layer from a to b has a*b weights and b biases.
+answer = 10 * 128 + 128 + 128 * 3 + 3
+
+# %%
+check.exercise("00-1", answer)
+
+# %% [markdown]
+# ## Going further: words, shapes, and the Jacobian's columns
+#
+# For those with time left: a glossary of the TensorFlow words the later
+# notebooks use (they link to it), a picture of the layouts, models with
+# several inputs and outputs, and two more exercises.
+
+# %% [markdown]
+# ## TensorFlow words
+#
+# The later notebooks use these words; each is one sentence and one line here.
+#
+# - **Eager execution**: TensorFlow runs each operation as Python reaches it,
+#   like NumPy. `tf.constant([1.0]) * 2` is computed at once.
+# - **`tf.GradientTape`**: records the operations run inside its `with` block,
+#   so that `tape.gradient(y, variables)` can go back through them.
+#   `with tf.GradientTape() as tape: y = model(x)`
+# - **`watch`**: a tape records trainable `tf.Variable`s by itself; anything
+#   else (an input tensor) must be watched first, inside the block.
+#   `tape.watch(x)`
+# - **`persistent=True`**: a tape can answer one `gradient` call and is then
+#   released; a persistent tape answers many (and is deleted by you).
+#   `with tf.GradientTape(persistent=True) as tape: ...`
+# - **`tape.jacobian`**: every output's gradient, stacked; with
+#   `experimental_use_pfor=True` (TensorFlow's default setting) one
+#   vectorized backward pass in place of a loop. `tape.jacobian(y, model.trainable_variables)`
+# - **pfor / `tf.vectorized_map`**: rewrites a per-item function into one
+#   batched computation over all items. `tf.vectorized_map(f, x)`
+# - **`tf.function` and tracing**: runs a Python function once with symbolic
+#   inputs (a *trace*) to build a graph, then runs the graph on each call; a
+#   new input shape or dtype can cause a new trace. `fast = tf.function(f)`
+# - **XLA**: a compiler that fuses a graph's operations into fewer kernels,
+#   once per concrete input shape. `tf.function(f, jit_compile=True)`
+
+# %%
+x_words = tf.constant(x)
+with tf.GradientTape(persistent=True) as tape:
+    tape.watch(x_words)  # an input: watched by hand
+    y_words = model(x_words)
+J_input = tape.batch_jacobian(y_words, x_words)  # d outputs / d inputs, per sample
+J_params = tape.jacobian(y_words, model.trainable_variables)  # one block per variable
+del tape  # a persistent tape is released by hand
+print("d y / d x per sample:", tuple(J_input.shape),
+      "| d y / d kernel of the first layer:", tuple(J_params[0].shape))
 
 # %% [markdown]
 # ## A picture of the shapes
@@ -175,23 +308,6 @@ print(f"Finding: left, {len(J_tiny)} blocks of {J_tiny.shape[1]} x "
 print("J_tiny:", J_tiny.shape, " -> to_lm_by_n:", M_tiny.shape)
 
 # %% [markdown]
-# ## The layouts, as code
-#
-# `to_lm_by_n` and `from_lm_by_n` convert between `J` and the layout
-# question's matrix; the index rule is checked below for every entry.
-# SciPy's `least_squares` takes yet another
-# layout: one row per residual (sample `i`, output `k`), one column per
-# parameter, an $(n·l) \times m$ matrix - a plain `reshape`.
-
-# %%
-M = ju.to_lm_by_n(J)
-n, l, m = J.shape
-rule_holds = all(M[k * m + p, i] == J[i, k, p] for i, k, p in np.ndindex(J.shape))
-print("(l*m) x n:", M.shape, " rule M[k*m + p, i] == J[i, k, p]:", rule_holds)
-print("round trip exact:", np.array_equal(ju.from_lm_by_n(M, n_outputs=l), J))
-print("SciPy (n*l) x m:", J.reshape(n * l, m).shape)
-
-# %% [markdown]
 # ## Several inputs, several outputs
 #
 # A model with several inputs takes them as a list (or a dict by input
@@ -213,101 +329,9 @@ print("path:", choice_two.path, "-", choice_two.why)
 print("split:", [part.shape for part in ju.split_outputs(J_two, two_heads, x_two)])
 
 # %% [markdown]
-# ## TensorFlow words
+# ## The Jacobian's columns
 #
-# The later notebooks use these words; each is one sentence and one line here.
-#
-# - **Eager execution**: TensorFlow runs each operation as Python reaches it,
-#   like NumPy. `tf.constant([1.0]) * 2` is computed at once.
-# - **`tf.GradientTape`**: records the operations run inside its `with` block,
-#   so that `tape.gradient(y, variables)` can go back through them.
-#   `with tf.GradientTape() as tape: y = model(x)`
-# - **`watch`**: a tape records trainable `tf.Variable`s by itself; anything
-#   else (an input tensor) must be watched first, inside the block.
-#   `tape.watch(x)`
-# - **`persistent=True`**: a tape can answer one `gradient` call and is then
-#   released; a persistent tape answers many (and is deleted by you).
-#   `with tf.GradientTape(persistent=True) as tape: ...`
-# - **`tape.jacobian`**: every output's gradient, stacked; with
-#   `experimental_use_pfor=True` (the default) one vectorized backward pass
-#   instead of a loop. `tape.jacobian(y, model.trainable_variables)`
-# - **pfor / `tf.vectorized_map`**: rewrites a per-item function into one
-#   batched computation over all items. `tf.vectorized_map(f, x)`
-# - **`tf.function` and tracing**: runs a Python function once with symbolic
-#   inputs (a *trace*) to build a graph, then runs the graph on each call; a
-#   new input shape or dtype can cause a new trace. `fast = tf.function(f)`
-# - **XLA**: a compiler that fuses a graph's operations into fewer kernels,
-#   once per concrete input shape. `tf.function(f, jit_compile=True)`
-
-# %%
-x_words = tf.constant(x)
-with tf.GradientTape(persistent=True) as tape:
-    tape.watch(x_words)  # an input: watched by hand
-    y_words = model(x_words)
-J_input = tape.batch_jacobian(y_words, x_words)  # d outputs / d inputs, per sample
-J_params = tape.jacobian(y_words, model.trainable_variables)  # one block per variable
-del tape  # a persistent tape is released by hand
-print("d y / d x per sample:", tuple(J_input.shape),
-      "| d y / d kernel of the first layer:", tuple(J_params[0].shape))
-
-# %% [markdown]
-# ## How this collection works
-#
-# | path | notebook | stage | `jacutil` function |
-# |---|---|---|---|
-# | core | `00-welcome` | what we compute; the one call | `jacobian`, `to_lm_by_n` |
-# | core | `01-nested-loop` | the loop of the loop question | `loop_jacobian` |
-# | core | `02-vectorized` | one tape, `tape.jacobian`; `vectorized_map` | `vectorized_jacobian`, `per_sample_jacobian` |
-# | core | `03-compiled` | `tf.function` and XLA | `compiled_jacobian` |
-# | core | `04-chunked` | bounded memory | `chunked_jacobian` |
-# | core | `05-scipy-least-squares` | fit with SciPy | `least_squares_problem` |
-# | further | `06-pitfalls` | the popular answers' traps | `guards` |
-# | further | `07-benchmark` | every path side by side; layer rules | `compiled_dense_jacobian`, `rules` |
-# | further | `08-your-own-model` | CNNs, LSTMs, several inputs and heads | `split_outputs` |
-# | further | `09-matrix-free` | when J does not fit: products with J | `jvp`, `vjp`, `jacobian_operator` |
-# | further | `10-beyond-one-machine` | resumable runs; chunks on worker processes | `distributed_jacobian`, `LocalWorkers` |
-# | further | `11-curvature-and-uncertainty` | curvature, the NTK and Laplace uncertainty from J | `ggn_operator`, `laplace` |
-# | further | `12-private-fine-tuning` | a transformer fine-tuned privately with LoRA | `make_private` |
-#
-# The **core path**, 00 to 05, answers the question, from the loop to a
-# Keras model fitted by SciPy, in under 3 hours with one exercise a notebook.
-# Each core notebook ends with a "Going further" part, and 06 to 11 go
-# further still: read them in any order after the core. The README's plan
-# gives the minutes of each, measured.
-#
-# Each stage is proved equal to the previous one inside its notebook, then
-# timed. From the repository's root, `make run` executes every notebook and
-# prints what each found; `make test` runs the test suite; `make lab` opens
-# JupyterLab here.
-
-# %%
-print("Finding: J has shape (n, l, m) =", J.shape, "for the question's network")
-
-# %% [markdown]
-# ## Exercises
-#
-# Each exercise ends with a check: put your answer in `answer` and run the
-# check's cell. It says "correct", or gives a hint (never the answer).
-# The solutions are hidden: click the "..." of a hidden cell to open one.
-#
-# **1.** How many parameters does a network 10 → 128 (ReLU) → 3 have? Predict
-# the number (`answer = ...`), then check it with
-# `ju.question_mlp(hidden=(128,), n_outputs=3)`.
-
-# %% tags=["solution"] jupyter={"source_hidden": true}
-# Solution: a Dense layer from a to b has a*b weights and b biases.
-answer = 10 * 128 + 128 + 128 * 3 + 3
-built = ju.flat_params(ju.question_mlp(hidden=(128,), n_outputs=3)).size
-print(answer, built, answer == built)
-
-# %%
-check.exercise("00-1", answer)
-
-# %% [markdown]
-# ## Going further: the Jacobian's columns
-#
-# Two more exercises, for those with time left: where a layer's columns lie
-# in `J`, and what freezing a layer removes.
+# Where a layer's columns lie in `J`, and what freezing a layer takes out.
 #
 # **2.** The last layer computes $f_k = \sum_j h_j W_{jk} + b_k$. What is
 # $\partial f_k / \partial b_{k'}$ for every pair $(k, k')$? Write it as an
@@ -348,8 +372,10 @@ check.exercise("00-3", answer)
 # ## Keypoints
 #
 # - The per-sample Jacobian has shape `(n, l, m)`: samples, outputs, parameters.
-# - `ju.jacobian(model, x)` computes it by the fastest correct path;
-#   `explain=True` says which and why.
+# - `ju.jacobian(model, x)` takes the first path that applies, by a fixed
+#   rule, not by timing them: forward mode, the layer rules, or the compiled
+#   per-sample stage, in chunks where memory is short; `explain=True` says
+#   which and why.
 # - The parameter axis follows `flat_params(model)`: each variable flattened,
 #   in `trainable_variables` order.
 # - `to_lm_by_n` gives the `(l·m) × n` matrix of the layout question (one

@@ -16,10 +16,10 @@
 # **Objectives**
 # - Read `loop_jacobian` and prove it against finite differences in float64.
 # - Count its forward and backward passes: n · l of each.
-# - Measure its time at growing n and split the cost of one row into its
-#   parts.
+# - Measure its time at growing n, and compare one pass over a batch with
+#   one pass over a single sample.
 #
-# *Teaching: 19 min · Exercises: 6 min · Going further: 21 min*
+# *Teaching: 18 min · Exercises: 6 min · Going further: 36 min*
 
 # %% [markdown]
 # ## Setup
@@ -30,13 +30,14 @@ import numpy as np
 import jacutil as ju
 from jacutil import tf
 from jacutil.teaching import check
+from jacutil.teaching.claims import claim
 
 # %% tags=["nbval-ignore-output"]
 print(ju.teaching.notebook.device_summary())
 
 # %% tags=["parameters"]
-sizes = [10, 30, 100, 300, 1000]  # numbers of samples to time the loop at
-repeats = 1  # timed runs after the first, per size
+sizes = [10, 30, 100, 300]  # numbers of samples to time the loop at
+repeats = 1  # timed runs per size (the fastest is kept)
 n_check = 3  # samples in the correctness check
 seed = 0
 
@@ -70,16 +71,14 @@ def plain_loop_jacobian(model, x):
 # %% [markdown]
 # `jacutil`'s `loop_jacobian` is the same loop. What it adds lets every
 # later stage share it: `resolve_target` takes a Keras model or any
-# function with its variables, in training mode or not; `as_batch` and
-# `take` accept inputs that are lists or dicts of arrays, and
-# `output_layout` counts the outputs `l` of several heads of any shape;
-# `shared` keeps one tape per sample in training mode, so that Dropout
-# draws one mask for all of a sample's outputs; `stack_columns` gives a
-# variable the outputs do not depend on zeros instead of `None`; and a
+# function with its variables; `as_batch`, `take` and `output_layout`
+# accept several inputs and outputs; `shared` keeps one tape per sample in
+# training mode (one Dropout mask for all of a sample's outputs);
+# `stack_columns` gives an unused variable zeros instead of `None`; and a
 # progress bar. The next section proves the two equal.
 
 # %%
-ju.teaching.notebook.show_source(ju.loop_jacobian)
+ju.teaching.notebook.show_source(ju.loop_jacobian, plain=plain_loop_jacobian)
 
 # %% [markdown]
 # ## Is it right?
@@ -88,13 +87,14 @@ ju.teaching.notebook.show_source(ju.loop_jacobian)
 # independent reference: central finite differences, which share no code with
 # the tape. A finite difference divides a tiny change of the outputs by a
 # tiny step, so it loses most of float32's 7 significant digits: the check
-# runs on a float64 copy of the network instead. The Finding below prints
-# how closely the two agree there.
+# runs in float64 instead, on a narrower network of the same kind
+# (10 → 16 → 8 → 2), so that finite differences' two forward passes per
+# parameter take seconds, not a minute. The Finding below prints how
+# closely the two agree.
 
 # %%
-model = ju.question_mlp(seed=seed)
-model64 = ju.question_mlp(seed=seed, dtype="float64")
-model64.set_weights(model.get_weights())
+model = ju.question_mlp(seed=seed)  # the question's network, for later
+model64 = ju.question_mlp(hidden=(16, 8), seed=seed, dtype="float64")
 x_check = ju.regression_data(n_check, seed=seed, dtype="float64")[0]
 
 J_loop = ju.loop_jacobian(model64, x_check)
@@ -127,54 +127,62 @@ x_small = ju.regression_data(20, seed=seed)[0]
 ju.loop_jacobian(counted, x_small, variables=model.trainable_variables)
 n_outputs = model.output_shape[-1]
 checks = 2  # calls on 1 and 2 samples that check and count the outputs
-print("forward passes:", len(calls) - checks, " n * l =", 20 * n_outputs)
-print("samples per pass:", set(calls[checks:]))
+passes = len(calls) - checks
+claim("n-times-l-passes", passes == 20 * n_outputs and set(calls[checks:]) == {1},
+      f"{passes} forward passes for n * l = 20 * {n_outputs}, each on "
+      f"{set(calls[checks:])} sample")
 
 # %% [markdown]
 # (Two extra calls first, on one sample and on two, check that every output
 # keeps the samples first and count the outputs.) Every pass carries **one**
-# sample, so the computer does 40 tiny jobs instead of one job of 20 samples.
+# sample: many tiny jobs in place of one job of 20 samples.
 
 # %% [markdown]
 # ## Timing at growing n
 #
-# Each size runs once as a warm-up (the first call) and `repeats` more times.
-# A progress bar shows the largest run.
+# One call on the smallest size first pays TensorFlow's one-time costs
+# (a warm-up). Then each size runs `repeats` times and keeps its fastest
+# run; a progress bar follows the first run at the largest size.
 
 # %% tags=["nbval-ignore-output"]
+x_sizes = ju.regression_data(max(sizes), seed=seed)[0]
+ju.loop_jacobian(model, x_sizes[: min(sizes)])  # warm-up, not timed
 times = {}
 for n in sizes:
-    x_n = ju.regression_data(n, seed=seed)[0]
-    timing = ju.time_call(ju.loop_jacobian, model, x_n, repeats=repeats,
-                          progress=n == max(sizes))
-    times[n] = timing.median
-    print(f"n = {n:>5}: {timing.median:7.3f} s   "
-          f"({1e3 * timing.median / (n * n_outputs):.2f} ms per row of J)")
+    times[n] = min(
+        ju.teaching.timing.first_call(
+            ju.loop_jacobian, model, x_sizes[:n],
+            progress=n == max(sizes) and run == 0)[1]
+        for run in range(repeats))
+    print(f"n = {n:>5}: {times[n]:7.3f} s   "
+          f"({1e3 * times[n] / (n * n_outputs):.2f} ms per row of J)")
 
 # %% tags=["nbval-ignore-output"]
 slope = ju.teaching.plots.fitted_slope(sizes, [times[n] for n in sizes])
 per_row = times[max(sizes)] / (max(sizes) * n_outputs)  # seconds
 ax = ju.teaching.plots.loglog_scaling(sizes,
                              {"loop_jacobian": [times[n] for n in sizes]})
-ax.set_title("The nested loop: time grows linearly with n")
-print(f"Finding: the loop's time grows like n^{slope:.2f}; at "
-      f"n = {max(sizes):,} each row of J (one sample's forward and backward "
-      f"pass, with the loop around them) costs {1e3 * per_row:.1f} ms")
-print(f"Finding: at n = 100,000 the loop would take about "
+ax.set_title(f"The nested loop: time ~ n^{slope:.2f}")
+claim("loop-linear", 0.7 < slope < 1.3,
+      f"the loop's time grows like n^{slope:.2f}, linear in n (a slope "
+      "between 0.7 and 1.3)")
+print(f"Finding: at n = {max(sizes):,} each row of J (one sample's forward "
+      f"and backward pass, with the loop around them) costs "
+      f"{1e3 * per_row:.1f} ms; at n = 100,000 the loop would take about "
       f"{per_row * 100_000 * n_outputs / 60:.0f} minutes")
 
 # %% [markdown]
-# Read the slope in the Finding: near 1 means time proportional to n. That
-# sounds fine until you look at the constant, also in the Finding:
-# milliseconds for each row, and each row is a pass over a *single* sample.
+# A slope near 1 means time proportional to n. That sounds fine until you
+# look at the constant in the Finding: the time of each row, and each row
+# is a pass over a *single* sample.
 
 # %% [markdown]
-# ## Where the time goes
+# ## One sample or a thousand
 #
 # Time one bare forward and backward pass (a tape, the forward pass, one
 # gradient) at batch sizes 1 and 1,000, keeping the fastest of 20 calls
-# (the one least disturbed by other programs). If the work were what costs,
-# 1,000 samples would take 1,000 times longer.
+# (the one least disturbed by other programs). If the arithmetic were what
+# costs, 1,000 samples would take 1,000 times as long.
 
 # %% tags=["nbval-ignore-output"]
 def forward_backward(x):
@@ -190,32 +198,50 @@ def best_ms(fn, *args, repeats=20):  # the fastest call: the least disturbed
 x_1000 = ju.regression_data(1000, seed=seed)[0]
 one = best_ms(forward_backward, x_1000[:1])
 thousand = best_ms(forward_backward, x_1000)
-print(f"1 sample: {one:.2f} ms   "
-      f"1,000 samples: {thousand:.2f} ms   ratio {thousand / one:.1f}")
-print(f"Finding: one bare pass over 1,000 samples costs {thousand / one:.1f}x "
-      "one sample's pass, not 1,000x")
+print(f"1 sample: {one:.2f} ms   1,000 samples: {thousand:.2f} ms")
+claim("batch-pass-cheap", thousand / one < 100,
+      f"one bare pass over 1,000 samples costs {thousand / one:.1f}x one "
+      "sample's pass: under a tenth of 1,000 single passes")
 
 # %% [markdown]
-# Read the Finding: a pass over 1,000 samples costs nowhere near 1,000 passes
-# over one. The time is **overhead**: Python, and the dispatch of every
-# operation one at a time (*eager execution*:
-# [TensorFlow words](00-welcome.ipynb#TensorFlow-words)). The arithmetic
-# itself is almost free.
+# So the time of a row is mostly **overhead**: Python, and the dispatch of
+# every operation one at a time (*eager execution*:
+# [TensorFlow words](00-welcome.ipynb#TensorFlow-words)), paid n · l times.
+# The next stages keep the work and drop the overhead: they hand TensorFlow
+# the whole batch at once.
+
+# %% [markdown]
+# ## Exercises
 #
-# Compare this bare pass with the cost of one row of the loop (the Finding
-# of the timing above): the difference is what the loop adds around the
-# pass. To see where it goes, rebuild one row step by step and time each
-# step on one sample (the fastest of 50 calls): a fresh tape with the
-# forward pass, its outputs sliced
-# on the tape (`tf.unstack`, below); then the backward pass of one output;
-# then flattening the gradients and joining them into a row of NumPy.
-# Whatever `loop_jacobian` spends beyond that, per row, is the loop's own
-# bookkeeping (the fastest of 3 runs on `n_row` samples; a single run, as in
-# the timing above, also pays for whatever else the machine was doing): its
-# Python loop, and the eager operations a general function
-# adds to every row (it calls the model through a wrapper, adds two axes to
-# each gradient, joins them with `stack_columns`, which also fills in
-# variables the outputs do not use, and copies the row into `J`).
+# Each exercise ends with a check: put your answer in `answer` and run the
+# check's cell. It says "correct", or gives a hint (never the answer).
+#
+# **1.** A colleague has n = 10,000 samples and a network with l = 10 outputs.
+# Using the cost of one row of the loop that you measured (`per_row`, in
+# seconds), predict how long the loop takes: put the number of **minutes**
+# in `answer`.
+
+# %% tags=["solution", "nbval-ignore-output"] jupyter={"source_hidden": true}
+# Solution: n * l rows at the measured cost per row (about the same for
+# 10 outputs, since each row is one sample and overhead-bound).
+answer = 10_000 * 10 * per_row / 60
+
+# %%
+check.exercise("01-1", answer, per_row=per_row)
+
+# %% [markdown]
+# ## Going further: where the time of a row goes
+#
+# How does a row of the loop compare with the bare pass above, and where
+# does the difference go? Rebuild one row step by step and time each step
+# on one sample (the fastest of 50 calls): a fresh tape with the forward
+# pass, its outputs sliced on the tape (`tf.unstack`); then the backward
+# pass of one output; then flattening the gradients and joining them into
+# a row of NumPy. Whatever `loop_jacobian` spends beyond that, per row (the
+# fastest of 3 runs on `n_row` samples), is the loop's own bookkeeping: its
+# Python loop, and the eager operations a general function adds to every
+# row (a wrapper around the model, two axes added to each gradient,
+# `stack_columns`, and a copy into `J`).
 
 # %% tags=["nbval-ignore-output"]
 x_1 = x_1000[:1]
@@ -238,7 +264,7 @@ def record_gradient_row():
     return tf.concat(flat, 0).numpy()
 
 
-n_row = min(100, max(sizes))  # samples: the loop's time per row
+n_row = min(50, max(sizes))  # samples: the loop's time per row
 totals = {
     "tape, forward pass, slice": best_ms(record, repeats=50),
     "+ backward pass of one output": best_ms(record_gradient, repeats=50),
@@ -255,10 +281,11 @@ for name, total in totals.items():
     before = total
 row_ms = totals["+ the loop's bookkeeping"]
 passes = totals["+ backward pass of one output"]
-print(f"Finding: a row of loop_jacobian costs {row_ms:.2f} ms against "
-      f"{one:.2f} ms for one bare pass; its tape, forward and backward "
-      f"pass take {passes:.2f} ms, and flattening, joining and the loop's "
-      f"bookkeeping the other {row_ms - passes:.2f} ms (the single run at "
+claim("row-beyond-bare-pass", row_ms > one,
+      f"a row of loop_jacobian costs {row_ms:.2f} ms, more than the "
+      f"{one:.2f} ms of one bare pass; its tape, forward and backward pass "
+      f"take {passes:.2f} ms, and flattening, joining and the loop's "
+      f"bookkeeping the other {row_ms - passes:.2f} ms (the timing at "
       f"n = {max(sizes):,} above: {1e3 * per_row:.2f} ms a row)")
 
 # %% [markdown]
@@ -267,28 +294,7 @@ print(f"Finding: a row of loop_jacobian costs {row_ms:.2f} ms against "
 # zero, or below). The first two steps are the bare pass again; the last
 # two are what the loop adds to every row, and the Finding sums them. Every
 # step is a handful of eager operations on one sample, so each pays its
-# dispatch, and the row pays all of them, n · l times. The next stages keep the work and drop the overhead: they hand
-# TensorFlow the whole batch at once.
-
-# %% [markdown]
-# ## Exercises
-#
-# Each exercise ends with a check: put your answer in `answer` and run the
-# check's cell. It says "correct", or gives a hint (never the answer).
-#
-# **1.** A colleague has n = 10,000 samples and a network with l = 10 outputs.
-# Using the cost of one row of the loop that you measured (`per_row`, in
-# seconds), predict how long the loop takes: put the number of **minutes**
-# in `answer`.
-
-# %% tags=["solution", "nbval-ignore-output"] jupyter={"source_hidden": true}
-# Solution: n * l rows at the measured cost per row (about the same for
-# 10 outputs, since each row is one sample and overhead-bound).
-answer = 10_000 * 10 * per_row / 60
-print(f"about {answer:.0f} minutes")
-
-# %%
-check.exercise("01-1", answer, per_row=per_row)
+# dispatch, and the row pays all of them, n · l times.
 
 # %% [markdown]
 # ## Going further: one forward pass per sample
@@ -303,6 +309,7 @@ check.exercise("01-1", answer, per_row=per_row)
 
 # %%
 x_one = x_check[:1].astype("float32")
+variables = model.trainable_variables
 with tf.GradientTape(persistent=True) as tape:
     y = model(x_one, training=False)[0]
     outputs = tf.unstack(y)  # sliced on the tape
@@ -353,10 +360,11 @@ check.exercise("01-2", answer, model=model, x=x_check)
 # ## Keypoints
 #
 # - The loop is correct: it matches float64 finite differences.
-# - It runs n · l forward and n · l backward passes, each on a single sample.
-# - Its time is linear in n, but the constant is large: milliseconds of
-#   overhead per row, while the arithmetic of a whole batch costs little more
-#   than one sample's.
+# - It runs n · l forward and n · l backward passes, each on a single
+#   sample. <!-- claim: n-times-l-passes -->
+# - Its time is linear in n, but the constant is large: each row is
+#   overhead, while one pass over 1,000 samples costs a small fraction of
+#   1,000 single passes. <!-- claim: loop-linear, batch-pass-cheap -->
 # - A tape differentiates only what it recorded: slice outputs inside the
 #   `with` block.
 # - Next, `02-vectorized`: one tape for the whole batch.
