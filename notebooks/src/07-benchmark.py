@@ -21,7 +21,7 @@
 #   loop, the fastest path and the *write floor*.
 # - Explain where the fastest path's time goes, and choose a path for a job.
 #
-# *Teaching: 33 min · Exercises: 15 min*
+# *Teaching: 49 min · Exercises: 19 min*
 
 # %% [markdown]
 # ## Setup
@@ -34,12 +34,13 @@ import jacutil as ju
 from jacutil import bench, keras, tf
 from jacutil.bench import format_seconds
 from jacutil.teaching import check
+from jacutil.teaching.claims import claim
 
 # %% tags=["nbval-ignore-output"]
 print(ju.teaching.notebook.device_summary())
 
 # %% tags=["parameters"]
-sizes = [100, 1000, 3000]  # numbers of samples (the MLP)
+sizes = [100, 300, 3000]  # numbers of samples (the MLP)
 repeats = 3  # timed runs after the first, per path and size
 max_seconds = 10  # skip a path at a size if all its runs would take longer
 paths = ["loop", "vectorized", "compiled_batch", "compiled", "compiled_xla",
@@ -104,7 +105,8 @@ def plain_dense_jacobian(model, x):
 # (frozen, or not asked for), and one joint block for a kernel and its bias:
 
 # %%
-ju.teaching.notebook.show_source(ju.rules.blocks.kernel_and_bias)
+ju.teaching.notebook.show_source(ju.rules.blocks.kernel_and_bias,
+                                 plain=plain_dense_jacobian)
 
 # %% [markdown]
 # `compiled_dense_jacobian(model)` runs this rule for a chain of Dense
@@ -221,22 +223,42 @@ for name in sorted({r["path"] for r in quadratic}):
         print(f"Finding: {results['labels'][name]}, n = {r['n']:,}: peak "
               f"{peak / 2**20:,.0f} MiB in a fresh process, "
               f"{r['peak'] / 2**20:,.0f} MiB in this one")
+# the three guesses of a quadratic path's peak at n, from these inputs
+mlp = bench.MODELS["mlp"]
+x_one = mlp.inputs(1, seed)
+network = mlp.build(seed)
+l = bench.paths.count_outputs(network, x_one)
+activations = ju.core.memory.activation_elements(network, x_one, unroll=False)
+per_n2 = l * activations * x_one.dtype.itemsize  # bytes per n**2
+fit02 = ju.core.memory.BATCH_JACOBIAN
+print(f"guesses of the peak at n: (a) notebook 02's fit "
+      f"{fit02.quadratic:,.0f} n² + {fit02.constant:,.0f} bytes; (b) l x "
+      f"activations x bytes each = {l} x {activations:,} x "
+      f"{x_one.dtype.itemsize} = {per_n2:,} bytes x n²; (c) the largest "
+      "peak / n² measured at a smaller n, x n²")
 for n in sizes:
     r = min((r for r in quadratic if r["n"] == n), key=lambda r: r["free"],
             default=None)
     if r:
-        verdict = ("above: skipped" if r["predicted_peak"] > r["free"] / 2
-                   else "below: allowed")
-        print(f"n = {n:,}: predicted peak {r['predicted_peak'] / 2**30:.2f} "
-              f"GiB, half the free memory {r['free'] / 2**31:.1f} GiB: "
-              f"{verdict}")
-print(f"memory.predicted_bytes({largest:,}), notebook 02's model: "
-      f"{ju.core.memory.predicted_bytes(largest) / 2**30:.2f} GiB")
+        smaller = [q["peak"] / q["n"] ** 2 for q in results["results"]
+                   if q["path"] == r["path"] and q["n"] < n and q["peak"]]
+        guesses = {"a": fit02.predict(n), "b": per_n2 * n**2,
+                   "c": max(smaller) * n**2 if smaller else 0.0}
+        largest_guess = max(guesses, key=guesses.get)
+        assert abs(guesses[largest_guess] - r["predicted_peak"]) <= 1, (
+            "the bench predicted otherwise")
+        skipped = r["predicted_peak"] > r["free"] / 2
+        assert skipped == str(r["skipped"]).startswith("out of memory")
+        print(f"n = {n:,}, {results['labels'][r['path']]}: guesses "
+              + ", ".join(f"({k}) {v / 2**30:.2f}" for k, v in guesses.items())
+              + f" GiB; predicted peak ({largest_guess}) "
+              f"{r['predicted_peak'] / 2**30:.2f} GiB, half the free memory "
+              f"{r['free'] / 2**31:.1f} GiB: "
+              + ("above: skipped" if skipped else "below: allowed"))
 
 # %% [markdown]
-# A size runs only where its predicted peak, the largest of notebook 02's
-# model and the peaks measured at smaller n scaled by n², is below half the
-# free memory. The plot has one line per path, the floors in black.
+# A size runs only where its predicted peak, the largest of the three
+# guesses printed above, is below half the free memory. The plot has one line per path, the floors in black.
 
 # %% tags=["nbval-ignore-output"]
 ax = bench.plot(results)
@@ -291,6 +313,8 @@ for name in ["cnn", "lstm"]:
     _, picked = ju.jacobian(spec.build(seed), spec.inputs(other_sizes[0], seed),
                             explain=True)
     print(f"jacutil.jacobian takes: {picked.path} ({picked.chunks} chunk(s))")
+    claim(f"picks-rules-{name}", picked.path == "layer rules",
+          f"on the {name.upper()}, jacutil.jacobian picks the layer rules")
     for n in other_sizes:
         at = bench.ratios(others[name], n)
         print(f"Finding: {name.upper()}, n = {n:,}: " + ", ".join(
@@ -424,7 +448,7 @@ print("Finding: each piece minus the one above:", "; ".join(steps))
 #
 # XLA (`jit_compile=True`) pays a compile per padded batch size, and on this
 # small network on a CPU it is no reliable gain: the XLA findings above say
-# where it won and where it lost in this run. Measure before you use it.
+# how it did in this run. Measure before you use it.
 
 # %% [markdown]
 # ## Exercises
