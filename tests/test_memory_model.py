@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+import jacutil as ju
 from jacutil.core import memory
 from jacutil.core.memory import MemoryModel, peak_memory
 from jacutil.teaching import memory_sweeps
@@ -85,3 +86,23 @@ def test_batch_jacobian_memory_grows_faster_than_linearly():
     small, large = memory_sweeps.measure_in_fresh_process("batch", [100, 400])
     assert small > 0
     assert large / small > 6  # linear would give 4, quadratic 16
+
+
+def test_a_jacobian_on_disk_larger_than_its_budget_measured_in_a_fresh_process(
+    tmp_path,
+):
+    """04-chunked: the file's pages count in the kernel's high-water mark but
+    not in the working memory, which the budget bounds; the file is right."""
+    budget = 8 * 2**20
+    x = ju.regression_data(600, seed=1)[0]
+    path = tmp_path / "J.npy"
+    run = memory_sweeps.chunked_to_disk_in_fresh_process(
+        path, x, memory_budget=budget, seed=1
+    )
+    assert run["file_bytes"] == np.load(path, mmap_mode="r").nbytes
+    assert run["file_bytes"] > budget
+    assert 0 < run["working"] <= budget
+    assert run["peak"] >= run["file_pages"]
+    assert not list(tmp_path.glob("*.x.npy"))  # the inputs file is removed
+    expected = ju.per_sample_jacobian(ju.question_mlp(seed=1), x)
+    np.testing.assert_allclose(np.load(path), expected, rtol=1e-5, atol=1e-6)

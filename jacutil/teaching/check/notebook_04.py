@@ -31,11 +31,11 @@ def float64_chunks(answer, model, x):
     chunk = as_number(chunk, "the chunk size (a number of samples)")
     if chunk == chunk_size_for(BUDGET, n_out, m, 4):
         raise Hint(
-            "that chunk size is for float32 (itemsize 4); a float64 "
-            "number takes 8 bytes."
+            "that chunk size is for float32 numbers: how many bytes does "
+            "a float64 number take?"
         )
     if chunk in (chunk_size_for(16e6, n_out, m, 8), chunk_size_for(16e6, n_out, m, 4)):
-        raise Hint("1 MiB is 2**20 bytes, not 10**6: the budget is 16 * 2**20 bytes.")
+        raise Hint("that budget is 16 million bytes: how many bytes is a MiB?")
     right = chunk_size_for(BUDGET, n_out, m, 8)
     if chunk == right + 1:
         raise Hint(
@@ -46,9 +46,8 @@ def float64_chunks(answer, model, x):
     answered(J, "the float64 Jacobian as the second item of answer")
     if np.asarray(J).dtype == np.float32:
         raise Hint(
-            "J is float32. chunked_jacobian computes in the model's "
-            "dtype: build a float64 copy of the network (dtype="
-            "'float64', the same weights) and give it float64 inputs."
+            "J is float32: chunked_jacobian computes in the dtype of the "
+            "model it is given. Which model did yours get?"
         )
     J = as_array(J, "J", (n, n_out, m), AXES)
     x64 = np.asarray(x, "float64")
@@ -63,8 +62,8 @@ def float64_chunks(answer, model, x):
         )
     raise Hint(
         "J differs from the Jacobian of this network on these samples. "
-        "Does the float64 copy have the float32 model's weights "
-        "(set_weights(model.get_weights())), and is it x[:300]?"
+        "Does the float64 copy have the float32 model's weights, and are "
+        "the samples x[:300]?"
     )
 
 
@@ -88,28 +87,25 @@ def two_halves(answer, model, x):
     first, second = array[:half], array[half:]
     if not np.any(array):
         raise Hint(
-            "the file holds only zeros: no call wrote into it. Pass "
-            "out=mm[:half] (a view of the memmap), not a copy of it."
+            "the file holds only zeros: no call wrote into it. Was each "
+            "call's out a view of the memmap, or a copy of it?"
         )
     if not np.any(first) and right(second, half, n):
         raise Hint(
-            "the first half is zeros: opening the file again with "
-            "mode='w+' creates a new, empty file. Reopen it with "
-            "mode='r+' to keep what was written."
+            "the first half is zeros: the first call's rows were lost when "
+            "the file was opened again. What does the mode you opened it "
+            "with do to a file that exists? (help(np.lib.format.open_memmap))"
         )
     if right(first, 0, half) and not np.any(second):
         raise Hint(
             "the second half is zeros: the second call's rows never "
-            "reached the file. Write them with out=mm[half:] into the "
-            "reopened memmap, and read the file after that call."
+            "reached the file. Where did its out point, and when was the "
+            "file read?"
         )
     if right(array, 0, n):
         return
     if half and np.allclose(first[: n - half], expected[half:], rtol=1e-5, atol=1e-6):
-        raise Hint(
-            "the halves are swapped: the rows of x[:half] belong in "
-            "mm[:half], those of x[half:] in mm[half:]."
-        )
+        raise Hint("the halves are swapped: row i of the file is sample i.")
     raise Hint(
         "the file differs from the Jacobian of these samples. Row i of "
         "the file is sample i: the first call takes x[:half], the "
