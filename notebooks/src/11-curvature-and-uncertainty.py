@@ -27,7 +27,7 @@
 #   by the marginal likelihood, and plot predictive bands for a regression
 #   and a two-class problem.
 #
-# *Teaching: 35 min · Exercises: 14 min*
+# *Teaching: 51 min · Exercises: 19 min*
 
 # %% [markdown]
 # ## Setup
@@ -42,6 +42,7 @@ from jacutil import keras, tf
 from jacutil.curvature import diagonal, ggn, hessian, kfac, laplace, ntk, spectra
 from jacutil.curvature.losses import output_loss
 from jacutil.teaching import check
+from jacutil.teaching.claims import claim
 
 # %% tags=["nbval-ignore-output"]
 print(ju.teaching.notebook.device_summary())
@@ -342,15 +343,18 @@ ax.set_title(f"the question's network, n = {n_ntk}")
 ax.legend()
 fig.tight_layout()
 top = eig_after[0] / eig_before[0]
-regime = ("far from" if change > 0.1 else "close to")
-print(f"Finding: the NTK's eigenvalues, largest first, fall over orders of "
-      f"magnitude; training changed the kernel by {change:.0%} (Frobenius) and "
-      f"its largest eigenvalue by a factor {top:.2f}: {regime} the lazy, "
-      "fixed-kernel regime")
+print(f"Finding: the NTK's eigenvalues, largest first, fall over "
+      f"{np.log10(eig_before[0] / max(eig_before[-1], 1e-8)):.0f} orders of "
+      f"magnitude at initialization; training changed the kernel by "
+      f"{change:.0%} (Frobenius) and its largest eigenvalue by a factor "
+      f"{top:.2f}")
+claim("ntk-training-changes", change > 0.1,
+      f"training changed this network's NTK by {change:.0%}: far from the "
+      "lazy, fixed-kernel regime (where it would change by a few percent)")
 
 # %% [markdown]
-# The Finding measures how far this network is from the lazy regime: the
-# relative change of its kernel by training.
+# The claim measures how far this network is from the lazy regime: the
+# relative change of its kernel by training. <!-- claim: ntk-training-changes -->
 
 # %% [markdown]
 # ## Error bars for a regression: the Laplace approximation
@@ -416,13 +420,18 @@ ratios = {s: std[~inside].mean() / std[inside].mean() for s, (_, std) in bands.i
 print("Finding: predictive mean ± 2 standard deviations of the model's "
       "uncertainty; the average std away from the data over that on it: "
       + ", ".join(f"{s} {r:.1f}x" for s, r in ratios.items()))
+claim("bands-widen", min(ratios["last_layer"], ratios["kfac"]) > 1.5
+      and ratios["diagonal"] < min(ratios["last_layer"], ratios["kfac"]),
+      f"away from the data the bands of the last layer and KFAC widen "
+      f"{ratios['last_layer']:.1f}x and {ratios['kfac']:.1f}x, the "
+      f"diagonal's only {ratios['diagonal']:.1f}x")
 
 # %% [markdown]
 # Read the bands and the Finding: how much each widens away from the data
 # depends on the structure. The diagonal drops every correlation between
-# weights, and its bands are known to come out too even; the last layer
-# sees only what the last layer can change; KFAC keeps each layer's
-# correlations.
+# weights, and its bands come out too even; the last layer sees only what
+# the last layer can change; KFAC keeps each layer's correlations.
+# <!-- claim: bands-widen -->
 
 # %% [markdown]
 # ## Two classes: confidence where there are no data
@@ -439,6 +448,7 @@ print("Finding: predictive mean ± 2 standard deviations of the model's "
 # layers (`"kfac"`) more than the last one alone. The Finding says by how
 # much, on the data and far from it; neither comes down to ½ here, because
 # tanh features stop growing far from the data, and with them the variance.
+# <!-- claim: confidence-falls -->
 
 # %% tags=["nbval-ignore-output"]
 rng = np.random.default_rng(seed)
@@ -494,6 +504,15 @@ print("Finding: mean confidence of the predicted class on the training data, "
           f"{title} {on_data[title]:.2f}, then {conf[far].mean():.2f} "
           f"(down {on_data[title] - conf[far].mean():.2f})"
           for title, conf in maps.items()))
+fall = {title: on_data[title] - conf[far].mean() for title, conf in maps.items()}
+net_title, last, full = maps  # the fitted network, last layer, KFAC
+claim("confidence-falls", fall[net_title] < fall[last] < fall[full]
+      and all(on_data[t] < on_data[net_title] for t in (last, full))
+      and min(maps[t][far].mean() for t in (last, full)) > 0.55,
+      f"far from the data confidence falls by {fall[net_title]:.2f} for the "
+      f"network, {fall[last]:.2f} for the last layer, {fall[full]:.2f} for "
+      "KFAC; Laplace is less confident on the data too, and stays above ½ "
+      f"far from it (at least {min(maps[t][far].mean() for t in (last, full)):.2f})")
 
 # %% [markdown]
 # ## What each costs
@@ -575,9 +594,10 @@ check.exercise("11-2", answer, model=net, x=x_ntk)
 #   Dense or Conv layer and inverts them exactly.
 # - SciPy's `eigsh`, `svds` and Hutchinson's estimator take these operators
 #   as they are: spectra and traces from products.
-# - `empirical_ntk` is `J Jᵀ` in blocks within a memory budget; training
-#   changes it unless the network is in the lazy regime.
+# - `empirical_ntk` builds `J Jᵀ` in blocks under a memory budget; training
+#   changes it unless the network is in the lazy regime. <!-- claim: ntk-training-changes -->
 # - `laplace` puts error bars on a Keras model: last layer, diagonal or
-#   KFAC, the prior chosen by the marginal likelihood; the bands widen
-#   where there are no data, and a classifier's confidence falls there
-#   more than on the data (not to ½ with saturating features).
+#   KFAC, the prior chosen by the marginal likelihood; the bands of the last
+#   layer and KFAC widen where there are no data, and a classifier's
+#   confidence falls there more than on the data (not to ½ with saturating
+#   features). <!-- claim: bands-widen, confidence-falls -->
