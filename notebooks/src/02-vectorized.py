@@ -11,19 +11,18 @@
 #
 # **Questions**
 # - How do I drop the loop and let TensorFlow vectorize the Jacobian?
-# - Why does the usual answer, `tape.jacobian` over the whole batch, grow
-#   like n² in time and memory?
+# - Why does the usual answer, `tape.jacobian` over the whole batch, do
+#   work that grows like n²?
 # - What is vectorized over samples instead, and why is it linear?
 #
 # **Objectives**
 # - Run `vectorized_jacobian` and `per_sample_jacobian` and prove both equal
 #   to the loop of `01-nested-loop`.
-# - Measure time and peak memory against n, and read the slopes of a
-#   log-log plot.
+# - Measure peak memory against n in a fresh process, and read its slope.
 # - Predict the memory of a size before running it, and refuse a size that
 #   would not fit.
 #
-# *Teaching: 26 min · Exercises: 7 min · Going further: 15 min*
+# *Teaching: 22 min · Exercises: 7 min · Going further: 34 min*
 
 # %% [markdown]
 # ## Setup
@@ -34,6 +33,7 @@ import numpy as np
 import jacutil as ju
 from jacutil import tf
 from jacutil.teaching import check
+from jacutil.teaching.claims import claim
 
 # %% tags=["nbval-ignore-output"]
 print(ju.teaching.notebook.device_summary())
@@ -44,7 +44,7 @@ batch_sizes = [100, 200, 400, 700, 1000]  # n for vectorized_jacobian
 per_sample_sizes = [100, 1000, 10000, 20000, 30000]  # n, per_sample_jacobian
 fit_up_to = 400  # fit the memory model on sizes up to this, predict the rest
 map_sizes = [32, 256]  # n for pfor against a while_loop
-repeats = 3  # timed runs after the first, per size
+repeats = 2  # timed runs after the first, per size
 safety = 0.5  # run a size only if it needs under this share of free memory
 seed = 0
 
@@ -83,7 +83,8 @@ def plain_batch_jacobian(model, x):
 # joins the blocks, with zeros for a variable the outputs do not use:
 
 # %%
-ju.teaching.notebook.show_source(ju.stages.vectorized.batch_tape_jacobian)
+ju.teaching.notebook.show_source(ju.stages.vectorized.batch_tape_jacobian,
+                                plain=plain_batch_jacobian)
 
 # %% [markdown]
 # `vectorized_jacobian(model, x)` checks its input and calls that function.
@@ -122,7 +123,8 @@ def plain_per_sample_jacobian(model, x):
 # arrays) and mapped over the samples:
 
 # %%
-ju.teaching.notebook.show_source(ju.stages.vectorized.per_sample_tape_jacobian)
+ju.teaching.notebook.show_source(ju.stages.vectorized.per_sample_tape_jacobian,
+                                plain=plain_per_sample_jacobian)
 
 # %%
 J_per_sample = ju.per_sample_jacobian(model, x_check)
@@ -150,11 +152,13 @@ with tf.GradientTape() as tape:
     y_small = model(x_small, training=False)
 dy_dx = tape.jacobian(y_small, x_small).numpy()  # (n, l, n, d)
 blocks = np.abs(dy_dx).sum(axis=(1, 3))  # (n, n): sample i's rows, sample j
-print("tape.jacobian(y, x):", dy_dx.shape)
 print("non-zero (i, j) blocks:\n", (blocks > 0).astype(int))
+claim("diagonal-only", np.array_equal(blocks > 0, np.eye(len(blocks), dtype=bool)),
+      f"of the {blocks.size} (i, j) blocks computed, only the {len(blocks)} "
+      "with j == i are non-zero")
 
 # %% [markdown]
-# Only the diagonal is non-zero, yet every block was computed. With respect to
+# Every block was computed, the zeros too. With respect to
 # the variables the same happens inside the backward pass: each row's
 # gradient flows through all `n` samples' activations, so the work and the
 # memory are about `n · l · n · (activations per sample)`: quadratic in n.
@@ -165,12 +169,10 @@ print("non-zero (i, j) blocks:\n", (blocks > 0).astype(int))
 # ## Predict the memory, then run
 #
 # `tape.jacobian` of a large batch can ask for more memory than the machine
-# has. So before a size runs we **predict** its peak from a measured model,
-# `a·n² + b·n + c`, whose constants are stored in `jacutil.core.memory` (they
-# were measured on this network), and run only sizes that need less than
-# `safety` of the memory that is free now. The per-sample Jacobian has its
-# own model, linear in n. In plain Python, the batch tape's prediction is
-# that polynomial:
+# has. So before a size runs we **predict** its peak, `a·n² + b·n + c`,
+# with constants measured on this network and stored in
+# `jacutil.core.memory`, and run only sizes that need less than `safety` of
+# the memory free now. In plain Python:
 
 # %% tags=["plain-version"]
 def plain_predicted_bytes(n):
@@ -185,26 +187,20 @@ for n in batch_sizes:
 print("plain_predicted_bytes == predicted_bytes: True")
 
 # %% [markdown]
-# `predicted_bytes` keeps both models, the batch tape's and the per-sample
-# Jacobian's, as `MemoryModel`s (which can also be fitted, below) and
-# chooses by `method`:
-
-# %%
-ju.teaching.notebook.show_source(ju.core.memory.predicted_bytes)
+# `ju.core.memory.predicted_bytes(n, method)` is that polynomial for
+# `method="batch"`, and the per-sample Jacobian's own model, linear in n,
+# for `method="per_sample"`:
 
 # %% tags=["nbval-ignore-output"]
 free = ju.core.memory.available_bytes(safety)
 print(f"may use {free / 2**30:.1f} GiB ({safety:.0%} of the free memory)")
-batch_run = []
 for n in sorted(batch_sizes + [10_000]):
     need = ju.core.memory.predicted_bytes(n, "batch")
-    fits = need < free
-    print(f"n = {n:>6,}: predicted {need / 2**20:>10,.0f} MiB   run: {fits}")
-    if fits and n in batch_sizes:
-        batch_run.append(n)
-per_sample_run = [
-    n for n in per_sample_sizes
-    if ju.core.memory.predicted_bytes(n, "per_sample") < free]
+    print(f"n = {n:>6,}: predicted {need / 2**20:>10,.0f} MiB   run: {need < free}")
+batch_run = [n for n in batch_sizes
+             if ju.core.memory.predicted_bytes(n, "batch") < free]
+per_sample_run = [n for n in per_sample_sizes
+                  if ju.core.memory.predicted_bytes(n, "per_sample") < free]
 print("per_sample_jacobian runs at n =", per_sample_run)
 big = ju.core.memory.predicted_bytes(10_000, "batch") / 2**30
 print(f"Finding: tape.jacobian over n = 10,000 samples would need about "
@@ -214,13 +210,12 @@ print(f"Finding: tape.jacobian over n = 10,000 samples would need about "
 # ### Measuring memory
 #
 # TensorFlow's tensors live outside Python's allocator, so `tracemalloc` sees
-# none of them. `peak_memory` samples the process's real resident memory
-# (RSS) while a call runs. One more trap: on x86 CPUs TensorFlow (with oneDNN)
-# keeps the memory it grew in a **pool** and reuses it, so a second call at
-# the same size measures almost nothing. `measure_in_fresh_process` therefore
-# runs each sweep in a new Python process (`python -m
-# jacutil.teaching.memory_sweeps`, with `subprocess.run`), sizes increasing,
-# and reads back how far that process had to grow at each size.
+# none of them: `peak_memory` samples the process's resident memory (RSS)
+# while a call runs. And on x86 CPUs TensorFlow keeps the memory it grew in
+# a **pool** and reuses it, so a second call at the same size measures
+# almost nothing. `measure_in_fresh_process` therefore runs each sweep, sizes
+# increasing, in a new Python process, and reads back how far that process
+# had to grow at each size.
 
 # %% tags=["nbval-ignore-output"]
 def measure(method, sizes):  # bytes; at least 1, for the log-log plots
@@ -233,27 +228,49 @@ per_sample_peaks = measure("per_sample", per_sample_run)
 fit_sizes = [n for n in batch_run if n <= fit_up_to]
 batch_model = ju.core.memory.MemoryModel.fit(
     fit_sizes, [batch_peaks[n] for n in fit_sizes], quadratic=True)
-per_sample_model = ju.core.memory.MemoryModel.fit(
-    per_sample_run, list(per_sample_peaks.values()), quadratic=False)
-print("fitted here:", f"batch {batch_model.quadratic:,.0f} bytes x n^2;",
-      f"per sample {per_sample_model.linear:,.0f} bytes x n")
-print("stored:     ", f"batch {ju.core.memory.BATCH_JACOBIAN.quadratic:,.0f}"
-      " bytes x n^2;",
-      f"per sample {ju.core.memory.PER_SAMPLE_JACOBIAN.linear:,.0f} bytes x n")
 for n in batch_run:
-    off = batch_model.predict(n) / batch_peaks[n] - 1
     print(f"n = {n:>5}: measured {batch_peaks[n] / 2**20:7.1f} MiB, "
           f"fit on n <= {fit_up_to} predicts "
-          f"{batch_model.predict(n) / 2**20:7.1f} MiB ({off:+.0%})")
+          f"{batch_model.predict(n) / 2**20:7.1f} MiB "
+          f"({batch_model.predict(n) / batch_peaks[n] - 1:+.0%})")
+slope_batch = ju.teaching.plots.fitted_slope(batch_run, list(batch_peaks.values()))
+slope_per_sample = ju.teaching.plots.fitted_slope(
+    per_sample_run, list(per_sample_peaks.values()))
+claim("batch-memory-quadratic", slope_batch > 1.5,
+      f"the batch tape's peak memory grows like n^{slope_batch:.2f} over "
+      f"n = {batch_run}: like n^2 (a slope above 1.5)")
+claim("per-sample-memory-linear", 0.7 < slope_per_sample < 1.3,
+      f"per_sample_jacobian's peak memory grows like n^{slope_per_sample:.2f} "
+      f"over n = {per_sample_run}: linear in n (a slope from 0.7 to 1.3)")
 
 # %% [markdown]
-# Read the last column: how far the fit on the small sizes is from each
-# measured peak. Memory grows with n², and a fit on small runs predicts the
-# large ones to within that margin - close enough to choose a chunk size
-# before running out of memory (notebook 04 adds a safety margin for it).
+# The last column is how far the fit on the small sizes is from each
+# measured peak: the margin to keep when choosing a size (notebook 04 adds
+# one). The two claims measure the slopes the analysis above predicts.
 
 # %% [markdown]
-# ## Time against n
+# ## Exercises
+#
+# Each exercise ends with a check: put your answer in `answer` and run the
+# check's cell. It says "correct", or gives a hint (never the answer).
+#
+# **1.** The memory model fitted in this notebook, `batch_model`, predicts
+# `a·n² + b·n + c` bytes (`batch_model.quadratic`, `.linear`, `.constant`;
+# `batch_model.predict(n)`). Find the largest batch n for which
+# `vectorized_jacobian` fits in 8 GiB, and how many GiB a batch of 2n would
+# need. Put both in `answer = (n, gib)`.
+
+# %% tags=["solution", "nbval-ignore-output"] jupyter={"source_hidden": true}
+# Solution: solve a*n^2 + b*n + c = 8 GiB; doubling n multiplies the n^2
+# term by four.
+n_max = batch_model.largest_n(8 * 2**30)
+answer = (n_max, batch_model.predict(2 * n_max) / 2**30)
+
+# %%
+check.exercise("02-1", answer, batch_model=batch_model)
+
+# %% [markdown]
+# ## Going further: time against n
 #
 # Every size is timed `repeats` times after a first call, which is reported
 # apart: it also pays one-time costs (the memory the process grows into,
@@ -263,8 +280,8 @@ for n in batch_run:
 # eagerly, `tape.jacobian` and `tf.vectorized_map` trace the function and
 # convert it with pfor again each time (a *trace*:
 # [TensorFlow words](00-welcome.ipynb#TensorFlow-words); `03-compiled`
-# removes it). The smallest size, whose work is negligible, measures that
-# fixed cost.
+# removes it). The smallest size, where the work is least, stands for
+# that fixed cost.
 
 # %% tags=["nbval-ignore-output"]
 functions = {"vectorized_jacobian": (ju.vectorized_jacobian, batch_run),
@@ -356,6 +373,8 @@ ax_m.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15))
 ax_m.set_title("peak memory (fresh process), slopes over all sizes")
 fig.tight_layout()
 print("\n".join(findings))
+per_sample_model = ju.core.memory.MemoryModel.fit(
+    per_sample_run, list(per_sample_peaks.values()), quadratic=False)
 copies = per_sample_model.linear / (n_outputs * n_params * 4)
 print(f"Finding: per_sample_jacobian's memory is {copies:.1f} copies of its "
       "result (n * l * m * 4 bytes)")
@@ -369,43 +388,14 @@ print(f"Finding: at n = {n_top:,}: vectorized_jacobian "
 # %% [markdown]
 # Read the left panel from the right. A solid line is a function's whole
 # time; where it is flat, you see only the fixed cost of each call (printed
-# under the table). The per-sample Jacobian's work per sample is so small
-# that its solid line stays nearly flat until its largest sizes. The dashed
-# lines subtract the fixed cost and leave the work, at each method's three
-# largest sizes, where the work is largest: the Findings fit their slopes
+# under the table). The dashed lines subtract the fixed cost and leave the
+# work, at each method's three largest sizes: the Findings fit their slopes
 # there and say whether each is nearer 1 (time proportional to n) or 2
-# (proportional to n²) - but only when the slope between every pair of
-# those sizes agrees; otherwise they say the run is too noisy to tell. The
-# analysis above predicts 2 for the batch tape and 1 for the per-sample
-# Jacobian. The per-sample slope scatters more from run to run, because
-# even at its largest size its work is not much larger than the fixed cost
-# it is taken from: a larger n can even time faster than a smaller one
-# (rerun the timing cell to see by how much). Memory has no fixed
+# (proportional to n²) - only when the slope between every pair of those
+# sizes agrees; otherwise they say the run is too noisy to tell. A slope
+# taken from a work not much larger than the fixed cost scatters from run
+# to run (rerun the timing cell to see by how much). Memory has no fixed
 # cost to subtract, so its slopes are fitted over all sizes (right panel).
-# The per-sample Jacobian's memory is a few copies of its result,
-# `n · l · m · 4` bytes (the last Finding but one says how many).
-
-# %% [markdown]
-# ## Exercises
-#
-# Each exercise ends with a check: put your answer in `answer` and run the
-# check's cell. It says "correct", or gives a hint (never the answer).
-#
-# **1.** The memory model fitted in this notebook, `batch_model`, predicts
-# `a·n² + b·n + c` bytes (`batch_model.quadratic`, `.linear`, `.constant`;
-# `batch_model.predict(n)`). Find the largest batch n for which
-# `vectorized_jacobian` fits in 8 GiB, and how many GiB a batch of 2n would
-# need. Put both in `answer = (n, gib)`.
-
-# %% tags=["solution", "nbval-ignore-output"] jupyter={"source_hidden": true}
-# Solution: solve a*n^2 + b*n + c = 8 GiB; doubling n multiplies the n^2
-# term by four.
-n_max = batch_model.largest_n(8 * 2**30)
-answer = (n_max, batch_model.predict(2 * n_max) / 2**30)
-print(f"largest n in 8 GiB: {n_max:,}; 2n needs {answer[1]:.1f} GiB")
-
-# %%
-check.exercise("02-1", answer, batch_model=batch_model)
 
 # %% [markdown]
 # ## Going further: pfor against a `while_loop`
@@ -492,19 +482,16 @@ check.exercise("02-2", answer, model=model, x=x_check)
 # %% [markdown]
 # ## Keypoints
 #
-# - `tape.jacobian` over the batch (`vectorized_jacobian`) equals the loop
-#   and removes its Python loop.
-# - It back-propagates every output row through the whole batch: time and
-#   memory grow like n² (n = 10,000 on this small network: the Finding's
-#   prediction, more memory than most machines have).
-# - Eager TensorFlow adds a fixed cost to every call (tracing and pfor's
-#   conversion): subtract it, or compile it away, before reading a slope.
+# - `tape.jacobian` over the batch (`vectorized_jacobian`) gives the loop's
+#   Jacobian with one tape and no Python loop.
+# - It back-propagates every output row through the whole batch: n² work,
+#   and its measured memory grows like n². <!-- claim: diagonal-only, batch-memory-quadratic -->
 # - `tf.vectorized_map` of a one-sample Jacobian (`per_sample_jacobian`, the
-#   counterpart of `vmap(jacrev)`) differentiates each sample through itself:
-#   linear in n.
-# - Going further: pfor against a `while_loop` (`tf.map_fn`) running the
-#   same per-sample function, timed.
+#   counterpart of `vmap(jacrev)`) differentiates each sample through
+#   itself: its memory is linear in n. <!-- claim: per-sample-memory-linear -->
 # - Measure memory as resident memory, in a fresh process; predict a size
 #   before running it.
-# - Next, `03-compiled`: remove the fixed cost of eager mode with
-#   `tf.function`.
+# - Going further: eager TensorFlow pays a cost on every call (tracing and
+#   pfor's conversion): subtract it before reading a time slope; pfor against
+#   a `while_loop` (`tf.map_fn`) running the same per-sample function.
+# - Next, `03-compiled`: compile the call once with `tf.function`.
