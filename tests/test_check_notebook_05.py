@@ -45,8 +45,10 @@ def test_05_2_gradient_of_the_mse(mse_problem):
     context = {"model": model, "x": x, "y": y}
     assert check.verdict("05-2", 2 * Jtr / nl, **context).correct
     assert "2 r" in hint("05-2", Jtr / nl, **context)
-    assert "sign" in hint("05-2", -2 * Jtr / nl, **context)
-    assert "mean over all n*l" in hint("05-2", 2 * Jtr, **context)
+    message = hint("05-2", -2 * Jtr / nl, **context)
+    assert "sign" in message and "not -J^T r" not in message  # issue 57
+    message = hint("05-2", 2 * Jtr, **context)
+    assert "mean over all n*l" in message and "divide" not in message
     assert "divided by n only" in hint("05-2", 2 * Jtr / len(y), **context)
     assert "shape" in hint("05-2", Jtr[:5], **context)
     message = hint("05-2", np.ones_like(Jtr), **context)
@@ -63,7 +65,8 @@ def test_05_3_step_lengths():
     context = {"JtJ": JtJ, "Jtr": Jtr}
     assert check.verdict("05-3", lengths, **context).correct
     assert "reversed" in hint("05-3", lengths[::-1], **context)
-    assert "squared" in hint("05-3", np.square(lengths), **context)
+    message = hint("05-3", np.square(lengths), **context)
+    assert "squared" in message and "norm" not in message  # issue 57
     marquardt = [np.linalg.norm(np.linalg.solve(JtJ + lam * np.diag(np.diag(JtJ)),
                                                 -Jtr))
                  for lam in (1e-4, 1e-2, 100.0)]
@@ -73,4 +76,7 @@ def test_05_3_step_lengths():
     message = hint("05-3", inverted, **context)
     assert "grow with lambda" in message
     assert f"{lengths[0]:.2f}" not in message
+    assert "delta = -J^T r" not in message  # the cause, not the fix (issue 57)
+    message = hint("05-3", np.ones(3), **context)
+    assert "term by term" in message and "norm" not in message
     assert "shape" in hint("05-3", lengths[:2], **context)

@@ -12,25 +12,21 @@
 # **Questions**
 # - What exactly does `scipy.optimize.least_squares` need from a network,
 #   and in which layout?
-# - How do Levenberg–Marquardt (`"lm"`), trust-region (`"trf"`) and Adam
-#   compare on the same start, and where does each one's time go?
+# - How do I fit the network with it?
 #
 # **Objectives**
 # - Turn `(model, x, y)` into `fun`, `jac` and `theta0` with
 #   `least_squares_problem`, and prove `jac` against the earlier stages.
-# - Fit with Levenberg–Marquardt, `"trf"` and Adam from the same weights;
-#   read loss against time, `nfev` and `njev`, and the noise floor of the
-#   data.
-# - Fit the loop question's network with Levenberg–Marquardt built on
-#   chunked normal equations, where SciPy's `"lm"` is too slow, and measure
-#   where its time goes.
+# - Fit the network with `least_squares` and write the solution back.
 #
-# *Going further* (optional, after the exercise): SciPy's `"lm"` on a
-# narrow network; the layout question's `(l·m) × n` matrix against
-# SciPy's `(n·l) × m`; the chain rule with a derivative computed outside
+# *Going further* (optional, after the exercise): Levenberg–Marquardt on
+# chunked normal equations, `"trf"` and Adam raced from the same weights,
+# and where Levenberg–Marquardt's time goes; SciPy's `"lm"` on a narrow
+# network; the layout question's `(l·m) × n` matrix against SciPy's
+# `(n·l) × m`; the chain rule with a derivative computed outside
 # TensorFlow; one Gauss–Newton step without holding J; two more exercises.
 #
-# *Teaching: 24 min · Exercises: 11 min · Going further: 44 min*
+# *Teaching: 17 min · Exercises: 15 min · Going further: 85 min*
 
 # %% [markdown]
 # ## Setup
@@ -45,6 +41,7 @@ from scipy.optimize import least_squares
 import jacutil as ju
 from jacutil import keras, tf
 from jacutil.teaching import check
+from jacutil.teaching.claims import claim
 
 # %% tags=["nbval-ignore-output"]
 print(ju.teaching.notebook.device_summary())
@@ -53,12 +50,13 @@ print(ju.teaching.notebook.device_summary())
 n_samples = 2000  # samples to fit: n*l = 4000 residuals
 noise = 0.05  # standard deviation of the noise on y
 small_hidden = [16, 8]  # hidden widths of the narrow network of the race
+narrow_race = ["lm", "trf"]  # its methods; add "adam" for the whole race
 trf_max_nfev = 20  # residual evaluations allowed to method="trf"
-lm_max_nfev = 25  # residual evaluations allowed to method="lm"
-lm_steps = 12  # trial steps of levenberg_marquardt (loop question's network)
+lm_max_nfev = 15  # residual evaluations allowed to method="lm"
+lm_steps = 8  # trial steps of levenberg_marquardt (loop question's network)
 lm_damping = 10.0  # its starting damping lambda
 lsmr_maxiter = 10  # inner iterations of TRF's lsmr solver, per step
-adam_epochs = 30  # passes over the data for Adam
+adam_epochs = 20  # passes over the data for Adam
 batch_size = 64  # Adam's mini-batch
 n_chain = 20  # samples in the chain-rule check (float64)
 n_gn = 500  # samples in the Gauss-Newton step check
@@ -123,8 +121,10 @@ def plain_fun_and_jac(model, x, y):
 # and `jacobian="operator"`, a J that is never formed (notebook 09):
 
 # %%
-ju.teaching.notebook.show_source(ju.LeastSquaresProblem.fun)
-ju.teaching.notebook.show_source(ju.LeastSquaresProblem.jac)
+ju.teaching.notebook.show_source(ju.LeastSquaresProblem.fun,
+                                 plain=plain_fun_and_jac)
+ju.teaching.notebook.show_source(ju.LeastSquaresProblem.jac,
+                                 plain=plain_fun_and_jac)
 
 # %% [markdown]
 # `jac` runs `chunked_jacobian` of `04`, whose one compiled function is
@@ -154,24 +154,71 @@ print("plain_fun_and_jac == problem.fun and problem.jac: True")
 problem.jac(theta0 + 0.01)  # note: writes theta0 + 0.01 into the model
 problem.set_params(theta0)  # ... so put the start back
 print("jac == per_sample_jacobian, reshaped: True")
-print("traces after two calls at different theta:",
-      problem.compiled.trace_count)
+claim("jac-never-retraces", problem.compiled.trace_count == 1,
+      f"after calls at two theta, the compiled Jacobian was traced "
+      f"{problem.compiled.trace_count} time(s)")
 
 # %% [markdown]
-# ## Three optimizers, one start
+# ## One fit
 #
-# We fit the data with `method="trf"`, Levenberg–Marquardt and Adam, each
-# from the same weights. Each logs the mean squared error
-# $\mathrm{MSE} = \lVert r \rVert^2 / (n·l)$ against wall-clock time, first
-# call (tracing) included: at every call of `fun` (we plot the best so far,
-# since a rejected trial step raises it), or after every epoch for Adam.
+# One call fits the model: `"trf"` (trust region reflective) with
+# `tr_solver="lsmr"`, an iterative solver that needs only products of J
+# with vectors, never a factorisation of J, for at most `trf_max_nfev`
+# evaluations of `fun`; then `result.x` goes back into the model:
+
+# %% tags=["nbval-ignore-output"]
+start = time.perf_counter()
+result = least_squares(problem.fun, theta0, jac=problem.jac, method="trf",
+                       tr_solver="lsmr", tr_options={"maxiter": lsmr_maxiter},
+                       max_nfev=trf_max_nfev)
+trf_seconds = time.perf_counter() - start
+problem.set_params(result.x)  # the solution, into the model
+mse_start = np.mean(r0**2)
+mse_trf = np.mean((model(x).numpy() - y) ** 2)
+print(f"trf: {result.nfev} calls of fun, {result.njev} of jac, "
+      f"{trf_seconds:.1f} s; {result.message}")
+claim("trf-lowers-the-mse", mse_trf < mse_start,
+      f"the model's MSE fell from {mse_start:.4f} at theta0 to {mse_trf:.4f}")
+problem.set_params(theta0)  # the start, for what follows
+
+# %% [markdown]
+# ## Exercises
 #
-# `"trf"` (trust region reflective) runs with `tr_solver="lsmr"`, an
-# iterative solver that needs only products of J with vectors
-# (`lsmr_maxiter` per step), never a factorisation of J. Each method runs to
-# its own cap (the parameters cell): the end of a line is what it did within
-# its budget, not the best it can do. `TimedProblem` adds up the seconds a
-# fit spends in `fun` and `normal_equations`, for later.
+# Each exercise ends with a check: put your answer in `answer` and run the
+# check's cell. It says "correct", or gives a hint (never the answer).
+#
+# **1.** Fit a narrow network, `ju.question_mlp(hidden=(16, 8),
+# seed=seed)`, to only ten samples, `x[:10]` and `y[:10]`, so that there are fewer residuals than parameters
+# ($n·l < m$), with `method="lm"`. What does SciPy say? Which method of
+# `least_squares` still works? Put its name in `answer` (a string, exactly
+# as you would pass it to `method=`).
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# Solution: MINPACK's LM refuses an underdetermined problem; "trf" (and
+# "dogbox") accept it - with more parameters than residuals they can fit
+# the data exactly.
+tiny = ju.question_mlp(hidden=(16, 8), seed=seed)  # 330 parameters
+few = ju.least_squares_problem(tiny, x[:10], y[:10])  # 20 residuals
+try:
+    least_squares(few.fun, few.theta0, jac=few.jac, method="lm")
+except ValueError as error:
+    print("lm:", error)
+answer = "trf"
+
+# %%
+check.exercise("05-1", answer)
+
+# %% [markdown]
+# ## Going further: three optimizers, one start
+#
+# The harness below fits the data with `"trf"` (as above),
+# Levenberg–Marquardt and Adam, each from the same weights, and logs the
+# mean squared error $\mathrm{MSE} = \lVert r \rVert^2 / (n·l)$ against
+# wall-clock time: at every call of `fun` (we plot the best so far, since a
+# rejected trial step raises it), or after every epoch for Adam. Each method
+# runs to its own cap (the parameters cell): the end of a line is what it
+# did within its budget, not the best it can do. `TimedProblem` adds up the
+# seconds a fit spends in `fun` and `normal_equations`, for later.
 
 # %%
 SCIPY_OPTIONS = {
@@ -230,7 +277,7 @@ def fit_adam(model, log, start):
     return steps, None, log[-1][1]
 
 
-lm_seconds = {}  # where levenberg_marquardt's time went
+lm_jtj_parts = {}  # where levenberg_marquardt's time went
 
 
 def fit_lm_jtj(problem, log):
@@ -239,7 +286,7 @@ def fit_lm_jtj(problem, log):
     result = ju.levenberg_marquardt(timed, max_steps=lm_steps,
                                     damping=lm_damping)
     log.extend(map(tuple, result["history"][1:]))
-    lm_seconds.update(timed.seconds)
+    lm_jtj_parts.update(timed.seconds)
     return result["n_fev"], result["n_jev"], result["history"][-1, 1]
 
 
@@ -269,8 +316,8 @@ def race(model, methods):
 # SciPy's own `method="lm"` is Levenberg–Marquardt from MINPACK, the
 # Fortran library SciPy wraps: every step factorises the whole
 # $(n·l) \times m$ matrix, the $2 n l m^2$ operations printed at the start,
-# as plain loops on one core. On this network it stays out of the race: the
-# going-further part times it on a narrow network and, from its speed there,
+# as plain loops on one core. On this network it stays out of the race: a
+# section below times it on a narrow network and, from its speed there,
 # estimates what one of its steps would cost here.
 #
 # Levenberg–Marquardt does not need that factorisation.
@@ -326,10 +373,11 @@ show_race(f"loop question's network, m = {m}", rows_big, curves_big)
 # For SciPy's methods, `nfev` and `njev` count the calls of `fun` and `jac`.
 # For Adam, `nfev` counts mini-batch gradient steps; for `lm-jtj`, `nfev` is
 # its trial steps plus the start, and `njev` the systems it summed. The
-# least-squares methods use the Jacobian of all residuals at every step, so
-# each step is costly but goes far; Adam's steps are cheap and many. Which
-# line is lowest at a given time is the answer for this run. `lm-jtj` takes
-# few steps, each expensive: where does its time go?
+# least-squares methods use the Jacobian of all residuals at every step;
+# each of Adam's steps uses one mini-batch's gradient. Which
+# line is lowest at a given time is the answer for this run. Each step of
+# `lm-jtj` sums the Jacobian of all residuals and solves an $m \times m$
+# system: where does its time go?
 
 # %% [markdown]
 # ## Where Levenberg–Marquardt's time goes
@@ -349,22 +397,27 @@ gram_time = ju.time_call(np.matmul, J_big.T, J_big, repeats=1).median
 del J_big
 print(f"one jac: {jac_time:.3f} s;  one J.T @ J ({n * l} x {m}): "
       f"{gram_time:.3f} s")
-method, nfev, njev, mse, total = rows_big[0]  # the lm-jtj row
-jacobians = njev * jac_time
+_, jtj_nfev, jtj_njev, _, lm_jtj_seconds = rows_big[0]  # the lm-jtj row
+jacobians = jtj_njev * jac_time
+algebra = lm_jtj_seconds - jacobians - lm_jtj_parts["fun"]
 parts = [
-    (f"{njev} Jacobians ({njev} x one jac)", jacobians),
-    (f"J.T @ J, J.T @ r of {njev} systems (the rest of them)",
-     lm_seconds["normal_equations"] - jacobians),
-    (f"{nfev} evaluations of fun", lm_seconds["fun"]),
+    (f"{jtj_njev} Jacobians ({jtj_njev} x one jac)", jacobians),
+    (f"J.T @ J, J.T @ r of {jtj_njev} systems (the rest of them)",
+     lm_jtj_parts["normal_equations"] - jacobians),
+    (f"{jtj_nfev} evaluations of fun", lm_jtj_parts["fun"]),
     (f"{lm_steps} Cholesky solves and the rest",
-     total - lm_seconds["normal_equations"] - lm_seconds["fun"]),
+     lm_jtj_seconds - lm_jtj_parts["normal_equations"] - lm_jtj_parts["fun"]),
 ]
 for what, seconds in parts:
-    print(f"{what:<48} {seconds:7.2f} s {100 * seconds / total:4.0f} %")
-print(f"{'total (the table above)':<48} {total:7.2f} s")
-share = {what.split(" (")[0]: 100 * seconds / total for what, seconds in parts}
-print(f"Finding: lm-jtj's {total:.1f} s: " + "; ".join(
+    print(f"{what:<48} {seconds:7.2f} s {100 * seconds / lm_jtj_seconds:4.0f} %")
+print(f"{'total (the table above)':<48} {lm_jtj_seconds:7.2f} s")
+share = {what.split(" (")[0]: 100 * seconds / lm_jtj_seconds
+         for what, seconds in parts}
+print(f"Finding: lm-jtj's {lm_jtj_seconds:.1f} s: " + "; ".join(
     f"{what} {percent:.0f} %" for what, percent in share.items()))
+claim("algebra-not-jacobian", algebra > jacobians,
+      f"the dense algebra (J.T @ J, J.T @ r and the solves, {algebra:.2f} s) "
+      f"took longer than the {jtj_njev} Jacobians ({jacobians:.2f} s)")
 
 # %% [markdown]
 # Compare the Jacobians' share with the rest in the Finding. The dense
@@ -379,43 +432,16 @@ print(f"Finding: lm-jtj's {total:.1f} s: " + "; ".join(
 # which float64 and the damping absorb here.
 
 # %% [markdown]
-# ## Exercises
-#
-# Each exercise ends with a check: put your answer in `answer` and run the
-# check's cell. It says "correct", or gives a hint (never the answer).
-#
-# **1.** Fit a narrow network, `ju.question_mlp(hidden=(16, 8),
-# seed=seed)`, to only ten samples, `x[:10]` and `y[:10]`, so that there are fewer residuals than parameters
-# ($n·l < m$), with `method="lm"`. What does SciPy say? Which method of
-# `least_squares` still works? Put its name in `answer` (a string, exactly
-# as you would pass it to `method=`).
-
-# %% tags=["solution"] jupyter={"source_hidden": true}
-# Solution: MINPACK's LM refuses an underdetermined problem; "trf" (and
-# "dogbox") accept it - with more parameters than residuals they can fit
-# the data exactly.
-tiny = ju.question_mlp(hidden=(16, 8), seed=seed)  # 330 parameters
-few = ju.least_squares_problem(tiny, x[:10], y[:10])  # 20 residuals
-try:
-    least_squares(few.fun, few.theta0, jac=few.jac, method="lm")
-except ValueError as error:
-    print("lm:", error)
-answer = "trf"
-
-# %%
-check.exercise("05-1", answer)
-
-# %% [markdown]
-# ## Going further: SciPy's `"lm"` on a narrow network
+# ## SciPy's `"lm"` on a narrow network
 #
 # With hidden widths `small_hidden` the network has far fewer parameters,
-# and MINPACK's dense algebra is small enough to run in seconds: SciPy's
-# `"lm"` joins the race. It is still the slowest of the three here; what it
-# buys is the lowest MSE.
+# and MINPACK's dense algebra is small enough for SciPy's `"lm"` to join
+# the race (`narrow_race`, a parameter: add `"adam"` for all three). The
+# Finding says where each method ended, and when.
 
 # %% tags=["nbval-ignore-output"]
 narrow = ju.question_mlp(hidden=tuple(small_hidden), seed=seed)
-rows_small, curves_small, problem_small = race(narrow, ["lm", "trf", "adam"])
+rows_small, curves_small, problem_small = race(narrow, narrow_race)
 show_race(f"narrow network, m = {problem_small.n_params}", rows_small,
           curves_small)
 
@@ -428,16 +454,16 @@ show_race(f"narrow network, m = {problem_small.n_params}", rows_small,
 
 # %% tags=["nbval-ignore-output"]
 lm_row = next(row for row in rows_small if row[0] == "lm")
-_, _, lm_njev, _, lm_seconds = lm_row
+_, _, lm_njev, _, scipy_lm_seconds = lm_row
 m_small = problem_small.n_params
-rate = 2 * n * l * m_small**2 * lm_njev / lm_seconds  # operations a second
+rate = 2 * n * l * m_small**2 * lm_njev / scipy_lm_seconds  # operations a second
 lm_step_seconds = 2 * n * l * m**2 / rate  # one factorisation at m, at that speed
 print(f"SciPy's lm here: {lm_njev} factorisations of the {n * l} x {m_small} "
-      f"matrix in {lm_seconds:.1f} s, {rate / 1e9:.1f}e9 operations a second")
+      f"matrix in {scipy_lm_seconds:.1f} s, {rate / 1e9:.1f}e9 operations a second")
 print(f"Finding: at that speed one step of SciPy's lm on the loop question's "
       f"network (m = {m}) takes about {lm_step_seconds:.0f} s, and {lm_njev} steps "
       f"about {lm_njev * lm_step_seconds / 60:.1f} min (an estimate from this run, not "
-      f"a run); lm-jtj's whole fit there took {total:.1f} s.")
+      f"a run); lm-jtj's whole fit there took {lm_jtj_seconds:.1f} s.")
 
 # %% [markdown]
 # ## The layout question
@@ -584,7 +610,8 @@ def plain_normal_equations(model, x, y, chunk):
 # lets an interrupted sum go on from its last chunk (notebook 10):
 
 # %%
-ju.teaching.notebook.show_source(ju.LeastSquaresProblem.normal_equations)
+ju.teaching.notebook.show_source(ju.LeastSquaresProblem.normal_equations,
+                                 plain=plain_normal_equations)
 
 # %%
 damping = 1.0
@@ -651,7 +678,8 @@ print("plain_levenberg_marquardt == levenberg_marquardt, 3 steps: True")
 # treated as a rejected one:
 
 # %%
-ju.teaching.notebook.show_source(ju.levenberg_marquardt)
+ju.teaching.notebook.show_source(ju.levenberg_marquardt,
+                                 plain=plain_levenberg_marquardt)
 
 # %% [markdown]
 # Two more exercises, on the normal equations.
@@ -707,17 +735,21 @@ check.exercise("05-3", answer, JtJ=JtJ, Jtr=Jtr)
 #
 # - `least_squares_problem(model, x, y)` gives SciPy `fun`, `jac` and
 #   `theta0` in float64; its `jac` reuses one compiled Jacobian and never
-#   retraces. Write the solution back with `set_params(result.x)`.
+#   retraces. <!-- claim: jac-never-retraces -->
+# - `least_squares(problem.fun, theta0, jac=problem.jac, method="trf")`
+#   lowers the model's MSE; write the solution back with
+#   `set_params(result.x)`. <!-- claim: trf-lowers-the-mse -->
 # - SciPy's Jacobian is `J.reshape(n*l, m)`: row `i*l + k`. The layout
 #   question's `(l·m) × n` is `to_lm_by_n(J)`: the same numbers, in another
 #   order.
-# - A fit that ends below the noise floor of the data (`noise**2` here) is
-#   fitting the noise.
-# - With thousands of parameters the optimizer's own dense algebra, not the
-#   Jacobian, is the cost of Levenberg–Marquardt: SciPy's `"lm"` factorises
-#   the whole `(n·l) × m` matrix on one core; `levenberg_marquardt` solves
-#   the damped normal equations ($m \times m$, summed from chunks) with
-#   BLAS; `"trf"` with `tr_solver="lsmr"` needs only products with J.
+# - An MSE below the noise floor of the data (`noise**2` here), on the data
+#   the model learnt from, means it has learnt the noise too.
+# - Going further: with thousands of parameters the optimizer's own dense
+#   algebra, not the Jacobian, is the cost of Levenberg–Marquardt: SciPy's
+#   `"lm"` factorises the whole `(n·l) × m` matrix on one core;
+#   `levenberg_marquardt` solves the damped normal equations
+#   ($m \times m$, summed from chunks) with BLAS; `"trf"` with
+#   `tr_solver="lsmr"` needs only products with J. <!-- claim: algebra-not-jacobian -->
 # - Going further: a derivative computed outside TensorFlow joins the
 #   Jacobian by one product, `einsum("ik,ikp->p", G, J)`; `JᵀJ` and `Jᵀr`
 #   add up over chunks, so a Gauss–Newton step never needs the whole J in

@@ -63,14 +63,15 @@ def gradient_of_the_mse(answer, model, x, y):
         return
     if like(-1.0):
         raise Hint(
-            "the sign is flipped: r = f(x) - y, and the gradient of "
-            "the MSE points uphill (J^T r, not -J^T r)."
+            "the sign is flipped: the gradient of the MSE points uphill. "
+            "Which way does J^T r point, with r = f(x) - y?"
         )
     if like(0.5):
         raise Hint("half of it: the derivative of r**2 is 2 r.")
     if like(n * n_out) or like(n * n_out / 2):
         raise Hint(
-            "the MSE is a mean over all n*l residuals: divide J^T r by their number."
+            "too large by the number of residuals: the MSE is a mean "
+            "over all n*l of them."
         )
     if like(n_out) or like(n_out / 2):
         raise Hint(
@@ -118,7 +119,8 @@ def step_lengths(answer, JtJ, Jtr):
         )
     if like(expected**2):
         raise Hint(
-            "those are squared lengths: the length of delta is np.linalg.norm(delta)."
+            "those are squared lengths: how long is a vector whose "
+            "squared length is that?"
         )
     if like(_step_lengths(JtJ, Jtr, np.diag(np.diag(JtJ)))):
         raise Hint(
@@ -129,10 +131,10 @@ def step_lengths(answer, JtJ, Jtr):
         raise Hint(
             "your steps grow with lambda. A larger lambda adds more to "
             "the diagonal of the matrix you solve with, so the step "
-            "must shrink: solve (J^T J + lambda I) delta = -J^T r."
+            "must shrink: where does lambda go in your system?"
         )
     raise Hint(
-        "solve (J^T J + lambda I) delta = -J^T r for each lambda, with "
-        "the JtJ and Jtr of the step above, and take the length "
-        "np.linalg.norm(delta) of each step."
+        "these are not the lengths of the damped steps of the system "
+        "above, with its JtJ and Jtr and lambda * I. Compare your system, "
+        "term by term, with the one in the prose."
     )
