@@ -28,7 +28,7 @@
 # - Write down the cost model for N workers and put the 2-worker measurement
 #   beside it.
 #
-# *Teaching: 40 min · Exercises: 24 min*
+# *Teaching: 61 min · Exercises: 34 min*
 
 # %% [markdown]
 # ## Setup
@@ -50,6 +50,7 @@ import numpy as np
 import jacutil as ju
 from jacutil import keras
 from jacutil.teaching import check
+from jacutil.teaching.claims import claim
 
 # Dask (set up when `distributed` is imported) logs a warning for each chunk
 # it reruns; the cells below print what happened instead
@@ -60,14 +61,14 @@ print("Dask", distributed.__version__)
 print(ju.teaching.notebook.device_summary())
 
 # %% tags=["parameters"]
-n_samples = 50_000  # samples of the one- against two-worker measurement
-chunk_size = 5_000  # samples per chunk on the workers and in one process
+n_samples = 20_000  # samples of the one- against two-worker measurement
+chunk_size = 2_500  # samples per chunk on the workers and in one process
 n_workers = 2  # worker processes on this machine
 resume_samples = 10_000  # samples of the interrupted run
 resume_chunk = 500  # its chunk size
 gn_samples = 3_000  # samples of the Gauss-Newton step
 gn_chunk = 1_000  # its chunk size
-deadline = 1.0  # seconds: the run stopped part-way on purpose
+deadline_share = 0.25  # the deadline: this share of the measured run time
 seed = 0
 
 # %% [markdown]
@@ -124,7 +125,8 @@ print("plain_resumable == chunked_jacobian, bit for bit: True")
 # and the finished chunks kept as runs `[first, last + 1)`:
 
 # %%
-ju.teaching.notebook.show_source(ju.core.planner.resumable_chunks)
+ju.teaching.notebook.show_source(ju.core.planner.resumable_chunks,
+                                 plain=plain_resumable)
 
 # %% [markdown]
 # Now the drill. A fresh Python process starts the run, and is killed with
@@ -170,8 +172,8 @@ resumed = ju.chunked_jacobian(model, x_resume, chunk_size=resume_chunk,
 # %%
 whole = ju.chunked_jacobian(model, x_resume, chunk_size=resume_chunk,
                             method="per_sample", progress=False)
-print("resumed file == uninterrupted run, bit for bit:",
-      np.array_equal(resumed, whole))
+claim("resumed-equals-whole", np.array_equal(resumed, whole),
+      "the resumed file equals an uninterrupted run, bit for bit")
 
 # %% [markdown]
 # A run may only resume what it started: change one weight (or one sample,
@@ -181,12 +183,16 @@ print("resumed file == uninterrupted run, bit for bit:",
 # %%
 weights = model.get_weights()
 model.layers[0].kernel.assign(model.layers[0].kernel * 1.001)
+refused = False
 try:
     ju.chunked_jacobian(model, x_resume, chunk_size=resume_chunk, out=path,
                         method="per_sample")
 except ju.core.resume.ResumeMismatch as error:
+    refused = True
     print("ResumeMismatch:", error)
 model.set_weights(weights)
+claim("changed-model-refused", refused,
+      "the file of another model's weights is refused, not resumed")
 del resumed, whole
 
 # %% [markdown]
@@ -272,7 +278,8 @@ print("plain_rows_task == chunked_jacobian here, bit for bit: True")
 # checked:
 
 # %%
-ju.teaching.notebook.show_source(ju.scale.distributed.rows_task)
+ju.teaching.notebook.show_source(ju.scale.distributed.rows_task,
+                                 plain=plain_rows_task)
 
 # %% tags=["nbval-ignore-output"]
 start = time.perf_counter()
@@ -315,7 +322,8 @@ print(f"one process: {t_one:.1f} s; {n_workers} workers: {t_two:.1f} s "
 same = all(np.array_equal(J_one[i:i + chunk_size],
                           J_two[i:i + chunk_size].compute(scheduler="threads"))
            for i in range(0, n_samples, chunk_size))
-print(f"{n_workers} workers == one process, bit for bit:", same)
+claim("workers-equal-one-process", same,
+      f"{n_workers} workers' J equals one process's, bit for bit")
 print(f"{two_path.name}/ holds", sorted(p.name for p in two_path.iterdir())[:3],
       "...")
 
@@ -363,8 +371,9 @@ print(f"killed worker {address} (pid {pid}), which held {len(held)} chunk(s)")
 # %%
 whole = ju.chunked_jacobian(model, x_resume, chunk_size=resume_chunk,
                             method="per_sample", progress=False)
-print("run with a lost worker == uninterrupted run, bit for bit:",
-      np.array_equal(J_fault, whole))
+claim("lost-worker-loses-nothing", np.array_equal(J_fault, whole),
+      "with a worker killed part-way, the run's J equals an uninterrupted "
+      "run, bit for bit")
 del J_fault
 
 # %% [markdown]
@@ -377,20 +386,39 @@ del J_fault
 # where the same call resumes. If every worker is gone for
 # `ju.scale.executors.WORKERS_LOST_AFTER` seconds (a nanny restarts a
 # killed worker within seconds; a lost cluster does not come back), the run
-# stops with `WorkersLostError`, keeping its chunks the same way. Here a run
-# is given a deadline shorter than it needs:
+# stops with `WorkersLostError`, keeping its chunks the same way.
+#
+# A deadline shorter than the run needs must come from the run's own time:
+# a typed number of seconds is too short on a slow machine and too long on
+# a fast one. So the same run is timed first, on the same workers, and the
+# deadline is a share of that time (`deadline_share`). The faster of two
+# runs is taken, so that a pause of the machine does not stretch it:
 
 # %% tags=["nbval-ignore-output"]
+def run_seconds():
+    start = time.perf_counter()
+    ju.distributed_jacobian(model, x_resume, workers, chunk_size=resume_chunk,
+                            method="per_sample", progress=False)
+    return time.perf_counter() - start
+
+
+needs = min(run_seconds() for _ in range(2))
+deadline = deadline_share * needs
+print(f"the run needs {needs:.2f} s for {n_chunks} chunks on {n_workers} "
+      f"workers; deadline = {deadline_share:g} x that = {deadline:.2f} s")
 deadline_path = folder / "deadline.npy"
+stopped = False
 try:
     ju.distributed_jacobian(model, x_resume, workers, chunk_size=resume_chunk,
                             out=deadline_path, method="per_sample",
                             deadline=deadline, progress=False)
-    print(f"finished within deadline={deadline:g} s")
 except ju.scale.executors.ChunkTimeoutError as error:
+    stopped = True
     print("ChunkTimeoutError:", error)
 done, of = ju.core.resume.finished_chunks(deadline_path)
-print(f"on disk: {done} of {of} chunks")
+claim("deadline-stops", stopped and done < of,
+      f"the run stopped at its deadline ({deadline:.2f} s) with {done} of "
+      f"{of} chunks on disk")
 
 # %% [markdown]
 # The same call without the deadline computes only the rest:
@@ -399,8 +427,9 @@ print(f"on disk: {done} of {of} chunks")
 J_deadline = ju.distributed_jacobian(
     model, x_resume, workers, chunk_size=resume_chunk, out=deadline_path,
     method="per_sample", progress=False)
-print("stopped at the deadline, resumed == uninterrupted run, bit for bit:",
-      np.array_equal(J_deadline, whole))
+claim("deadline-resumed-equals-whole", np.array_equal(J_deadline, whole),
+      "stopped at the deadline, then resumed: equal to an uninterrupted "
+      "run, bit for bit")
 del J_deadline, whole
 
 # %% [markdown]
@@ -428,9 +457,9 @@ print(f"{row_norms.size:,} row norms came back ({row_norms.nbytes:,} bytes; "
       f"J itself is {J_far.nbytes / 2**20:,.0f} MiB)")
 x_here = workers.client.compute(x_far[:resume_chunk]).result()
 here = ju.chunked_jacobian(model, x_here, method="rules", progress=False)
-print("the first chunk's norms == one process:", np.allclose(
+claim("far-norms-equal-one-process", np.allclose(
     row_norms[:resume_chunk], np.sqrt((here.astype("float64") ** 2).sum(axis=(1, 2))),
-    rtol=1e-5))
+    rtol=1e-5), "the first chunk's norms from the workers equal one process's")
 
 # %% [markdown]
 # ## Gauss–Newton steps on the workers
@@ -454,7 +483,7 @@ assert difference < 1e-12, "the workers' sums differ by more than rounding"
 print(f"JtJ and Jtr from the workers against one process: largest difference "
       f"{difference:.0e} of the largest entry")
 # started well damped
-fit = ju.levenberg_marquardt(spread, max_steps=3, damping=1.0)
+fit = ju.levenberg_marquardt(spread, max_steps=2, damping=1.0)
 assert fit["history"][-1, 1] < fit["history"][0, 1], (
     "no step lowered the loss")
 print(f"{fit['n_steps']} steps on the workers ({fit['n_accepted']} "
@@ -511,7 +540,8 @@ model.set_weights(weights)
 # computes the next chunk. Call that `T_out`: the one-process time less
 # `T_compute`. Several processes overlap it: while one waits on the disk,
 # another computes or copies, and several flushes are on their way at once.
-# So workers can finish in less than `T_out`, and `T_out` is not a floor.
+# So workers can finish in less than `T_out`, and `T_out` is not a floor
+# (the measurement below says whether they did here).
 # `T_w`, the writing as the workers did it, is their time less the
 # computing (s = 1 here) and `K · τ`. More writers may write faster still,
 # up to what the storage can take; that is not measured here, so the model
@@ -532,7 +562,8 @@ t_out = max(t_one - t_compute, 0.0)  # one process: writes after computing
 t_w = max(t_two - t_compute - K * tau, 0.0)  # the workers: writes overlap
 print(f"T_compute {t_compute:.1f} s, tau {1e3 * tau:.1f} ms, K = {K} chunks")
 print(f"writing beyond the computing: one process (T_out) {t_out:.1f} s, "
-      f"{n_workers} workers at once (T_w) {t_w:.1f} s")
+      f"{n_workers} workers at once (T_w) {t_w:.1f} s: here the workers "
+      f"wrote {'faster' if t_w < t_out else 'no faster'} than one process")
 machines = np.array([1, 2, 4, 8, 16])
 by_out = t_compute / machines + t_out + K * tau  # writing as one process
 by_w = t_compute / machines + t_w + K * tau  # writing as the workers did
@@ -655,7 +686,7 @@ check.exercise("10-2", answer, model=model, x=x_resume)
 
 # %%
 workers.close()
-del J_one, J_two, answer
+del J_one, J_two
 scratch.cleanup()
 print("temporary folder removed:", not folder.exists())
 print("processes left behind:", ju.scale.workers.leftovers(workers.address))
@@ -666,15 +697,20 @@ print("processes left behind:", ju.scale.workers.leftovers(workers.address))
 # - `chunked_jacobian(model, x, out="J.npy")` keeps a ledger of finished
 #   chunks; after any interruption the same call finishes the file, and a
 #   changed model or `x` is refused, never mixed.
+#   <!-- claim: resumed-equals-whole, changed-model-refused -->
 # - `LocalWorkers` starts a Dask scheduler and workers on 127.0.0.1, with
 #   TLS, that end with this process; `distributed_jacobian` gives them the
 #   chunks and equals one process bit for bit. On a cluster, pass a
-#   `Client` instead (`docs/cluster.md`).
+#   `Client` instead (`docs/cluster.md`). <!-- claim: workers-equal-one-process -->
 # - A worker that dies loses nothing: its chunks are rerun elsewhere. A
-#   deadline, a stalled chunk or a lost cluster stop the run with the
-#   arrived chunks kept.
+#   deadline (taken from a measured run time, never typed) stops the run
+#   with the arrived chunks kept, and the same call resumes it; `timeout=`
+#   and a lost cluster end a run the same way.
+#   <!-- claim: lost-worker-loses-nothing, deadline-stops, deadline-resumed-equals-whole -->
 # - `x` as a `dask.array` and J as a folder of chunk files or a lazy
 #   `dask.array` stay on the workers.
 # - `T_N ≈ T_compute / s(N) + T_write + K · τ`: machines shrink the
-#   computing, not the writing. Writers overlap their writing, so one
-#   process's writing time is no floor; keep chunks long against `τ`.
+#   computing, not the writing, so the speed-up is bounded by
+#   `T_1 / (T_write + K · τ)` (the Finding gives this run's bound). Several
+#   writers may write faster than one, or not: measure on the cluster's
+#   own storage, and keep chunks long against `τ`.
