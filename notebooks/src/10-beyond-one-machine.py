@@ -711,6 +711,6 @@ print("processes left behind:", ju.scale.workers.leftovers(workers.address))
 #   `dask.array` stay on the workers.
 # - `T_N ≈ T_compute / s(N) + T_write + K · τ`: machines shrink the
 #   computing, not the writing, so the speed-up is bounded by
-#   `T_1 / (T_write + K · τ)` (the Finding gives this run's bound). Several
-#   writers may write faster than one, or not: measure on the cluster's
-#   own storage, and keep chunks long against `τ`.
+#   `T_1 / (T_write + K · τ)` (the Finding gives this run's bound). What
+#   several writers gain on the writing is for the cluster's own storage
+#   to say: measure it there, and keep chunks long against `τ`.
