@@ -492,10 +492,11 @@ print(f"{fit['n_steps']} steps on the workers ({fit['n_accepted']} "
 model.set_weights(weights)
 
 # %% [markdown]
-# The sums are not bit for bit those of one process here: NumPy's matrix
+# The sums need not be bit for bit those of one process here: NumPy's matrix
 # product adds in an order that depends on how many threads BLAS uses, and
 # each worker runs one. The difference printed above is rounding; a run that
-# loses a worker gives the same sums as one that does not.
+# loses a worker adds the same parts here, in the same chunk order (a rerun
+# chunk is computed the same way, on one thread).
 
 # %% [markdown]
 # ## On a real cluster, and what to expect
