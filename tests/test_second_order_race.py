@@ -1,11 +1,14 @@
 """The race of notebook 09 and ``make bench``: Levenberg-Marquardt with
 preconditioned CG against Adam, measured at the same training MSE."""
 
+import sys
+
 import numpy as np
 import pytest
 
 import jacutil as ju
 from jacutil.bench import second_order
+from jacutil.core import memory
 from jacutil.teaching import wide_fit
 
 
@@ -79,3 +82,18 @@ def test_the_wide_fit_without_levenberg_marquardt_runs_adam_as_long_as_least_squ
                        lm_steps=0)  # fmt: skip
     assert fit["lm_kfac"] == []
     assert fit["adam"][-1][0] >= fit["lsmr"][-1][0] > fit["adam"][-2][0]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM is Linux's")
+def test_the_wide_fits_fresh_process_reports_its_own_peak_not_its_parents():
+    """A child started by fork and exec keeps its parent's ``ru_maxrss``; the
+    fit's process reports its own peak (``peak_rss``), so a parent that once
+    held 2 GiB does not show through (notebook 09's memory line)."""
+    ballast = np.ones(2**31 // 8)  # 2 GiB, touched: this process's peak
+    parent = memory.peak_rss()
+    del ballast
+    fit = wide_fit.run_in_fresh_process(
+        n_samples=32, width=4, depth=1, max_nfev=2, lsmr_iterations=2, lm_steps=0
+    )
+    assert parent >= 2**31
+    assert 0 < fit["process_peak_bytes"] < parent - 2**30

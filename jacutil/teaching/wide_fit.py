@@ -16,7 +16,6 @@ Introduced in ``09-matrix-free``.
 """
 
 import json
-import resource
 import sys
 import time
 
@@ -133,9 +132,11 @@ def run(
         A dict of plain numbers (JSON-ready): ``n_samples``, ``n_params`` (m),
         ``n_outputs`` (l),
         ``jacobian_bytes_float64`` (n * l * m * 8), ``fit_peak_bytes``,
-        ``process_peak_bytes``, ``forward_seconds``, ``pair_seconds`` (a
-        ``matvec`` and an ``rmatvec``), and the ``(seconds, mse)`` histories
-        ``lsmr``, ``lm_kfac`` and ``adam``.
+        ``process_peak_bytes`` (this process's own peak, ``peak_rss``: not a
+        parent's, which ``ru_maxrss`` would report after a fork),
+        ``forward_seconds``, ``pair_seconds`` (a ``matvec`` and an
+        ``rmatvec``), and the ``(seconds, mse)`` histories ``lsmr``,
+        ``lm_kfac`` and ``adam``.
     """
     model = question_mlp(hidden=(width,) * depth, seed=seed)
     x, y = regression_data(n_samples, seed=seed)
@@ -161,7 +162,7 @@ def run(
         "n_outputs": problem.n_outputs,
         "jacobian_bytes_float64": n_rows * n_params * 8,
         "fit_peak_bytes": use.peak,
-        "process_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "process_peak_bytes": memory.peak_rss(),
         "forward_seconds": forward,
         "pair_seconds": pair,
         "lsmr": lsmr,
@@ -170,10 +171,21 @@ def run(
     }
 
 
+# The process's NumPy runs on one OpenBLAS thread: with two, the threads spin
+# at a barrier while other processes hold the cores, and on a loaded
+# 2-core machine one 513 x 513 ``eigh`` (a KFAC factor, every step) took
+# 3 s against 0.1 s on one thread. TensorFlow's own threads are unaffected.
+_ONE_BLAS_THREAD = (
+    "import os, runpy, sys; os.environ['OPENBLAS_NUM_THREADS'] = '1'; "
+    "sys.argv[0] = 'wide_fit'; "
+    "runpy.run_module('jacutil.teaching.wide_fit', run_name='__main__')"
+)
+
+
 def run_in_fresh_process(**parameters):
-    """:func:`run` in a new Python process (:func:`fresh_python`); its dict,
-    pairs as lists."""
-    arguments = ["-m", "jacutil.teaching.wide_fit", json.dumps(parameters)]
+    """:func:`run` in a new Python process (:func:`fresh_python`), its NumPy
+    on one BLAS thread (above); its dict, pairs as lists."""
+    arguments = ["-c", _ONE_BLAS_THREAD, json.dumps(parameters)]
     return fresh_python(arguments, "the fit's process failed")
 
 
