@@ -24,7 +24,7 @@
 # - Check a Jacobian against finite differences the way that settles it:
 #   in float64.
 #
-# *Teaching: 68 min · Exercises: 40 min*
+# *Teaching: 69 min · Exercises: 41 min*
 
 # %% [markdown]
 # ## Setup
@@ -281,7 +281,8 @@ print("plain_require_connected refuses what require_connected refuses: True")
 # and what to pass instead:
 
 # %%
-ju.teaching.notebook.show_source(ju.core.guards.require_connected)
+ju.teaching.notebook.show_source(ju.core.guards.require_connected,
+                                 plain=plain_require_connected)
 
 # %%
 with fails_with(ValueError):
