@@ -28,7 +28,7 @@
 # - Write down the cost model for N workers and put the 2-worker measurement
 #   beside it.
 #
-# *Teaching: 61 min · Exercises: 34 min*
+# *Teaching: 62 min · Exercises: 34 min*
 
 # %% [markdown]
 # ## Setup
