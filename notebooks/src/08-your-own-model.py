@@ -28,7 +28,7 @@
 # - Write a rule for your own layer, prove it alone with `check_rule`, and
 #   use it with `registered`.
 #
-# *Teaching: 42 min · Exercises: 33 min*
+# *Teaching: 67 min · Exercises: 45 min*
 
 # %% [markdown]
 # ## Setup
@@ -42,6 +42,7 @@ import numpy as np
 import jacutil as ju
 from jacutil import keras, tf
 from jacutil.teaching import check
+from jacutil.teaching.claims import claim
 
 # %% tags=["nbval-ignore-output"]
 print(ju.teaching.notebook.device_summary())
@@ -49,11 +50,11 @@ print(ju.teaching.notebook.device_summary())
 # %% tags=["parameters"]
 n_check = 4  # samples in the proofs against the loop
 steps = 8  # time steps of the LSTM's sequences
-n_time = 1000  # samples in the timings
-n_map = 200  # samples for the slow tf.map_fn formulation
+n_time = 500  # samples in the timings
+n_map = 100  # samples for the slow tf.map_fn formulation
 repeats = 3  # timed calls after the first
 budget_mib = 16  # memory budget of the CNN's chunks, MiB
-n_memory = 2000  # samples in the CNN's memory measurement
+n_memory = 1000  # samples in the CNN's memory measurement
 seed = 0
 
 # %% [markdown]
@@ -120,7 +121,7 @@ def plain_as_rows(y, n):
 # one dtype for heads of several:
 
 # %%
-ju.teaching.notebook.show_source(ju.core.outputs.as_rows)
+ju.teaching.notebook.show_source(ju.core.outputs.as_rows, plain=plain_as_rows)
 
 # %% [markdown]
 # Prove it: rows 0-1 of `J` must be the Jacobian of the `score` head alone,
@@ -170,7 +171,7 @@ def plain_split_outputs(J, y):
 # against it first:
 
 # %%
-ju.teaching.notebook.show_source(ju.split_outputs)
+ju.teaching.notebook.show_source(ju.split_outputs, plain=plain_split_outputs)
 
 # %%
 parts = ju.split_outputs(J_two, two_heads, x_two)
@@ -202,9 +203,8 @@ except ValueError as error:
 # The loop of `01` is the reference: slow, and written with nothing but
 # `tape.gradient`. Each faster stage must give the same numbers. The
 # hand-derived path of `07` takes only chains of `Dense` layers; on these
-# models it falls back to autodiff and says why (`jac.fallback`). (XLA
-# comes in the timings below; the tests prove every stage on many more
-# models.)
+# models it falls back to autodiff and says why (`jac.fallback`). (The
+# tests prove every stage, XLA included, on many more models.)
 
 # %%
 jacs = {name: ju.compiled_jacobian(model) for name, model in models.items()}
@@ -212,17 +212,18 @@ stages = {
     "vectorized": ju.vectorized_jacobian,
     "per_sample": ju.per_sample_jacobian,
     "compiled": lambda m, x: jacs[name](x),
-    "chunked": lambda m, x: ju.chunked_jacobian(m, x, chunk_size=3,
-                                                progress=False),
-    "hand-derived": lambda m, x: ju.compiled_dense_jacobian(m)(x),
+    "chunked": lambda m, x: ju.chunked_jacobian(
+        m, x, chunk_size=max(1, n_check // 2), progress=False),
+    "hand-derived": lambda m, x: dense(x),
 }
 for name, model in models.items():
     x_check = first(inputs[name], n_check)
     reference = ju.loop_jacobian(model, x_check)
+    dense = ju.compiled_dense_jacobian(model)
     for stage in stages.values():
         np.testing.assert_allclose(stage(model, x_check), reference,
                                    rtol=1e-4, atol=1e-5)
-    fallback = ju.compiled_dense_jacobian(model).fallback
+    fallback = dense.fallback
     print(f"{name:>9}: {len(stages)} stages == loop_jacobian: True; "
           f"hand-derived path: {fallback}")
 
@@ -288,7 +289,8 @@ print("plain_unrolled_jacobian == per_sample_jacobian: True")
 # (`recurrent_layers` looks inside wrappers and nested models):
 
 # %%
-ju.teaching.notebook.show_source(ju.core.formulation.unrolled)
+ju.teaching.notebook.show_source(ju.core.formulation.unrolled,
+                                 plain=plain_unrolled_jacobian)
 
 # %% [markdown]
 # `per_sample_tensor` picks the formulation for each model and says which
@@ -320,20 +322,26 @@ print(f"plain_per_sample_tensor ({how}) == per_sample_jacobian: True")
 # formulation it used, in words:
 
 # %%
-ju.teaching.notebook.show_source(ju.stages.vectorized.per_sample_tensor)
+ju.teaching.notebook.show_source(ju.stages.vectorized.per_sample_tensor,
+                                 plain=plain_per_sample_tensor)
 
 # %%
 for name, jac in jacs.items():
     print(f"{name:>9}: {jac.formulation}")
+claim("formulations-read", "unrolled" in jacs["lstm"].formulation
+      and "Conv2DBackpropFilter" in jacs["cnn"].formulation,
+      "the LSTM's Jacobian was traced unrolled, and the CNN's "
+      "Conv2DBackpropFilter ran in a while_loop (the lines above)")
 
 # %% [markdown]
-# Two lines to read. The LSTM was unrolled. The CNN's gradient of a
+# Two lines to read (the claim under them checks both). The LSTM was
+# unrolled. The CNN's gradient of a
 # convolution with respect to its filters (`Conv2DBackpropFilter`) has no
 # pfor rule, so pfor runs that one operation sample by sample in a
 # `while_loop`: correct, and the slow part of the CNN's Jacobian.
 #
 # How do the ways to compute the LSTM's Jacobian compare? Unrolled pfor
-# (`tf.function`, and XLA), the batch tape in chunks of 32 (quadratic inside
+# (`tf.function`), the batch tape in chunks of 32 (quadratic inside
 # a chunk, but no pfor over a `while_loop`), and `tf.map_fn`, one sample per
 # loop step - timed on fewer samples (`n_map`) and scaled, as it is slow.
 # The one-off cost of tracing and compiling (the first call less a later
@@ -345,9 +353,6 @@ map_fn = tf.function(lambda x: ju.core.formulation.map_fn_jacobian(target, x))
 ways = {
     "vectorized_map, unrolled (tf.function)": (ju.compiled_jacobian(lstm),
                                                n_time),
-    "vectorized_map, unrolled (XLA)": (ju.compiled_jacobian(lstm,
-                                                            jit_compile=True),
-                                       n_time),
     "tape.jacobian in chunks of 32": (
         lambda x: ju.chunked_jacobian(lstm, x, chunk_size=32, method="batch",
                                       progress=False), n_time),
@@ -384,7 +389,7 @@ ax.set_xscale("log")
 ax.set_xlabel("seconds (log scale)")
 ax.invert_yaxis()
 ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
-ax.set_title(f"LSTM(16) on {steps} steps: four ways to the same Jacobian")
+ax.set_title(f"LSTM(16) on {steps} steps: {len(rows)} ways to the same Jacobian")
 fig.tight_layout()
 print(f"Finding: the figure, log scale: per call at n = {n_time:,} (blue), "
       f"from {1e3 * fastest[2]:.0f} ms ({fastest[0]}) to "
@@ -393,13 +398,37 @@ print(f"Finding: the figure, log scale: per call at n = {n_time:,} (blue), "
       f"({max(r[1] for r in rows):.1f} s)")
 
 # %% [markdown]
-# Unrolling makes the *first* call slower: its trace holds a copy of the
-# step's operations for every time step, so it grows with the sequence;
-# every call after it is fast. For a Jacobian you need many times (at every
-# step of a fit) the blue bars decide; for one you need once, add the
-# orange bar: the second Finding line names the cheapest single call at
-# this length. The batch tape and `tf.map_fn` never unroll, so their traces
-# do not grow with the sequence.
+# Unrolling puts its cost into the *first* call: its trace holds a copy of
+# the step's operations for every time step, so it should grow with the
+# sequence. Traced alone (no call), at two lengths, the unrolled Jacobian:
+
+# %% tags=["nbval-ignore-output"]
+def unrolled_trace(n_steps):
+    """(seconds, graph operations) to trace the unrolled Jacobian at n_steps."""
+    model = ju.sequence_lstm(n_steps=n_steps, seed=seed)
+    spec = tf.TensorSpec([n_check, n_steps, 4], tf.float32)
+    start = time.perf_counter()
+    with ju.core.formulation.unrolled(ju.core.formulation.recurrent_layers(model)):
+        traced = tf.function(lambda x: tf.vectorized_map(rows_of_one(model), x))
+        graph = traced.get_concrete_function(spec).graph
+    return time.perf_counter() - start, len(graph.get_operations())
+
+
+lengths = [1, 4]  # time steps: cheap to trace, and 4x apart
+traces = {k: unrolled_trace(k) for k in lengths}
+for k, (seconds, operations) in traces.items():
+    print(f"{k} time steps: {operations:,} operations, traced in {seconds:.1f} s")
+(short_s, short_ops), (long_s, long_ops) = traces.values()
+claim("unrolled-trace-grows", long_ops > short_ops and long_s > short_s,
+      f"{lengths[1]} steps instead of {lengths[0]}: {long_ops / short_ops:.1f}x "
+      f"the operations, {long_s / short_s:.1f}x the trace time")
+
+# %% [markdown]
+# Every call after the first is fast. For a Jacobian you need many times
+# (at every step of a fit) the blue bars decide; for one you need once,
+# add the orange bar: the second Finding line names the cheapest single
+# call at this length. The batch tape and `tf.map_fn` keep the loop: their
+# traces hold one copy of the step, whatever the length.
 
 # %% [markdown]
 # ## The CNN: memory goes to activations too
@@ -422,7 +451,8 @@ def plain_bytes_per_sample(n_outputs, n_params, itemsize, activations):
 # `jacutil`'s, the same two terms (both factors were measured, as 04 says):
 
 # %%
-ju.teaching.notebook.show_source(ju.core.planner.bytes_per_sample)
+ju.teaching.notebook.show_source(ju.core.planner.bytes_per_sample,
+                                 plain=plain_bytes_per_sample)
 
 # %%
 x_cnn = inputs["cnn"]
@@ -479,6 +509,12 @@ print(f"Finding: CNN, a chunk {rows_only / with_activations:.2f}x larger "
       f"sample (the model: 0 + {per_sample / 2**10:.0f} KiB), whose ratio is "
       f"{(fixed + slope * rows_only) / (fixed + slope * with_activations):.2f}"
       f"x; single peaks lie up to {scatter / 2**20:.1f} MiB off the line")
+claim("activation-chunk-within-budget",
+      peaks[with_activations] <= budget and slope < per_sample,
+      f"chunks of {with_activations}, sized with the activations, peak at "
+      f"{peaks[with_activations] / 2**20:.1f} MiB within the {budget_mib} MiB "
+      f"budget; the model's {per_sample / 2**10:.0f} KiB a sample lies above "
+      f"the line's slope, {slope / 2**10:.0f} KiB")
 
 # %% [markdown]
 # Two things the linear model leaves out make two peaks' ratio differ from
@@ -691,7 +727,8 @@ check.exercise("08-3", answer, model=bn_model, x=x_bn,
 # - pfor cannot vectorize the gradient of a `while_loop`: jacutil unrolls
 #   recurrent layers while tracing, and `jac.formulation` says what it did.
 # - Activations count towards a chunk's memory; the chunk size comes from
-#   both the Jacobian's rows and one sample's traced forward pass.
+#   both the Jacobian's rows and one sample's traced forward pass, and such
+#   a chunk stays within its budget. <!-- claim: activation-chunk-within-budget -->
 # - Prove every stage against the loop on *your* model before you trust it.
 # - A rule of your own writes `_forward` and `_backward` (blocks keyed by
 #   variable); prove it alone with `ju.testing.check_rule`, then use it with
