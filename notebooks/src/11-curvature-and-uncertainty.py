@@ -27,7 +27,7 @@
 #   by the marginal likelihood, and plot predictive bands for a regression
 #   and a two-class problem.
 #
-# *Teaching: 51 min · Exercises: 19 min*
+# *Teaching: 51 min · Exercises: 18 min*
 
 # %% [markdown]
 # ## Setup
