@@ -28,7 +28,7 @@
 # - Write a rule for your own layer, prove it alone with `check_rule`, and
 #   use it with `registered`.
 #
-# *Teaching: 67 min · Exercises: 45 min*
+# *Teaching: 63 min · Exercises: 45 min*
 
 # %% [markdown]
 # ## Setup
