@@ -23,7 +23,7 @@
 # - Convert it to the `(l·m) × n` layout of the layout question and back.
 # - Find the notebook for each stage, and run them all with `make run`.
 #
-# *Teaching: 16 min · Exercises: 5 min · Going further: 30 min*
+# *Teaching: 16 min · Exercises: 5 min · Going further: 29 min*
 
 # %% [markdown]
 # ## Setup

@@ -27,7 +27,7 @@
 # against the chunk size, for both vectorizations inside a chunk; data as
 # `model.fit` takes it; a Jacobian written in two runs, as after a restart.
 #
-# *Teaching: 20 min · Exercises: 12 min · Going further: 40 min*
+# *Teaching: 19 min · Exercises: 12 min · Going further: 40 min*
 
 # %% [markdown]
 # ## Setup

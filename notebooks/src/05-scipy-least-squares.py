@@ -26,7 +26,7 @@
 # `(n·l) × m`; the chain rule with a derivative computed outside
 # TensorFlow; one Gauss–Newton step without holding J; two more exercises.
 #
-# *Teaching: 17 min · Exercises: 15 min · Going further: 85 min*
+# *Teaching: 16 min · Exercises: 15 min · Going further: 81 min*
 
 # %% [markdown]
 # ## Setup

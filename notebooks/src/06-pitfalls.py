@@ -24,7 +24,7 @@
 # - Check a Jacobian against finite differences the way that settles it:
 #   in float64.
 #
-# *Teaching: 69 min · Exercises: 41 min*
+# *Teaching: 67 min · Exercises: 40 min*
 
 # %% [markdown]
 # ## Setup

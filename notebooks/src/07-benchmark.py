@@ -21,7 +21,7 @@
 #   loop, the fastest path and the *write floor*.
 # - Explain where the fastest path's time goes, and choose a path for a job.
 #
-# *Teaching: 49 min · Exercises: 19 min*
+# *Teaching: 46 min · Exercises: 19 min*
 
 # %% [markdown]
 # ## Setup

@@ -28,7 +28,7 @@
 # - Write down the cost model for N workers and put the 2-worker measurement
 #   beside it.
 #
-# *Teaching: 62 min · Exercises: 34 min*
+# *Teaching: 58 min · Exercises: 33 min*
 
 # %% [markdown]
 # ## Setup

@@ -29,7 +29,7 @@
 # This notebook comes after `09-matrix-free`, which teaches DP-SGD and
 # `make_private` on small models: here the same call meets a transformer.
 #
-# *Teaching: 23 min · Exercises: 15 min*
+# *Teaching: 21 min · Exercises: 15 min*
 
 # %% [markdown]
 # ## Setup
