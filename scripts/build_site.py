@@ -279,6 +279,11 @@ def figure_alt(cell, above):
 FIGURES_WITHOUT_FINDING = []
 
 
+def solutions_path(book):
+    """notebooks/solutions/NN-name.ipynb: the notebook with its solutions in."""
+    return book.parent / "solutions" / book.name
+
+
 def site_notebook(copy_path, book, learner_name, api_names, books=None, links=None):
     """The notebook as its page shows it (the repository's file is not changed).
 
@@ -287,10 +292,14 @@ def site_notebook(copy_path, book, learner_name, api_names, books=None, links=No
     nb = nbformat.read(copy_path, as_version=4)
     # Each exercise's stub becomes its solution, folded behind "Show
     # solution", without outputs: the check below it says "no answer yet".
-    solved = nbformat.read(book.parent / "solutions" / book.name, as_version=4)
-    for k, cell in enumerate(solved.cells):
-        if "solution" in cell.metadata.get("tags", []):
-            nb.cells[k] = nbformat.from_dict({**cell, "outputs": []})
+    # A notebook without a solutions notebook (one not made by `make
+    # notebooks`) shows its own solution cells, folded as well.
+    solved_path = solutions_path(book)
+    if solved_path.exists():
+        solved = nbformat.read(solved_path, as_version=4)
+        for k, cell in enumerate(solved.cells):
+            if "solution" in cell.metadata.get("tags", []):
+                nb.cells[k] = nbformat.from_dict({**cell, "outputs": []})
     books = BOOKS if books is None else books
     others = {b.stem: b.name for b in books if b != book}
     widget_state = (
@@ -332,13 +341,18 @@ def site_notebook(copy_path, book, learner_name, api_names, books=None, links=No
             "a few minutes the first time).\n"
         )
     solutions = f"{book.stem}-solutions.ipynb"
+    solutions_line = (
+        f"- {{download}}`{solutions} <../{FILES}/{solutions}>`: "
+        "the same with the solutions in, no outputs (open it after trying);\n"
+        if solutions_path(book).exists()
+        else ""
+    )
     box = nbformat.v4.new_markdown_cell(
         ":::{admonition} Run it yourself\n"
         ":class: tip download-notebook\n"
         f"- {{download}}`{book.name} <../{FILES}/{book.name}>`: this notebook, "
         "with its outputs, each exercise a stub;\n"
-        f"- {{download}}`{solutions} <../{FILES}/{solutions}>`: "
-        "the same with the solutions in, no outputs (open it after trying);\n"
+        f"{solutions_line}"
         f"- {{download}}`{learner_name} <../{FILES}/{learner_name}>`: the learner "
         "copy, outputs cleared and each solution an empty stub (`make learner`);\n"
         f"{cloud}"
@@ -752,8 +766,8 @@ def generate(src, books=None):
     )
     page_of = {}
     for book, stored in zip(books, copies, strict=True):
-        solutions = book.parent / "solutions" / book.name
-        shutil.copy(solutions, files / f"{book.stem}-solutions.ipynb")
+        if solutions_path(book).exists():
+            shutil.copy(solutions_path(book), files / f"{book.stem}-solutions.ipynb")
         learner_name = f"{book.stem}-learner.ipynb"
         shutil.move(work / "build" / "learner" / book.name, files / learner_name)
         page = site_notebook(
