@@ -193,7 +193,7 @@ def test_fit_is_seeded_poisson_sampling_with_its_accounting():
     assert histories[0].history == histories[1].history
     assert set(histories[0].history) == {"loss", "mae"}
     assert len(histories[0].history["loss"]) == 2
-    assert dp.steps == 2 * 5 and dp._steps_at == {12 / 60: 10}
+    assert dp.steps == 2 * 5 and dp.steps_at == {12 / 60: 10}
     assert dp.trace_count <= 2  # padded to one shape (or, rarely, twice it)
 
 

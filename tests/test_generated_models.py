@@ -755,7 +755,7 @@ def private_step(model, x, y, G, clip, entry, known, epsilon):
         event("make_private: a loss coupling the samples refused")
         return None
     # no noise in the step (traced after this), sigma still in the ledger
-    model.privacy.dpsgd.gradient_noise_multiplier = 0.0
+    model.privacy.dpsgd.switch_noise_off_unaccounted()
     before = np.concatenate([np.ravel(v.numpy()) for v in model.trainable_variables])
     if run(f"{entry}: model.fit", lambda: model.fit(x, y, verbose=0), known) is None:
         return None

@@ -3,21 +3,31 @@
 A clip norm C that is too large adds noise for nothing; one too small throws
 the gradients' size away. Andrew, Thakkar, McMahan and Ramaswamy
 ("Differentially Private Learning with Adaptive Clipping", NeurIPS 2021) let
-C follow a quantile ``gamma`` of the per-sample gradient norms, privately:
-each step counts the samples whose norm is at most C, adds Gaussian noise of
-standard deviation ``sigma_b`` to the count, and moves C geometrically,
+C follow a quantile ``gamma`` of the per-sample gradient norms, privately.
+Each step releases the *centred* count of the samples whose norm is at most
+C, with Gaussian noise of standard deviation ``sigma_b``,
 
-    C <- C * exp(-eta * (noisy fraction unclipped - gamma)).
+    released = sum_i (b_i - 1/2) + N(0, sigma_b^2),    b_i = [|g_i| <= C],
 
-The count is a second Gaussian mechanism on the same samples (sensitivity
-1). Their Theorem 1: the two together cost what one Gaussian mechanism of
-noise multiplier ``z`` costs when the gradient's noise multiplier is
+and moves C geometrically by the noisy fraction ``released / B + 1/2`` (B
+the expected batch size):
+
+    C <- C * exp(-eta * (released / B + 1/2 - gamma)).
+
+Each term ``b_i - 1/2`` is +-1/2, so adding or removing one sample moves the
+released sum by at most 1/2: a Gaussian mechanism of noise multiplier
+``2 sigma_b``. Their Theorem 1 composes it with the gradient's: the two cost
+what one Gaussian mechanism of noise multiplier ``z`` costs when the
+gradient's noise multiplier is
 
     z_grad = (z^-2 - (2 sigma_b)^-2)^(-1/2)  >  z,
 
 so the accountant sees ``z`` unchanged, and the price of adapting is the
-larger noise on the gradient. TF-Privacy's ``QuantileAdaptiveClipSumQuery``
-and Opacus's ``AdaClipDPOptimizer`` take the same steps.
+larger noise on the gradient. The raw count ``sum_i b_i`` would have
+sensitivity 1 (noise multiplier ``sigma_b``), which the formula does not pay
+for: centring is what makes it hold. TF-Privacy's ``QuantileEstimatorQuery``
+releases the same centred sum; Opacus's ``AdaClipDPOptimizer`` the same
+steps.
 """
 
 import math
@@ -72,9 +82,17 @@ class AdaptiveClip:
             )
         return (z**-2 - (2 * self.count_noise) ** -2) ** -0.5
 
-    def next_clip(self, clip, unclipped, expected_batch, noise):
-        """C after a step in which ``unclipped`` samples had norm at most
-        ``clip``: the count plus ``count_noise * noise`` (``noise`` a
-        standard normal draw), over the expected batch, against the target."""
-        fraction = (unclipped + self.count_noise * noise) / expected_batch
+    def released_count(self, unclipped, sampled, noise):
+        """The noisy centred count a step releases: ``unclipped - sampled / 2``
+        (the sum of ``b_i - 1/2`` over the ``sampled`` samples of its batch,
+        ``unclipped`` of which had norm at most C) plus ``count_noise *
+        noise`` (``noise`` a standard normal draw). Adding or removing a
+        sample moves it by at most 1/2: the sensitivity Theorem 1 assumes."""
+        return float(unclipped) - 0.5 * float(sampled) + self.count_noise * noise
+
+    def next_clip(self, clip, released, expected_batch):
+        """C after a step that released the noisy centred count ``released``
+        (:meth:`released_count`): the noisy fraction of unclipped samples,
+        ``released / expected_batch + 1/2``, against the target."""
+        fraction = released / expected_batch + 0.5
         return clip * math.exp(-self.learning_rate * (fraction - self.target_quantile))

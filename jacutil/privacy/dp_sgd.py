@@ -52,10 +52,18 @@ from ..fitting.loss_gradients import (
     prepared,
 )
 from ..rules.walk import Weighing
-from .accounting import dp_accounting_module, dp_event, epsilon_of
+from .accounting import dp_accounting_module, dp_event
 from .clip_groups import ClipGroups
+from .config import DPConfig, check_noise_multiplier
+from .ledger import PrivacyLedger
 from .noise import random_sources, standard_normal
 from .sampling import check_batch_size, padded_size, poisson_batch, steps_per_epoch
+
+
+FROZEN = frozenset(  # DPSGD's attributes fixed when built (its DPConfig)
+    {"config", "clip", "l2_norm_clip", "adaptive_clip", "max_physical_batch_size",
+     "secure_mode"}
+)  # fmt: skip
 
 
 def added(sums, found):
@@ -178,43 +186,36 @@ class DPSGD:
         max_physical_batch_size=None,
         adaptive_clip=None,
     ):
+        config = DPConfig(
+            l2_norm_clip, noise_multiplier, adaptive_clip,
+            max_physical_batch_size, seed, bool(secure_mode),
+        )  # fmt: skip
         self._noise, self._sampler = random_sources(seed, secure_mode)
-        if not noise_multiplier >= 0 or not math.isfinite(noise_multiplier):
-            raise ValueError(
-                f"noise_multiplier is {noise_multiplier!r}; it must be a finite "
-                "number >= 0: the noise's standard deviation is noise_multiplier "
-                "* l2_norm_clip (0 means no noise, and no privacy)."
-            )
         self.model = model
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.variables = list(model.trainable_variables)
         if not self.variables:
             raise ValueError("the model has no trainable variables to train.")
-        self.clip = ClipGroups(model, self.variables, l2_norm_clip)
-        self.l2_norm_clip = self.clip.total  # the noise's scale (at the start)
-        self.adaptive_clip = adaptive_clip
+        self._config = config
+        self._clip = ClipGroups(model, self.variables, l2_norm_clip)
         if adaptive_clip is not None:
-            self.clip.adapt()
-        self.noise_multiplier = noise_multiplier  # and the gradient's
-        if max_physical_batch_size is not None and not (
-            int(max_physical_batch_size) == max_physical_batch_size
-            and max_physical_batch_size >= 1
-        ):
-            raise ValueError(
-                f"max_physical_batch_size is {max_physical_batch_size!r}; a whole "
-                "number >= 1 (the most rows one pass holds), or None."
-            )
-        self.max_physical_batch_size = max_physical_batch_size
+            self._clip.adapt()
+        # sigma (what the accountant composes) and the gradient's noise
+        # multiplier (larger under adaptive clipping), read by the compiled
+        # step each time it runs: a new sigma is the next step's, and the
+        # ledger counts each step under the sigma it ran with
+        self._sigma = tf.Variable(config.noise_multiplier, dtype=tf.float64,
+                                  trainable=False)  # fmt: skip
+        self._gradient_sigma = tf.Variable(0.0, dtype=tf.float64, trainable=False)
+        self.noise_multiplier = config.noise_multiplier
         self.dtype = tf.as_dtype(self.variables[0].dtype)
         if not hasattr(loss_fn, "of_sample"):  # a loss of the output alone
             refuse_activity_regularizers(model)
         self.skipped = 0  # samples whose gradient was not finite
         if not optimizer.built:  # a compiled model's optimizer may be built already
             optimizer.build(self.variables)
-        self.secure_mode = bool(secure_mode)
         self.seeded = seed is not None
-        self._steps_at = {}  # sampling rate -> steps taken at it
         self._checked_losses = False
         self.trace_count = 0
         self._compiled_sum = tf.function(self.clipped_sum, autograph=False)
@@ -222,6 +223,9 @@ class DPSGD:
         self._fused = None  # (x, y, the compiled sampled steps or None)
         self.last_weights = None  # the clip weights of the last step, row by row
         self.last_index = None  # which samples of x its rows were (padding too)
+        self._sampled = None  # how many rows of the step being taken are samples
+        # the released noisy count of the last step under adaptive clipping
+        self.last_released_count = None
         # the fused step's clipped sum from the norms' pass where the rules
         # can (book-keeping); False: always a second, weighted pass
         self.bookkeeping = True
@@ -231,49 +235,120 @@ class DPSGD:
         # call a step, not two); None elsewhere
         self.on_step = None
         self.last_logs = None
-        # counts every step by its (sigma, rate) where given
-        # (jacutil.privacy.ledger.PrivacyLedger: the model's)
-        self.ledger = None
+        # the one record of what ran: every step by its (sigma, rate)
+        # (make_private gives the model's: jacutil.privacy.ledger)
+        self.ledger = PrivacyLedger()
         self.quiet_skips = False  # see _count_skipped
         # an audit's gradient canaries (jacutil.privacy.audit.CanaryAudit):
         # each step adds the clipped ones its Poisson draw took
         self.canaries = None
 
+    # -- the configuration: frozen, but for sigma --------------------------------
+
+    @property
+    def config(self):
+        """The :class:`jacutil.privacy.config.DPConfig` this was built with
+        (its ``noise_multiplier`` is the first sigma)."""
+        return self._config
+
+    @property
+    def clip(self):
+        """The clip groups (:class:`ClipGroups`), fixed when built."""
+        return self._clip
+
+    @property
+    def l2_norm_clip(self):
+        """C (``sqrt(sum C_g^2)`` per layer) at the start: the noise's scale.
+        Fixed when built: a new C is a new DPSGD (or ``make_private``)."""
+        return self._clip.total
+
+    @property
+    def adaptive_clip(self):
+        """The :class:`AdaptiveClip` settings, or None; fixed when built."""
+        return self._config.adaptive_clip
+
+    @property
+    def max_physical_batch_size(self):
+        """The most rows one pass holds (None: the whole batch); fixed."""
+        return self._config.max_physical_batch_size
+
+    @property
+    def secure_mode(self):
+        """Whether the noise and sampling come from ``os.urandom``; fixed."""
+        return self._config.secure_mode
+
+    def __setattr__(self, name, value):
+        if name == "gradient_noise_multiplier":
+            raise AttributeError(
+                "DPSGD.gradient_noise_multiplier follows noise_multiplier (and "
+                "the adaptive clipping's count): set noise_multiplier, which "
+                "the ledger accounts step by step."
+            )
+        if name in FROZEN:
+            raise AttributeError(
+                f"DPSGD.{name} is fixed when the DPSGD is built (its DPConfig): "
+                "the clipping and the accounting rest on it. Build a new DPSGD, "
+                "or call make_private again; only noise_multiplier may change "
+                "between steps (each step is accounted under the sigma it ran "
+                "with)."
+            )
+        super().__setattr__(name, value)
+
     @property
     def noise_multiplier(self):
-        """sigma (z), what the accountant composes."""
-        return self._noise_multiplier
+        """sigma (z), what the accountant composes for the next step. It may
+        change between steps (a noise schedule): the compiled step reads it
+        each time it runs, and the ledger counts each step under the sigma
+        it ran with."""
+        return float(self._sigma.numpy())
 
     @noise_multiplier.setter
     def noise_multiplier(self, value):
-        self._noise_multiplier = float(value)
+        value = check_noise_multiplier(value)
         adaptive = self.adaptive_clip
         # the gradient's noise multiplier: z, or under adaptive clipping the
         # larger z_grad that leaves the count's noise its share of z's privacy
-        self.gradient_noise_multiplier = (
-            self._noise_multiplier
-            if adaptive is None
-            else adaptive.gradient_noise_multiplier(self._noise_multiplier)
+        gradient = (
+            value if adaptive is None else adaptive.gradient_noise_multiplier(value)
         )
+        self._sigma.assign(value)
+        self._gradient_sigma.assign(gradient)
+
+    @property
+    def gradient_noise_multiplier(self):
+        """The gradient's noise in units of C: sigma, or under adaptive
+        clipping the larger z_grad that pays for the count (read-only: it
+        follows :attr:`noise_multiplier`)."""
+        return float(self._gradient_sigma.numpy())
+
+    def switch_noise_off_unaccounted(self):
+        """A deliberate bug, for audits and teaching only: from the next
+        step on the gradient gets no noise while the ledger still counts
+        sigma - the failure a canary audit
+        (:class:`jacutil.privacy.audit.CanaryAudit`) exists to catch.
+        Never call it on a run whose epsilon you report."""
+        self._gradient_sigma.assign(0.0)
 
     def rebuilt(self, loss_fn, optimizer):
         """A DPSGD for the same model with another loss and optimizer (the
         model compiled again), that carries on this one's noise multiplier,
-        clip norms, random state (never a replayed draw), steps, ledger and
+        clip norms, random state (never a replayed draw), ledger and
         settings. Introduced in ``09-matrix-free``."""
+        config = self._config
         other = DPSGD(
             self.model, loss_fn, optimizer,
-            l2_norm_clip=self.clip.clips, noise_multiplier=self.noise_multiplier,
-            max_physical_batch_size=self.max_physical_batch_size,
+            l2_norm_clip=config.l2_norm_clip, noise_multiplier=self.noise_multiplier,
+            max_physical_batch_size=config.max_physical_batch_size,
+            adaptive_clip=config.adaptive_clip,
         )  # fmt: skip
-        other.secure_mode, other.seeded = self.secure_mode, self.seeded
+        other._config = config
+        other._clip = self._clip  # C as it has adapted
+        other.seeded = self.seeded
         other._noise, other._sampler = self._noise, self._sampler
-        other._steps_at = self._steps_at
         other.skipped = self.skipped
         other.ledger, other.quiet_skips = self.ledger, self.quiet_skips
         other.bookkeeping = self.bookkeeping
-        other.clip, other.adaptive_clip = self.clip, self.adaptive_clip
-        other.noise_multiplier = self.noise_multiplier
+        other._sigma, other._gradient_sigma = self._sigma, self._gradient_sigma
         other.canaries = self.canaries
         return other
 
@@ -285,14 +360,17 @@ class DPSGD:
 
     @property
     def steps(self):
-        """The steps taken so far (what the accountant composes)."""
-        return sum(self._steps_at.values())
+        """The steps in :attr:`ledger` (what the accountant composes)."""
+        return self.ledger.steps
 
     @property
     def steps_at(self):
-        """``{sampling rate: steps taken at it}``, a copy: what
-        :func:`epsilon_of` composes."""
-        return dict(self._steps_at)
+        """``{sampling rate: steps taken at it}`` over every sigma of the
+        ledger, a copy."""
+        found = {}
+        for (_, rate), count in self.ledger.events.items():
+            found[rate] = found.get(rate, 0) + count
+        return found
 
     # -- one step ---------------------------------------------------------------
 
@@ -336,19 +414,21 @@ class DPSGD:
     def noisy_update(self, sums, denominator):
         """The clipped ``sums`` plus Gaussian noise of standard deviation
         ``noise_multiplier * l2_norm_clip``, divided by ``denominator``, plus
-        the weight penalties' gradient, applied by the optimizer."""
+        the weight penalties' gradient, applied by the optimizer. Sigma and
+        C are read from their variables each time the step runs, so the
+        noise is always the one the ledger counts."""
         penalties = self.penalty_gradients()  # no sample in it: not clipped
-        noisy = self.gradient_noise_multiplier > 0
-        std = self.gradient_noise_multiplier * self.clip.current()
+        std = tf.convert_to_tensor(self._gradient_sigma) * tf.cast(
+            self.clip.current(), tf.float64
+        )
         updates = []
         scale = self.optimizer.scale_loss(1.0)  # 1.0 but under loss scaling
         for total, penalty, variable in zip(
             sums, penalties, self.variables, strict=True
         ):
             dtype = tf.as_dtype(variable.dtype)
-            if noisy:
-                std = tf.cast(std, dtype)
-                total = total + std * self._noise.normal(variable.shape, dtype=dtype)
+            noise = self._noise.normal(variable.shape, dtype=dtype)
+            total = total + tf.cast(std, dtype) * noise
             update = total / tf.cast(denominator, dtype)
             update = update if penalty is None else update + penalty
             # in the loss's scale, as Keras's train_step hands them over: a
@@ -571,19 +651,22 @@ class DPSGD:
 
     def _count_step(self, rate, expected):
         """One more step at sampling rate ``rate`` of expected batch size
-        ``expected``, for the accountant (and in :attr:`ledger`, when there
-        is one); under adaptive clipping, C moves for the next step, from
-        this step's noisy count of unclipped samples (a weight of 1)."""
-        self._steps_at[rate] = self._steps_at.get(rate, 0) + 1
-        if self.ledger is not None:
-            self.ledger.record(self.noise_multiplier, rate)
+        ``expected``, in :attr:`ledger` under the sigma it ran with; under
+        adaptive clipping, C moves for the next step, by the noisy centred
+        count of this step's unclipped samples (a weight of 1):
+        :meth:`AdaptiveClip.released_count`, the mechanism its accounting
+        assumes."""
+        self.ledger.record(self.noise_multiplier, rate)
         adaptive = self.adaptive_clip
         if adaptive is not None:
-            unclipped = float(np.sum(np.asarray(self.last_weights) == 1.0))
-            clip = float(self.clip.current())
+            weights = np.asarray(self.last_weights)
+            sampled = len(weights) if self._sampled is None else self._sampled
+            unclipped = float(np.sum(weights == 1.0))
             draw = standard_normal(self._noise)
-            new = adaptive.next_clip(clip, unclipped, expected, draw)
-            self.clip.variable.assign([new])
+            released = adaptive.released_count(unclipped, sampled, draw)
+            self.last_released_count = released
+            clip = float(self.clip.current())
+            self.clip.variable.assign([adaptive.next_clip(clip, released, expected)])
 
     def _count_skipped(self, skipped, any_kept):
         """Count and report the samples of non-finite gradient in a step; a
@@ -664,6 +747,7 @@ class DPSGD:
         x, y = self.as_inputs(x, y)
         n = n_samples(x)
         self.last_index = np.arange(n)
+        self._sampled = n
         losses, _ = self.padded_step(
             x,
             y,
@@ -706,6 +790,7 @@ class DPSGD:
             batch_size, rate, physical_batch_size, self.max_physical_batch_size
         )
         index, valid = poisson_batch(self._sampler, n, rate, physical)
+        self._sampled = int(np.sum(valid))
         self.last_logs = None
         if fused is None:
             batch_y = _take(y, index)
@@ -995,15 +1080,15 @@ class DPSGD:
     # -- privacy ----------------------------------------------------------------
 
     def dp_event(self):
-        """The steps taken so far as a ``dp_accounting.DpEvent``
-        (:func:`dp_event` of sigma and the steps at each sampling rate).
-        Introduced in ``09-matrix-free``."""
-        return dp_event(self.noise_multiplier, self._steps_at)
+        """The steps of :attr:`ledger` as a ``dp_accounting.DpEvent``
+        (:func:`dp_event` of each (sigma, rate) and its steps). Introduced in
+        ``09-matrix-free``."""
+        return dp_event(None, self.ledger.events)
 
     def epsilon(self, delta, accountant="rdp"):
-        """The epsilon spent so far at ``delta``: :func:`epsilon_of` (its
-        arguments and result) of the steps taken. Introduced in
-        ``09-matrix-free``."""
-        return epsilon_of(self.noise_multiplier, self._steps_at, delta, accountant)
+        """The epsilon spent so far at ``delta``: the ledger's, every step
+        under the sigma it ran with (:func:`jacutil.privacy.accounting.
+        epsilon_of`). Introduced in ``09-matrix-free``."""
+        return self.ledger.epsilon(delta, accountant)
 
 

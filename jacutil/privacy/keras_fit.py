@@ -107,9 +107,9 @@ class PrivateTraining:
         self._keras_fit = type(model).fit  # Keras's own, bound at each call
         self._data = None
         self._record = None  # the compiled record(), made at the first step
-        self._in_epoch = 0
-        self._epsilon = 0.0
         self._spent = {}  # the ledger's events (sorted items) -> epsilon
+        self._checked = set()  # the data signatures fit's early checks passed
+        self.calibrated_noise_multiplier = dpsgd.noise_multiplier
 
     @property
     def loss(self):
@@ -117,7 +117,16 @@ class PrivateTraining:
 
     @property
     def noise_multiplier(self):
+        """sigma for the next step. Setting it (a noise schedule, e.g. from
+        a callback) takes effect at the next step, and the ledger counts
+        each step under the sigma it ran with, so ``epsilon()`` and the logs
+        stay what ran; ``fit`` warns before a run whose planned steps
+        at the current sigma would spend more than ``target_epsilon``."""
         return self.dpsgd.noise_multiplier
+
+    @noise_multiplier.setter
+    def noise_multiplier(self, value):
+        self.dpsgd.noise_multiplier = value
 
     @property
     def steps(self):
@@ -200,13 +209,12 @@ class PrivateTraining:
             )
         self._follow_compile()
         self._check_budget(epochs - initial_epoch)
-        few_x, few_y = take(x, 0, 3), take(y, 0, 3)
-        if not self.loss.checked:
-            self.loss.check(*self.dpsgd.as_inputs(few_x, few_y))
-        self.dpsgd.clip_weights(few_x, few_y)  # refuse early, clearly
+        self._check_early(x, y)
         self._data = self.dpsgd.as_inputs(x, y)  # once: each step gathers rows
         tokens = np.zeros((self.steps_per_epoch, 1), np.float32)  # one per step
-        callbacks = [*(callbacks or []), _EpochStart(self)]
+        # first, so that every callback's on_epoch_end reads the ledger's
+        # epsilon, an epoch stopped early by a callback included
+        callbacks = [_LedgerEpsilon(self), *(callbacks or [])]
         try:
             return self._keras_fit(
                 self.model,
@@ -221,6 +229,30 @@ class PrivateTraining:
             )
         finally:
             self._data = None
+
+    def _check_early(self, x, y):
+        """Refuse, before the first step, a loss that couples samples or
+        norms that cannot be taken: once per signature of the data (its
+        dtypes and per-sample shapes) and compiled loss, so a fit per epoch
+        pays for them once. Without logs of the training, Keras's compiled
+        metrics are built here, unchanged (``fit`` reads their results)."""
+        few_x, few_y = take(x, 0, 3), take(y, 0, 3)
+        few_x, few_y = self.dpsgd.as_inputs(few_x, few_y)
+        key = (
+            id(self.loss),
+            tuple((a.dtype, tuple(a.shape[1:])) for a in tf.nest.flatten((x, y))),
+        )
+        if key in self._checked:
+            return
+        if not self.loss.checked:
+            self.loss.check(few_x, few_y)
+        self.dpsgd.clip_weights(few_x, few_y)  # refuse early, clearly
+        if not self.report_training:
+            self.model.compute_metrics(
+                few_x, few_y, self.model(few_x, training=False), sample_weight=None
+            )
+            self.model.reset_metrics()
+        self._checked.add(key)
 
     def _follow_compile(self):
         """After ``model.compile`` again (with the same optimizer or
@@ -269,6 +301,8 @@ class PrivateTraining:
         if int(epochs) != epochs or epochs < 1:
             raise ValueError(f"epochs - initial_epoch is {epochs!r}; at least 1.")
         planned = epochs * self.steps_per_epoch
+        if self.noise_multiplier != self.calibrated_noise_multiplier:
+            self._check_planned_epsilon(planned)
         if self.steps + planned > self.budget_steps:
             left = (self.budget_steps - self.steps) // self.steps_per_epoch
             raise ValueError(
@@ -281,6 +315,27 @@ class PrivateTraining:
                 "Every step taken stays in the model's ledger: a new "
                 "make_private on this model composes them, and can only "
                 "calibrate what is left of the same epsilon."
+            )
+
+    def _check_planned_epsilon(self, planned):
+        """Warn, before the first step, when the ``planned`` steps at the
+        current sigma (set since ``make_private`` calibrated it) would take
+        the model's epsilon past the target: the steps are then accounted as
+        they run (the ledger), but the target no longer bounds them."""
+        events = self.ledger.events
+        key = (float(self.noise_multiplier), float(self.sampling_rate))
+        events[key] = events.get(key, 0) + planned
+        found = epsilon_of(None, events, self.delta, self.accountant)
+        if found > self.target_epsilon:
+            warnings.warn(
+                f"noise_multiplier is now {self.noise_multiplier:.4g} (make_private "
+                f"calibrated {self.calibrated_noise_multiplier:.4g}): this fit's "
+                f"{planned} steps will take the model's epsilon to {found:.4g}, "
+                f"past the target {self.target_epsilon:g}. The logs and "
+                "epsilon() report what is spent; to stay within the target, "
+                "raise noise_multiplier or fit fewer epochs.",
+                RuntimeWarning,
+                stacklevel=3,
             )
 
     def record(self, losses, y, prediction, valid):
@@ -312,8 +367,9 @@ class PrivateTraining:
 
     def train_function(self, iterator):
         """One ``model.fit`` step: a DP-SGD step on a Poisson-sampled batch,
-        the loss and compiled metrics updated on the sampled rows, and
-        epsilon (after each epoch's last step) in the logs."""
+        the loss and compiled metrics updated on the sampled rows. Epsilon
+        enters the logs at each epoch's end (:class:`_LedgerEpsilon`), read
+        from the ledger: the accountant is not asked at every step."""
         if self._data is None:  # train_on_batch, or a loop of one's own
             raise TypeError(
                 "a private model trains only through model.fit(x, y), whose steps "
@@ -329,22 +385,31 @@ class PrivateTraining:
             if self._record is None:
                 self._record = tf.function(self.record, autograph=False)
             logs = self._record(*step) if self.report_training else {}
-        self._in_epoch += 1
-        if self._in_epoch == self.steps_per_epoch:
-            self._epsilon = self.epsilon()
-        logs = {**logs, "epsilon": self._epsilon}
+        logs = dict(logs)
         if self.dpsgd.adaptive_clip is not None:  # C, released by its noisy count
             logs["l2_norm_clip"] = float(self.dpsgd.clip.current())
         return logs
 
 
-class _EpochStart(keras.callbacks.Callback):
+class _LedgerEpsilon(keras.callbacks.Callback):
+    """Puts the ledger's epsilon into each epoch's logs, before any other
+    callback reads them (History, a CSV logger, early stopping), so an
+    epoch that a callback stopped mid-way reports the steps it took; and
+    into History's last entry when training ends, whatever ended it."""
+
     def __init__(self, training):
         super().__init__()
         self.training = training
 
-    def on_epoch_begin(self, epoch, logs=None):
-        self.training._in_epoch = 0
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs["epsilon"] = self.training.epsilon()
+
+    def on_train_end(self, logs=None):
+        history = getattr(self.model, "history", None)
+        spent = getattr(history, "history", {}).get("epsilon")
+        if spent:
+            spent[-1] = self.training.epsilon()
 
 
 def refuse_own_train_step(model):
@@ -359,6 +424,25 @@ def refuse_own_train_step(model):
             "compute_loss() (make_private clips each sample's gradient of "
             "compute_loss), or write the loop with jacutil.DPSGD's step."
         )
+
+
+def refuse_forgotten_steps(model, new_count):
+    """A ValueError when the model's optimizer has taken steps that no
+    ledger records, unless ``new_count``: they may have spent privacy that
+    a fresh count would forget."""
+    ledger = ledger_of(model)
+    taken = int(model.optimizer.iterations.numpy())
+    if new_count or not taken or (ledger is not None and ledger.steps):
+        return
+    raise ValueError(
+        f"the model's optimizer has taken {taken} steps, but the model carries "
+        "no privacy ledger: if they were private steps (a model saved after "
+        "make_private and loaded with keras.models.load_model, which drops "
+        "the ledger), a new count would forget what they spent. Load it with "
+        "jacutil.privacy.load_model(path), which reads the ledger too; or, if "
+        "those steps used no private data (public pretraining), say so: "
+        "make_private(..., new_count=True)."
+    )
 
 
 def make_private(
@@ -377,6 +461,7 @@ def make_private(
     target_quantile=None,
     clip_learning_rate=0.2,
     report_training=True,
+    new_count=False,
     verbose=True,
 ):
     """Make ``model.fit`` train by DP-SGD with at most ``epsilon`` spent.
@@ -448,6 +533,13 @@ def make_private(
         clip_learning_rate: eta, C's geometric step under adaptive clipping.
         report_training: keep the training loss and compiled metrics in the
             logs (computed without noise; see above).
+        new_count: a model whose optimizer has taken steps but that carries
+            no ledger (loaded by plain ``keras.models.load_model``, or
+            trained before without ``make_private``) is refused unless this
+            is True: say so only when those steps spent no privacy of this
+            data (pretraining on public data). A privately trained model
+            saved with ``model.save`` loads with its ledger by
+            :func:`jacutil.privacy.load_model`.
         verbose: print the calibrated sigma once.
 
     Returns:
@@ -479,6 +571,7 @@ def make_private(
         raise ValueError(f"epochs is {epochs!r}; a whole number >= 1.")
     validate_private(model)
     refuse_own_train_step(model)
+    refuse_forgotten_steps(model, new_count)
     ledger = ledger_of(model, create=True)
     steps = epochs * steps_per_epoch(train_size, batch_size)
     rate = batch_size / train_size

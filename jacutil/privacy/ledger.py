@@ -62,8 +62,6 @@ class PrivacyLedger(keras_saveable()):
         ``make_private``'s), by ``accountant`` (default: its too)."""
         delta = self.delta if delta is None else delta
         accountant = accountant or self.accountant or "pld"
-        if not self.counts:
-            return 0.0
         return epsilon_of(None, self.counts, delta, accountant)
 
     # -- Keras's saving walks here ----------------------------------------------

@@ -796,7 +796,7 @@ def audited_fit(noise=True):
             batch_size=batch, epochs=audit_epochs, train_size=dp_samples,
             seed=seed, verbose=False)
     if not noise:  # the bug: no noise added, the same sigma accounted
-        audited.privacy.dpsgd.gradient_noise_multiplier = 0.0
+        audited.privacy.dpsgd.switch_noise_off_unaccounted()
     audit = ju.privacy.CanaryAudit(audited, x_train, y_train,
                                    canaries=audit_canaries, seed=seed)
     audited.fit(x_train, y_train, epochs=audit_epochs, verbose=0,
