@@ -84,7 +84,7 @@ def test_adaptive_epsilon_is_dp_accountings_for_the_noise_added():
     epsilon the model reports, within its target."""
     model = classifier()
     model.compile(keras.optimizers.SGD(0.1),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))  # fmt: skip
+                  keras.losses.SparseCategoricalCrossentropy(True))  # fmt: skip
     make_private(model, epsilon=3.0, delta=DELTA, l2_norm_clip=1.0, batch_size=20,
                  epochs=1, train_size=N, target_quantile=0.5, seed=0,
                  verbose=False)  # fmt: skip
@@ -220,7 +220,7 @@ def test_historys_epsilon_is_the_ledgers_when_training_stops_mid_epoch(stop_afte
     """Before: 0.0 after 3 steps (true 1.73), 2.479 after 11 (true 2.824)."""
     model = classifier()
     model.compile(keras.optimizers.SGD(0.1),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))  # fmt: skip
+                  keras.losses.SparseCategoricalCrossentropy(True))  # fmt: skip
     make_private(model, epsilon=2.0, delta=DELTA, l2_norm_clip=1.0, batch_size=32,
                  epochs=2, train_size=N, seed=0, verbose=False)  # fmt: skip
     history = model.fit(X, Y, epochs=2, verbose=0, callbacks=[StopAfter(stop_after)])
@@ -241,7 +241,7 @@ def test_make_private_refuses_a_model_whose_steps_no_ledger_records(tmp_path):
     def private_model():
         model = classifier()
         model.compile(keras.optimizers.SGD(0.1),
-                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))  # fmt: skip
+                      keras.losses.SparseCategoricalCrossentropy(True))  # fmt: skip
         return model
 
     model = private_model()
@@ -270,7 +270,7 @@ def test_fits_early_checks_run_once_per_data_signature(monkeypatch):
     s a call: a fit per epoch paid it every epoch)."""
     model = classifier()
     model.compile(keras.optimizers.SGD(0.1),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))  # fmt: skip
+                  keras.losses.SparseCategoricalCrossentropy(True))  # fmt: skip
     make_private(model, epsilon=2.0, delta=DELTA, l2_norm_clip=1.0, batch_size=32,
                  epochs=3, train_size=N, seed=0, verbose=False)  # fmt: skip
     dpsgd = model.privacy.dpsgd

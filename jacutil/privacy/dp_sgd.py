@@ -32,7 +32,6 @@ asked for; no release of it installs with ``requirements.lock`` by pip's
 resolver, so it is an optional extra installed without its pins).
 """
 
-import math
 import warnings
 from functools import partial
 from types import SimpleNamespace
@@ -58,7 +57,6 @@ from .config import DPConfig, check_noise_multiplier
 from .ledger import PrivacyLedger
 from .noise import random_sources, standard_normal
 from .sampling import check_batch_size, padded_size, poisson_batch, steps_per_epoch
-
 
 FROZEN = frozenset(  # DPSGD's attributes fixed when built (its DPConfig)
     {"config", "clip", "l2_norm_clip", "adaptive_clip", "max_physical_batch_size",
@@ -488,18 +486,27 @@ class DPSGD:
         weights, _ = self._weights(x, y, np.ones(n_samples(x)))
         return self.clip.as_shown(weights)
 
-    def _weights(self, x, y, valid):
+    def _weights(self, x, y, valid, rows=None):
         """``(weights (rows, groups), skipped (rows,))`` of a batch from its
-        norms, one call of the norms per clip group (NumPy arrays)."""
+        norms, one call of the norms per clip group (NumPy arrays). With
+        ``rows``, the norms are taken in passes of that many rows, as
+        :meth:`padded_step` takes its sums: one shape of batch, and so one
+        compiled program, however large the Poisson batch."""
         self._check_losses(x, y)
+        total = n_samples(x)
+        rows = min(rows or total, total)
+        parts = [
+            (x, y) if rows == total else (take(x, s, s + rows), take(y, s, s + rows))
+            for s in range(0, total, rows)
+        ]
         norms = [
-            per_sample_gradient_norms(
-                self.model,
-                self.loss_fn,
-                x,
-                y,
-                variables=None if self.clip.flat else group,
-            )  # fmt: skip
+            np.concatenate([
+                per_sample_gradient_norms(
+                    self.model, self.loss_fn, part_x, part_y,
+                    variables=None if self.clip.flat else group,
+                )
+                for part_x, part_y in parts
+            ])  # fmt: skip
             for group in self.clip.variables_of(self.variables)
         ]
         weights, skipped = self.clip.weights(
@@ -533,7 +540,7 @@ class DPSGD:
                 x, y, valid, denominator=denominator, sampling_rate=sampling_rate,
                 rows=rows, expected=expected,
             )  # fmt: skip
-        weights, skipped = self._weights(x, y, valid)
+        weights, skipped = self._weights(x, y, valid, rows)
         self.last_weights = self.clip.as_shown(weights)
         kept = (weights > 0).any(axis=1)
         self._count_skipped(skipped, any_kept=bool(kept.any()) or not skipped.any())
