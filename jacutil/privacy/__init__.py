@@ -6,6 +6,7 @@ The parts, one job each:
 
 - ``keras_fit``     ``make_private``: Keras's fit, DP-SGD steps
 - ``keras_loss``    Keras's own loss of each sample (what is clipped)
+- ``config``        ``DPConfig``: what a DPSGD is built with, frozen and checked
 - ``dp_sgd``        ``DPSGD``: the step, by ghost clipping and book-keeping
 - ``sampling``      Poisson sampling, padded batches
 - ``clip_groups``   the clip weights, flat or per layer
@@ -23,6 +24,7 @@ _NAMES = {
     "PrivateTraining": "keras_fit",
     "make_private": "keras_fit",
     "DPSGD": "dp_sgd",
+    "DPConfig": "config",
     "noise_multiplier_for": "accounting",
     "per_sample_loss": "keras_fit",
     "load_model": "ledger",
@@ -36,6 +38,6 @@ _NAMES = {
 __all__, __getattr__, __dir__ = lazy_face(
     __name__,
     _NAMES,
-    modules="accounting adaptive_clip audit clip_groups dp_sgd keras_fit "
+    modules="accounting adaptive_clip audit clip_groups config dp_sgd keras_fit "
     "keras_loss ledger noise sampling validator",
 )

@@ -70,7 +70,8 @@ class PrivateTraining:
         dpsgd: the :class:`DPSGD` (its ``noise_multiplier``, ``last_weights``).
         loss: the :class:`~jacutil.privacy.keras_loss.KerasLoss` it clips.
         ledger: the model's ledger.
-        noise_multiplier: sigma, calibrated to ``target_epsilon``.
+        calibrated_noise_multiplier: sigma as ``make_private`` calibrated it
+            to ``target_epsilon`` (``noise_multiplier`` is the next step's).
         budget_steps: the steps sigma was calibrated for (``epochs`` epochs
             of ``steps_per_epoch``).
     """
