@@ -155,6 +155,15 @@ class DPSGD:
             is taken in passes whose clipped sums are added before the noise
             (gradient accumulation, the same step in less memory). None:
             the whole batch in one pass.
+        adaptive_clip: an :class:`jacutil.privacy.adaptive_clip.AdaptiveClip`
+            (C follows a quantile of the norms), or None.
+        ledger: the :class:`jacutil.privacy.ledger.PrivacyLedger` that counts
+            each step under the sigma it ran with (``make_private`` gives the
+            model's); None: a new one of this DPSGD's own.
+        quiet_skips: say nothing of samples of non-finite gradient (private
+            training: their count is not covered by the noise).
+        on_step: ``on_step(losses, y, prediction, valid) -> logs``, traced
+            into the fused step (``make_private``'s metrics), or None.
 
     Examples:
         >>> import numpy as np
@@ -183,6 +192,9 @@ class DPSGD:
         secure_mode=False,
         max_physical_batch_size=None,
         adaptive_clip=None,
+        ledger=None,
+        quiet_skips=False,
+        on_step=None,
     ):
         config = DPConfig(
             l2_norm_clip, noise_multiplier, adaptive_clip,
@@ -231,12 +243,12 @@ class DPSGD:
         # traced into the fused one-pass step: on_step(losses, y, prediction,
         # valid) -> logs, kept in last_logs (make_private's metrics: one graph
         # call a step, not two); None elsewhere
-        self.on_step = None
+        self.on_step = on_step
         self.last_logs = None
         # the one record of what ran: every step by its (sigma, rate)
         # (make_private gives the model's: jacutil.privacy.ledger)
-        self.ledger = PrivacyLedger()
-        self.quiet_skips = False  # see _count_skipped
+        self.ledger = PrivacyLedger() if ledger is None else ledger
+        self.quiet_skips = bool(quiet_skips)  # see _count_skipped
         # an audit's gradient canaries (jacutil.privacy.audit.CanaryAudit):
         # each step adds the clipped ones its Poisson draw took
         self.canaries = None
@@ -337,14 +349,14 @@ class DPSGD:
             self.model, loss_fn, optimizer,
             l2_norm_clip=config.l2_norm_clip, noise_multiplier=self.noise_multiplier,
             max_physical_batch_size=config.max_physical_batch_size,
-            adaptive_clip=config.adaptive_clip,
+            adaptive_clip=config.adaptive_clip, ledger=self.ledger,
+            quiet_skips=self.quiet_skips, on_step=self.on_step,
         )  # fmt: skip
         other._config = config
         other._clip = self._clip  # C as it has adapted
         other.seeded = self.seeded
         other._noise, other._sampler = self._noise, self._sampler
         other.skipped = self.skipped
-        other.ledger, other.quiet_skips = self.ledger, self.quiet_skips
         other.bookkeeping = self.bookkeeping
         other._sigma, other._gradient_sigma = self._sigma, self._gradient_sigma
         other.canaries = self.canaries

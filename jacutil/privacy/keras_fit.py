@@ -13,6 +13,7 @@ from ..core.batch import take
 from ..core.internals import compile_loss, keras_train_step, loss_tracker
 from .accounting import epsilon_of, noise_multiplier_for
 from .adaptive_clip import AdaptiveClip
+from .config import DPConfig
 from .dp_sgd import DPSGD
 from .keras_loss import KerasLoss
 from .ledger import ledger_of
@@ -79,7 +80,7 @@ class PrivateTraining:
     def __init__(
         self,
         model,
-        dpsgd,
+        config,
         *,
         ledger,
         target_epsilon,
@@ -91,15 +92,27 @@ class PrivateTraining:
         report_training,
     ):
         self.model = model
-        self.dpsgd = dpsgd
         self.ledger = ledger
+        self.report_training = report_training
+        # the steps: each sample's gradient of Keras's own loss, the model's
+        # ledger counting them, the logs recorded inside the step (one graph
+        # call a step), a sample of non-finite gradient skipped unreported
+        self.dpsgd = DPSGD(
+            model, KerasLoss(model), model.optimizer,
+            l2_norm_clip=config.l2_norm_clip,
+            noise_multiplier=config.noise_multiplier, seed=config.seed,
+            secure_mode=config.secure_mode,
+            max_physical_batch_size=config.max_physical_batch_size,
+            adaptive_clip=config.adaptive_clip,
+            ledger=ledger, quiet_skips=True, on_step=self.record,
+        )  # fmt: skip
+        dpsgd = self.dpsgd
         self.target_epsilon = target_epsilon
         self.delta = delta
         self.accountant = accountant
         self.batch_size = batch_size
         self.train_size = train_size
         self.epochs = epochs
-        self.report_training = report_training
         self.steps_per_epoch = steps_per_epoch(train_size, batch_size)
         self.budget_steps = epochs * self.steps_per_epoch
         self.sampling_rate = batch_size / train_size
@@ -269,7 +282,6 @@ class PrivateTraining:
         self.dpsgd = self.dpsgd.rebuilt(
             KerasLoss(self.model, general=self.loss.general), self.model.optimizer
         )
-        self.dpsgd.on_step = self.record
         self.model.train_function = None
         self._record = None
 
@@ -583,22 +595,11 @@ def make_private(
     adaptive = None
     if target_quantile is not None:
         adaptive = AdaptiveClip(target_quantile, clip_learning_rate, batch_size / 20)
-    dpsgd = DPSGD(
-        model,
-        KerasLoss(model),
-        model.optimizer,
-        l2_norm_clip=l2_norm_clip,
-        noise_multiplier=sigma,
-        seed=seed,
-        secure_mode=secure_mode,
-        max_physical_batch_size=max_physical_batch_size,
-        adaptive_clip=adaptive,
-    )
-    dpsgd.ledger = ledger
-    dpsgd.quiet_skips = True
+    config = DPConfig(l2_norm_clip, sigma, adaptive, max_physical_batch_size, seed,
+                      bool(secure_mode))  # fmt: skip
     training = PrivateTraining(
         model,
-        dpsgd,
+        config,
         ledger=ledger,
         target_epsilon=epsilon,
         delta=delta,
@@ -609,6 +610,7 @@ def make_private(
         report_training=report_training,
     )
     training.account_epochs()
+    dpsgd = training.dpsgd
     before = (
         f", after the {ledger.steps} steps the model took before "
         f"(epsilon {training.epsilon():.3g})"
@@ -648,7 +650,6 @@ def make_private(
         )
     elif seeded:
         warnings.warn(seeded.strip(), UserWarning, stacklevel=2)
-    dpsgd.on_step = training.record  # one graph call a step (the fused step)
     model.privacy = training
     model.fit = training.fit  # this model only: nothing is patched elsewhere
     model.make_train_function = training.make_train_function
