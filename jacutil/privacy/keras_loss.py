@@ -128,6 +128,13 @@ class KerasLoss:
             with keras.StatelessScope():
                 return tf.cast(self.compiled(one_y, one_prediction), flat[0].dtype)
 
+        rows = (t.shape.rank and t.shape[0] for t in tf.nest.flatten((y, flat)))
+        if all(r == 1 for r in rows):
+            # one sample (the per-sample gradients' own vectorized_map): its
+            # loss as it is. A vectorized_map nested in theirs would have XLA
+            # take the batch's values as compile-time constants: one compile
+            # per batch (issue 63)
+            return one(tf.nest.map_structure(lambda t: t[0], (y, flat, kept)))[None]
         return tf.vectorized_map(one, (y, flat, kept))
 
     def of_sample(self, x, y, prediction):

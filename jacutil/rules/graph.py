@@ -216,17 +216,26 @@ class Wiring:
         return Counter(itertools.chain(*self.inputs, self.model_outputs))
 
 
-def graph_nodes(model):
+def graph_nodes(model, shared=False):
     """The calls of an exact Keras model (:func:`is_exact_keras`) as a graph,
     nested models opened inline: ``(nodes, wiring)``, the :class:`Node` of each
     call in topological order (inputs first) and the :class:`Wiring` between
     them, the keys the ids of the Keras tensors.
 
+    With ``shared``, a layer called twice gives a node per call
+    (:func:`jacutil.rules.plan.plan_for` takes it only when none of its
+    variables is differentiated); else it is refused, as every reader that
+    takes a node's layer for its own variables needs.
+
     Raises:
-        NotAGraph: a layer is used twice or gives several outputs, or the
-            model's inputs and outputs cannot be read.
+        NotAGraph: a layer is used twice (without ``shared``), a nested model
+            is used twice, a layer gives several outputs, or the model's
+            inputs and outputs cannot be read.
     """
-    return _GraphWalk(model).run()
+    nodes, wiring = _GraphWalk(model).run()
+    if not shared and len({id(n.operation) for n in nodes}) != len(nodes):
+        raise NotAGraph("a layer is used more than once")
+    return nodes, wiring
 
 
 def _declared(model, nest, flat):
@@ -253,7 +262,7 @@ class _GraphWalk:
     def run(self):
         outputs = [self.resolve(t) for t in self.outputs]
         nodes, inputs, written = [], [], []
-        done, used = set(), {}  # ids of the Keras nodes emitted; op id -> node id
+        done = set()  # ids of the Keras nodes emitted (a layer used twice: two)
         stack = [(t, False) for t in reversed(outputs)]
         while stack:
             tensor, ready = stack.pop()
@@ -269,8 +278,6 @@ class _GraphWalk:
                 stack.append((tensor, True))
                 stack += [(t, False) for t in reversed(sources)]
                 continue
-            if used.setdefault(id(operation), id(keras_node)) != id(keras_node):
-                raise NotAGraph("a layer is used more than once")
             if len(keras_node.outputs) != 1:
                 raise NotAGraph(f"layer {operation.name!r} gives several outputs")
             done.add(id(keras_node))

@@ -216,11 +216,21 @@ def plan_for(model, variables, training=False):
     nodes, wiring = chain_nodes(model), None
     if not nodes:
         try:  # branches, several inputs or outputs: a graph
-            nodes, wiring = graph_nodes(model)
+            nodes, wiring = graph_nodes(model, shared=True)
         except NotAGraph as reason:
             return None, str(reason)
-    if len({id(node.operation) for node in nodes}) != len(nodes):
-        return None, "a layer is used more than once"
+    columns = {id(v) for v in variables}
+    uses = {}
+    for node in nodes:
+        uses[id(node.operation)] = uses.get(id(node.operation), 0) + 1
+    # a layer used twice whose variables are not differentiated (a frozen
+    # tied embedding, KerasHub's ReversibleEmbedding under LoRA) is two
+    # functions, each call a step of its own; one whose variables are would
+    # need both calls' contributions to each of them
+    for node in nodes:
+        weights = getattr(node.operation, "weights", [])
+        if uses[id(node.operation)] > 1 and any(id(v) in columns for v in weights):
+            return None, "a layer is used more than once"
     dtype = variables[0].dtype if variables else None
     steps = []
     for node in nodes:
