@@ -175,10 +175,12 @@ def test_same_seed_same_step_and_one_trace_per_shape():
     assert dp.trace_count == 2 and dp.steps == 3
 
 
-def test_fit_is_seeded_poisson_sampling_with_its_accounting():
+def test_sampled_steps_are_seeded_poisson_sampling_with_their_accounting():
+    """DPSGD keeps no loop of its own (model.fit is the loop, by
+    make_private): ten sampled steps, twice from the same seed, repeat."""
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(60, 5)), rng.normal(size=(60, 3))
-    histories = []
+    runs = []
     for _ in range(2):
         dp = DPSGD(
             dense_model(),
@@ -188,11 +190,10 @@ def test_fit_is_seeded_poisson_sampling_with_its_accounting():
             noise_multiplier=1.0,
             seed=5,
         )
-        metric = keras.metrics.MeanAbsoluteError("mae")
-        histories.append(dp.fit(x, y, epochs=2, batch_size=12, metrics=[metric]))
-    assert histories[0].history == histories[1].history
-    assert set(histories[0].history) == {"loss", "mae"}
-    assert len(histories[0].history["loss"]) == 2
+        losses = [dp.sampled_step(x, y, 12)[0].numpy() for _ in range(10)]
+        runs.append((np.concatenate(losses), flat(dp.model)))
+    np.testing.assert_array_equal(runs[0][0], runs[1][0])
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])
     assert dp.steps == 2 * 5 and dp.steps_at == {12 / 60: 10}
     assert dp.trace_count <= 2  # padded to one shape (or, rarely, twice it)
 
@@ -249,9 +250,6 @@ def test_epsilon_without_dp_accounting_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "dp_accounting", None)  # import fails
     with pytest.raises(ImportError, match="pip install --no-deps dp-accounting"):
         dp.epsilon(1e-5)
-    x, y = dense_data()
-    with pytest.raises(ImportError, match="attrs<24"):
-        dp.fit(x, y, batch_size=5, delta=1e-5)  # before training, not after
     assert dp.steps == 0
 
 
@@ -266,7 +264,7 @@ def test_errors_that_teach():
         DPSGD(model, mse, sgd, l2_norm_clip=1.0, noise_multiplier=-0.5)
     dp = DPSGD(model, mse, sgd, l2_norm_clip=1.0, noise_multiplier=1.0)
     with pytest.raises(ValueError, match="batch_size is 11 but the data has 10"):
-        dp.fit(x, y, batch_size=11)
+        dp.sampled_step(x, y, 11)
     with pytest.raises(ValueError, match="sampling_rate"):
         dp.step(x, y, sampling_rate=0.0)
     reducing = DPSGD(

@@ -17,11 +17,11 @@ gradient clipping", Li et al., 2022) never forms the per-sample gradients:
 4. the noise from a seeded ``tf.random.Generator``, then
    ``optimizer.apply_gradients``.
 
-:class:`DPSGD` wraps the four steps around a model, a loss and a Keras
-optimizer. It is a class, not a ``train_step`` for ``model.fit``, because the
-norms come from jacutil's own compiled function (a NumPy array, outside any
-Keras graph) and because the privacy accountant needs what the class keeps:
-how many steps ran, at which sampling rate.
+:class:`DPSGD` is the step: the four steps around a model, a loss and a
+Keras optimizer, each step counted in a ledger under the sigma it ran with.
+It keeps no training loop: ``model.fit`` is the loop
+(:func:`jacutil.privacy.make_private` makes each of its steps a
+:meth:`DPSGD.sampled_step`), or a loop of one's own calls the steps.
 
 Its parts live beside it: the sampling (:mod:`jacutil.privacy.sampling`),
 the clipping (:mod:`jacutil.privacy.clip_groups`, and
@@ -38,7 +38,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ..core._tf import keras, tf
+from ..core._tf import tf
 from ..core.batch import n_samples, take
 from ..core.graph_calls import SignatureCalls
 from ..core.internals import layers_within
@@ -51,12 +51,12 @@ from ..fitting.loss_gradients import (
     prepared,
 )
 from ..rules.walk import Weighing
-from .accounting import dp_accounting_module, dp_event
+from .accounting import dp_event
 from .clip_groups import ClipGroups
 from .config import DPConfig, check_noise_multiplier
 from .ledger import PrivacyLedger
 from .noise import random_sources, standard_normal
-from .sampling import check_batch_size, padded_size, poisson_batch, steps_per_epoch
+from .sampling import check_batch_size, padded_size, poisson_batch
 
 FROZEN = frozenset(  # DPSGD's attributes fixed when built (its DPConfig)
     {"config", "clip", "l2_norm_clip", "adaptive_clip", "max_physical_batch_size",
@@ -97,9 +97,10 @@ class DPSGD:
     """Differentially private SGD for a Keras 3 model, by ghost clipping.
 
     Each step takes the four steps of this module's docstring, with noise of
-    standard deviation ``noise_multiplier * l2_norm_clip``; :meth:`fit`
-    Poisson-samples its batches, as the accountant of :meth:`epsilon`
-    assumes. Introduced in ``09-matrix-free``.
+    standard deviation ``noise_multiplier * l2_norm_clip``;
+    :meth:`sampled_step` Poisson-samples its batch, as the accountant of
+    :meth:`epsilon` assumes (``make_private``'s ``model.fit`` takes its steps
+    there). Introduced in ``09-matrix-free``.
 
     The model runs in inference mode (``training=False``) in both passes:
     the norms and the backward pass are two forward passes, and a dropout
@@ -141,7 +142,7 @@ class DPSGD:
             scale.
         noise_multiplier: sigma, the noise's standard deviation in units of C
             (>= 0; 0 clips without noise and gives no privacy).
-        seed: seeds the noise and :meth:`fit`'s sampling: the same seed, model
+        seed: seeds the noise and the sampling: the same seed, model
             and data give the same steps - and anyone who knows the seed can
             replay the noise and subtract it, so a seeded run is for
             teaching and tests, never private. None (the default): a fresh
@@ -789,10 +790,13 @@ class DPSGD:
         padded with weight-0 rows to ``physical_batch_size``, or to a multiple
         of it when larger, taken in passes of ``physical_batch_size`` rows
         (gradient accumulation: the same step), so the compiled step traces
-        once, not once per batch size. :meth:`fit` and
-        ``jacutil.privacy.make_private``'s ``model.fit`` take their steps
-        here; ``x``, ``y`` are all n training samples and targets, and the
-        other arguments are :meth:`fit`'s. Introduced in ``09-matrix-free``.
+        once, not once per batch size. ``jacutil.privacy.make_private``'s
+        ``model.fit`` takes its steps here. ``x``, ``y`` are all n training
+        samples and targets; ``batch_size`` the expected batch size, at most
+        n; ``physical_batch_size`` the padded batch's size (default: the
+        expected size plus two standard deviations of the Poisson batch
+        size, exceeded in about 2% of the steps). Introduced in
+        ``09-matrix-free``.
 
         Returns:
             ``(losses, y, prediction, valid)``, one row per row of the padded
@@ -1030,71 +1034,6 @@ class DPSGD:
         sums, losses, prediction = tf.cond(any_kept, clipped, nothing)
         losses = tf.where(skipped, tf.constant(np.nan, losses.dtype), losses)
         return sums, losses, prediction, skipped, any_kept, weights
-
-    def fit(
-        self,
-        x,
-        y,
-        epochs=1,
-        batch_size=32,
-        *,
-        metrics=(),
-        delta=None,
-        physical_batch_size=None,
-    ):
-        """Train by DP-SGD on Poisson-sampled batches; a Keras-like History.
-
-        Each epoch takes ``round(n / batch_size)`` steps of
-        :meth:`sampled_step`, for which the accountant of :meth:`epsilon` is
-        exact. Introduced in ``09-matrix-free``.
-
-        Args:
-            x: the n training samples (an array, or a structure of arrays).
-            y: their targets.
-            epochs: passes over the data (in expectation).
-            batch_size: the expected batch size, at most n.
-            metrics: Keras metrics, e.g.
-                ``[keras.metrics.SparseCategoricalAccuracy("accuracy")]``,
-                reset each epoch and updated with the predictions before
-                each step.
-            delta: when given, ``history["epsilon"]`` holds the epsilon spent
-                at this delta after each epoch.
-            physical_batch_size: the padded batch's size (default: the
-                expected size plus two standard deviations of the Poisson
-                batch size, exceeded in about 2% of the steps).
-
-        Returns:
-            A ``keras.callbacks.History`` whose ``history`` maps "loss" (the
-            mean per-sample loss of each epoch), each metric's name and
-            "epsilon" to one value per epoch.
-        """
-        x, y = self.as_inputs(x, y)
-        steps = steps_per_epoch(n_samples(x), batch_size)
-        if delta is not None:
-            dp_accounting_module()  # say how to install it before training, not after
-        history = keras.callbacks.History()
-        history.history = {"loss": []}
-        for _ in range(epochs):
-            for metric in metrics:
-                metric.reset_state()
-            total, count = 0.0, 0
-            for _ in range(steps):
-                losses, batch_y, prediction, valid = self.sampled_step(
-                    x, y, batch_size, physical_batch_size
-                )
-                kept = np.asarray(losses)[np.asarray(valid) > 0]
-                total += float(np.nansum(kept))
-                count += int(np.isfinite(kept).sum())
-                for metric in metrics:
-                    metric.update_state(batch_y, prediction, sample_weight=valid)
-            history.history["loss"].append(total / max(count, 1))
-            for metric in metrics:
-                values = history.history.setdefault(metric.name, [])
-                values.append(float(metric.result()))
-            if delta is not None:
-                history.history.setdefault("epsilon", []).append(self.epsilon(delta))
-        history.epoch = list(range(epochs))
-        return history
 
     # -- privacy ----------------------------------------------------------------
 
