@@ -200,7 +200,7 @@ def count_activations(target, x, *, unroll=True):
     spec = tf.nest.map_structure(lambda t: tf.TensorSpec([1, *t.shape[1:]], t.dtype), x)
     rnns = recurrent_layers(target) if unroll else []
     with unrolled(rnns):
-        forward = quiet_function(target.forward)
+        forward = quiet_function(target.forward, autograph=False)  # as Keras
         graph = forward.get_concrete_function(spec).graph
     total, read = 0, set()
     for op in graph.get_operations():

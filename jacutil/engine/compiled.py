@@ -123,7 +123,7 @@ class CompiledJacobian:
             jit_compile=jit_compile,
             # the rules' own code has no tensor-dependent Python control flow:
             # converting it with autograph costs most of the first call
-            autograph=mode != Ladder.RULES or self.plan.user_code,
+            autograph=mode != Ladder.RULES,
         )
 
     def _jacobian(self, x, mode, jit_compile):

@@ -269,7 +269,7 @@ class LossGradients:
             traced,
             input_signature=specs,
             jit_compile=xla,
-            autograph=mode != Ladder.RULES or plan.user_code,
+            autograph=False,
         )
 
 

@@ -127,13 +127,11 @@ def _gather_blocks(plan, x, signal, method):
     return blocks, *_walk_backward(plan, x, signal, write)
 
 
-def _walk_backward(plan, x, signal, visit):
-    """The forward pass, then the steps from the outputs down, in reverse
-    topological order: ``visit(step, saved, delta, wanted, need_signal)`` for
-    each step above a wanted variable, returning the signal below (a list for
-    a step of several inputs). Where a tensor feeds several steps, their
-    signals are summed. Returns ``(n, l or r, dtype)``.
-    """
+def forward_values(plan, x):
+    """The rules' forward pass over the plan's steps: ``(values, saved)``,
+    ``values`` the tensor of each key of the plan's wiring (the model's
+    inputs, every step's output) and ``saved`` what each step's rule keeps
+    for its backward step, in step order."""
     wiring = plan.wiring
     leaves = tf.nest.flatten(x)
     if len(leaves) != len(wiring.model_inputs):
@@ -146,8 +144,20 @@ def _walk_backward(plan, x, signal, visit):
         inputs = [values[k] for k in keys]
         values[key], kept = step.forward(inputs if step.several_inputs else inputs[0])
         saved.append(kept)
+    return values, saved
+
+
+def _walk_backward(plan, x, signal, visit):
+    """The forward pass, then the steps from the outputs down, in reverse
+    topological order: ``visit(step, saved, delta, wanted, need_signal)`` for
+    each step above a wanted variable, returning the signal below (a list for
+    a step of several inputs). Where a tensor feeds several steps, their
+    signals are summed. Returns ``(n, l or r, dtype)``.
+    """
+    wiring = plan.wiring
+    values, saved = forward_values(plan, x)
     outputs = [values[key] for key in wiring.model_outputs]
-    n_samples = tf.shape(leaves[0])[0]
+    n_samples = tf.shape(tf.nest.flatten(x)[0])[0]
     signals, n_outputs, at_logits = _starting_signals(plan, outputs, signal)
     depends = plan.needs_signal()
     for j in reversed(range(len(plan.steps))):
