@@ -6,11 +6,21 @@ its stream comparison drops stderr on both sides (the stored notebook and the
 fresh run); stdout, results and errors are still compared in strict mode.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+# the rules' kept verdicts (jacutil.rules.verdicts): a folder of the test
+# run's own, so that each run checks every layer once and leaves nothing
+if "JACUTIL_CHECK_CACHE" not in os.environ:
+    _verdicts = tempfile.mkdtemp(prefix="jacutil-verdicts-")
+    os.environ["JACUTIL_CHECK_CACHE"] = _verdicts
+    atexit.register(shutil.rmtree, _verdicts, ignore_errors=True)
 
 # notebooks/solutions/ holds each notebook with its solutions in and no stored
 # outputs: papermill runs them (tests/test_notebooks.py), nbval runs the stored

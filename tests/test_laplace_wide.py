@@ -456,3 +456,40 @@ def test_kron_fits_a_thousand_classes_on_2048_features_in_bounded_memory():
     # m^2 float64 would be 33.6 TB; the factors (2049^2 + 1000^2) and the
     # predictive's pieces are a few hundred MiB next to TensorFlow's own
     assert out["peak"] < 2 * 2**30, out["peak"]
+
+
+def test_auto_takes_kron_for_a_dense_head_that_would_not_fit(monkeypatch):
+    """Issue 64: where neither low rank nor full G fits in the memory free,
+    "auto" takes the Dense head's Kronecker factors, says so, and gives what
+    hessian_structure="kron" gives; a last layer that is not one Dense layer
+    is still refused, with the way out."""
+    import jacutil.curvature.laplace_last_layer as last_layer
+
+    model = mlp(width=6)
+    x, y = data("softmax_cross_entropy", n=20, width=6)
+    asked = laplace(
+        model, x, y, "softmax_cross_entropy", hessian_structure="kron",
+        prior_precision=0.4,
+    )  # fmt: skip
+    fits = laplace(model, x, y, "softmax_cross_entropy", prior_precision=0.4)
+    assert fits.hessian_structure == "full"  # m = 48 < n r = 100: G fits
+    monkeypatch.setattr(last_layer, "available_bytes", lambda: 1000)
+    with pytest.warns(UserWarning, match="'auto' took 'kron'.*48 x 48"):
+        auto = laplace(model, x, y, "softmax_cross_entropy", prior_precision=0.4)
+    assert auto.hessian_structure == "kron" and "'full' would need" in (
+        auto.hessian_reason
+    )
+    np.testing.assert_allclose(
+        auto.ggn.to_dense(), asked.ggn.to_dense(), rtol=1e-12, atol=1e-14
+    )
+    x_test = data("softmax_cross_entropy", n=3, width=6, seed=5)[0]
+    np.testing.assert_allclose(
+        auto.predictive_variance(x_test), asked.predictive_variance(x_test),
+        rtol=1e-12,
+    )  # fmt: skip
+    # "full" asked for, not "auto": refused, as before
+    with pytest.raises(ValueError, match="Pass hessian_structure='kron'"):
+        laplace(model, x, y, "softmax_cross_entropy", hessian_structure="full")
+    # two Dense layers as the last layer: no Kronecker factors to take
+    with pytest.raises(ValueError, match="more than the memory free"):
+        laplace(model, x, y, "softmax_cross_entropy", last_layer=["hidden", "head"])

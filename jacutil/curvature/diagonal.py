@@ -109,9 +109,7 @@ class DiagonalOfG(OnRules):
 
         function = self._functions.get(
             key,
-            lambda: quiet_function(
-                squares, input_signature=specs, autograph=False
-            ),
+            lambda: quiet_function(squares, input_signature=specs, autograph=False),
         )
         return function(*args).numpy()
 

@@ -65,9 +65,7 @@ class GradientRows(OnRules):
 
         function = self._functions.get(
             (signature_key(x), rows.shape[1], rows.shape[2]),
-            lambda: quiet_function(
-                pieces, input_signature=specs, autograph=False
-            ),
+            lambda: quiet_function(pieces, input_signature=specs, autograph=False),
         )
         return function(x, tf.constant(rows, dtype)).numpy()
 

@@ -1,5 +1,7 @@
 """The last-layer Laplace posterior (11-curvature-and-uncertainty)."""
 
+import warnings
+
 import numpy as np
 import scipy.linalg
 
@@ -118,14 +120,17 @@ class LastLayerLaplace(Laplace):
       :class:`KFACLaplace` does. Exact where every ``A_i.T H_i A_i`` is the
       same (the squared error on a linear Dense head) or n = 1.
     * ``"auto"`` (the default): ``"low_rank"`` where k = n r < m, else
-      ``"full"``.
+      ``"full"``; ``"kron"`` where that (k, k) or (m, m) matrix would not
+      fit in the memory free and the last layer is one Dense layer (a
+      1,000-class head), with a ``UserWarning`` that says so.
 
-    The choice is :attr:`hessian_structure` and shows in ``repr``. Where the
-    (k, k) or (m, m) matrix would not fit in memory, ValueError: ask for
-    ``"kron"``.
+    The choice is :attr:`hessian_structure`, shows in ``repr``, and
+    :attr:`hessian_reason` says why. Where the matrix asked for would not
+    fit in memory (and ``"auto"`` cannot take ``"kron"``), ValueError.
 
     Attributes:
         hessian_structure: ``"full"``, ``"low_rank"`` or ``"kron"``.
+        hessian_reason: why that one (a ``str``).
         low_rank: the ``LowRankGGN`` of ``"low_rank"``, else None.
         ggn: G (m, m) (``"low_rank"``: formed on each access, small last
             layers only), or the ``KFAC`` of ``"kron"``.
@@ -133,6 +138,7 @@ class LastLayerLaplace(Laplace):
 
     structure = "last_layer"
     hessian_structure = None  # the one chosen, by _fit
+    hessian_reason = None  # why, in words
     low_rank = None
     _roots = None  # S_i (n, l', r) of the training samples, while needed
     _covariance_kept = None  # (delta, sigma^2, (Sigma, parts)) of the last predictive
@@ -206,9 +212,21 @@ class LastLayerLaplace(Laplace):
                     "layer is not one Dense layer of a functional or Sequential "
                     "model. Use 'low_rank' or 'full', or structure='kfac'."
                 )
+            self.hessian_reason = "hessian_structure='kron', as asked"
             return chosen
         side = k if chosen == "low_rank" else m
         needed = 8 * SQUARE_COPIES * side**2
+        if needed > available_bytes() and self._asked == "auto" and self.dense:
+            self.hessian_reason = (
+                f"hessian_structure='auto' took 'kron': {chosen!r} would need a "
+                f"{side:,} x {side:,} matrix (about {needed / 2**30:,.1f} GiB with "
+                f"its workspace; m = {m:,} parameters, n r = {k:,} rows of G's "
+                "root), more than the memory free; 'kron' holds the Dense head's "
+                "Kronecker factors (approximate, see LastLayerLaplace)"
+            )
+            warnings.warn(self.hessian_reason, UserWarning, stacklevel=5)
+            return "kron"
+        self.hessian_reason = f"hessian_structure={self._asked!r}: {chosen!r}"
         if needed > available_bytes():
             raise ValueError(
                 f"hessian_structure={chosen!r} needs a {side:,} x {side:,} matrix "

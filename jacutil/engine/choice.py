@@ -4,7 +4,14 @@
 loss gradients and every entry that runs on the engine (:func:`choice_for`).
 """
 
+import time
 from dataclasses import dataclass, field
+
+# what a compiled Jacobian spends its time on (CompiledJacobian.spent)
+SPENT = (
+    "checking the rules", "counting activations", "tracing and compiling",
+    "running",
+)  # fmt: skip
 
 
 @dataclass
@@ -26,6 +33,8 @@ class Choice:
     working_bytes: int = 0
     budget_bytes: int = 0
     traced: bool = False  # this call traced (compiled) a new function
+    spent: dict = field(default_factory=dict)  # seconds of this call, by what
+    check: str = ""  # how the rules were proved, where this call proved them
 
     def __str__(self):
         lines = [f"path: {self.path} ({self.why})"]
@@ -46,13 +55,37 @@ class Choice:
         lines.append(
             "traced in this call" if self.traced else "compiled function reused"
         )
+        if self.check:
+            lines.append(self.check)
+        if self.spent:
+            parts = [
+                f"{what} {seconds:.2f} s" for what, seconds in self.spent.items()
+                if what != "total" and seconds >= 0.005
+            ]  # fmt: skip
+            lines.append(
+                f"this call took {self.spent.get('total', 0.0):.2f} s"
+                + (f": {', '.join(parts)}" if parts else "")
+            )
         return "\n".join(lines)
 
 
 RULES_WHY = "every layer has a rule or passes its signal by autodiff"
 
 
-def choice_for(jac, plan, on_rules, formulation, traced, fallback=None):
+def spent_since(jac, before, start):
+    """The seconds ``jac`` (a ``CompiledJacobian``) spent since its
+    ``spent`` was ``before`` (a copy), by what (:data:`SPENT`), and the
+    ``total`` since ``start`` (a ``time.perf_counter()`` reading): what
+    ``explain=True`` says a call spent."""
+    spent = {
+        what: jac.spent[what] - before.get(what, 0.0)
+        for what in SPENT
+        if jac.spent[what] - before.get(what, 0.0) > 0
+    }
+    return spent | {"total": time.perf_counter() - start}
+
+
+def choice_for(jac, plan, on_rules, formulation, traced, fallback=None, spent=None):
     """The :class:`Choice` of a call on ``jac``'s layer rules or its fallback
     (``jacobian`` and the per-sample loss gradients say it the same way),
     for the call's :class:`jacutil.core.planner.Plan`; ``fallback`` says why
@@ -68,4 +101,8 @@ def choice_for(jac, plan, on_rules, formulation, traced, fallback=None):
         working_bytes=plan.working,
         budget_bytes=plan.budget,
         traced=traced,
+        spent=spent or {},
+        check=str(jac.plan.report)
+        if on_rules and (spent or {}).get("checking the rules")
+        else "",
     )

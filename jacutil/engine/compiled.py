@@ -4,6 +4,10 @@ rules' checked plan or the autodiff formulations (the fallback ladder of
 :class:`jacutil.core.formulation.Ladder`). Stage 3 teaches it (notebook
 03-compiled); every path of the package runs on :func:`compiled_for`."""
 
+import time
+from collections import Counter
+from contextlib import contextmanager
+
 import numpy as np
 
 from ..core import cache
@@ -71,6 +75,7 @@ class CompiledJacobian:
         self.compiled_shapes = set()
         self.formulation = None
         self.activations = {}  # input signature -> activation elements (chunked)
+        self.spent = Counter()  # seconds, by what: see engine.choice.SPENT
         self._owner = owner
         self.ladder = Ladder(
             lambda key, mode, xla, x: self.build(x, mode, xla), self.checked_plan
@@ -88,9 +93,11 @@ class CompiledJacobian:
         counted once per input shape."""
         key = signature_key(x)
         if key not in self.activations:
+            start = time.perf_counter()
             self.activations[key] = count_activations(
                 self.target, x, unroll=self.method == "per_sample"
             )
+            self.spent["counting activations"] += time.perf_counter() - start
         return self.activations[key]
 
     def build(self, x, mode, jit_compile):
@@ -158,7 +165,8 @@ class CompiledJacobian:
             x = pad_with_last(x, pad_to)
         if self.jit_compile:
             self.compiled_shapes.add(int(n_samples(x)))
-        J = self.ladder(key, (x,), Ladder.MODES if self.jit_compile else ())[0]
+        with self.timed_call(self):
+            J = self.ladder(key, (x,), Ladder.MODES if self.jit_compile else ())[0]
         return J[:n_rows] if padded else J
 
     def checked_plan(self, x):
@@ -170,11 +178,28 @@ class CompiledJacobian:
         """
         if self.plan is None or signature_key(x) in self.plan.checked:
             return self.plan
+        start = time.perf_counter()
         reason = self.plan.check(self.target, x)
+        self.spent["checking the rules"] += time.perf_counter() - start
         if reason is not None:
             self.plan, self.fallback = None, reason
             self.ladder.restart()
         return self.plan
+
+    @contextmanager
+    def timed_call(self, traced):
+        """Time a call of a compiled function of ``traced`` (an object with a
+        ``trace_count``) into ``spent``: as tracing and compiling (with its
+        first run) where it traced, else as running; a check made inside
+        counts as checking only."""
+        start, traces = time.perf_counter(), traced.trace_count
+        checking = self.spent["checking the rules"]
+        try:
+            yield
+        finally:
+            inside = self.spent["checking the rules"] - checking
+            what = "tracing and compiling" if traced.trace_count > traces else "running"
+            self.spent[what] += time.perf_counter() - start - inside
 
     def __call__(self, x, *, copy=True):
         """Return the (n_samples, n_outputs, n_params) Jacobian of ``x``.
@@ -274,7 +299,10 @@ def compiled_jacobian(
         array of shape (n, l, m).
 
     Examples:
-        >>> import numpy as np
+        >>> import time
+from collections import Counter
+
+import numpy as np
         >>> from jacutil import keras, compiled_jacobian
         >>> keras.utils.set_random_seed(0)
         >>> model = keras.Sequential([keras.Input((3,), dtype="float64"),

@@ -5,6 +5,7 @@ rules when the model is a chain they read, the compiled per-sample stage
 otherwise, in chunks when the working memory would pass the budget or
 ``out`` is given. ``jacutil.auto.jacobian`` is its public face."""
 
+import time
 from dataclasses import replace
 
 from ..core._shared import is_path
@@ -27,7 +28,7 @@ from ..core.planner import (
 )
 from ..core.resume import check_key, recorded_chunk_size
 from ..core.target import variable_list
-from .choice import choice_for
+from .choice import choice_for, spent_since
 from .compiled import compiled_for
 from .rows import chunked_jacobian
 
@@ -56,6 +57,7 @@ def best_jacobian(
     ``forward_for(model, variables, training)`` the compiled forward-mode
     Jacobian to consider (None: reverse mode only, as the consumers in the
     engine's layer take it)."""
+    start = time.perf_counter()
     check_key(key, model, out)
     variables = None if variables is None else variable_list(variables)
 
@@ -74,7 +76,7 @@ def best_jacobian(
     except BatchesOfShapes as shapes:  # padded_batch: one group at a time
         return rows_by_shape(shapes, group, out, resumable=is_path(out))
     jac = compiled_for(model, variables, training, False, "rules", x)
-    traces = jac.trace_count
+    traces, before = jac.trace_count, dict(jac.spent)
     target = jac.target
     batch = as_batch(x, target)
     n_outputs = output_layout(target, batch).n_outputs
@@ -127,8 +129,9 @@ def best_jacobian(
         return J
     on_rules = jac.plan is not None and not forward
     choice = choice_for(
-        jac, plan, on_rules, jac.formulation or "", ran.trace_count > traces
-    )
+        jac, plan, on_rules, jac.formulation or "", ran.trace_count > traces,
+        spent=spent_since(jac, before, start),
+    )  # fmt: skip
     if forward:
         choice = replace(
             choice,

@@ -10,6 +10,7 @@ per model, loss and variables (:class:`LossGradients`, cached by
 a batch larger than the memory budget runs in chunks.
 """
 
+import time
 import weakref
 
 import numpy as np
@@ -43,7 +44,7 @@ from ..core.formulation import (
 from ..core.guards import JacobianError
 from ..core.planner import bytes_per_sample, plan_chunks, run_chunks
 from ..core.target import watched
-from ..engine.choice import choice_for
+from ..engine.choice import choice_for, spent_since
 from ..engine.compiled import bucket_size, compiled_for
 from ..rules.logits import logits_of
 from ..rules.registry import LogitsSignal
@@ -207,7 +208,8 @@ class LossGradients:
         if xla:  # padded to a power of two: at most log2(XLA_NORMS_ROWS) compiles
             padded = bucket_size(rows, XLA_NORMS_ROWS)
             x, y = pad_with_last(x, padded), pad_with_last(y, padded)
-        result, mode, under_xla = self.ladder(key, (x, y), xla)
+        with self.jac.timed_call(self):
+            result, mode, under_xla = self.ladder(key, (x, y), xla)
         under, rules = ", under XLA" if under_xla else "", mode == Ladder.RULES
         self.formulation = self.jac.plan.describe() + under if rules else mode
         return np.asarray(result)[:rows]  # a view: no eager slicing op
@@ -376,12 +378,13 @@ def _run(
 
         return rows_by_shape(shapes, group)
     _refuse_weights(weights)
+    start = time.perf_counter()
     if y is None:
         raise ValueError(
             "y is missing: pass the targets, or a dataset of (x, y) batches."
         )
     job = gradients_for(model, loss_fn, variables, training, x)
-    traces = job.trace_count
+    traces, before = job.trace_count, dict(job.jac.spent)
     target = job.target
     batch = as_batch(x, target)
     rows = int(n_samples(batch))
@@ -411,7 +414,10 @@ def _run(
     on_rules = job.formulation.startswith("layer rules")
     fallback = job.jac.fallback or "the loss reads logits"
     traced = job.trace_count > traces
-    return out, choice_for(job.jac, plan, on_rules, job.formulation, traced, fallback)
+    spent = spent_since(job.jac, before, start)
+    return out, choice_for(
+        job.jac, plan, on_rules, job.formulation, traced, fallback, spent
+    )
 
 
 def per_sample_gradients(

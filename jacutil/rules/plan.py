@@ -6,6 +6,7 @@ the plan against autodiff (``jacutil.rules.verify``) before its walks
 (``jacutil.rules.walk``) give any number.
 """
 
+import time
 import weakref
 from dataclasses import dataclass, field
 
@@ -20,7 +21,8 @@ from .autodiff import AutodiffRule
 from .graph import NotAGraph, Wiring, chain_nodes, graph_nodes, is_exact_keras
 from .merge import MERGE_RULES
 from .registry import Wanted, rule_for
-from .verify import disagreement, first_difference, relative_error
+from .verdicts import CheckReport, prove_layers
+from .verify import disagreement, first_difference, relative_error, spread_samples
 from .walk import (
     rules_squared_columns,
     rules_squared_norms,
@@ -92,6 +94,8 @@ class Plan:
     checked: set = field(default_factory=set)  # input signatures proved
     wiring: Wiring = None  # which tensors each step reads, writes; None: a chain
     model: object = None  # a weak reference to the Keras model, or None
+    nodes: list = None  # the graph's Node of each step (its call, replayed)
+    report: CheckReport = field(default_factory=CheckReport)  # the last check
 
     def __post_init__(self):
         if self.wiring is None:
@@ -129,12 +133,28 @@ class Plan:
         """None when the rules agree with autodiff (``target``, a
         :class:`jacutil.core.target.Target`) on the samples of ``x`` (a checked
         batch), else why not (a ``str``). Agreement is recorded for ``x``'s
-        input shape."""
+        input shape.
+
+        Layer by layer first (:func:`jacutil.rules.verdicts.prove_layers`:
+        each rule once per configuration, its verdict kept); where that
+        fails, autodiff of the whole model on several samples. ``report``
+        says which ran and how long it took."""
+        self.report = report = CheckReport()
+        start = time.perf_counter()
         with pfor_log():  # pfor's notes on our own autodiff rules: not the user's
             try:
+                cheap = self.nodes is not None
+                if cheap and prove_layers(self, spread_samples(x), target, report):
+                    self.checked.add(signature_key(x))
+                    return None
+                report.whole_model = True
+                start = time.perf_counter()
                 reason = disagreement(self, target, x)
             except XLA_ERRORS as error:  # a layer's autodiff that XLA cannot compile
                 reason = f"the layer rules could not run ({first_line(error)})"
+            finally:
+                if report.whole_model:
+                    report.seconds += time.perf_counter() - start
         if reason is not None and target.dtype == np.float32:
             reason = self._in_float64(x) or reason
         if reason is None:
@@ -250,7 +270,7 @@ def plan_for(model, variables, training=False):
     if missing:
         return None, f"variable {missing[0].name!r} is not in a layer the rules can see"
     lowest = min(owner.values())
-    plan = Plan(steps, wanted, list(variables), lowest, wiring=wiring)
+    plan = Plan(steps, wanted, list(variables), lowest, wiring=wiring, nodes=nodes)
     plan.model = weakref.ref(model)
     return plan, None
 

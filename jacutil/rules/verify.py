@@ -51,16 +51,27 @@ def disagreement(plan, target, x, seed=0):
     )
 
 
+def _picked(x):
+    rows = int(n_samples(x))
+    picked = np.unique(np.linspace(0, rows - 1, min(rows, SAMPLES_CHECKED)).round())
+    return [int(i) for i in picked]
+
+
+def spread_samples(x):
+    """Up to ``SAMPLES_CHECKED`` samples of the batch ``x``, spread evenly
+    over it (the first and the last among them): what a check reads."""
+    picked = _picked(x)
+    return tf.nest.map_structure(lambda t: tf.gather(t, picked), x)
+
+
 def first_difference(plan, target, x, seed=0, largest=False):
     """``(what, error, sample)`` of the first check that fails
     (:func:`disagreement`'s), ``what`` ``"jacobian"`` or ``"norms"``, the
     error relative; None when all pass (the tolerance: float32's or
     float64's, times sqrt(l)). ``largest``: the largest error of all
     checks instead, passed or not."""
-    rows = int(n_samples(x))
-    picked = np.unique(np.linspace(0, rows - 1, min(rows, SAMPLES_CHECKED)).round())
-    picked = [int(i) for i in picked]
-    chosen = tf.nest.map_structure(lambda t: tf.gather(t, picked), x)
+    picked = _picked(x)
+    chosen = spread_samples(x)
     J = rules_tensor(plan, chosen)  # (k, l, m)
     w = tf.random.stateless_normal(J.shape[:2], [seed, 1], dtype=J.dtype)
     hand = tf.einsum("ikm,ik->im", J, w).numpy()
