@@ -21,6 +21,7 @@ use; where a check fails the whole model is checked against autodiff as
 before (which also names float32's rounding). Introduced in ``08-your-own-model``.
 """
 
+import functools
 import hashlib
 import json
 import os
@@ -62,6 +63,7 @@ class CheckReport:
         )
 
 
+@functools.cache
 def versions():
     """The versions a verdict holds for: TensorFlow's, Keras's, jacutil's
     and a digest of the rules' source files (a ``str``)."""
