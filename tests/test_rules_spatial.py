@@ -115,6 +115,51 @@ def test_depthwise_conv1d_rule(options, shape):
     assert report.rule.startswith("depthwise_conv1d")
 
 
+SEPARABLE = [
+    (layers.SeparableConv2D, dict(filters=4, kernel_size=3, depth_multiplier=2,
+                                  activation="tanh"), (7, 7, 3)),
+    (layers.SeparableConv2D, dict(filters=5, kernel_size=(3, 2), strides=2,
+                                  padding="same", use_bias=False), (8, 9, 2)),
+    (layers.SeparableConv2D, dict(filters=3, kernel_size=3, dilation_rate=2,
+                                  padding="same", activation="relu"), (9, 9, 2)),
+    (layers.SeparableConv1D, dict(filters=4, kernel_size=3, depth_multiplier=2,
+                                  activation="tanh"), (9, 3)),
+    (layers.SeparableConv1D, dict(filters=4, kernel_size=2, strides=2,
+                                  padding="same"), (9, 3)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind, options, shape", SEPARABLE)
+def test_separable_conv_rule(kind, options, shape):
+    """Issue 64: NASNet's and Xception's layer, a depthwise then a 1x1
+    convolution, by the two rules in a row (every check of check_rule)."""
+    report = checked(kind(**options), shape)
+    assert report.rule.startswith(f"separable_conv{len(shape) - 1}d")
+
+
+def test_a_separable_block_is_on_the_rules_and_equals_the_float64_tape():
+    keras.utils.set_random_seed(2)
+    model = keras.Sequential(
+        [keras.Input((8, 8, 3), **F64),
+         layers.SeparableConv2D(6, 3, padding="same", activation="relu", **F64),
+         layers.SeparableConv2D(4, 3, strides=2, depth_multiplier=2, **F64),
+         layers.GlobalAveragePooling2D(**F64), layers.Dense(3, **F64)]
+    )  # fmt: skip
+    x = np.random.default_rng(3).standard_normal((5, 8, 8, 3))
+    J, choice = ju.jacobian(model, x, explain=True)
+    assert choice.path == "layer rules"
+    assert [rule for _, rule in choice.layers][:2] == [
+        "separable_conv2d+relu", "separable_conv2d",
+    ]  # fmt: skip
+    reference = tape_jacobian(model, x, model.trainable_variables)
+    np.testing.assert_allclose(J, reference, rtol=1e-10, atol=1e-12)
+    y = np.random.default_rng(4).standard_normal((5, 3))
+    loss = keras.losses.mean_squared_error
+    norms = ju.per_sample_gradient_norms(model, loss, x, y)
+    gradients = ju.per_sample_gradients(model, loss, x, y)
+    np.testing.assert_allclose(norms, np.linalg.norm(gradients, axis=1), rtol=1e-10)
+
+
 def test_depthwise_and_grouped_rules_refuse_what_they_do_not_cover(monkeypatch):
     for layer in (
         layers.DepthwiseConv2D(3, data_format="channels_first"),

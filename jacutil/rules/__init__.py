@@ -35,6 +35,7 @@ from . import (  # noqa: F401
     normalization,
     pooling,
     recurrent,
+    separable,
     shape,
 )
 from .autodiff import AutodiffRule, tiled_vjp, tiled_vjps
