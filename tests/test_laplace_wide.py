@@ -408,7 +408,11 @@ def test_refusals():
         rng.integers(0, 1000, 64),
     )
     with pytest.raises(ValueError, match="hessian_structure='kron'"):
-        laplace(wide, xw, yw, "softmax_cross_entropy")
+        laplace(wide, xw, yw, "softmax_cross_entropy", hessian_structure="full")
+    # "auto" takes the Kronecker factors instead, and says so (issue 64)
+    with pytest.warns(UserWarning, match="'auto' took 'kron'"):
+        auto = laplace(wide, xw, yw, "softmax_cross_entropy")
+    assert auto.hessian_structure == "kron"
 
 
 # -- 1,000 classes on 2,048 features, in bounded memory ------------------------

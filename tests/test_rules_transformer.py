@@ -424,3 +424,57 @@ def test_plan_for_takes_attention():
     by_layer = dict(plan.layers())
     attention = [a for a in model.layers if isinstance(a, layers.MultiHeadAttention)]
     assert attention and all("autodiff" not in by_layer[a.name] for a in attention)
+
+
+# --- a layer called twice (issue 64): each call's blocks summed -------------------
+
+
+def tied_model(dense_twice=False):
+    """GPT-2's tie in float64: ids -> ReversibleEmbedding -> Dense (tanh) ->
+    LayerNorm -> the same embedding's matrix, transposed, gives the logits;
+    with ``dense_twice`` one Dense (a rule of its own) is called twice too."""
+    from jacutil.teaching.transformer import ReversibleEmbedding
+
+    keras.utils.set_random_seed(4)
+    ids = keras.Input((5,), dtype="int32")
+    embedding = ReversibleEmbedding(11, 6, dtype="float64")
+    h = embedding(ids)
+    inner = keras.layers.Dense(6, activation="tanh", dtype="float64")
+    h = inner(h)
+    if dense_twice:
+        h = inner(h)
+    h = keras.layers.LayerNormalization(dtype="float64")(h)
+    return keras.Model(ids, embedding(h, reverse=True))
+
+
+@pytest.mark.parametrize("dense_twice", [False, True])
+def test_a_layer_called_twice_is_on_the_rules_its_calls_summed(dense_twice):
+    model = tied_model(dense_twice)
+    ids = np.random.default_rng(5).integers(0, 11, (4, 5)).astype("int32")
+    labels = np.random.default_rng(6).integers(0, 11, (4, 5)).astype("int32")
+    J, choice = ju.jacobian(model, ids, explain=True)
+    assert choice.path == "layer rules", choice.why
+    reference = tape_jacobian(model, ids, model.trainable_variables)
+    np.testing.assert_allclose(J, reference, rtol=1e-10, atol=1e-12)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    gradients = ju.per_sample_gradients(model, loss, ids, labels)
+    with tf.GradientTape(persistent=True) as tape:
+        per_sample = tf.reduce_mean(loss(labels, model(ids)), axis=1)
+        each = [per_sample[i] for i in range(4)]
+    rows = [
+        np.concatenate([np.ravel(g) for g in tape.gradient(e, model.trainable_variables)])
+        for e in each
+    ]  # fmt: skip
+    np.testing.assert_allclose(gradients, rows, rtol=1e-9, atol=1e-12)
+    norms = ju.per_sample_gradient_norms(model, loss, ids, labels)
+    np.testing.assert_allclose(norms, np.linalg.norm(rows, axis=1), rtol=1e-9)
+    # G's diagonal: the squares of the summed blocks, not the sum of squares
+    from jacutil.curvature.diagonal import ggn_diagonal
+
+    y = np.random.default_rng(7).standard_normal((4, 55))
+    flat = keras.Model(model.inputs, keras.layers.Reshape((55,), dtype="float64")(model.outputs[0]))
+    diagonal, how = ggn_diagonal(flat, ids, y=y, explain=True)
+    assert "layer rules" in str(how)
+    J_flat = tape_jacobian(flat, ids, flat.trainable_variables)
+    np.testing.assert_allclose(diagonal, np.einsum("nlm,nlm->m", J_flat, J_flat),
+                               rtol=1e-9, atol=1e-12)  # fmt: skip

@@ -95,6 +95,7 @@ class Plan:
     wiring: Wiring = None  # which tensors each step reads, writes; None: a chain
     model: object = None  # a weak reference to the Keras model, or None
     nodes: list = None  # the graph's Node of each step (its call, replayed)
+    shared: frozenset = frozenset()  # ids of variables of a layer called twice
     report: CheckReport = field(default_factory=CheckReport)  # the last check
 
     def __post_init__(self):
@@ -202,8 +203,10 @@ class Plan:
 
     def weighs_sums(self):
         """Whether every step holding a wanted variable writes weighted sums
-        (:meth:`jacutil.rules.registry.Rule.weighted_sums`)."""
-        return all(
+        (:meth:`jacutil.rules.registry.Rule.weighted_sums`), and no layer
+        called twice holds one (its calls' sums would need the norms of
+        their summed blocks)."""
+        return not self.shared and all(
             step.weighs_sums
             for step, wanted in zip(self.steps, self.wanted, strict=True)
             if list(wanted)
@@ -239,18 +242,9 @@ def plan_for(model, variables, training=False):
             nodes, wiring = graph_nodes(model, shared=True)
         except NotAGraph as reason:
             return None, str(reason)
-    columns = {id(v) for v in variables}
-    uses = {}
-    for node in nodes:
-        uses[id(node.operation)] = uses.get(id(node.operation), 0) + 1
-    # a layer used twice whose variables are not differentiated (a frozen
-    # tied embedding, KerasHub's ReversibleEmbedding under LoRA) is two
-    # functions, each call a step of its own; one whose variables are would
-    # need both calls' contributions to each of them
-    for node in nodes:
-        weights = getattr(node.operation, "weights", [])
-        if uses[id(node.operation)] > 1 and any(id(v) in columns for v in weights):
-            return None, "a layer is used more than once"
+    # a layer used twice (a tied embedding, KerasHub's ReversibleEmbedding)
+    # is a step per call; where its variables are columns, each call's
+    # blocks are summed (Plan.shared, jacutil.rules.walk)
     dtype = variables[0].dtype if variables else None
     steps = []
     for node in nodes:
@@ -263,14 +257,16 @@ def plan_for(model, variables, training=False):
     for j, step in enumerate(steps):
         wanted.append(Wanted(v for v in step.variables if id(v) in columns))
         for v in wanted[-1]:
-            if id(v) in owner:
+            if id(v) in owner and steps[owner[id(v)][0]].layer is not step.layer:
                 return None, "a variable is shared by two layers"
-            owner[id(v)] = j
+            owner.setdefault(id(v), []).append(j)
     missing = [v for v in variables if id(v) not in owner]
     if missing:
         return None, f"variable {missing[0].name!r} is not in a layer the rules can see"
-    lowest = min(owner.values())
-    plan = Plan(steps, wanted, list(variables), lowest, wiring=wiring, nodes=nodes)
+    lowest = min(min(js) for js in owner.values())
+    shared = frozenset(key for key, js in owner.items() if len(js) > 1)
+    plan = Plan(steps, wanted, list(variables), lowest, wiring=wiring, nodes=nodes,
+                shared=shared)  # fmt: skip
     plan.model = weakref.ref(model)
     return plan, None
 

@@ -190,6 +190,31 @@ class Blocks:
         for variables, block in Blocks.of(other).items():
             self[variables] = block
 
+    def add(self, other):
+        """Add the blocks of ``other`` (anything :meth:`of` takes), summed
+        with a block already held for the same variables: a layer called
+        twice (a tied embedding) contributes once per call. A joint block
+        that meets another key only in part is split into one block per
+        variable first (along the last axis, in its key's order)."""
+        for variables, block in Blocks.of(other).items():
+            ids = tuple(id(v) for v in variables)
+            if ids in self._items:
+                self._items[ids] = (variables, self._items[ids][1] + block)
+                continue
+            taken = {i for key in self._items for i in key}
+            if taken.isdisjoint(ids):
+                self[variables] = block
+                continue
+            mine = list(self._items.values())
+            self._items.clear()
+            for key, held in [*mine, (variables, block)]:
+                parts = tf.split(held, [size_of(v) for v in key], axis=-1)
+                for v, part in zip(key, parts, strict=True):
+                    one = (id(v),)
+                    if one in self._items:
+                        part = self._items[one][1] + part
+                    self._items[one] = ((v,), part)
+
     @classmethod
     def of(cls, blocks):
         """``blocks`` as :class:`Blocks`: from Blocks, None, ``{}`` or

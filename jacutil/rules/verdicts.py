@@ -249,6 +249,12 @@ def step_disagreement(step, node, a, wanted, need_signal, keys=None, seed=0):
     return None
 
 
+def _rows(outputs):
+    """(n, l): every output of a nest, each flattened per sample, side by side."""
+    leaves = tf.nest.flatten(outputs)
+    return tf.concat([tf.reshape(t, [tf.shape(t)[0], -1]) for t in leaves], 1)
+
+
 def prove_layers(plan, x, target, report):
     """Whether every rule of ``plan`` on the samples of ``x`` is proved
     layer by layer (kept verdicts, or checked now and kept), its forward
@@ -259,12 +265,10 @@ def prove_layers(plan, x, target, report):
     start = time.perf_counter()
     try:
         values, _ = forward_values(plan, x)
-        ours = tf.nest.flatten([values[key] for key in plan.wiring.model_outputs])
-        theirs = tf.nest.flatten(target.forward(x))
-        tolerance = 1e-4 if ours[0].dtype == tf.float32 else 1e-9
-        if len(ours) != len(theirs) or any(
-            _relative(o, t) > tolerance for o, t in zip(ours, theirs, strict=False)
-        ):
+        ours = _rows([values[key] for key in plan.wiring.model_outputs])
+        theirs = _rows(target.forward(x))  # the outputs' rows, in one order
+        tolerance = 1e-4 if ours.dtype == tf.float32 else 1e-9
+        if _relative(ours, theirs) > tolerance:
             report.failed.append("the rules' forward pass differs from the model's")
             return False
         rows = int(tf.shape(tf.nest.flatten(x)[0])[0])

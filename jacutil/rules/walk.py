@@ -48,15 +48,20 @@ def rules_squared_norms(plan, x, signal):
     Use :meth:`Plan.squared_norms`, which refuses unchecked inputs.
     Arguments as :func:`rules_tensor` (``signal`` not None).
     """
-    total = []
+    total, summed = [], Blocks()
 
     def add(step, saved, delta, wanted, need_signal):
+        if _holds_shared(plan, wanted):  # each call's blocks, summed first
+            found, below = step.backward(saved, delta, wanted, need_signal)
+            summed.add(found)
+            return below
         squared, below = step.backward_norms(saved, delta, wanted, need_signal)
         if squared is not None:
             total.append(squared)
         return below
 
     n_samples, n_outputs, dtype = _walk_backward(plan, x, signal, add)
+    total += [tf.reduce_sum(tf.square(block), axis=-1) for _, block in summed.items()]
     if not total:
         return tf.zeros([n_samples, n_outputs], dtype)
     return tf.add_n(total)
@@ -117,14 +122,27 @@ def rules_squared_columns(plan, x, signal):
 def _gather_blocks(plan, x, signal, method):
     """The blocks each step's ``method`` (``"backward"`` or
     ``"backward_squares"``) writes, and ``(n, l or r, dtype)``."""
-    blocks = Blocks()
+    blocks, summed = Blocks(), Blocks()
 
     def write(step, saved, delta, wanted, need_signal):
+        if method == "backward_squares" and _holds_shared(plan, wanted):
+            found, below = step.backward(saved, delta, wanted, need_signal)
+            summed.add(found)  # squared once summed over the layer's calls
+            return below
         found, below = getattr(step, method)(saved, delta, wanted, need_signal)
-        blocks.update(found)
+        blocks.add(found)  # a layer called twice: its calls' blocks summed
         return below
 
-    return blocks, *_walk_backward(plan, x, signal, write)
+    walked = _walk_backward(plan, x, signal, write)
+    for key, block in summed.items():
+        blocks.add([(key, tf.reduce_sum(tf.square(block), axis=[0, 1]))])
+    return blocks, *walked
+
+
+def _holds_shared(plan, wanted):
+    """Whether a step's wanted variables include one that another step (the
+    same layer, called again) holds too."""
+    return any(id(v) in plan.shared for v in wanted)
 
 
 def forward_values(plan, x):
