@@ -461,10 +461,11 @@ def test_a_layer_called_twice_is_on_the_rules_its_calls_summed(dense_twice):
     with tf.GradientTape(persistent=True) as tape:
         per_sample = tf.reduce_mean(loss(labels, model(ids)), axis=1)
         each = [per_sample[i] for i in range(4)]
+    variables = model.trainable_variables
     rows = [
-        np.concatenate([np.ravel(g) for g in tape.gradient(e, model.trainable_variables)])
+        np.concatenate([np.ravel(g) for g in tape.gradient(e, variables)])
         for e in each
-    ]  # fmt: skip
+    ]
     np.testing.assert_allclose(gradients, rows, rtol=1e-9, atol=1e-12)
     norms = ju.per_sample_gradient_norms(model, loss, ids, labels)
     np.testing.assert_allclose(norms, np.linalg.norm(rows, axis=1), rtol=1e-9)
@@ -472,7 +473,8 @@ def test_a_layer_called_twice_is_on_the_rules_its_calls_summed(dense_twice):
     from jacutil.curvature.diagonal import ggn_diagonal
 
     y = np.random.default_rng(7).standard_normal((4, 55))
-    flat = keras.Model(model.inputs, keras.layers.Reshape((55,), dtype="float64")(model.outputs[0]))
+    reshape = keras.layers.Reshape((55,), dtype="float64")
+    flat = keras.Model(model.inputs, reshape(model.outputs[0]))
     diagonal, how = ggn_diagonal(flat, ids, y=y, explain=True)
     assert "layer rules" in str(how)
     J_flat = tape_jacobian(flat, ids, flat.trainable_variables)
