@@ -165,11 +165,15 @@ def test_a_layer_whose_call_was_replaced_is_never_kept(folder):
 def test_explain_says_what_the_first_call_spent(folder):
     model, x = cnn(), inputs()
     _, first = ju.jacobian(model, x, explain=True)
+    _, second = ju.jacobian(model, x, explain=True)
     _, warm = ju.jacobian(model, x, explain=True)
-    assert first.traced and first.spent["checking the rules"] > 0
-    assert first.spent["tracing and compiling"] > 0
+    assert not first.traced and first.spent["checking the rules"] > 0
+    assert first.spent["running eagerly (a first call: no trace)"] > 0
+    assert "tracing and compiling" not in first.spent
     assert "checked layer by layer" in str(first) and "5 layer rules" in str(first)
-    assert "tracing and compiling" in str(first) and "this call took" in str(first)
+    assert "ran eagerly" in str(first) and "this call took" in str(first)
+    assert second.traced and second.spent["tracing and compiling"] > 0
+    assert "tracing and compiling" in str(second) and not second.check
     assert not warm.traced and set(warm.spent) <= {"running", "total"}
     total = sum(v for k, v in first.spent.items() if k != "total")
     assert total <= first.spent["total"] + 1e-6

@@ -333,9 +333,19 @@ def _nested_used_twice():
     return keras.Model(x, layers.Add(dtype=F64)([block(x), block(x)]))
 
 
-@pytest.mark.parametrize("make", [_shared_in_a_graph, _nested_used_twice])
-def test_a_layer_used_twice_falls_back_and_says_why(make):
-    model = make()
+def test_a_layer_used_twice_is_on_the_rules_its_calls_summed():
+    """Issue 64: each call of the layer a step, the blocks of its variables
+    summed over the calls (they fell back to autodiff before)."""
+    model = _shared_in_a_graph()
+    jac = ju.compiled_jacobian(model, method="rules")
+    x = np.random.default_rng(0).normal(size=(3, 4))
+    np.testing.assert_allclose(jac(x), tape_loop_jacobian(model, x), rtol=1e-10,
+                               atol=1e-12)  # fmt: skip
+    assert jac.plan is not None and jac.plan.shared, jac.fallback
+
+
+def test_a_nested_model_used_twice_falls_back_and_says_why():
+    model = _nested_used_twice()
     jac = ju.compiled_jacobian(model, method="rules")
     assert jac.plan is None and "used more than once" in jac.fallback
     x = np.random.default_rng(0).normal(size=(3, 4))

@@ -180,7 +180,8 @@ def _tape_function(row, model, loss):
                 rows.append(tf.concat(flat, axis=1).numpy())
             else:
                 grads = tape.gradient(out, variables)
-                flat = np.concatenate([np.ravel(tf.convert_to_tensor(g)) for g in grads])
+                dense = [tf.convert_to_tensor(g) for g in grads]  # IndexedSlices
+                flat = np.concatenate([np.ravel(g) for g in dense])
                 rows.append(np.linalg.norm(flat) if row.what == "norms" else flat)
         return np.asarray(rows)
 

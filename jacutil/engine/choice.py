@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 # what a compiled Jacobian spends its time on (CompiledJacobian.spent)
 SPENT = (
     "checking the rules", "counting activations", "tracing and compiling",
-    "running",
-)  # fmt: skip
+    "running eagerly (a first call: no trace)", "running",
+)
+EAGER = SPENT[3]  # fmt: skip
 
 
 @dataclass
@@ -52,9 +53,12 @@ class Choice:
             )
         else:
             lines.append(f"one call, no chunks ({memory})")
-        lines.append(
-            "traced in this call" if self.traced else "compiled function reused"
-        )
+        if self.spent.get(EAGER):
+            lines.append("ran eagerly: a first call on such inputs (the next traces)")
+        else:
+            lines.append(
+                "traced in this call" if self.traced else "compiled function reused"
+            )
         if self.check:
             lines.append(self.check)
         if self.spent:

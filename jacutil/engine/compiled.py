@@ -78,7 +78,9 @@ class CompiledJacobian:
         self.spent = Counter()  # seconds, by what: see engine.choice.SPENT
         self._owner = owner
         self.ladder = Ladder(
-            lambda key, mode, xla, x: self.build(x, mode, xla), self.checked_plan
+            lambda key, mode, xla, x: self.build(x, mode, xla),
+            self.checked_plan,
+            eager=lambda key, x: self._jacobian(x, Ladder.RULES, False),
         )
         self.plan, self.fallback = None, None
         if method == "rules":
@@ -193,12 +195,15 @@ class CompiledJacobian:
         first run) where it traced, else as running; a check made inside
         counts as checking only."""
         start, traces = time.perf_counter(), traced.trace_count
+        eager = set(traced.ladder.ran_eagerly)
         checking = self.spent["checking the rules"]
         try:
             yield
         finally:
             inside = self.spent["checking the rules"] - checking
             what = "tracing and compiling" if traced.trace_count > traces else "running"
+            if what == "running" and traced.ladder.ran_eagerly != eager:
+                what = "running eagerly (a first call: no trace)"
             self.spent[what] += time.perf_counter() - start - inside
 
     def __call__(self, x, *, copy=True):

@@ -189,6 +189,7 @@ class LossGradients:
             jac.checked_plan,
             pfor=not kept_loops(self.target),  # pfor cannot vectorize a loop
             not_on_rules=LogitsNotOnRules,
+            eager=lambda key, x, y: self._compute(key[0], Ladder.RULES, x, y),
         )
 
     @property
@@ -242,29 +243,33 @@ class LossGradients:
             )
         )
 
-    def _build(self, what, mode, xla, x, y):
+    def _compute(self, what, mode, x, y):
+        """The gradients or norms of ``(x, y)`` in ``mode``: what a trace
+        holds, or (the layer rules, a first call) what runs eagerly."""
+        if mode == Ladder.RULES and getattr(self.loss_fn, "reads_forward", False):
+            # the rules start from the output: losses added inside the
+            # model (or a loss the model computes itself) need autodiff
+            raise LogitsNotOnRules("each sample's loss reads its forward pass")
+        signal = loss_signal(self.loss_fn, y)
         plan = self.jac.plan
+        if mode == Ladder.RULES and what == "norms":
+            return tf.sqrt(plan.squared_norms(x, signal)[:, 0])
+        if mode == Ladder.RULES:
+            return plan.tensor(x, signal)[:, 0]
+        G = _autodiff_gradients(
+            self.target,
+            x,
+            y,
+            self.loss_fn,
+            vectorize=mode != Ladder.MAP_FN,
+            xla=mode == Ladder.UNDER_XLA,
+        )
+        return tf.norm(G, axis=1) if what == "norms" else G
 
+    def _build(self, what, mode, xla, x, y):
         def traced(x, y):
             self.trace_count += 1  # Python side effect: runs once per trace
-            if mode == Ladder.RULES and getattr(self.loss_fn, "reads_forward", False):
-                # the rules start from the output: losses added inside the
-                # model (or a loss the model computes itself) need autodiff
-                raise LogitsNotOnRules("each sample's loss reads its forward pass")
-            signal = loss_signal(self.loss_fn, y)
-            if mode == Ladder.RULES and what == "norms":
-                return tf.sqrt(plan.squared_norms(x, signal)[:, 0])
-            if mode == Ladder.RULES:
-                return plan.tensor(x, signal)[:, 0]
-            G = _autodiff_gradients(
-                self.target,
-                x,
-                y,
-                self.loss_fn,
-                vectorize=mode != Ladder.MAP_FN,
-                xla=mode == Ladder.UNDER_XLA,
-            )
-            return tf.norm(G, axis=1) if what == "norms" else G
+            return self._compute(what, mode, x, y)
 
         specs = [signature(x), signature(y)]
         return quiet_function(

@@ -33,6 +33,8 @@ def dense_plan(model, target):
     plan, reason = plan_for(model, target.variables, target.training)
     if plan is None:
         return None, reason
+    if plan.shared:  # the rules sum its calls; the hand-derived path is a chain
+        return None, "a layer is used more than once"
     for step in plan.steps:
         if not isinstance(step, DenseRule):
             kind = type(step.layer).__name__

@@ -27,6 +27,8 @@
 # - Size chunks for a model whose activations outweigh its Jacobian rows.
 # - Write a rule for your own layer, prove it alone with `check_rule`, and
 #   use it with `registered`.
+# - Read what a first call spends (`explain=True`) and why the third call
+#   is the one to time.
 #
 # *Teaching: 63 min · Exercises: 45 min*
 
@@ -623,6 +625,58 @@ with ju.rules.registered(Scale, ScaleRule):
 print(choice.path, [rule for _, rule in choice.layers])
 difference = np.abs(J_scaled - ju.loop_jacobian(scaled, x_scaled)).max()
 print(f"largest difference from loop_jacobian: {difference:.1e}")
+
+# %% [markdown]
+# ## The first call, and the calls after it
+#
+# A user meets the first call: a notebook cell, a script run once. On
+# inputs of a shape it has not seen, `ju.jacobian` does three things before
+# the answer. It proves the layer rules, layer by layer: each rule against
+# autodiff of its own layer, on two samples. It counts the activations that
+# size its chunks. And it runs the rules eagerly, without tracing a graph.
+# The second call traces; from the third on, the graph runs alone.
+#
+# A layer's proof is kept: in this process, and in a folder under your
+# cache directory (`JACUTIL_CHECK_CACHE` names another; `0` turns it off),
+# for this TensorFlow, Keras and jacutil. Below the folder is a new one of
+# this notebook's own, so you see the first proof; a second model built of
+# the same layers, with other weights, needs none. `explain=True` says what
+# each call spent:
+
+# %%
+import os
+import tempfile
+
+verdicts_folder = tempfile.TemporaryDirectory(prefix="jacutil-verdicts-")
+os.environ["JACUTIL_CHECK_CACHE"] = verdicts_folder.name
+ju.rules.verdicts.forget_in_process()  # as in a new process
+x_first = x_cnn[:n_time]
+calls = {}
+for name, model_seed in (("a CNN", seed + 1), ("its twin", seed + 2)):
+    model = ju.small_cnn(seed=model_seed)  # the same layers, other weights
+    for call in ("first", "second", "third"):
+        start = time.perf_counter()
+        _, how = ju.jacobian(model, x_first, explain=True)
+        calls[name, call] = (time.perf_counter() - start, how)
+        print(f"{name}, {call} call: {str(how).splitlines()[-1]}")
+    print(f"   {calls[name, 'first'][1].check}")
+del os.environ["JACUTIL_CHECK_CACHE"]
+verdicts_folder.cleanup()
+
+first_s, third_s = calls["a CNN", "first"][0], calls["a CNN", "third"][0]
+twin = calls["its twin", "first"][1].check
+claim("warm-after-first", third_s < first_s and "0 layer rules proved now" in twin,
+      f"the third call took {third_s * 1e3:.0f} ms against the first's "
+      f"{first_s * 1e3:.0f} ms, and the twin's first call proved no layer again")
+
+# %% [markdown]
+# The first call proved each layer and ran eagerly; the second paid the
+# trace; the third ran the graph alone, and the twin reused every proof
+# (the claim under the cell checks both). A layer configured differently
+# (another width, activation or input shape) is proved again on its first
+# use, and a rule that is wrong is caught there. Timing a function? Time
+# the third call, and say what the first one cost.
+# <!-- claim: warm-after-first -->
 
 # %% [markdown]
 # ## Exercises
