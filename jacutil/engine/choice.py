@@ -62,14 +62,12 @@ class Choice:
         if self.check:
             lines.append(self.check)
         if self.spent:
-            parts = [
-                f"{what} {seconds:.2f} s" for what, seconds in self.spent.items()
-                if what != "total" and seconds >= 0.005
-            ]  # fmt: skip
-            lines.append(
-                f"this call took {self.spent.get('total', 0.0):.2f} s"
-                + (f": {', '.join(parts)}" if parts else "")
-            )
+            total = self.spent.get("total", 0.0)
+            parts = {what: s for what, s in self.spent.items() if what != "total"}
+            rest = max(0.0, total - sum(parts.values()))
+            words = [f"{what} {seconds:.2f} s" for what, seconds in parts.items()]
+            words.append(f"reading the data and planning {rest:.2f} s")
+            lines.append(f"this call took {total:.2f} s: {', '.join(words)}")
         return "\n".join(lines)
 
 

@@ -38,6 +38,7 @@ from .autodiff import AutodiffRule
 
 CACHE_ENV = "JACUTIL_CHECK_CACHE"  # a folder, or "0" for none
 OFF = ("0", "off", "false", "no", "none")
+IGNORED = ("_initializer", "_regularizer", "_constraint")  # config keys
 SIGNAL_ROWS = 1  # random signal rows per checked sample
 
 _PASSED = set()  # verdict keys proved in this process
@@ -97,7 +98,11 @@ def _config(layer):
         config = layer.get_config()
     except (NotImplementedError, TypeError, AttributeError):
         return None
-    config.pop("name", None)
+    # what the layer computes: not its name, nor how its weights were drawn
+    config = {
+        key: value for key, value in config.items()
+        if key != "name" and not key.endswith(IGNORED)
+    }  # fmt: skip
     return json.dumps(config, sort_keys=True, default=repr)
 
 

@@ -30,7 +30,7 @@
 # - Read what a first call spends (`explain=True`) and why the third call
 #   is the one to time.
 #
-# *Teaching: 63 min · Exercises: 45 min*
+# *Teaching: 69 min · Exercises: 45 min*
 
 # %% [markdown]
 # ## Setup
