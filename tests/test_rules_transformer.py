@@ -480,3 +480,78 @@ def test_a_layer_called_twice_is_on_the_rules_its_calls_summed(dense_twice):
     J_flat = tape_jacobian(flat, ids, flat.trainable_variables)
     np.testing.assert_allclose(diagonal, np.einsum("nlm,nlm->m", J_flat, J_flat),
                                rtol=1e-9, atol=1e-12)  # fmt: skip
+
+
+# --- a composite layer opened into its sublayers (issue 64) --------------------
+
+
+class EncoderBlock(keras.layers.Layer):
+    """A post-norm encoder block of sublayers, as KerasHub's TransformerEncoder."""
+
+    def __init__(self, width, heads, **kwargs):
+        super().__init__(**kwargs)
+        policy = self.dtype_policy
+        self.attention = keras.layers.MultiHeadAttention(
+            heads, width // heads, dtype=policy
+        )
+        self.norm1 = keras.layers.LayerNormalization(dtype=policy)
+        self.inner = keras.layers.Dense(2 * width, activation="gelu", dtype=policy)
+        self.outer = keras.layers.Dense(width, dtype=policy)
+        self.norm2 = keras.layers.LayerNormalization(dtype=policy)
+
+    def call(self, x, padding_mask=None):
+        mask = keras.ops.expand_dims(padding_mask, 1)
+        h = self.norm1(x + self.attention(x, x, attention_mask=mask))
+        return self.norm2(h + self.outer(self.inner(h)))
+
+
+class ValueDependent(EncoderBlock):
+    """Its call uses a TensorFlow op, which a Keras tensor refuses: it cannot
+    be opened, and stays whole."""
+
+    def call(self, x, padding_mask=None):
+        return super().call(tf.math.softplus(x), padding_mask)
+
+    def compute_output_spec(self, x, padding_mask=None):
+        return keras.KerasTensor(x.shape, dtype=x.dtype)
+
+
+def encoder(block=EncoderBlock):
+    keras.utils.set_random_seed(3)
+    ids = keras.Input((6,), dtype="int32")
+    h = keras.layers.Embedding(20, 8, dtype="float64")(ids)
+    mask = keras.ops.not_equal(ids, 0)
+    h = block(8, 2, dtype="float64")(h, padding_mask=mask)
+    h = EncoderBlock(8, 2, dtype="float64")(h, padding_mask=mask)
+    pooled = keras.layers.GlobalAveragePooling1D(dtype="float64")(h)
+    return keras.Model(ids, keras.layers.Dense(3, dtype="float64")(pooled))
+
+
+def test_a_composite_layer_is_opened_into_its_sublayers_rules():
+    model = encoder()
+    x = np.random.default_rng(1).integers(1, 20, (4, 6)).astype("int32")
+    x[:, 4:] = 0  # padding
+    J, choice = ju.jacobian(model, x, explain=True)
+    assert choice.path == "layer rules", choice.why
+    rules_used = [rule for _, rule in choice.layers]
+    assert rules_used.count("multi_head_attention (einsum_dense x4, its softmax "
+                            "core by vjp)") == 2  # fmt: skip
+    assert not any("EncoderBlock" in rule for rule in rules_used)
+    reference = tape_jacobian(model, x, model.trainable_variables)
+    np.testing.assert_allclose(J, reference, rtol=1e-10, atol=1e-12)
+    y = np.random.default_rng(2).standard_normal((4, 3))
+    loss = keras.losses.mean_squared_error
+    norms = ju.per_sample_gradient_norms(model, loss, x, y)
+    gradients = ju.per_sample_gradients(model, loss, x, y)
+    np.testing.assert_allclose(norms, np.linalg.norm(gradients, axis=1), rtol=1e-10)
+
+
+def test_a_composite_whose_call_reads_values_stays_whole_and_right():
+    model = encoder(ValueDependent)
+    x = np.random.default_rng(1).integers(1, 20, (3, 6)).astype("int32")
+    J, choice = ju.jacobian(model, x, explain=True)
+    layers_named = dict(choice.layers)
+    assert any("autodiff" in rule for name, rule in layers_named.items()
+               if name.startswith("value_dependent"))  # fmt: skip
+    reference = tape_jacobian(model, x, model.trainable_variables)
+    np.testing.assert_allclose(J, reference, rtol=1e-10, atol=1e-12)

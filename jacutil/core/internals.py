@@ -48,6 +48,13 @@ def calls_of(operation):
     return nodes
 
 
+def sublayers(layer):
+    """A layer's own sublayers (not theirs), the layers its ``call`` may use."""
+    if not hasattr(layer, "_flatten_layers"):
+        _moved("a layer's _flatten_layers")
+    return list(layer._flatten_layers(include_self=False, recursive=False))  # noqa: SLF001
+
+
 def takes_training(operation):
     """Whether a layer's ``call`` takes ``training`` (False for plain ops)."""
     if not isinstance(operation, keras.layers.Layer):

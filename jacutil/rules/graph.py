@@ -10,12 +10,13 @@ read models here.
 """
 
 import itertools
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 
 from ..core._grouped import convolutions_by_group
 from ..core._tf import keras, tf
-from ..core.internals import made_by, takes_training
+from ..core.internals import made_by, sublayers, takes_training
 
 
 def is_exact_keras(model):
@@ -168,6 +169,53 @@ def chain_layers(model):
     return [n.operation for n in nodes]
 
 
+_OPENED = weakref.WeakKeyDictionary()  # composite layer -> (inputs, output)
+
+
+def _opened_graph(layer, keras_node):
+    """``(inputs, output)``: the symbolic graph of a composite layer's
+    ``call`` on inputs like its node's, or None where it cannot be made."""
+    outer_inputs = keras_node.input_tensors
+    fresh = [keras.Input(batch_shape=t.shape, dtype=t.dtype) for t in outer_inputs]
+    by_id = {id(t): f for t, f in zip(outer_inputs, fresh, strict=True)}
+    arguments = keras_node.arguments
+    kwargs = {k: v for k, v in arguments.kwargs.items() if k != "training"}
+    if takes_training(layer):
+        kwargs["training"] = False
+    try:
+        inner = layer.call(
+            *_filled(arguments.args, lambda t: by_id[id(t)]),
+            **_filled(kwargs, lambda t: by_id[id(t)]),
+        )
+    except Exception:  # noqa: BLE001 (its call needs values: it stays whole)
+        return None
+    if not _symbolic(inner):
+        return None
+    return fresh, inner
+
+
+def _composite(layer):
+    """Whether ``layer`` is one to open (:meth:`_GraphWalk.open_layer`)."""
+    from .merge import MERGE_RULES
+    from .registry import RULES
+
+    return (
+        isinstance(layer, keras.Layer)
+        and not isinstance(layer, keras.Model)
+        and not type(layer).__module__.startswith("keras.")
+        and type(layer) not in RULES
+        and type(layer) not in MERGE_RULES
+        and bool(sublayers(layer))
+    )
+
+
+def calls_of_layer(layer):
+    """The calls of ``layer`` in functional graphs (its Keras nodes)."""
+    from ..core.internals import calls_of
+
+    return calls_of(layer)
+
+
 class NotAGraph(Exception):
     """The model's graph is beyond the plan (the message says why)."""
 
@@ -304,13 +352,40 @@ class _GraphWalk:
         return tensor
 
     def resolve(self, tensor):
-        """The tensor ``tensor`` stands for, past the bounds of nested models."""
+        """The tensor ``tensor`` stands for, past the bounds of nested models
+        and of composite layers opened (:meth:`open_layer`)."""
         while True:
             tensor = self.canonical(tensor)
             operation, keras_node, _ = made_by(tensor)
-            if not (isinstance(operation, keras.Model) and is_exact_keras(operation)):
+            if isinstance(operation, keras.Model) and is_exact_keras(operation):
+                self.open(operation, keras_node)
+            elif not self.open_layer(operation, keras_node):
                 return tensor
-            self.open(operation, keras_node)
+
+    def open_layer(self, layer, keras_node):
+        """Open a composite layer: one of neither Keras nor a rule, whose
+        ``call`` uses layers of its own (KerasHub's ``TransformerEncoder``,
+        your own block). Its ``call`` runs on symbolic inputs like its
+        node's, so that its sublayers and ``keras.ops`` record a graph, wired
+        in as a nested model's; their rules then apply. Whether it was
+        opened (a ``bool``): a layer called twice, with several outputs, or
+        whose ``call`` cannot run on Keras tensors stays whole (autodiff).
+        The plan's check proves the forward pass the same."""
+        if not _composite(layer) or id(layer) in self.opened:
+            return False
+        outer_inputs, outer_outputs = keras_node.input_tensors, keras_node.outputs
+        if len(outer_outputs) != 1 or len(calls_of_layer(layer)) != 1:
+            return False
+        if layer not in _OPENED:  # once: each opening adds calls to its sublayers
+            _OPENED[layer] = _opened_graph(layer, keras_node)
+        if _OPENED[layer] is None:
+            return False
+        fresh, inner = _OPENED[layer]
+        self.opened.add(id(layer))
+        for f, outer in zip(fresh, outer_inputs, strict=True):
+            self.alias[id(f)] = outer
+        self.alias[id(outer_outputs[0])] = inner
+        return True
 
     def open(self, model, keras_node):
         """Wire a nested model's inputs and outputs to the tensors of its call."""
