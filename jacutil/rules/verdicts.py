@@ -27,6 +27,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -68,13 +69,15 @@ class CheckReport:
 def versions():
     """The versions a verdict holds for: TensorFlow's, Keras's, jacutil's
     and a digest of the rules' source files (a ``str``)."""
-    from .. import __version__
-
+    try:
+        ours = metadata.version("jacutil")
+    except metadata.PackageNotFoundError:  # run from a checkout, not installed
+        ours = "unknown"
     digest = hashlib.sha256()
     for path in sorted(Path(__file__).parent.glob("*.py")):
         digest.update(path.read_bytes())
     return (
-        f"tf-{tf.__version__}_keras-{keras.__version__}_jacutil-{__version__}_"
+        f"tf-{tf.__version__}_keras-{keras.__version__}_jacutil-{ours}_"
         + (digest.hexdigest()[:12])
     )
 
