@@ -304,10 +304,7 @@ def compiled_jacobian(
         array of shape (n, l, m).
 
     Examples:
-        >>> import time
-from collections import Counter
-
-import numpy as np
+        >>> import numpy as np
         >>> from jacutil import keras, compiled_jacobian
         >>> keras.utils.set_random_seed(0)
         >>> model = keras.Sequential([keras.Input((3,), dtype="float64"),
