@@ -164,6 +164,7 @@ bench-peers: setup
 		linear_operator==0.6.1 opacus==1.6.0 jax-privacy==2.0.0
 	$(BIN)/python -m jacutil.bench --model mlp cnn lstm --peer-rows $(BENCH_ARGS)
 	$(BIN)/python -m jacutil.bench.isolated
+	$(BIN)/python -m jacutil.bench.first_call
 	$(BIN)/python -m jacutil.bench.curvature_rows --torch-threads 1
 	$(BIN)/python -m jacutil.bench.curvature_rows --wide
 	$(BIN)/python -m jacutil.bench.privacy_rows --peer $(BIN)/python

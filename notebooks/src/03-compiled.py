@@ -25,7 +25,7 @@
 # - Going further: time XLA's compile at each new shape, and compare eager,
 #   graph and XLA for both vectorizations, as a table and a plot.
 #
-# *Teaching: 15 min · Exercises: 12 min · Going further: 35 min*
+# *Teaching: 15 min · Exercises: 12 min · Going further: 36 min*
 
 # %% [markdown]
 # ## Setup

@@ -32,7 +32,7 @@
 # - Audit a private run in the same run: measure a lower bound on its ε with
 #   canaries, and see it catch a run whose noise is off.
 #
-# *Teaching: 89 min · Exercises: 35 min*
+# *Teaching: 88 min · Exercises: 35 min*
 
 # %% [markdown]
 # ## Setup
