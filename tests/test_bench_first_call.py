@@ -36,7 +36,8 @@ def _result(against, times, aim=2.0):
 
 
 def test_the_ratio_is_to_the_fastest_peer_or_the_tape_loop():
-    peers = _result("peer", {"jacutil": 0.6, "jax": 0.4, "torch": 0.3, "tape": 9.0})
+    times = {"jacutil": 0.6, "jax": 0.4, "torch": 0.3, "tape": 9.0}
+    peers = _result("peer", times, aim=1.0)
     assert first_call.ratio(peers) == pytest.approx(2.0)
     tape = _result("tape", {"jacutil": 3.0, "tape": 2.0})
     assert first_call.ratio(tape) == pytest.approx(1.5)
