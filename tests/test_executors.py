@@ -553,7 +553,9 @@ def test_a_dask_array_x_never_comes_to_the_driver(workers, tmp_path):
     one = ju.chunked_jacobian(
         model, x_here, chunk_size=500, method="rules", progress=False
     )
-    np.testing.assert_array_equal(J.compute(), one)
+    # each process runs its first chunk eagerly, the next ones in the traced
+    # graph (issue 64): equal to float32 rounding, not bit for bit
+    np.testing.assert_allclose(J.compute(), one, rtol=1e-5, atol=1e-6)
 
 
 def test_lazy_jacobian_and_futures_equal_one_process(workers):

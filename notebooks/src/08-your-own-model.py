@@ -648,6 +648,7 @@ import os
 import tempfile
 
 verdicts_folder = tempfile.TemporaryDirectory(prefix="jacutil-verdicts-")
+your_folder = os.environ.get("JACUTIL_CHECK_CACHE")  # put back below
 os.environ["JACUTIL_CHECK_CACHE"] = verdicts_folder.name
 ju.rules.verdicts.forget_in_process()  # as in a new process
 x_first = x_cnn[:n_time]
@@ -660,7 +661,10 @@ for name, model_seed in (("a CNN", seed + 1), ("its twin", seed + 2)):
         calls[name, call] = (time.perf_counter() - start, how)
         print(f"{name}, {call} call: {str(how).splitlines()[-1]}")
     print(f"   {calls[name, 'first'][1].check}")
-del os.environ["JACUTIL_CHECK_CACHE"]
+if your_folder is None:
+    del os.environ["JACUTIL_CHECK_CACHE"]
+else:
+    os.environ["JACUTIL_CHECK_CACHE"] = your_folder
 verdicts_folder.cleanup()
 
 first_s, third_s = calls["a CNN", "first"][0], calls["a CNN", "third"][0]
